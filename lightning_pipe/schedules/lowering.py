@@ -1,0 +1,48 @@
+"""Lower compute-only orders into full action lists with communication.
+
+A schedule generator only decides the order of forwards and backwards on each rank. This pass
+adds the rest: a receive right before the compute that consumes remote data, a send right after
+the compute that produces it, and a gradient reduction after a chunk's last backward. Placing a
+rank's send and the following receive next to each other lets the runtime batch them into one
+`batch_isend_irecv` group, which is what keeps NCCL's in-order p2p streams from deadlocking when
+two neighbours exchange at once (1F1B's steady state). Receives are moved earlier at run time
+(prefetch), not here, so the simulated and executed lists stay the same.
+"""
+
+from __future__ import annotations
+
+from .actions import Action, Op, PipelineSchedule
+
+
+def lower(
+    name: str,
+    compute: list[list[tuple[Op, int, int]]],
+    chunk_rank: tuple[int, ...],
+    num_microbatches: int,
+    backward: bool = True,
+) -> PipelineSchedule:
+    """``compute[rank]`` is an ordered list of ``(Op.FORWARD | Op.BACKWARD, chunk, microbatch)``."""
+    last = len(chunk_rank) - 1
+    lists: list[list[Action]] = []
+    for rank, order in enumerate(compute):
+        out: list[Action] = []
+        last_backward = {c: i for i, (op, c, _) in enumerate(order) if op is Op.BACKWARD}
+        for index, (op, chunk, mb) in enumerate(order):
+            if op is Op.FORWARD:
+                if chunk > 0 and chunk_rank[chunk - 1] != rank:
+                    out.append(Action(Op.RECV_ACT, chunk, mb, chunk_rank[chunk - 1]))
+                out.append(Action(Op.FORWARD, chunk, mb))
+                if chunk < last and chunk_rank[chunk + 1] != rank:
+                    out.append(Action(Op.SEND_ACT, chunk, mb, chunk_rank[chunk + 1]))
+            elif op is Op.BACKWARD:
+                if chunk < last and chunk_rank[chunk + 1] != rank:
+                    out.append(Action(Op.RECV_GRAD, chunk, mb, chunk_rank[chunk + 1]))
+                out.append(Action(Op.BACKWARD, chunk, mb))
+                if chunk > 0 and chunk_rank[chunk - 1] != rank:
+                    out.append(Action(Op.SEND_GRAD, chunk, mb, chunk_rank[chunk - 1]))
+                if last_backward[chunk] == index:
+                    out.append(Action(Op.REDUCE_GRAD, chunk))
+            else:
+                raise ValueError(f"compute order of rank {rank} holds {op}; only F and B are compute ops")
+        lists.append(out)
+    return PipelineSchedule(name, num_microbatches, tuple(chunk_rank), lists, backward)

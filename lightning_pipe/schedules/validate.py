@@ -1,0 +1,147 @@
+"""Check a schedule before anything runs, so a bad schedule is a message, never a hang.
+
+The check replays the action lists symbolically with the runtime's semantics: sends never block
+(isend), a receive blocks until the matching send has been issued, and messages between two
+ranks arrive in the order they were sent (one ordered channel per direction, as gloo and NCCL
+deliver them). It reports the first rank and action at fault: a compute whose input no earlier
+action provides, a send without its receive or the reverse, receives posted in another order
+than the sends, a micro-batch never forwarded or backwarded, or ranks waiting on each other.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+from .actions import Action, Op, PipelineSchedule
+
+
+class ScheduleError(ValueError):
+    pass
+
+
+def _message(rank: int, action: Action) -> tuple[int, int, tuple[str, int, int]]:
+    """(source rank, destination rank, message id) of a send or receive."""
+    c, mb, peer = action.chunk, action.microbatch, action.peer
+    if action.op is Op.SEND_ACT:
+        return rank, peer, ("activation", c, mb)
+    if action.op is Op.RECV_ACT:
+        return peer, rank, ("activation", c - 1, mb)
+    if action.op is Op.SEND_GRAD:
+        return rank, peer, ("gradient", c, mb)
+    return peer, rank, ("gradient", c + 1, mb)  # RECV_GRAD
+
+
+def _where(rank: int, index: int, action: Action) -> str:
+    return f"rank {rank}, action {index} {action}"
+
+
+def _check_static(s: PipelineSchedule) -> None:
+    last = s.num_chunks - 1
+    for rank, actions in enumerate(s.actions):
+        for index, a in enumerate(actions):
+            if not 0 <= a.chunk <= last:
+                raise ScheduleError(f"{_where(rank, index, a)}: chunk out of range 0..{last}")
+            if a.op is not Op.REDUCE_GRAD and not 0 <= (a.microbatch if a.microbatch is not None else -1) < s.num_microbatches:
+                raise ScheduleError(f"{_where(rank, index, a)}: micro-batch out of range 0..{s.num_microbatches - 1}")
+            if (a.op.is_compute or a.op is Op.REDUCE_GRAD) and s.chunk_rank[a.chunk] != rank:
+                raise ScheduleError(f"{_where(rank, index, a)}: chunk {a.chunk} is held by rank {s.chunk_rank[a.chunk]}")
+            if a.op is Op.BACKWARD and not s.backward:
+                raise ScheduleError(f"{_where(rank, index, a)}: backward in a forward-only schedule")
+            if a.op.is_send or a.op.is_recv:
+                if s.chunk_rank[a.chunk] != rank:
+                    raise ScheduleError(f"{_where(rank, index, a)}: chunk {a.chunk} is held by rank {s.chunk_rank[a.chunk]}")
+                neighbour = a.chunk + 1 if a.op in (Op.SEND_ACT, Op.RECV_GRAD) else a.chunk - 1
+                if not 0 <= neighbour <= last or s.chunk_rank[neighbour] != a.peer or a.peer == rank:
+                    raise ScheduleError(
+                        f"{_where(rank, index, a)}: the peer must be the rank holding chunk {neighbour}"
+                    )
+    computes = Counter((a.op, a.chunk, a.microbatch) for acts in s.actions for a in acts if a.op.is_compute)
+    ops = (Op.FORWARD, Op.BACKWARD) if s.backward else (Op.FORWARD,)
+    for op in ops:
+        for c in range(s.num_chunks):
+            for mb in range(s.num_microbatches):
+                n = computes[(op, c, mb)]
+                if n != 1:
+                    what = "never" if n == 0 else f"{n} times"
+                    raise ScheduleError(
+                        f"rank {s.chunk_rank[c]}: micro-batch {mb} is {what} {'forwarded' if op is Op.FORWARD else 'backwarded'}"
+                        f" on chunk {c}"
+                    )
+    sends = Counter(_message(r, a) for r, acts in enumerate(s.actions) for a in acts if a.op.is_send)
+    recvs = Counter(_message(r, a) for r, acts in enumerate(s.actions) for a in acts if a.op.is_recv)
+    for rank, actions in enumerate(s.actions):
+        for index, a in enumerate(actions):
+            if a.op.is_send and recvs[_message(rank, a)] != 1:
+                raise ScheduleError(f"{_where(rank, index, a)}: no matching receive on rank {a.peer}")
+            if a.op.is_recv and sends[_message(rank, a)] != 1:
+                raise ScheduleError(f"{_where(rank, index, a)}: no matching send on rank {a.peer}")
+            if (a.op.is_send or a.op.is_recv) and (sends[_message(rank, a)] > 1 or recvs[_message(rank, a)] > 1):
+                raise ScheduleError(f"{_where(rank, index, a)}: message sent or received more than once")
+
+
+def _inputs_ready(s: PipelineSchedule, rank: int, a: Action, done: set, received: set) -> str | None:
+    """None if a compute's inputs exist on `rank`; else what is missing."""
+    c, mb, last = a.chunk, a.microbatch, s.num_chunks - 1
+    if a.op is Op.FORWARD:
+        if c == 0 or (Op.FORWARD, c - 1, mb) in done or ("activation", c - 1, mb) in received:
+            return None
+        return f"the activation of chunk {c - 1}"
+    if (Op.FORWARD, c, mb) not in done:
+        return f"its own forward of micro-batch {mb}"
+    if c == last or (Op.BACKWARD, c + 1, mb) in done or ("gradient", c + 1, mb) in received:
+        return None
+    return f"the gradient from chunk {c + 1}"
+
+
+def validate(s: PipelineSchedule) -> None:
+    """Raise `ScheduleError` naming the rank and action at fault; return None for a sound schedule."""
+    if s.num_microbatches < 1:
+        raise ScheduleError(f"microbatches={s.num_microbatches}: must be >= 1")
+    if set(s.chunk_rank) != set(range(s.num_ranks)):
+        raise ScheduleError(f"chunk placement {s.chunk_rank} leaves some of the {s.num_ranks} ranks without a chunk")
+    _check_static(s)
+    channels: dict[tuple[int, int], deque] = {}
+    pointer = [0] * s.num_ranks
+    done: list[set] = [set() for _ in range(s.num_ranks)]
+    received: list[set] = [set() for _ in range(s.num_ranks)]
+    progress = True
+    while progress:
+        progress = False
+        for rank, actions in enumerate(s.actions):
+            while pointer[rank] < len(actions):
+                index, a = pointer[rank], actions[pointer[rank]]
+                if a.op.is_send:
+                    src, dst, msg = _message(rank, a)
+                    channels.setdefault((src, dst), deque()).append(msg)
+                elif a.op.is_recv:
+                    src, dst, msg = _message(rank, a)
+                    queue = channels.get((src, dst))
+                    if not queue:
+                        break  # blocked until the peer sends
+                    if queue[0] != msg:
+                        raise ScheduleError(
+                            f"{_where(rank, index, a)}: rank {src} sends {queue[0][0]} of chunk {queue[0][1]}"
+                            f" mb {queue[0][2]} first; receives must be posted in the order of the sends"
+                        )
+                    queue.popleft()
+                    received[rank].add(msg)
+                elif a.op.is_compute:
+                    missing = _inputs_ready(s, rank, a, done[rank], received[rank])
+                    if missing is not None:
+                        raise ScheduleError(f"{_where(rank, index, a)}: needs {missing}, which no earlier action provides")
+                    done[rank].add((a.op, a.chunk, a.microbatch))
+                elif a.op is Op.REDUCE_GRAD:
+                    pending = [mb for mb in range(s.num_microbatches) if (Op.BACKWARD, a.chunk, mb) not in done[rank]]
+                    if pending:
+                        raise ScheduleError(f"{_where(rank, index, a)}: runs before the backward of micro-batches {pending}")
+                pointer[rank] += 1
+                progress = True
+    stuck = [r for r in range(s.num_ranks) if pointer[r] < len(s.actions[r])]
+    if stuck:
+        waits = "; ".join(_where(r, pointer[r], s.actions[r][pointer[r]]) for r in stuck)
+        raise ScheduleError(f"dependency cycle: ranks wait on each other forever: {waits}")
+    if s.backward:
+        for rank in range(s.num_ranks):
+            for c in s.chunks_of(rank):
+                if not any(a.op is Op.REDUCE_GRAD and a.chunk == c for a in s.actions[rank]):
+                    raise ScheduleError(f"rank {rank}: chunk {c} never reduces its gradients (no REDUCE action)")

@@ -1,0 +1,72 @@
+"""The rank grid: `width` pipeline replicas x `depth` stages.
+
+Global rank ``r`` is stage ``r % depth`` of replica ``r // depth``: the stages of one pipeline
+are consecutive ranks, so on a multi-GPU node a pipeline's point-to-point traffic stays inside
+the node where it can, and the gradient all-reduce of a stage runs across replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Topology:
+    world_size: int
+    width: int
+
+    def __post_init__(self) -> None:
+        if self.width < 1:
+            raise ValueError(f"width={self.width}: the number of pipeline replicas must be >= 1")
+        if self.world_size % self.width:
+            divisors = [w for w in range(1, self.world_size + 1) if self.world_size % w == 0]
+            raise ValueError(
+                f"width={self.width} does not divide the world size {self.world_size} (devices x nodes); "
+                f"allowed widths: {divisors}"
+            )
+
+    @property
+    def depth(self) -> int:
+        return self.world_size // self.width
+
+    def stage_of(self, rank: int) -> int:
+        return rank % self.depth
+
+    def replica_of(self, rank: int) -> int:
+        return rank // self.depth
+
+    def global_rank(self, replica: int, stage: int) -> int:
+        return replica * self.depth + stage
+
+    def pipeline_ranks(self, replica: int) -> list[int]:
+        return [self.global_rank(replica, s) for s in range(self.depth)]
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        return [self.global_rank(w, stage) for w in range(self.width)]
+
+
+class ProcessGroups:
+    """This rank's groups: its pipeline (stages of one replica) and its stage (across replicas).
+
+    `new_group` is collective over the world, so every rank creates every group in one order.
+    """
+
+    def __init__(self, topology: Topology, rank: int, backend: Optional[str] = None):
+        self.topology, self.rank = topology, rank
+        self.pipeline: Any = None
+        self.stage: Any = None
+        if topology.world_size == 1:
+            return
+        for w in range(topology.width):
+            ranks = topology.pipeline_ranks(w)
+            group = dist.new_group(ranks, backend=backend) if topology.width > 1 else dist.group.WORLD
+            if rank in ranks:
+                self.pipeline = group
+        for s in range(topology.depth):
+            ranks = topology.stage_ranks(s)
+            group = dist.new_group(ranks, backend=backend) if topology.depth > 1 else dist.group.WORLD
+            if rank in ranks:
+                self.stage = group
