@@ -1,0 +1,93 @@
+"""The executor's host inside Lightning: micro-batches through the user's own step methods.
+
+- Chunk 0 runs the user's step on the micro-batch up to the pipeline call (whatever the step does
+  to the batch before calling ``self.<pipeline>(x)`` is how the pipeline's input is made), runs
+  its blocks on ``x`` and stops the step there.
+- Middle chunks run their blocks on the received activation; no user code.
+- The last chunk runs the user's step again: the pipeline call now runs the last blocks on the
+  received activation, and the step computes the loss and logs as it would in one process.
+  The loss is weighted by the micro-batch's share of the samples (and scaled for fp16).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from ..runtime.p2p import Activation
+from .logs import LogRecorder
+from .stage import PipelineStage, _Handoff
+
+
+def loss_of(output: Any, step: str) -> Tensor:
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, Tensor):
+        raise RuntimeError(
+            f"{step} returned {type(output).__name__} on the last pipeline stage; under AutoPipeStrategy it must return "
+            "the loss tensor (or a dict with 'loss'): skipping a batch by returning None is not supported"
+        )
+    return loss
+
+
+class LightningHost:
+    def __init__(self, module: Any, stage: PipelineStage, last_chunk: int, reduce: Callable[[int], None]):
+        self.module, self.stage, self.last_chunk, self._reduce = module, stage, last_chunk, reduce
+        self.recorder = LogRecorder()
+        self.step_name = "training_step"
+        self.microbatches: list[Any] = []
+        self.weights: list[float] = []
+        self.step_args: tuple = ()
+        self.step_kwargs: dict = {}
+        self.scale: Optional[Callable[[Tensor], Tensor]] = None
+        self.loss: Optional[Tensor] = None
+        self.outputs: list[Any] = []
+
+    def begin(self, step_name: str, microbatches: list[Any], weights: list[float], args: tuple, kwargs: dict,
+              scale: Optional[Callable[[Tensor], Tensor]] = None) -> None:
+        self.step_name, self.microbatches, self.weights = step_name, microbatches, weights
+        self.step_args, self.step_kwargs, self.scale = args, kwargs, scale
+        self.loss, self.outputs = None, []
+        self.recorder.reset()
+
+    def forward(self, chunk: int, microbatch: int, inputs: Optional[Activation]) -> Any:
+        if chunk not in (0, self.last_chunk):
+            return self.stage.run_chunk(chunk, inputs)
+        is_last = chunk == self.last_chunk
+        calls = 0
+
+        def runner(x: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls > 1:
+                raise RuntimeError(f"{self.step_name} called the pipeline twice; under AutoPipeStrategy call it once per step")
+            out = self.stage.run_chunk(chunk, x if chunk == 0 else inputs)
+            if not is_last:
+                raise _Handoff(out)
+            return out
+
+        self.stage._runner = runner
+        self.recorder.active, self.recorder.weight = is_last, self.weights[microbatch]
+        try:
+            result = getattr(self.module, self.step_name)(self.microbatches[microbatch], *self.step_args, **self.step_kwargs)
+        except _Handoff as handoff:
+            return handoff.value
+        finally:
+            self.stage._runner = None
+            self.recorder.active = False
+        if calls == 0:
+            raise RuntimeError(f"{self.step_name} never called the pipeline; call self.<pipeline>(x) in it")
+        if not is_last:  # only possible if the step caught the hand-off; treat as a hard error
+            raise RuntimeError(f"{self.step_name} continued past the pipeline call on a stage that is not the last")
+        if self.step_name != "training_step":
+            self.outputs.append(result)
+            return None
+        loss = loss_of(result, self.step_name)
+        weighted = loss * self.weights[microbatch]
+        self.loss = weighted.detach() if self.loss is None else self.loss + weighted.detach()
+        return self.scale(weighted) if self.scale is not None else weighted
+
+    def reduce_gradients(self, chunk: int) -> None:
+        self._reduce(chunk)

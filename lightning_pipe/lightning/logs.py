@@ -1,0 +1,91 @@
+"""Logged values: recorded per micro-batch on the last stage, then logged on every rank.
+
+Only the last stage computes the loss, but Lightning's loggers write from global rank 0 (the
+first stage), monitors (ModelCheckpoint, EarlyStopping, ReduceLROnPlateau) read the metric on
+every rank, and ``sync_dist=True`` is a collective that hangs if a key is logged on some ranks
+only. So the last stage combines each key over the micro-batches, weighted by their share of the
+samples (the per-batch mean), and broadcasts the result; every rank then calls the real
+``LightningModule.log`` with the same keys and values.
+
+The broadcast is one small tensor per step; the names and log options travel as an object only
+when they change (the first step, or a step that logs other keys).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+class LogRecorder:
+    """Stands in for ``module.log`` during a pipelined step."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.weight = 0.0
+        self.values: dict[str, Any] = {}  # name -> weighted sum, a tensor on the device (no sync per call)
+        self.options: dict[str, tuple[dict, Optional[torch.dtype]]] = {}
+
+    def reset(self) -> None:
+        self.values, self.options = {}, {}
+
+    def __call__(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        if args:
+            raise TypeError("pass self.log options by keyword under AutoPipeStrategy (self.log(name, value, prog_bar=True))")
+        if not self.active:
+            return  # a stage other than the last runs the step only up to the pipeline call
+        if isinstance(value, Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"self.log({name!r}, ...) got a tensor of {value.numel()} elements; log a scalar")
+            number, dtype = value.detach().to(torch.float64).reshape(()), value.dtype
+        elif isinstance(value, (int, float)):
+            number, dtype = float(value), None
+        else:
+            raise TypeError(
+                f"self.log({name!r}, <{type(value).__name__}>) is not supported under AutoPipeStrategy: the value must be "
+                "a number or a scalar tensor (for a torchmetrics Metric, log the tensor its call returns)"
+            )
+        self.values[name] = self.values.get(name, 0.0) + self.weight * number
+        self.options.setdefault(name, (kwargs, dtype))
+
+
+class LogBroadcaster:
+    """Moves the last stage's combined logs to every rank of its pipeline, then logs them."""
+
+    def __init__(self, group: Any, src: int, device: torch.device, is_src: bool):
+        self.group, self.src, self.device, self.is_src = group, src, device, is_src
+        self._schema: Optional[list[tuple[str, dict, Optional[torch.dtype]]]] = None
+
+    def exchange(self, recorder: LogRecorder, loss: Any) -> tuple[float, list[tuple[str, float, dict, Optional[torch.dtype]]]]:
+        """Return the batch loss and the (name, value, options, dtype) list, identical on every rank."""
+        if self.is_src:
+            schema = [(n, *recorder.options[n]) for n in recorder.values]
+            values = [loss] + [recorder.values[n] for n in recorder.values]
+            data = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in values])
+        if self.group is None:  # a one-stage pipeline: nothing to move
+            numbers = data.tolist()
+            return numbers[0], [(n, v, kw, dt) for (n, kw, dt), v in zip(schema, numbers[1:])]
+        if self.is_src:
+            changed = schema != self._schema
+            head = torch.tensor([float(changed), float(len(values))], dtype=torch.float64, device=self.device)
+        else:
+            head = torch.zeros(2, dtype=torch.float64, device=self.device)
+        dist.broadcast(head, self.src, group=self.group)
+        changed, count = bool(head[0].item()), int(head[1].item())
+        if changed:
+            box = [schema if self.is_src else None]
+            dist.broadcast_object_list(box, self.src, group=self.group, device=self.device)
+            self._schema = box[0]
+        if not self.is_src:
+            data = torch.zeros(count, dtype=torch.float64, device=self.device)
+        dist.broadcast(data, self.src, group=self.group)
+        numbers = data.tolist()
+        return numbers[0], [(n, v, kw, dt) for (n, kw, dt), v in zip(self._schema, numbers[1:])]
+
+
+def replay(module: Any, entries: list[tuple[str, float, dict, Optional[torch.dtype]]], device: torch.device) -> None:
+    for name, value, options, dtype in entries:
+        module.log(name, torch.tensor(value, dtype=dtype, device=device) if dtype is not None else value, **options)

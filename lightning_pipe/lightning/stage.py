@@ -1,0 +1,100 @@
+"""How a LightningModule exposes its pipeline, and the stage module that replaces it on a rank.
+
+The pipeline is the module's single `nn.Sequential` child, or whatever `configure_pipeline()`
+returns. On each rank the strategy swaps it for a `PipelineStage` holding only this rank's
+blocks, registered under their original indices, so the module's `state_dict()` keys are those
+of the full model (``seq.3.weight``) and a gathered checkpoint loads in a plain single process.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from torch import nn
+
+
+class PipelineSetupError(ValueError):
+    pass
+
+
+def find_pipeline(module: nn.Module) -> tuple[str, nn.Sequential]:
+    """Return the attribute path and the `nn.Sequential` that forms the pipeline."""
+    configure = getattr(module, "configure_pipeline", None)
+    if callable(configure):
+        pipeline = configure()
+        if not isinstance(pipeline, nn.Sequential):
+            raise PipelineSetupError(
+                f"{type(module).__name__}.configure_pipeline() must return an nn.Sequential of blocks, "
+                f"got {type(pipeline).__name__}"
+            )
+        for name, sub in module.named_modules():
+            if sub is pipeline and name:
+                return name, pipeline
+        raise PipelineSetupError(
+            f"{type(module).__name__}.configure_pipeline() returned an nn.Sequential that is not a submodule of the "
+            "LightningModule; assign it to an attribute (self.blocks = nn.Sequential(...)) and return that"
+        )
+    found = [(n, m) for n, m in module.named_children() if isinstance(m, nn.Sequential)]
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise PipelineSetupError(
+            f"{type(module).__name__} has no pipeline: give it exactly one nn.Sequential child holding the blocks "
+            "to split across stages, or define configure_pipeline() returning it"
+        )
+    names = ", ".join(n for n, _ in found)
+    raise PipelineSetupError(
+        f"{type(module).__name__} has several nn.Sequential children ({names}): define configure_pipeline() "
+        "returning the one to split across stages"
+    )
+
+
+def check_no_outside_parameters(module: nn.Module, path: str) -> None:
+    """Parameters outside the pipeline would exist on every rank but train on one: refuse them."""
+    outside = [n for n, _ in module.named_parameters() if not (n == path or n.startswith(path + "."))]
+    if outside:
+        shown = ", ".join(outside[:5]) + (" ..." if len(outside) > 5 else "")
+        raise PipelineSetupError(
+            f"{type(module).__name__} has trainable parameters outside its pipeline '{path}': {shown}. "
+            "Move them into the nn.Sequential as blocks (a first or last block), so exactly one stage owns them"
+        )
+
+
+def set_submodule(root: nn.Module, path: str, value: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    setattr(parent, name, value)
+
+
+class _Handoff(BaseException):
+    """Ends the user's step on a stage that is not the last: the stage's output is all it needs.
+    A BaseException, so a user's ``except Exception`` around the pipeline call does not swallow it."""
+
+    def __init__(self, value: Any):
+        super().__init__()
+        self.value = value
+
+
+class PipelineStage(nn.Module):
+    """This rank's blocks of the pipeline; called by the user's steps in place of the Sequential."""
+
+    def __init__(self, blocks: dict[int, nn.Module], chunk_bounds: dict[int, tuple[int, int]]):
+        super().__init__()
+        for index, block in blocks.items():
+            self.add_module(str(index), block)
+        self.chunk_bounds = chunk_bounds
+        self._runner: Optional[Callable[[Any], Any]] = None
+
+    def run_chunk(self, chunk: int, x: Any) -> Any:
+        start, stop = self.chunk_bounds[chunk]
+        for index in range(start, stop):
+            x = self._modules[str(index)](x)
+        return x
+
+    def forward(self, x: Any) -> Any:
+        if self._runner is None:
+            raise RuntimeError(
+                "this pipeline holds only one stage's blocks on this rank and runs inside the strategy's "
+                "training/validation/test/predict steps; call it from those steps"
+            )
+        return self._runner(x)

@@ -1,0 +1,462 @@
+"""AutoPipeStrategy: pipeline parallelism for an unchanged LightningModule.
+
+The only place that knows both Lightning and the runtime. Per step it splits the batch into
+micro-batches, runs this rank's action list of the schedule through `LightningHost` (which calls
+the user's own step methods), and then fits the result into Lightning's automatic optimisation:
+
+- Lightning calls ``optimizer.zero_grad()`` *after* ``training_step``, so the gradients the
+  schedule produced are set aside in `training_step` and put back in `backward` (which runs no
+  autograd of its own). Leftover gradients from gradient accumulation are kept and added to.
+- The loss and everything the last stage logged are broadcast and logged on every rank.
+- Gradient clipping by norm uses the global norm over all stages; fp16's inf check is agreed on
+  by all ranks so every stage skips the same steps.
+- Checkpoints hold the full model in single-process layout (gathered on rank 0); optimizer
+  states are kept per stage, so resuming needs the same depth.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _get_default_process_group_backend_for_device, _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.constants import default_pg_timeout
+
+from ..planning.partition import PartitionSpec, check_partition_spec, partition_blocks
+from ..runtime.executor import Executor
+from ..runtime.microbatch import batch_size, signature, split_microbatches
+from ..runtime.p2p import Transport
+from ..runtime.reduce import allreduce_mean, clip_grad_norm_global
+from ..schedules import SCHEDULES, build_schedule, forward_only, validate
+from ..topology import ProcessGroups, Topology
+from .host import LightningHost
+from .logs import LogBroadcaster, replay
+from .outputs import merge_outputs
+from .stage import PipelineStage, check_no_outside_parameters, find_pipeline, set_submodule
+
+log = logging.getLogger(__name__)
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+class AutoPipeStrategy(ParallelStrategy):
+    strategy_name = "autopipe"
+
+    def __init__(
+        self,
+        schedule: str = "1f1b",
+        microbatches: int = 4,
+        partition: PartitionSpec = "uniform",
+        width: int = 1,
+        prefetch: bool = True,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r} is not a known schedule; allowed values: {sorted(SCHEDULES)}")
+        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+            raise ValueError(f"microbatches={microbatches!r}: the number of micro-batches must be an integer >= 1")
+        if not isinstance(width, int) or isinstance(width, bool) or width < 1:
+            raise ValueError(f"width={width!r}: the number of pipeline replicas must be an integer >= 1")
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method={start_method!r}; allowed values: {list(START_METHODS)}")
+        if not isinstance(partition, str):
+            partition = [int(n) if isinstance(n, int) and not isinstance(n, bool) else n for n in partition]
+        check_partition_spec(partition)
+        self.schedule_name, self.microbatches, self.partition, self.width = schedule.lower(), microbatches, partition, width
+        self.prefetch = prefetch
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self.topology: Optional[Topology] = None
+        self._groups: Optional[ProcessGroups] = None
+        self._stage: Optional[PipelineStage] = None
+        self._pipeline_path: Optional[str] = None
+        self._full_pipeline: Optional[nn.Sequential] = None  # kept on global rank 0 to hand the trained model back
+        self._host: Optional[LightningHost] = None
+        self._transport: Optional[Transport] = None
+        self._executors: dict[tuple[str, int], Executor] = {}
+        self._logs: Optional[LogBroadcaster] = None
+        self._new_grads: list[Optional[Tensor]] = []
+
+    # ---- Lightning plumbing (as DDP does it) ---------------------------------------------------
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning reads this (not the class) to turn on ``sync_dist`` and its distributed sampler.
+        # One pipeline (width 1): every rank reads the user's own DataLoader in its own order, as one
+        # process would, and logged values are already equal on all ranks. Several replicas: shard
+        # the data by replica (see distributed_sampler_kwargs) and reduce metrics across them.
+        return self.width > 1
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def depth(self) -> int:
+        return (self.num_nodes * self.num_processes) // self.width
+
+    @property
+    def stage_index(self) -> int:
+        return self.global_rank % self.depth
+
+    @property
+    def replica_index(self) -> int:
+        return self.global_rank // self.depth
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every stage of one pipeline must see the same batch: shard data by replica, not by rank.
+        return {"num_replicas": self.width, "rank": self.replica_index}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the model is cut into stages in setup; load the stage's part afterwards
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        Topology(self.num_nodes * self.num_processes, self.width)  # fail before spawning anything
+        if self._start_method == "popen":
+            self._launcher = _CheckedSubprocessLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _CheckedMultiProcessingLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl" and self.root_device.type == "cuda":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ---- setup: cut the model into this rank's stage --------------------------------------------
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        if not module.automatic_optimization:
+            raise ValueError("AutoPipeStrategy needs automatic optimization (automatic_optimization=True): the schedule runs the backward")
+        self.topology = Topology(self.world_size, self.width)
+        if self._groups is None:
+            self._groups = ProcessGroups(self.topology, self.global_rank)
+        self._cut(module)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._sync_replicas()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._install_precision_hooks()
+        topo = self.topology
+        self._transport = Transport(lambda r: topo.global_rank(self.replica_index, r), self.root_device)
+        self._executors = {}
+        last = topo.global_rank(self.replica_index, topo.depth - 1)
+        self._logs = LogBroadcaster(
+            self._groups.pipeline if topo.depth > 1 else None, last, self.root_device, self.global_rank == last
+        )
+        self._host = LightningHost(module, self._stage, topo.depth - 1, self._reduce_chunk)
+
+    def _cut(self, module: nn.Module) -> None:
+        if self._stage is not None and self._pipeline_path is not None:
+            current = module.get_submodule(self._pipeline_path)
+            if current is self._stage:
+                return  # already cut by an earlier fit / validate on this trainer
+        path, pipeline = find_pipeline(module)
+        check_no_outside_parameters(module, path)
+        depth = self.topology.depth
+        plan = partition_blocks(self.partition, len(pipeline), depth)
+        start, stop = plan.bounds[self.stage_index]
+        self._stage = PipelineStage({i: pipeline[i] for i in range(start, stop)}, {self.stage_index: (start, stop)})
+        self._pipeline_path = path
+        self._full_pipeline = pipeline if self.global_rank == 0 else None
+        set_submodule(module, path, self._stage)
+        log.info(f"rank {self.global_rank}: stage {self.stage_index}/{depth} holds blocks {start}..{stop - 1}")
+
+    def _sync_replicas(self) -> None:
+        """Replicas of a stage start from replica 0's weights (as DDP syncs from rank 0)."""
+        if self.width == 1:
+            return
+        src = self.topology.global_rank(0, self.stage_index)
+        for tensor in list(self._stage.parameters()) + list(self._stage.buffers()):
+            dist.broadcast(tensor.data, src, group=self._groups.stage)
+
+    def _install_precision_hooks(self) -> None:
+        plugin = self.precision_plugin
+        plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        scaler = getattr(plugin, "scaler", None)
+        if scaler is not None and not getattr(scaler, "_autopipe_synced", False):
+            _agree_on_inf(scaler)
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
+        group = self._groups.pipeline if self.topology.depth > 1 else None
+        clip_grad_norm_global(self.precision_plugin.main_params(optimizer), float(clip_val), group)
+
+    def _reduce_chunk(self, chunk: int) -> None:
+        allreduce_mean(self._stage.parameters(), self._groups.stage, self.width)
+
+    def _executor(self, kind: str, m: int) -> Executor:
+        key = (kind, m)
+        if key not in self._executors:
+            if kind == "train":
+                schedule = build_schedule(self.schedule_name, self.topology.depth, m)
+            else:
+                schedule = forward_only(self.topology.depth, m)
+                validate(schedule)
+            self._executors[key] = Executor(schedule, self.stage_index, self._transport, self.prefetch)
+        return self._executors[key]
+
+    # ---- steps -------------------------------------------------------------------------------
+    def _run(self, kind: str, step: str, context: Callable, args: tuple, kwargs: dict, m: int) -> tuple[float, list]:
+        module, host = self.lightning_module, self._host
+        batch = args[0]
+        microbatches, weights = split_microbatches(batch, m)
+        keys = [(kind, signature(mb)) for mb in microbatches]
+        scaler = getattr(self.precision_plugin, "scaler", None) if kind == "train" else None
+        host.begin(step, microbatches, weights, args[1:], kwargs, scaler.scale if scaler is not None else None)
+        module.log = host.recorder  # type: ignore[method-assign]
+        try:
+            with context():
+                self._executor(kind, m).run(host, keys)
+        finally:
+            del module.log
+        loss, entries = self._logs.exchange(host.recorder, host.loss if host.loss is not None else 0.0)
+        replay(module, entries, self.root_device)
+        return loss, entries
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        params = list(self.lightning_module.parameters())
+        saved = [p.grad for p in params]  # Lightning zeroes (or accumulates into) these after this step
+        for p in params:
+            p.grad = None
+        try:
+            loss, _ = self._run("train", "training_step", self.precision_plugin.train_step_context, args, kwargs, self.microbatches)
+        finally:
+            self._new_grads = [p.grad for p in params]
+            for p, g in zip(params, saved):
+                p.grad = g
+        dtype = self._host.loss.dtype if self._host.loss is not None else torch.get_default_dtype()
+        return torch.tensor(loss, dtype=dtype, device=self.root_device)
+
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
+        """The schedule already ran the backward: put its gradients where the optimizer expects them."""
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        accumulate = module.trainer.accumulate_grad_batches if module._trainer is not None else 1
+        for p, g in zip(module.parameters(), self._new_grads):
+            if g is None:
+                continue
+            if accumulate > 1:
+                g = g / accumulate  # as Lightning divides the closure loss
+            p.grad = g if p.grad is None else p.grad + g
+        self._new_grads = []
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _eval(self, step: str, context: Callable, args: tuple, kwargs: dict) -> Any:
+        m = min(self.microbatches, batch_size(args[0]))
+        self._run("eval", step, context, args, kwargs, m)
+        return merge_outputs(self._host.outputs) if self.stage_index == self.topology.depth - 1 else None
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval("test_step", self.precision_plugin.test_step_context, args, kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = self._eval("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+        if self.topology.depth == 1:
+            return output
+        box = [output]  # predictions come from the last stage; the trainer returns rank 0's
+        last = self.topology.global_rank(self.replica_index, self.topology.depth - 1)
+        dist.broadcast_object_list(box, last, group=self._groups.pipeline, device=self.root_device)
+        return box[0]
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def _gather_to_zero(self, obj: Any) -> Optional[list[Any]]:
+        """Gather `obj` from the stages of replica 0 onto global rank 0 (others: None)."""
+        if self.topology.depth == 1:
+            return [obj] if self.global_rank == 0 else None
+        if self.replica_index != 0:
+            return None
+        parts = [None] * self.topology.depth if self.global_rank == 0 else None
+        dist.gather_object(obj, parts, dst=0, group=self._groups.pipeline)
+        return parts
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+        parts = self._gather_to_zero(local)
+        if parts is None:
+            return {}
+        merged: dict[str, Any] = {}
+        for part in parts:
+            merged.update(part)
+        return merged
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        state = _to_cpu(optimizer.state_dict())
+        parts = self._gather_to_zero(state)
+        return {"autopipe_stage_states": parts, "autopipe_depth": self.topology.depth} if parts is not None else {}
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if "autopipe_stage_states" not in state:
+                raise ValueError("this checkpoint's optimizer state was not written by AutoPipeStrategy; resume it with the strategy that wrote it")
+            if state["autopipe_depth"] != self.topology.depth:
+                raise ValueError(
+                    f"the checkpoint was written by a {state['autopipe_depth']}-stage pipeline and this one has "
+                    f"{self.topology.depth} stages: resume with the same devices x nodes / width"
+                )
+            optimizer.load_state_dict(state["autopipe_stage_states"][self.stage_index])
+        _optimizers_to_device(self.optimizers, self.root_device)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        module = self.lightning_module
+        local_keys = module.state_dict().keys()
+        state = {k: v for k, v in checkpoint["state_dict"].items() if k in local_keys}
+        if strict:
+            missing = [k for k in local_keys if k not in state]
+            if missing:
+                raise KeyError(f"the checkpoint lacks this stage's keys: {missing[:5]}")
+        module.load_state_dict(state, strict=strict)
+
+    # ---- teardown: hand the trained full model back on rank 0 ------------------------------------
+    def teardown(self) -> None:
+        module = self.lightning_module
+        finished = module is not None and module._trainer is not None and module.trainer.state.status == TrainerStatus.RUNNING
+        if finished and self._stage is not None and _distributed_is_initialized():
+            state = self.lightning_module_state_dict()  # collective: all ranks, only on success
+            if self.global_rank == 0 and self._full_pipeline is not None:
+                prefix = self._pipeline_path + "."
+                self._full_pipeline.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+                set_submodule(module, self._pipeline_path, self._full_pipeline)
+                self._stage = None
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        pass  # registered by lightning_pipe/__init__.py
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+def _agree_on_inf(scaler: Any) -> None:
+    """fp16: every stage must skip the same steps, so the inf check is reduced over all ranks."""
+    unscale = scaler.unscale_
+
+    def unscale_(optimizer: Any) -> None:
+        unscale(optimizer)
+        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        if not found:
+            return
+        values = list(found.values())
+        total = torch.stack([v.float() for v in values]).sum().reshape(1)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        for v in values:
+            v.fill_(float(total.item() > 0))
+
+    scaler.unscale_ = unscale_
+    scaler._autopipe_synced = True
+
+
+def _validate_model(strategy: AutoPipeStrategy, model: Any) -> None:
+    """Refuse a model that cannot be pipelined before any process starts."""
+    if not isinstance(model, nn.Module):
+        return
+    path, pipeline = find_pipeline(model)
+    check_no_outside_parameters(model, path)
+    partition_blocks(strategy.partition, len(pipeline), strategy.depth)
+
+
+class _CheckedSubprocessLauncher(_SubprocessScriptLauncher):
+    def __init__(self, strategy: AutoPipeStrategy, *args: Any):
+        super().__init__(*args)
+        self._strategy = strategy
+
+    def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
+        _validate_model(self._strategy, args[0] if args else None)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class _CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
+    def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
+        _validate_model(self._strategy, args[0] if args else None)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
