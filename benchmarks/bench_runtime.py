@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -198,8 +199,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(mode: str, cfg: dict, timeout: float) -> list[dict]:
-    """Run `mode` on its processes; kill them and raise if they exceed `timeout` seconds."""
+def _busy_seconds() -> float | None:
+    """CPU seconds the whole machine has spent busy (Linux /proc/stat, incl. steal), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    """CPU seconds of this process and its reaped children (the benchmark's processes)."""
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        r = resource.getrusage(who)
+        total += r.ru_utime + r.ru_stime
+    return total
+
+
+def launch(mode: str, cfg: dict, timeout: float) -> tuple[list[dict], float]:
+    """Run `mode` on its processes; kill them and raise if they exceed `timeout` seconds.
+
+    Also returns the foreign load during the run: CPU cores' worth of work done by processes
+    other than the benchmark's (another job on the machine), which would distort the timing."""
+    busy0, own0, wall0 = _busy_seconds(), _own_seconds(), time.monotonic()
     world = 1 if mode == "single" else 2
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
@@ -226,7 +251,11 @@ def launch(mode: str, cfg: dict, timeout: float) -> list[dict]:
             if not record["ok"]:
                 raise RuntimeError(f"{mode}: rank {r} failed:\n{record['error']}")
             results.append(record["result"])
-        return results
+    busy1 = _busy_seconds()
+    foreign = 0.0
+    if busy0 is not None and busy1 is not None:
+        foreign = max(0.0, (busy1 - busy0) - (_own_seconds() - own0)) / (time.monotonic() - wall0)
+    return results, foreign
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -252,6 +281,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before timing")
     p.add_argument("--repeats", type=int, default=2, help="runs per mode (interleaved); the best is reported")
+    p.add_argument("--retries", type=int, default=3, help="re-runs of a run disturbed by other processes")
+    p.add_argument("--max-foreign", type=float, default=0.1,
+                   help="a run during which other processes used more CPUs than this is disturbed")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run before its processes are killed")
@@ -275,11 +307,17 @@ def main() -> None:
     reference: dict | None = None
     for rep in range(args.repeats):
         for mode in modes:
-            results = launch(mode, cfg, args.timeout)
+            for attempt in range(args.retries + 1):
+                results, foreign = launch(mode, cfg, args.timeout)
+                if foreign <= args.max_foreign:
+                    break
+                print(f"  run {rep + 1}/{args.repeats} {mode:12s} disturbed: other processes used {foreign:.2f} CPUs"
+                      f"{'; retrying' if attempt < args.retries else '; keeping it'}", flush=True)
             if mode == "single" and reference is None:
                 reference = results[0]["params"]
             stats = summarize(mode, results, cfg)
-            print(f"  run {rep + 1}/{args.repeats} {mode:12s} {stats['total']:8.1f} samples/s  ({stats['step_ms']:.1f} ms/step)", flush=True)
+            print(f"  run {rep + 1}/{args.repeats} {mode:12s} {stats['total']:8.1f} samples/s  ({stats['step_ms']:.1f} ms/step,"
+                  f" foreign load {foreign:.2f} CPUs)", flush=True)
             if mode not in best or stats["total"] > best[mode]["total"]:
                 best[mode] = stats
             if mode not in ("single", "pair") and reference is not None:

@@ -101,6 +101,7 @@ class AutoPipeStrategy(ParallelStrategy):
         self._executors: dict[tuple[str, int], Executor] = {}
         self._logs: Optional[LogBroadcaster] = None
         self._new_grads: list[Optional[Tensor]] = []
+        self._active = False  # between setup and teardown: the model is cut and the process groups live
 
     # ---- Lightning plumbing (as DDP does it) ---------------------------------------------------
     @property
@@ -222,6 +223,7 @@ class AutoPipeStrategy(ParallelStrategy):
             self._groups.pipeline if topo.depth > 1 else None, last, self.root_device, self.global_rank == last
         )
         self._host = LightningHost(module, self._stage, topo.depth - 1, self._reduce_chunk)
+        self._active = True
 
     def _cut(self, module: nn.Module) -> None:
         if self._stage is not None and self._pipeline_path is not None:
@@ -353,6 +355,8 @@ class AutoPipeStrategy(ParallelStrategy):
         return parts
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._active:  # after fit: rank 0 holds the full model again (or this is the spawn parent)
+            return super().lightning_module_state_dict()
         local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
         parts = self._gather_to_zero(local)
         if parts is None:
@@ -363,6 +367,8 @@ class AutoPipeStrategy(ParallelStrategy):
         return merged
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if not self._active:
+            return super().optimizer_state(optimizer)
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         state = _to_cpu(optimizer.state_dict())
         parts = self._gather_to_zero(state)
@@ -401,6 +407,7 @@ class AutoPipeStrategy(ParallelStrategy):
                 self._full_pipeline.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
                 set_submodule(module, self._pipeline_path, self._full_pipeline)
                 self._stage = None
+        self._active = False
         super().teardown()
 
     @classmethod
@@ -437,13 +444,21 @@ def _agree_on_inf(scaler: Any) -> None:
     scaler._autopipe_synced = True
 
 
-def _validate_model(strategy: AutoPipeStrategy, model: Any) -> None:
-    """Refuse a model that cannot be pipelined before any process starts."""
-    if not isinstance(model, nn.Module):
-        return
-    path, pipeline = find_pipeline(model)
-    check_no_outside_parameters(model, path)
-    partition_blocks(strategy.partition, len(pipeline), strategy.depth)
+def _validate_inputs(strategy: AutoPipeStrategy, args: tuple, trainer: Optional[Any]) -> None:
+    """Refuse what cannot be pipelined before any process starts: the model, and a training batch
+    size visible up front (every trainer function passes the model, then its dataloaders)."""
+    model = args[0] if args else None
+    if isinstance(model, nn.Module):
+        path, pipeline = find_pipeline(model)
+        check_no_outside_parameters(model, path)
+        partition_blocks(strategy.partition, len(pipeline), strategy.depth)
+    fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+    size = getattr(args[1], "batch_size", None) if fitting and len(args) > 1 else None
+    if isinstance(size, int) and size < strategy.microbatches:
+        raise ValueError(
+            f"the training DataLoader's batch_size={size} is smaller than microbatches={strategy.microbatches}: "
+            "use a batch size >= microbatches or fewer micro-batches"
+        )
 
 
 class _CheckedSubprocessLauncher(_SubprocessScriptLauncher):
@@ -452,11 +467,20 @@ class _CheckedSubprocessLauncher(_SubprocessScriptLauncher):
         self._strategy = strategy
 
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
-        _validate_model(self._strategy, args[0] if args else None)
+        _validate_inputs(self._strategy, args, trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 class _CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
-        _validate_model(self._strategy, args[0] if args else None)
+        _validate_inputs(self._strategy, args, trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(process_idx, *args, **kwargs)
+        # A worker is about to exit: leave together and close the process groups ourselves. Left to
+        # interpreter shutdown, gloo's threads were seen to abort a worker ("terminate called
+        # without an active exception") when its peer had already gone.
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()

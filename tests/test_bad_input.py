@@ -1,0 +1,101 @@
+"""Bad settings fail fast with the setting's name and allowed values, before processes start."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import lightning as L
+
+from lightning_pipe import AutoPipeStrategy
+from models import LitSeq, loader, trainer_kwargs
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(schedule="zigzag"), r"schedule='zigzag' is not a known schedule; allowed values: \['1f1b', 'gpipe'\]"),
+        (dict(microbatches=0), r"microbatches=0: .* integer >= 1"),
+        (dict(width=0), r"width=0: .* integer >= 1"),
+        (dict(partition="magic"), r"partition='magic' is not a known method; allowed: \['uniform'\]"),
+        (dict(partition=[2, 0, 4]), r"partition=\[2, 0, 4\]: a list of blocks per stage must hold integers >= 1"),
+        (dict(start_method="thread"), r"start_method='thread'; allowed values"),
+    ],
+)
+def test_strategy_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AutoPipeStrategy(**kwargs)
+
+
+def test_width_must_divide_world_size():
+    with pytest.raises(ValueError, match=r"width=3 does not divide the world size 4 .*allowed widths: \[1, 2, 4\]"):
+        L.Trainer(devices=4, strategy=AutoPipeStrategy(width=3, start_method="spawn"), **trainer_kwargs())
+
+
+class NoPipeline(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 3)
+
+
+class TwoPipelines(LitSeq):
+    def __init__(self):
+        super().__init__()
+        self.other = nn.Sequential(nn.Linear(2, 2))
+
+
+class OutsideParameter(LitSeq):
+    def __init__(self):
+        super().__init__()
+        self.temperature = nn.Parameter(torch.ones(()))
+
+
+def fails_before_spawn(model, devices, match, **strategy_kwargs):
+    trainer = L.Trainer(devices=devices, strategy=AutoPipeStrategy(start_method="spawn", **strategy_kwargs), **trainer_kwargs())
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(model, loader(batch_size=strategy_kwargs.pop("batch_size", 10)))
+    assert not multiprocessing.active_children(), "no worker process may have been started"
+    assert time.perf_counter() - start < 5
+
+
+def test_partition_must_sum_to_block_count():
+    fails_before_spawn(LitSeq(), 2, r"partition=\[2, 2\] sums to 4 blocks but the model has 6 blocks", partition=[2, 2])
+
+
+def test_partition_length_must_match_stages():
+    fails_before_spawn(LitSeq(), 2, r"partition=\[1, 2, 3\] lists 3 stages but the pipeline has 2 stages", partition=[1, 2, 3])
+
+
+def test_more_stages_than_blocks():
+    fails_before_spawn(LitSeq(blocks=2), 4, r"the pipeline has 4 stages but the model only 2 blocks")
+
+
+def test_module_without_pipeline():
+    fails_before_spawn(NoPipeline(), 2, r"NoPipeline has no pipeline: give it exactly one nn.Sequential child")
+
+
+def test_module_with_two_sequentials_must_choose():
+    fails_before_spawn(TwoPipelines(), 2, r"several nn.Sequential children \(seq, other\): define configure_pipeline\(\)")
+
+
+def test_parameters_outside_the_pipeline():
+    fails_before_spawn(OutsideParameter(), 2, r"trainable parameters outside its pipeline 'seq': temperature")
+
+
+def test_batch_smaller_than_microbatches():
+    trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(microbatches=4, start_method="spawn"), **trainer_kwargs())
+    with pytest.raises(ValueError, match=r"batch_size=3 is smaller than microbatches=4"):
+        trainer.fit(LitSeq(), loader(batch_size=3))
+    assert not multiprocessing.active_children()
+
+
+def test_short_last_batch_fails_clearly_in_the_workers():
+    # 41 samples in batches of 10: the last batch holds 1 sample, fewer than 2 micro-batches
+    trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(microbatches=2, start_method="spawn"), **trainer_kwargs(max_steps=10))
+    with pytest.raises(Exception, match=r"a batch of 1 samples cannot be split into microbatches=2"):
+        trainer.fit(LitSeq(), loader(n=41))

@@ -1,0 +1,176 @@
+"""Trainer(strategy="autopipe") on real processes (spawn, gloo, CPU) against single-process Lightning."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+import lightning_pipe  # noqa: F401  (registers "autopipe")
+from lightning_pipe import AutoPipeStrategy
+from models import LitSeq, dataset, loader, max_rel_diff, trainer_kwargs
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class RecordMetrics(Callback):
+    """Each rank writes the metrics it sees (what its progress bar, loggers and monitors would read)."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def _dump(self, trainer, name):
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        torch.save(metrics, os.path.join(self.folder, f"{name}-rank{trainer.global_rank}.pt"))
+
+    def on_train_end(self, trainer, pl_module):
+        self._dump(trainer, "fit")
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            self._dump(trainer, "val")
+
+
+def rank_metrics(folder, name, world):
+    return [torch.load(os.path.join(folder, f"{name}-rank{r}.pt")) for r in range(world)]
+
+
+def single(model, steps=4, train=None, val=None, **kw):
+    trainer = L.Trainer(devices=1, **trainer_kwargs(max_steps=steps, **kw))
+    trainer.fit(model, train or loader(), val)
+    return trainer
+
+
+def pipelined(model, devices, steps=4, train=None, val=None, callbacks=(), strategy=None, **kw):
+    strategy = strategy or AutoPipeStrategy(start_method="spawn")
+    trainer = L.Trainer(devices=devices, strategy=strategy, callbacks=list(callbacks), **trainer_kwargs(max_steps=steps, **kw))
+    trainer.fit(model, train or loader(), val)
+    return trainer
+
+
+CASES = [
+    ("gpipe", 2, "uniform", 3, "float64"),
+    ("1f1b", 2, [2, 4], 4, "float64"),
+    ("1f1b", 4, "uniform", 3, "float64"),
+    ("gpipe", 4, [3, 1, 1, 1], 4, "float64"),
+    ("1f1b", 2, "uniform", 3, "float32"),
+]
+
+
+@pytest.mark.parametrize("schedule,devices,partition,m,dtype", CASES)
+def test_fit_equals_single_process(tmp_path, schedule, devices, partition, m, dtype):
+    # 46 samples in batches of 10: the 5th batch is short (6), and 6 steps cross into a second epoch.
+    tdtype = getattr(torch, dtype)
+    ref = LitSeq(dtype=dtype)
+    single(ref, steps=6, train=loader(dtype=tdtype), val=loader(dtype=tdtype))
+    model = LitSeq(dtype=dtype)
+    strategy = AutoPipeStrategy(schedule=schedule, microbatches=m, partition=partition, start_method="spawn")
+    pipelined(model, devices, steps=6, train=loader(dtype=tdtype), val=loader(dtype=tdtype),
+              callbacks=[RecordMetrics(tmp_path)], strategy=strategy)
+    assert isinstance(model.seq, nn.Sequential), "the trained full model comes back to the launching process"
+    tol = 1e-10 if dtype == "float64" else 1e-5
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= tol
+    # the loss and val loss of the last step are on every rank, equal to single-process values
+    ref_trainer_metrics = single(LitSeq(dtype=dtype), steps=6, train=loader(dtype=tdtype), val=loader(dtype=tdtype)).callback_metrics
+    for metrics in rank_metrics(tmp_path, "fit", devices):
+        assert metrics["train_loss"] == pytest.approx(float(ref_trainer_metrics["train_loss"]), rel=1e-5)
+        assert metrics["val_loss"] == pytest.approx(float(ref_trainer_metrics["val_loss"]), rel=1e-5)
+
+
+def test_gradient_accumulation_and_global_norm_clipping(tmp_path):
+    kw = dict(accumulate_grad_batches=2, gradient_clip_val=0.05)
+    ref = LitSeq()
+    single(ref, steps=3, **kw)
+    model = LitSeq()
+    pipelined(model, 2, steps=3, strategy=AutoPipeStrategy(microbatches=3, partition=[4, 2], start_method="spawn"), **kw)
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    # the clip was active: without it the weights differ
+    unclipped = LitSeq()
+    single(unclipped, steps=3, accumulate_grad_batches=2)
+    assert max_rel_diff(ref.state_dict(), unclipped.state_dict()) > 1e-3
+
+
+def test_width_2_depth_2_equals_single_process_on_the_global_batch():
+    # DistributedSampler (shuffle, seed 0) gives replica r the indices perm[r::2]; batch k of each replica
+    # holds 5 of them, so together a step sees perm[10k : 10k + 10]: the single-process global batch.
+    n, per_replica = 40, 5
+    ds = dataset(n=n)
+
+    class Perm(torch.utils.data.Sampler):
+        def __init__(self):
+            self.epoch = 0
+
+        def __iter__(self):
+            g = torch.Generator().manual_seed(self.epoch)
+            self.epoch += 1
+            return iter(torch.randperm(n, generator=g).tolist())
+
+        def __len__(self):
+            return n
+
+    ref = LitSeq()
+    single(ref, steps=6, train=DataLoader(ds, batch_size=2 * per_replica, sampler=Perm()))
+    model = LitSeq()
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, width=2, start_method="spawn")
+    pipelined(model, 4, steps=6, train=DataLoader(ds, batch_size=per_replica), strategy=strategy)
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+
+
+def test_tuple_activation_with_integer_mask():
+    kw = dict(masked=True)
+    ref = LitSeq(**kw)
+    single(ref, train=loader(masked=True))
+    model = LitSeq(**kw)
+    pipelined(model, 2, train=loader(masked=True), strategy=AutoPipeStrategy(partition=[2, 3], microbatches=3, start_method="spawn"))
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+
+
+def test_checkpoint_loads_in_single_process_and_resume_is_bit_exact(tmp_path):
+    ckpts = tmp_path / "ckpt"
+    # 4 batches an epoch, a checkpoint every 4 steps: Lightning resumes a plain DataLoader exactly there
+    data = dict(n=40)
+    model = LitSeq()
+    trainer = pipelined(model, 2, steps=8, train=loader(**data), enable_checkpointing=True,
+                        callbacks=[ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4, save_top_k=-1)],
+                        strategy=AutoPipeStrategy(microbatches=3, start_method="spawn"))
+    trainer.save_checkpoint(tmp_path / "after_fit.ckpt")  # from the launching process, after the fit
+    after = LitSeq.load_from_checkpoint(tmp_path / "after_fit.ckpt")
+    assert max_rel_diff(model.state_dict(), after.state_dict()) == 0.0
+    files = sorted(glob.glob(str(ckpts / "*.ckpt")))
+    assert [os.path.basename(f) for f in files] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"]
+    # a plain single-process load of the last checkpoint holds the trained full model
+    loaded = LitSeq.load_from_checkpoint(files[-1])
+    assert isinstance(loaded.seq, nn.Sequential)
+    assert max_rel_diff(model.state_dict(), loaded.state_dict()) == 0.0
+    # ... which is also the single-process result
+    ref = LitSeq()
+    single(ref, steps=8, train=loader(**data))
+    assert max_rel_diff(ref.state_dict(), loaded.state_dict()) <= 1e-10
+    # resuming from step 4 with the same topology continues bit for bit (weights, AdamW state, LR schedule)
+    resumed = LitSeq(seed=123)  # other initial weights: everything must come from the checkpoint
+    trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(microbatches=3, start_method="spawn"), **trainer_kwargs(max_steps=8))
+    trainer.fit(resumed, loader(**data), ckpt_path=files[0])
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, resumed.state_dict()[k]), k
+
+
+def test_validate_test_and_predict_run_forward_only_pipelines():
+    ref, model = LitSeq(), LitSeq()
+    val_ref = L.Trainer(devices=1, **trainer_kwargs()).validate(ref, loader(batch_size=7), verbose=False)
+    trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(microbatches=3, start_method="spawn"), **trainer_kwargs())
+    val = trainer.validate(model, loader(batch_size=7), verbose=False)
+    assert val[0]["val_loss"] == pytest.approx(val_ref[0]["val_loss"], rel=1e-12)
+    test = trainer.test(model, loader(batch_size=7), verbose=False)
+    assert test[0]["test_loss"] == pytest.approx(val_ref[0]["val_loss"], rel=1e-12)
+    preds = trainer.predict(model, loader(batch_size=7))
+    ref_preds = L.Trainer(devices=1, **trainer_kwargs()).predict(ref, loader(batch_size=7))
+    assert len(preds) == len(ref_preds)
+    for p, r in zip(preds, ref_preds):
+        assert torch.allclose(p, r, rtol=1e-12, atol=0)
