@@ -51,14 +51,44 @@ def masked_blocks(vocab: int = 17, width: int = 8, classes: int = 3, mixes: int 
     return nn.Sequential(MaskedEmbed(vocab, width), *[MaskedMix(width) for _ in range(mixes)], MaskedPool(width, classes))
 
 
+class TiedEmbed(nn.Module):
+    def __init__(self, vocab: int, width: int):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+
+    def forward(self, ids):
+        return self.emb(ids).mean(1)
+
+
+class TiedHead(nn.Module):
+    """Scores against the embedding matrix: the same nn.Parameter as the first block's."""
+
+    def __init__(self, embed: TiedEmbed):
+        super().__init__()
+        self.weight = embed.emb.weight
+
+    def forward(self, h):
+        return h @ self.weight.t()
+
+
+def tied_blocks(vocab: int = 11, width: int = 8, mixes: int = 3) -> nn.Sequential:
+    embed = TiedEmbed(vocab, width)
+    mix = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(mixes)]
+    return nn.Sequential(embed, *mix, TiedHead(embed))
+
+
 class LitSeq(L.LightningModule):
     """A user's module: one nn.Sequential, a loss, logging, AdamW with an LR scheduler."""
 
-    def __init__(self, blocks: int = 6, width: int = 8, lr: float = 1e-2, dtype: str = "float64", masked: bool = False, seed: int = 0):
+    def __init__(self, blocks: int = 6, width: int = 8, lr: float = 1e-2, dtype: str = "float64", masked: bool = False,
+                 seed: int = 0, tied: bool = False):
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(seed)
-        self.seq = masked_blocks(width=width) if masked else mlp_blocks(blocks, width)
+        if tied:
+            self.seq = tied_blocks(width=width)
+        else:
+            self.seq = masked_blocks(width=width) if masked else mlp_blocks(blocks, width)
         self.seq.to(getattr(torch, dtype))
 
     def training_step(self, batch, batch_idx):
@@ -86,8 +116,11 @@ class LitSeq(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def dataset(n: int = 46, width: int = 8, dtype: torch.dtype = torch.float64, masked: bool = False, seed: int = 1) -> TensorDataset:
+def dataset(n: int = 46, width: int = 8, dtype: torch.dtype = torch.float64, masked: bool = False, seed: int = 1,
+            tied: bool = False) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
+    if tied:
+        return TensorDataset(torch.randint(0, 11, (n, 4), generator=g), torch.randint(0, 11, (n,), generator=g))
     if masked:
         x = torch.randint(0, 17, (n, 5), generator=g)
     else:

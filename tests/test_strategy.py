@@ -132,6 +132,21 @@ def test_tuple_activation_with_integer_mask():
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
 
 
+@pytest.mark.parametrize("devices,partition", [(2, [2, 3]), (3, [1, 3, 1])])
+def test_tied_embedding_across_first_and_last_stage(tmp_path, devices, partition):
+    kw = dict(gradient_clip_val=0.05)  # active clipping: the tied gradient must count once in the global norm
+    ref = LitSeq(tied=True)
+    assert ref.seq[0].emb.weight is ref.seq[-1].weight
+    single(ref, train=loader(tied=True), **kw)
+    model = LitSeq(tied=True)
+    pipelined(model, devices, train=loader(tied=True), strategy=AutoPipeStrategy(partition=partition, microbatches=3, start_method="spawn"),
+              enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4)], **kw)
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    # both stages' copies took the same update: the checkpoint's two keys hold one value
+    ckpt = torch.load(glob.glob(str(tmp_path / "*.ckpt"))[0], weights_only=False)["state_dict"]
+    assert torch.equal(ckpt["seq.0.emb.weight"], ckpt[f"seq.{len(ref.seq) - 1}.weight"])
+
+
 def test_checkpoint_loads_in_single_process_and_resume_is_bit_exact(tmp_path):
     ckpts = tmp_path / "ckpt"
     # 4 batches an epoch, a checkpoint every 4 steps: Lightning resumes a plain DataLoader exactly there

@@ -37,6 +37,7 @@ from ..runtime.executor import Executor
 from ..runtime.microbatch import batch_size, signature, split_microbatches
 from ..runtime.p2p import Transport
 from ..runtime.reduce import allreduce_mean, clip_grad_norm_global
+from ..runtime.tied import TiedParameter, allreduce_tied, find_tied_parameters
 from ..schedules import SCHEDULES, build_schedule, forward_only, validate
 from ..topology import ProcessGroups, Topology
 from .host import LightningHost
@@ -102,6 +103,8 @@ class AutoPipeStrategy(ParallelStrategy):
         self._logs: Optional[LogBroadcaster] = None
         self._new_grads: list[Optional[Tensor]] = []
         self._active = False  # between setup and teardown: the model is cut and the process groups live
+        self._tied: list[TiedParameter] = []
+        self._tied_groups: dict[int, Any] = {}
 
     # ---- Lightning plumbing (as DDP does it) ---------------------------------------------------
     @property
@@ -235,11 +238,29 @@ class AutoPipeStrategy(ParallelStrategy):
         depth = self.topology.depth
         plan = partition_blocks(self.partition, len(pipeline), depth)
         start, stop = plan.bounds[self.stage_index]
+        self._setup_tied(find_tied_parameters(pipeline, plan.bounds))
         self._stage = PipelineStage({i: pipeline[i] for i in range(start, stop)}, {self.stage_index: (start, stop)})
         self._pipeline_path = path
         self._full_pipeline = pipeline if self.global_rank == 0 else None
         set_submodule(module, path, self._stage)
         log.info(f"rank {self.global_rank}: stage {self.stage_index}/{depth} holds blocks {start}..{stop - 1}")
+
+    def _setup_tied(self, tied: list[TiedParameter]) -> None:
+        """One group per tied parameter and replica (new_group is collective: every rank, same order);
+        the copies start from the first holding stage's values."""
+        self._tied, self._tied_groups = tied, {}
+        topo = self.topology
+        for t in tied:
+            for w in range(topo.width):
+                ranks = [topo.global_rank(w, s) for s in t.stages]
+                group = dist.new_group(ranks)
+                if self.global_rank in ranks:
+                    self._tied_groups[t.index] = group
+            if self.stage_index in t.stages:
+                src = topo.global_rank(self.replica_index, t.stages[0])
+                dist.broadcast(t.parameter.data, src, group=self._tied_groups[t.index])
+        if tied:
+            log.info(f"tied parameters across stages: {[t.stages for t in tied]}")
 
     def _sync_replicas(self) -> None:
         """Replicas of a stage start from replica 0's weights (as DDP syncs from rank 0)."""
@@ -258,9 +279,12 @@ class AutoPipeStrategy(ParallelStrategy):
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: Union[int, float]) -> None:
         group = self._groups.pipeline if self.topology.depth > 1 else None
-        clip_grad_norm_global(self.precision_plugin.main_params(optimizer), float(clip_val), group)
+        # a tied parameter's (equal) gradient counts once in the norm: on the first stage holding it
+        copies = {id(t.parameter) for t in self._tied if t.stages[0] != self.stage_index}
+        clip_grad_norm_global(self.precision_plugin.main_params(optimizer), float(clip_val), group, skip_in_norm=copies)
 
     def _reduce_chunk(self, chunk: int) -> None:
+        allreduce_tied(self._tied, self._tied_groups, self.stage_index)
         allreduce_mean(self._stage.parameters(), self._groups.stage, self.width)
 
     def _executor(self, kind: str, m: int) -> Executor:

@@ -29,13 +29,18 @@ def allreduce_mean(params: Iterable[torch.nn.Parameter], group: Any, size: int) 
             g.copy_(reduced)
 
 
-def clip_grad_norm_global(params: Iterable[Tensor], max_norm: float, group: Optional[Any]) -> Tensor:
+def clip_grad_norm_global(
+    params: Iterable[Tensor], max_norm: float, group: Optional[Any], skip_in_norm: frozenset = frozenset()
+) -> Tensor:
     """`torch.nn.utils.clip_grad_norm_` over all stages of a pipeline: the norm is the 2-norm of the
-    gradients of every stage, summed as squares across `group`, so each stage scales by one factor."""
-    grads = [p.grad for p in params if p.grad is not None]
+    gradients of every stage, summed as squares across `group`, so each stage scales by one factor.
+    Parameters in `skip_in_norm` (ids; copies of a tied weight held elsewhere too) are scaled but not counted."""
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
+    counted = [p.grad for p in params if id(p) not in skip_in_norm]
     device = grads[0].device if grads else torch.device("cpu")
-    if grads:
-        norms = torch.stack([torch.linalg.vector_norm(g, 2.0).to(torch.float64) for g in grads])
+    if counted:
+        norms = torch.stack([torch.linalg.vector_norm(g, 2.0).to(torch.float64) for g in counted])
         squares = (norms * norms).sum()
     else:
         squares = torch.zeros((), dtype=torch.float64, device=device)

@@ -1,0 +1,48 @@
+"""Parameters shared by blocks that land on different stages (tied embeddings).
+
+GPT's token embedding and LM head are one weight. Cut into stages, the first and the last stage
+each hold a copy; as DeepSpeed's TiedLayerSpec and Megatron do, their gradients are summed across
+those stages every step, so both copies take the same update and training equals one process.
+Detection is automatic: any parameter object reachable from blocks on two or more stages is tied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    index: int  # position among the pipeline's tied parameters (same on every rank)
+    stages: tuple[int, ...]  # stages holding a copy, ascending; the first one owns it for norms
+    parameter: nn.Parameter  # this process's copy (valid on the stages in `stages`)
+
+
+def find_tied_parameters(pipeline: nn.Sequential, bounds: tuple[tuple[int, int], ...]) -> list[TiedParameter]:
+    stage_of_block = {b: s for s, (start, stop) in enumerate(bounds) for b in range(start, stop)}
+    holders: dict[int, set[int]] = {}
+    objects: dict[int, nn.Parameter] = {}
+    order: list[int] = []
+    for b, block in enumerate(pipeline):
+        for p in block.parameters():
+            if id(p) not in holders:
+                holders[id(p)] = set()
+                objects[id(p)] = p
+                order.append(id(p))
+            holders[id(p)].add(stage_of_block[b])
+    tied = [pid for pid in order if len(holders[pid]) > 1]
+    return [TiedParameter(i, tuple(sorted(holders[pid])), objects[pid]) for i, pid in enumerate(tied)]
+
+
+def allreduce_tied(tied: list[TiedParameter], groups: dict[int, object], stage: int) -> None:
+    """Sum the gradients of the tied parameters this stage holds over the stages holding them."""
+    for t in tied:
+        if stage not in t.stages:
+            continue
+        p = t.parameter
+        if p.grad is None:
+            p.grad = p.new_zeros(p.shape)
+        dist.all_reduce(p.grad, group=groups[t.index])
