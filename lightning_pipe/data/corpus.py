@@ -1,0 +1,103 @@
+"""Raw text corpora as bytes: the interpreter's standard library by default, or a user path.
+
+The default corpus exists offline on every machine that runs Python, so examples and tests need
+no download. Everything is read in a fixed (sorted) order, so a corpus is a deterministic function
+of its path, `max_bytes` and the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+from typing import Optional, Union
+
+DEFAULT_MAX_BYTES = 8 * 2**20
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+# Third-party code, caches and the (huge, repetitive) test suites are not the library's prose.
+_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
+# Folders of a user's corpus: skip VCS metadata and caches, not content.
+_USER_SKIP_DIRS = frozenset({"__pycache__", "node_modules"})
+_SNIFF_BYTES = 8192
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _sorted_files(root: Path, skip_dirs: frozenset[str], suffix: Optional[str] = None) -> list[Path]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in skip_dirs and not d.startswith(".")]
+        for name in filenames:
+            if name.startswith(".") or (suffix is not None and not name.endswith(suffix)):
+                continue
+            found.append(Path(dirpath, name))
+    # Sort by path components, not by walk order: the order must not depend on the file system.
+    return sorted(found, key=lambda p: p.relative_to(root).parts)
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's ``*.py`` files (no site-packages, no test suites), sorted."""
+    return _sorted_files(stdlib_root(), _STDLIB_SKIP_DIRS, suffix=".py")
+
+
+def _is_text(path: Path) -> bool:
+    # The same heuristic as git and grep: binary files hold NUL bytes near their start.
+    try:
+        with open(path, "rb") as f:
+            return b"\0" not in f.read(_SNIFF_BYTES)
+    except OSError:
+        return False
+
+
+def corpus_files(path: Optional[PathLike] = None) -> list[Path]:
+    """The files a corpus reads, in order: the stdlib for ``None``, a file, or a folder's text files."""
+    if path is None:
+        return stdlib_files()
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"data.path={str(path)!r}: no such file or directory")
+    if p.is_dir():
+        return [f for f in _sorted_files(p, _USER_SKIP_DIRS) if _is_text(f)]
+    return [p]
+
+
+def read_corpus(path: Optional[PathLike] = None, max_bytes: Optional[int] = DEFAULT_MAX_BYTES) -> bytes:
+    """All bytes of the corpus at `path` (``None``: the standard library), concatenated in order.
+
+    Reading stops after `max_bytes` (``None``: no cap); the last file may be cut.
+    """
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(f"data.max_bytes={max_bytes}: must be >= 1 (or None for no cap)")
+    files = corpus_files(path)
+    chunks: list[bytes] = []
+    left = max_bytes
+    for f in files:
+        if left is not None and left <= 0:
+            break
+        with open(f, "rb") as fh:
+            data = fh.read() if left is None else fh.read(left)
+        chunks.append(data)
+        if left is not None:
+            left -= len(data)
+    corpus = b"".join(chunks)
+    if not corpus:
+        where = f"the standard library at {stdlib_root()}" if path is None else repr(str(path))
+        raise ValueError(f"data.path={where}: the corpus is empty (no text files or no bytes to train on)")
+    return corpus
+
+
+def split_corpus(data: bytes, val_fraction: float) -> tuple[bytes, bytes]:
+    """(train, validation): the validation split is the last `val_fraction` of the bytes.
+
+    A contiguous tail rather than a random sample: windows never straddle the two splits, so they
+    are disjoint, and the split needs no seed.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"data.val_fraction={val_fraction}: must be in [0, 1)")
+    n_val = int(len(data) * val_fraction)
+    cut = len(data) - n_val
+    return data[:cut], data[cut:]
