@@ -57,6 +57,18 @@ class _LanguageModel(L.LightningModule):
     def build(cfg: ModelConfig):
         raise NotImplementedError
 
+    def on_validation_end(self):
+        # Perplexity of the epoch's mean loss, exp(mean), not a mean of per-batch exps: exact under
+        # micro-batching too, where logged values are averaged linearly over micro-batches. The epoch
+        # mean exists only now, after logging is closed, so it goes to the loggers directly.
+        loss = self.trainer.callback_metrics.get("val_loss")
+        if loss is None or self.trainer.sanity_checking:
+            return
+        ppl = loss.exp()
+        self.trainer.callback_metrics["val_ppl"] = ppl
+        for logger in self.loggers:
+            logger.log_metrics({"val_ppl": float(ppl)}, step=self.global_step)
+
     def configure_optimizers(self):
         # decay matrices (linear and embedding weights), not biases and LayerNorm gains (nanoGPT);
         # self.parameters() lists the tied weight once, and under the pipeline only this rank's blocks
@@ -99,7 +111,6 @@ class CausalLM(_LanguageModel):
     def validation_step(self, batch, batch_idx):
         loss = self._loss(batch)
         self.log("val_loss", loss, prog_bar=True)
-        self.log("val_ppl", loss.exp(), prog_bar=True)  # epoch value = mean of per-batch perplexities
 
     def test_step(self, batch, batch_idx):
         self.log("test_loss", self._loss(batch))
@@ -138,7 +149,6 @@ class MaskedLM(_LanguageModel):
         predicted = labels != -100
         acc = (logits.argmax(-1)[predicted] == labels[predicted]).float().mean()
         self.log("val_loss", loss, prog_bar=True)
-        self.log("val_ppl", loss.exp(), prog_bar=True)
         self.log("val_acc", acc)  # masked-token accuracy (same per-sample-count assumption)
 
     def test_step(self, batch, batch_idx):
