@@ -1,0 +1,1 @@
+"""Hydra entry points: `python -m lightning_pipe.train` (console script `lightning-pipe-train`)."""
