@@ -1,0 +1,120 @@
+"""The Hydra CLI: recipes, a short real run on 2 processes, a multirun, and bad settings."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from lightning_pipe.cli.paths import CONFIG_DIR
+from lightning_pipe.models import count_parameters
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
+PAPER = {"gpt2-345m": 345e6, "gpt2-762m": 762e6, "gpt2-1.3b": 1314e6, "bert-large": 340e6}
+FAST = ["trainer.max_steps=5", "trainer.log_every_n_steps=1", "trainer.val_check_interval=5", "trainer.limit_val_batches=2", "data.max_bytes=300000"]
+
+
+def cli(args, cwd, timeout=200):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("LOCAL_RANK", None)
+    return subprocess.run([sys.executable, "-m", "lightning_pipe.train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_recipes_are_the_documented_set():
+    assert RECIPES == ["bert-large", "bert-tiny-cpu", "gpt-tiny-cpu", "gpt2-1.3b", "gpt2-345m", "gpt2-762m"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_resolves_and_builds_on_meta(recipe):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"recipe={recipe}"])
+    with torch.device("meta"):
+        module = instantiate(cfg.model)
+    n = count_parameters(module.model)
+    name = cfg.model.model.name
+    if name in PAPER:
+        assert abs(n - PAPER[name]) / PAPER[name] <= 0.05, f"{name}: {n / 1e6:.1f}M vs {PAPER[name] / 1e6:.0f}M"
+    assert cfg.data.batch_size >= cfg.pipeline.microbatches
+    assert cfg.trainer.devices % cfg.pipeline.width == 0
+
+
+@pytest.mark.timeout(240)
+def test_tiny_recipe_trains_5_steps_on_2_processes(tmp_path):
+    run = tmp_path / "run"
+    proc = cli([*FAST, f"hydra.run.dir={run}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[lightning-pipe] gpt-tiny-cpu: train_loss=" in proc.stdout and "val_ppl=" in proc.stdout
+    rows = list(csv.DictReader(open(run / "logs" / "version_0" / "metrics.csv")))
+    losses = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
+    assert losses and all(l == l for l in losses)
+    assert any(r.get("val_loss") for r in rows)
+    assert (run / "checkpoints" / "last.ckpt").exists()
+    assert "schedule: 1f1b" in (run / "config_resolved.yaml").read_text()
+
+
+@pytest.mark.timeout(300)
+def test_multirun_puts_each_job_in_its_own_folder(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = cli(["-m", "pipeline.schedule=gpipe,1f1b", *FAST, "trainer.max_steps=3", f"hydra.sweep.dir={sweep}",
+                "hydra.sweep.subdir=${hydra.job.num}"], tmp_path, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for job, schedule in [("0", "gpipe"), ("1", "1f1b")]:
+        assert f"schedule: {schedule}" in (sweep / job / "config_resolved.yaml").read_text()
+        assert (sweep / job / "logs" / "version_0" / "metrics.csv").exists()
+    # the same math: both schedules report the same loss
+    losses = [line.split("train_loss=")[1].split()[0].rstrip(",") for line in proc.stdout.splitlines() if "[lightning-pipe]" in line]
+    assert len(losses) == 2 and losses[0] == losses[1]
+
+
+def bad(tmp_path, *args):
+    run = tmp_path / "run"
+    proc = cli([*args, f"hydra.run.dir={run}"], tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert not run.exists() or not any(p for p in run.iterdir()), "nothing half-written may be left behind"
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_unknown_recipe(tmp_path):
+    proc = cli(["recipe=gpt-huge", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=120)
+    assert proc.returncode != 0 and "Could not find 'recipe/gpt-huge'" in proc.stderr
+    assert "gpt-tiny-cpu" in proc.stderr  # Hydra lists the available recipes
+
+
+def test_unknown_schedule(tmp_path):
+    assert bad(tmp_path, "pipeline.schedule=zigzag").startswith("error: schedule='zigzag' is not a known schedule; allowed values")
+
+
+def test_unknown_model_name(tmp_path):
+    assert "unknown model name 'gpt-huge'" in bad(tmp_path, "model.model.name=gpt-huge")
+
+
+def test_missing_data_path(tmp_path):
+    assert "data.path" in bad(tmp_path, f"data.path={tmp_path / 'nowhere.txt'}")
+
+
+def test_empty_corpus(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    line = bad(tmp_path, f"data.path={empty}")
+    assert line.startswith("error:") and "empty" in line and "data.path" in line
+
+
+def test_sequence_longer_than_the_context(tmp_path):
+    line = bad(tmp_path, "data.seq_len=4096")
+    assert line.startswith("error:") and "data.seq_len" in line
+
+
+def test_devices_that_do_not_fit_the_pipeline(tmp_path):
+    line = bad(tmp_path, "trainer.devices=3", "pipeline.width=2")
+    assert line.startswith("error:") and "pipeline.width" in line
+    line = bad(tmp_path, "trainer.devices=2", "pipeline.partition=[4,4]")
+    assert line.startswith("error:") and "sums to 8 blocks but the model has 10 blocks" in line
