@@ -100,7 +100,8 @@ def _fail(message: str, run_dir: Optional[Path], created: bool) -> None:
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> Optional[float]:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    created = not any(p.name != ".hydra" for p in run_dir.iterdir()) if run_dir.exists() else False
+    # Hydra has just made this folder for this run (its .hydra/ and the job's .log) unless it holds more
+    created = run_dir.exists() and all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir())
     try:
         module, datamodule, trainer = build(cfg)
     except (ValueError, FileNotFoundError, PipelineSetupError) as err:
