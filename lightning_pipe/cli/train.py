@@ -18,6 +18,7 @@ from typing import Any, Optional
 import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -104,7 +105,9 @@ def main(cfg: DictConfig) -> Optional[float]:
     created = run_dir.exists() and all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir())
     try:
         module, datamodule, trainer = build(cfg)
-    except (ValueError, FileNotFoundError, PipelineSetupError) as err:
+    except (ValueError, FileNotFoundError, PipelineSetupError, InstantiationException) as err:
+        if isinstance(err, InstantiationException) and err.__cause__ is not None:
+            err = err.__cause__  # the model's or data module's own message, not Hydra's wrapper
         _fail(str(err).splitlines()[0] if str(err) else type(err).__name__, run_dir, created)
     if trainer.is_global_zero:
         (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
