@@ -65,6 +65,7 @@ def build(cfg: DictConfig) -> tuple[L.LightningModule, L.LightningDataModule, L.
     module = instantiate(cfg.model)
     max_seq_len = getattr(getattr(module, "config", None), "max_seq_len", None)
     datamodule = instantiate(cfg.data, max_seq_len=max_seq_len) if max_seq_len else instantiate(cfg.data)
+    datamodule.setup("fit")  # reads the corpus now: a missing or empty one is an error before any process starts
     pipe = cfg.pipeline
     partition = pipe.partition if isinstance(pipe.partition, str) else list(pipe.partition)
     strategy = AutoPipeStrategy(
