@@ -176,19 +176,36 @@ def test_checkpoint_loads_in_single_process_and_resume_is_bit_exact(tmp_path):
         assert torch.equal(v, resumed.state_dict()[k]), k
 
 
-def test_validate_test_and_predict_run_forward_only_pipelines():
+class RecordPredictions(Callback):
+    """Each rank writes the predict_step outputs it sees (spawned workers cannot return them)."""
+
+    def __init__(self, folder):
+        self.folder, self.outputs = folder, []
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.outputs.append(outputs)
+
+    def on_predict_end(self, trainer, pl_module):
+        torch.save(self.outputs, os.path.join(self.folder, f"pred-rank{trainer.global_rank}.pt"))
+
+
+def test_validate_test_and_predict_run_forward_only_pipelines(tmp_path):
     ref, model = LitSeq(), LitSeq()
     val_ref = L.Trainer(devices=1, **trainer_kwargs()).validate(ref, loader(batch_size=7), verbose=False)
-    trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(microbatches=3, start_method="spawn"), **trainer_kwargs())
+    trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(microbatches=3, start_method="spawn"),
+                        callbacks=[RecordPredictions(tmp_path)], **trainer_kwargs())
+    # batches of 7 and a last one of 4: micro-batch sizes 3/2/2 and 2/1/1
     val = trainer.validate(model, loader(batch_size=7), verbose=False)
     assert val[0]["val_loss"] == pytest.approx(val_ref[0]["val_loss"], rel=1e-12)
     test = trainer.test(model, loader(batch_size=7), verbose=False)
     assert test[0]["test_loss"] == pytest.approx(val_ref[0]["val_loss"], rel=1e-12)
-    preds = trainer.predict(model, loader(batch_size=7))
+    trainer.predict(model, loader(batch_size=7), return_predictions=False)
     ref_preds = L.Trainer(devices=1, **trainer_kwargs()).predict(ref, loader(batch_size=7))
-    assert len(preds) == len(ref_preds)
-    for p, r in zip(preds, ref_preds):
-        assert torch.allclose(p, r, rtol=1e-12, atol=0)
+    for rank in range(2):  # the predictions of the last stage reach every rank
+        preds = torch.load(tmp_path / f"pred-rank{rank}.pt")
+        assert len(preds) == len(ref_preds)
+        for p, r in zip(preds, ref_preds):
+            assert torch.allclose(p, r, rtol=1e-12, atol=0)
 
 
 class RecordDtype(Callback):

@@ -16,6 +16,7 @@ the user's own step methods), and then fits the result into Lightning's automati
 
 from __future__ import annotations
 
+import atexit
 import logging
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Sequence, Union
@@ -173,6 +174,7 @@ class AutoPipeStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        atexit.register(_close_process_groups)
 
     def barrier(self, name: Optional[str] = None) -> None:
         if not _distributed_is_initialized():
@@ -437,6 +439,14 @@ class AutoPipeStrategy(ParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         pass  # registered by lightning_pipe/__init__.py
+
+
+def _close_process_groups() -> None:
+    """At exit, close the process groups (ours and the default) in order. Left to interpreter
+    shutdown, gloo sub-groups were seen to abort a process ("terminate called without an active
+    exception") once its peers had gone. Registered once per setup; calls after the first do nothing."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _to_cpu(obj: Any) -> Any:
