@@ -84,3 +84,32 @@ def test_gpipe_and_1f1b_equal_single_process(world):
 def test_tuple_activation_with_integer_mask_and_changing_shapes(world):
     configs = [("masked", torch.float64, schedule, "uniform", 3) for schedule in ["gpipe", "1f1b"]]
     check(world, configs)
+
+
+def traced_step(rank: int, world: int) -> list:
+    from lightning_pipe.runtime.executor import Executor
+
+    model = build("mlp", torch.float64)
+    start, stop = partition_blocks("uniform", len(model), world).bounds[rank]
+    chunk = nn.Sequential(*[model[i] for i in range(start, stop)])
+    host = SequentialHost({rank: chunk}, world - 1, nn.functional.cross_entropy)
+    pipe = SequentialPipeline(build_schedule("1f1b", world, 4), rank, host, Transport(lambda r: r, torch.device("cpu")))
+    pipe.executor.trace = True
+    x, y = batches("mlp", torch.float64)[0]
+    pipe.step(x, y)
+    return pipe.executor.records
+
+
+def test_trace_records_every_compute_and_send():
+    from lightning_pipe.viz import traced_timeline
+
+    schedule = build_schedule("1f1b", 2, 4)
+    records = run_distributed(traced_step, 2, timeout=120)
+    for rank, recs in enumerate(records):
+        traced = [schedule.actions[rank][i] for i, _, _ in recs]
+        expected = [a for a in schedule.actions[rank] if a.op.is_compute or a.op.is_send]
+        assert sorted(map(str, traced)) == sorted(map(str, expected))
+        computes = [(s, e) for i, s, e in recs if schedule.actions[rank][i].op.is_compute]
+        assert all(s <= e for s, e in computes) and all(a[1] <= b[0] for a, b in zip(computes, computes[1:]))
+    timeline = traced_timeline(schedule, records)
+    assert timeline.iteration_time > 0 and len(timeline.computes()) == 2 * 2 * 4

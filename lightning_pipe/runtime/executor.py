@@ -16,6 +16,7 @@ serves plain PyTorch (tests, benchmarks) and the Lightning strategy.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Hashable, Optional, Protocol, Sequence
 
 import torch
@@ -49,10 +50,14 @@ def _local_leaf(value: Activation) -> Activation:
 
 
 class Executor:
-    def __init__(self, schedule: PipelineSchedule, rank: int, transport: Transport, prefetch: bool = True):
+    def __init__(self, schedule: PipelineSchedule, rank: int, transport: Transport, prefetch: bool = True, trace: bool = False):
         self.schedule, self.rank, self.transport, self.prefetch = schedule, rank, transport, prefetch
         self.actions = schedule.actions[rank]
         self.last_chunk = schedule.num_chunks - 1
+        # trace: (action index, start, end) of each compute and send of the last run, perf_counter
+        # seconds; on CUDA the device is synchronised around each compute, which costs overlap.
+        self.trace = trace
+        self.records: list[tuple[int, float, float]] = []
 
     def run(self, host: StageHost, keys: Sequence[Hashable]) -> None:
         """Execute the action list once. ``keys[i]`` is micro-batch i's signature (see p2p)."""
@@ -119,12 +124,15 @@ class Executor:
 
         while next_recv < len(actions) and not actions[next_recv].op.is_recv:
             next_recv += 1
+        records = self.records = []
+        sync = self.trace and transport.device.type == "cuda"
         i = 0
         while i < len(actions):
             a = actions[i]
             if a.op.is_send or a.op.is_recv:
                 ops: list = []
                 pendings: list = []
+                first = i
                 while i < len(actions) and (actions[i].op.is_send or actions[i].op.is_recv):
                     c = actions[i]
                     if c.op is Op.SEND_ACT:
@@ -134,11 +142,18 @@ class Executor:
                     elif not posted[i]:
                         post(i, ops, pendings)
                     i += 1
+                if self.trace:  # a send is issued (not completed) here: a point in time
+                    now = time.perf_counter()
+                    records.extend((j, now, now) for j in range(first, i) if actions[j].op.is_send)
                 issue(ops, pendings)
                 continue
             if a.op.is_compute and self.prefetch:
                 prefetch()
             c, mb = a.chunk, a.microbatch
+            if self.trace and a.op.is_compute:
+                if sync:
+                    torch.cuda.synchronize(transport.device)
+                started = time.perf_counter()
             if a.op is Op.FORWARD:
                 inputs = take(Op.RECV_ACT, c, mb) if c > 0 else None
                 with torch.set_grad_enabled(self.schedule.backward):
@@ -165,6 +180,10 @@ class Executor:
                         outbox[("gradient", c, mb)] = grads
             elif a.op is Op.REDUCE_GRAD:
                 host.reduce_gradients(c)
+            if self.trace and a.op.is_compute:
+                if sync:
+                    torch.cuda.synchronize(transport.device)
+                records.append((i, started, time.perf_counter()))
             i += 1
 
         for work in send_works:
