@@ -114,10 +114,16 @@ def chunk_costs(costs: CostModel, bounds: Sequence[tuple[int, int]]) -> tuple[li
     return f, b_, comm
 
 
-def simulate(schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tuple[int, int]], critical_path: bool = True) -> Timeline:
-    """Replay `schedule` with chunk c holding blocks ``bounds[c]`` (half-open ranges)."""
+def simulate(schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tuple[int, int]], critical_path: bool = True,
+             scale: Optional[Sequence[float]] = None) -> Timeline:
+    """Replay `schedule` with chunk c holding blocks ``bounds[c]`` (half-open ranges).
+
+    ``scale[i]`` is micro-batch i's size relative to the profiled one (0.5 for a half from the
+    slicer): its compute times and message sizes scale with it (a linear model of batch size)."""
     if len(bounds) != schedule.num_chunks:
         raise ValueError(f"{len(bounds)} block ranges for a schedule of {schedule.num_chunks} chunks")
+    if scale is not None and len(scale) != schedule.num_microbatches:
+        raise ValueError(f"scale has {len(scale)} entries for {schedule.num_microbatches} micro-batches")
     fwd, bwd, comm = chunk_costs(costs, bounds)
     ranks = schedule.num_ranks
     arrival: dict[tuple, tuple[float, Optional[Event]]] = {}  # message -> (arrival time, producing compute)
@@ -153,7 +159,7 @@ def simulate(schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tupl
                     elif local is not None:
                         ready, producer = local.end, local
                     start = max(clock[r], ready)
-                    duration *= costs.factor(r)
+                    duration *= costs.factor(r) * (scale[mb] if scale is not None else 1.0)
                     event = Event(r, a, start, start + duration)
                     # the constraint that set the start; on a tie the remote one (the path toward later stages)
                     cause[event] = producer if (producer is not None and ready >= clock[r]) else last[r]
@@ -166,6 +172,8 @@ def simulate(schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tupl
                     producer = done[(Op.FORWARD if a.op is Op.SEND_ACT else Op.BACKWARD, c, mb)]
                     block = bounds[c][1] - 1 if a.op is Op.SEND_ACT else bounds[c][0] - 1
                     t = comm[c] if a.op is Op.SEND_ACT else costs.comm_time(block)
+                    if scale is not None and costs.activation_bytes:  # latency stays, transfer scales
+                        t = costs.latency + (t - costs.latency) * scale[mb]
                     key = ("act", c, mb) if a.op is Op.SEND_ACT else ("grad", c, mb)
                     arrival[key] = (clock[r] + t, producer)
                     events.append(Event(r, a, clock[r], clock[r] + t))

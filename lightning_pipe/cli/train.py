@@ -70,7 +70,8 @@ def build(cfg: DictConfig) -> tuple[L.LightningModule, L.LightningDataModule, L.
     partition = pipe.partition if isinstance(pipe.partition, str) else list(pipe.partition)
     strategy = AutoPipeStrategy(
         schedule=pipe.schedule, microbatches=pipe.microbatches, partition=partition, width=pipe.width,
-        prefetch=pipe.prefetch, start_method=_start_method(pipe),
+        prefetch=pipe.prefetch, slicer=pipe.slicer, trace=pipe.trace, profile=pipe.profile,
+        bandwidth=pipe.bandwidth, latency=pipe.latency, start_method=_start_method(pipe),
     )
     world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
     try:
@@ -79,7 +80,7 @@ def build(cfg: DictConfig) -> tuple[L.LightningModule, L.LightningDataModule, L.
         raise SettingError(f"trainer.devices x trainer.num_nodes = {world} does not fit pipeline.width: {err}") from None
     _, blocks = find_pipeline(module)
     try:
-        partition_blocks(partition, len(blocks), topology.depth)
+        partition_blocks(partition if not isinstance(partition, str) else "uniform", len(blocks), topology.depth)
     except ValueError as err:
         raise SettingError(f"{err} (pipeline.partition, trainer.devices)") from None
     if cfg.data.batch_size < pipe.microbatches:

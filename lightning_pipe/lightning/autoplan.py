@@ -12,22 +12,31 @@ Runs in the strategy's setup, before the model is cut:
 
 from __future__ import annotations
 
+import json
 import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from ..planning import Plan, plan
 from ..planning.partition import partition_blocks
+from ..planning.slicer import SlicePlan, choose_slicing, simulate_sliced
 from ..profiler import Profile, profile_blocks
+from ..viz import chrome_trace, gantt, traced_timeline
 from .stage import _Handoff
 
 log = logging.getLogger(__name__)
 
 
-def sample_microbatch(trainer: Any, size: int) -> Optional[Any]:
-    """`size` samples of the training (or else validation) dataset, collated as the DataLoader would."""
+def sample_microbatch(trainer: Any, microbatches: int) -> tuple[Optional[Any], int]:
+    """A micro-batch (batch size // microbatches samples) of the training (or else validation)
+    dataset, collated as the DataLoader would, and its size; (None, 0) if there is none to take."""
     for source in (trainer.fit_loop._data_source, trainer.validate_loop._data_source):
         try:
             loader = source.dataloader() if source.is_defined() else None
@@ -38,8 +47,9 @@ def sample_microbatch(trainer: Any, size: int) -> Optional[Any]:
         if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__") or len(dataset) == 0:
             continue
         collate = getattr(loader, "collate_fn", None) or torch.utils.data.default_collate
-        return collate([dataset[i] for i in range(min(size, len(dataset)))])
-    return None
+        size = max(1, min((getattr(loader, "batch_size", None) or 1) // microbatches, len(dataset)))
+        return collate([dataset[i] for i in range(size)]), size
+    return None, 0
 
 
 def pipeline_input(module: Any, pipeline: nn.Sequential, batch: Any) -> Any:
@@ -84,3 +94,116 @@ def profile_pipeline(module: Any, pipeline: nn.Sequential, batch: Any, device: t
     return Profile(model_name, microbatch_size, dtype, device.type, field("forward"), field("backward"),
                    field("activation_bytes"), field("param_bytes"), field("peak_memory"),
                    [type(b).__name__ for b in blocks])
+
+
+KINDS = {"Embedding": "embedding", "ResidualAttentionBlock": "attention", "ResidualFFNBlock": "ffn", "LMHead": "head", "MLMHead": "head"}
+# Link models when none is given: a GPU pipeline over NVLink / PCIe, a CPU one over loopback gloo.
+DEFAULT_LINKS = {"cuda": (25e9, 20e-6), "cpu": (2e9, 50e-6)}
+
+
+@dataclass
+class PlanResult:
+    bounds: tuple[tuple[int, int], ...]
+    plan: Optional[Plan]
+    sliced: int
+
+
+class AutoPlanner:
+    """Profile -> plan -> (slice) for the strategy; also keeps and writes traces of real steps."""
+
+    def __init__(self, method: Optional[str], slicer: bool, profile: Optional[str], bandwidth: Optional[float], latency: Optional[float]):
+        self.method = method if method != "uniform" else None  # "uniform" needs no profile
+        self.slicer, self.profile_path, self.bandwidth, self.latency = slicer, profile, bandwidth, latency
+        self._trace: Optional[tuple[Any, list]] = None
+        self.out_dir: Optional[Path] = None
+
+    def prepare(self, strategy: Any) -> None:
+        """On every rank: Lightning's `trainer.log_dir` is a collective (a broadcast from rank 0)."""
+        trainer = strategy.lightning_module.trainer
+        self.out_dir = Path(trainer.log_dir or trainer.default_root_dir)
+
+    @property
+    def needs_profile(self) -> bool:
+        return self.method is not None or self.slicer
+
+    def run(self, strategy: Any, module: Any, pipeline: nn.Sequential) -> PlanResult:
+        topo, rank = strategy.topology, strategy.global_rank
+        depth, m = topo.depth, strategy.microbatches
+        fallback = strategy.partition if not isinstance(strategy.partition, str) else "uniform"
+        sample, mbs = sample_microbatch(module.trainer, m)
+        if sample is None and self.profile_path is None:
+            if rank == 0:
+                log.warning("no map-style dataset to profile with: using a uniform partition and no slicing")
+            return PlanResult(partition_blocks(fallback, len(pipeline), depth).bounds, None, 0)
+        start = time.perf_counter()
+        if self.profile_path is not None:
+            profile = Profile.load(self.profile_path)
+            profile.check_blocks(len(pipeline))
+        else:
+            profile = profile_pipeline(module, pipeline, sample, strategy.root_device, rank, topo.world_size,
+                                       type(module).__name__, mbs)
+        default_bw, default_lat = DEFAULT_LINKS.get(strategy.root_device.type, DEFAULT_LINKS["cuda"])
+        costs = profile.costs(self.bandwidth or default_bw, self.latency if self.latency is not None else default_lat)
+        kinds = [KINDS.get(type(b).__name__, "block") for b in pipeline]
+        result: Optional[Plan] = None
+        if self.method is not None:
+            result = plan(costs, depth, m, method=self.method, schedule=strategy.schedule_name, kinds=kinds)
+            bounds = result.bounds
+        else:
+            bounds = partition_blocks(fallback, len(pipeline), depth).bounds
+        slicing = choose_slicing(costs, bounds, m, strategy.schedule_name) if self.slicer else None
+        box = [(tuple(map(tuple, bounds)), slicing.sliced if slicing else 0)]
+        if topo.world_size > 1:  # the same numbers everywhere already; rank 0's word is final
+            dist.broadcast_object_list(box, 0)
+        bounds, sliced = box[0]
+        if rank == 0:
+            self._report(strategy, profile, costs, bounds, result, slicing, time.perf_counter() - start)
+        return PlanResult(bounds, result, sliced)
+
+    def _report(self, strategy: Any, profile: Profile, costs: Any, bounds: Any, result: Optional[Plan],
+                slicing: Optional[SlicePlan], seconds: float) -> None:
+        out = self._out()
+        profile.save(out / "profile.json")
+        summary = {"profile": profile.key, "profiled_and_planned_seconds": seconds,
+                   "bounds": [list(b) for b in bounds], "plan": result.to_dict() if result else None}
+        if slicing is not None:
+            summary["slicer"] = {"sliced": slicing.sliced, "startup": slicing.startup, "baseline_startup": slicing.baseline_startup,
+                                 "iteration_time": slicing.iteration_time, "baseline_iteration_time": slicing.baseline_iteration_time}
+        (out / "plan.json").write_text(json.dumps(summary, indent=1))
+        timeline = simulate_sliced(costs, bounds, strategy.microbatches, slicing.sliced if slicing else 0, strategy.schedule_name)
+        gantt(timeline, out / "plan_timeline.png", title=f"predicted: {timeline.schedule.name}, stages {[b - a for a, b in bounds]}")
+        if result is not None:
+            rank_zero_info("\n" + result.table())
+        if slicing is not None:
+            rank_zero_info(f"slicer: {slicing.sliced} warm-up micro-batches cut in halves; start-up "
+                     f"{slicing.baseline_startup * 1e3:.2f} -> {slicing.startup * 1e3:.2f} ms (simulated)")
+        rank_zero_info(f"plan, profile and predicted timeline written to {out}")
+
+    def _out(self) -> Path:
+        assert self.out_dir is not None, "prepare() runs in setup"
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        return self.out_dir
+
+    # ---- traces of real steps ---------------------------------------------------------------
+    def keep_trace(self, executor: Any) -> None:
+        origin = min((s for _, s, _ in executor.records), default=0.0)
+        self._trace = (executor.schedule, [(i, s - origin, e - origin) for i, s, e in executor.records])
+
+    def write_trace(self, strategy: Any) -> None:
+        """Gather the last traced step of replica 0's stages to rank 0; draw it and write a Chrome trace."""
+        if self._trace is None or strategy.replica_index != 0:
+            return
+        schedule, mine = self._trace
+        parts = [None] * strategy.topology.depth if strategy.global_rank == 0 else None
+        if strategy.topology.depth > 1:
+            dist.gather_object(mine, parts, dst=0, group=strategy._groups.pipeline)
+        else:
+            parts = [mine]
+        if strategy.global_rank == 0:
+            timeline = traced_timeline(schedule, parts)
+            out = self._out()
+            chrome_trace(timeline, out / "trace.json")
+            gantt(timeline, out / "trace_timeline.png", title=f"measured: {schedule.name}, last training step")
+            rank_zero_info(f"measured iteration {timeline.iteration_time * 1e3:.2f} ms; trace written to {out}")
+
+

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.distributed.constants import default_pg_timeout
 
 from ..planning.partition import PartitionSpec, check_partition_spec, partition_blocks
+from ..planning.partitioners import PARTITIONERS
 from ..runtime.executor import Executor
 from ..runtime.microbatch import batch_size, signature, split_microbatches
 from ..runtime.p2p import Transport
@@ -42,6 +43,7 @@ from ..runtime.tied import TiedParameter, allreduce_tied, find_tied_parameters
 from ..schedules import SCHEDULES, build_schedule, forward_only, validate
 from ..topology import ProcessGroups, Topology
 from .host import LightningHost
+from .autoplan import AutoPlanner
 from .logs import LogBroadcaster, replay
 from .outputs import merge_outputs
 from .stage import PipelineStage, check_no_outside_parameters, find_pipeline, set_submodule
@@ -57,9 +59,14 @@ class AutoPipeStrategy(ParallelStrategy):
         self,
         schedule: str = "1f1b",
         microbatches: int = 4,
-        partition: PartitionSpec = "uniform",
+        partition: PartitionSpec = "autopipe",
         width: int = 1,
         prefetch: bool = True,
+        slicer: bool = False,
+        trace: bool = False,
+        profile: Optional[str] = None,
+        bandwidth: Optional[float] = None,
+        latency: Optional[float] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[Any] = None,
@@ -84,11 +91,19 @@ class AutoPipeStrategy(ParallelStrategy):
             raise ValueError(f"width={width!r}: the number of pipeline replicas must be an integer >= 1")
         if start_method not in START_METHODS:
             raise ValueError(f"start_method={start_method!r}; allowed values: {list(START_METHODS)}")
-        if not isinstance(partition, str):
+        if isinstance(partition, str):
+            if partition not in PARTITIONERS:
+                raise ValueError(
+                    f"partition={partition!r} is not a known method; allowed: {sorted(PARTITIONERS)} or a list of blocks per stage"
+                )
+        else:
             partition = [int(n) if isinstance(n, int) and not isinstance(n, bool) else n for n in partition]
-        check_partition_spec(partition)
+            check_partition_spec(partition)
         self.schedule_name, self.microbatches, self.partition, self.width = schedule.lower(), microbatches, partition, width
-        self.prefetch = prefetch
+        self.prefetch, self.trace = prefetch, trace
+        self._planner = AutoPlanner(partition if isinstance(partition, str) else None, slicer, profile, bandwidth, latency)
+        self.plan: Optional[Any] = None  # the Plan this run trains with (planner partitions)
+        self.sliced = 0  # warm-up micro-batches the slicer cuts in halves
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -210,6 +225,7 @@ class AutoPipeStrategy(ParallelStrategy):
         self.topology = Topology(self.world_size, self.width)
         if self._groups is None:
             self._groups = ProcessGroups(self.topology, self.global_rank)
+        self._planner.prepare(self)
         self._cut(module)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -238,9 +254,13 @@ class AutoPipeStrategy(ParallelStrategy):
         path, pipeline = find_pipeline(module)
         check_no_outside_parameters(module, path)
         depth = self.topology.depth
-        plan = partition_blocks(self.partition, len(pipeline), depth)
-        start, stop = plan.bounds[self.stage_index]
-        self._setup_tied(find_tied_parameters(pipeline, plan.bounds))
+        if self._planner.needs_profile:  # a named planner or the slicer: profile on the real ranks first
+            result = self._planner.run(self, module, pipeline)
+            bounds, self.plan, self.sliced = result.bounds, result.plan, result.sliced
+        else:
+            bounds = partition_blocks(self.partition, len(pipeline), depth).bounds
+        start, stop = bounds[self.stage_index]
+        self._setup_tied(find_tied_parameters(pipeline, bounds))
         self._stage = PipelineStage({i: pipeline[i] for i in range(start, stop)}, {self.stage_index: (start, stop)})
         self._pipeline_path = path
         self._full_pipeline = pipeline if self.global_rank == 0 else None
@@ -297,23 +317,29 @@ class AutoPipeStrategy(ParallelStrategy):
             else:
                 schedule = forward_only(self.topology.depth, m)
                 validate(schedule)
-            self._executors[key] = Executor(schedule, self.stage_index, self._transport, self.prefetch)
+            self._executors[key] = Executor(schedule, self.stage_index, self._transport, self.prefetch, trace=self.trace)
         return self._executors[key]
 
     # ---- steps -------------------------------------------------------------------------------
     def _run(self, kind: str, step: str, context: Callable, args: tuple, kwargs: dict, m: int) -> tuple[float, list]:
         module, host = self.lightning_module, self._host
         batch = args[0]
-        microbatches, weights = split_microbatches(batch, m)
+        microbatches, weights = split_microbatches(batch, m, sliced=self.sliced if kind == "train" else 0)
+        m = len(microbatches)  # halves from the slicer are micro-batches of their own
         keys = [(kind, signature(mb)) for mb in microbatches]
         scaler = getattr(self.precision_plugin, "scaler", None) if kind == "train" else None
         host.begin(step, microbatches, weights, args[1:], kwargs, scaler.scale if scaler is not None else None)
         module.log = host.recorder  # type: ignore[method-assign]
+        executor = self._executor(kind, m)
+        if self.trace and self.topology.depth > 1:
+            dist.barrier(group=self._groups.pipeline)  # a common start, so the ranks' traces line up
         try:
             with context():
-                self._executor(kind, m).run(host, keys)
+                executor.run(host, keys)
         finally:
             del module.log
+        if self.trace and kind == "train":
+            self._planner.keep_trace(executor)
         loss, entries = self._logs.exchange(host.recorder, host.loss if host.loss is not None else 0.0)
         replay(module, entries, self.root_device)
         return loss, entries
@@ -426,6 +452,8 @@ class AutoPipeStrategy(ParallelStrategy):
     def teardown(self) -> None:
         module = self.lightning_module
         finished = module is not None and module._trainer is not None and module.trainer.state.status == TrainerStatus.RUNNING
+        if finished and self.trace and self._stage is not None and _distributed_is_initialized():
+            self._planner.write_trace(self)  # collective: every rank's last traced step to rank 0
         if finished and self._stage is not None and _distributed_is_initialized():
             state = self.lightning_module_state_dict()  # collective: all ranks, only on success
             if self.global_rank == 0 and self._full_pipeline is not None:
@@ -485,7 +513,8 @@ def _validate_inputs(strategy: AutoPipeStrategy, args: tuple, trainer: Optional[
     if isinstance(model, nn.Module):
         path, pipeline = find_pipeline(model)
         check_no_outside_parameters(model, path)
-        partition_blocks(strategy.partition, len(pipeline), strategy.depth)
+        spec = strategy.partition if not isinstance(strategy.partition, str) else "uniform"  # planners: the counts
+        partition_blocks(spec, len(pipeline), strategy.depth)
     fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
     size = getattr(args[1], "batch_size", None) if fitting and len(args) > 1 else None
     if isinstance(size, int) and size < strategy.microbatches:

@@ -1,0 +1,314 @@
+"""A schedule's compute graph, compiled once and replayed for many partitions.
+
+Planners simulate hundreds of partitions of one schedule. `simulator.simulate` re-walks every
+action list and builds an `Event` per action each time; here the walk is done once: each compute
+keeps the compute whose end releases it (the previous compute on its rank is implicit in the
+rank's clock) and the stage boundary its message crosses. A partition then costs one flat loop
+over the computes. The semantics are `simulate`'s, float for float (same sums, same order of
+operations), so iteration times and master stages agree exactly; tests/test_planning.py checks it.
+
+Many partitions at once: computes at the same depth of the graph wait for nothing among
+themselves, so `iteration_times` runs depth by depth with numpy, one column per partition (the
+same float operations, so the same results), which is several times cheaper per partition.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..schedules import Op, PipelineSchedule, get_schedule
+from ..simulator import CostModel
+
+Bounds = tuple[tuple[int, int], ...]
+
+
+@lru_cache(maxsize=32)
+def cached_schedule(name: str, stages: int, microbatches: int) -> PipelineSchedule:
+    """Built once per (name, stages, microbatches); nothing mutates a schedule. Not `validate`d
+    (14 ms at 16 x 32, a seventh of the planning budget): the generators are validated by their
+    tests, and `Replay` itself rejects a schedule that cannot finish."""
+    return get_schedule(name)(stages, microbatches)
+
+
+class Replay:
+    """The compute DAG of `schedule`, in an order where every compute follows what it waits for."""
+
+    def __init__(self, schedule: PipelineSchedule):
+        self.schedule = schedule
+        chunks = schedule.num_chunks
+        self.chunk_rank = schedule.chunk_rank
+        per_rank: list[list[tuple[bool, int, Optional[tuple]]]] = []  # (forward?, chunk, message or local key)
+        senders: dict[tuple, tuple[int, int]] = {}  # message -> (rank, index of the compute before the send)
+        for r, actions in enumerate(schedule.actions):
+            computes: list[tuple[bool, int, Optional[tuple]]] = []
+            for a in actions:
+                c, mb = a.chunk, a.microbatch
+                if a.op is Op.FORWARD:
+                    if c == 0:
+                        key = None
+                    elif schedule.chunk_rank[c - 1] == r:
+                        key = ("local", Op.FORWARD, c - 1, mb)
+                    else:
+                        key = ("act", c - 1, mb)
+                    computes.append((True, c, key))
+                elif a.op is Op.BACKWARD:
+                    if c == chunks - 1:
+                        key = None
+                    elif schedule.chunk_rank[c + 1] == r:
+                        key = ("local", Op.BACKWARD, c + 1, mb)
+                    else:
+                        key = ("grad", c + 1, mb)
+                    computes.append((False, c, key))
+                elif a.op.is_send:
+                    # a send leaves at the sender's clock: the end of its latest compute
+                    kind = "act" if a.op is Op.SEND_ACT else "grad"
+                    senders[(kind, c, mb)] = (r, len(computes) - 1)
+            per_rank.append(computes)
+
+        # (op, chunk, microbatch) -> (rank, position): the producer of a message, the cause on the path
+        done_key: dict[tuple, tuple[int, int]] = {}
+        for r, actions in enumerate(schedule.actions):
+            for j, a in enumerate(a for a in actions if a.op.is_compute):
+                done_key[(a.op, a.chunk, a.microbatch)] = (r, j)
+        index_of: dict[tuple[int, int], int] = {}
+
+        # topological order: round-robin over ranks, a compute goes once what releases it has gone
+        pointer = [0] * len(per_rank)
+        order: list[tuple[int, int]] = []
+        remaining = sum(len(c) for c in per_rank)
+        while remaining:
+            progressed = False
+            for r, computes in enumerate(per_rank):
+                while pointer[r] < len(computes):
+                    fwd, c, key = computes[pointer[r]]
+                    dep = self._release(key, senders, done_key)
+                    if dep is not None and dep[0] not in index_of:
+                        break
+                    index_of[(r, pointer[r])] = len(order)
+                    order.append((r, pointer[r]))
+                    pointer[r] += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:
+                raise ValueError("the schedule cannot finish (validate it first: a rank waits for a message never sent)")
+
+        n = len(order)
+        self.rank = [0] * n
+        self.duration = [0] * n  # index into forward + backward chunk times
+        self.sender = [-1] * n  # compute whose end the message leaves at (or the local producer)
+        self.producer = [-1] * n  # compute that produced the data (the cause on the critical path)
+        self.boundary = [chunks] * n  # stage boundary crossed (chunk index); `chunks` = no transfer
+        self.forward = [True] * n
+        self.counts_f = [0] * chunks
+        self.counts_b = [0] * chunks
+        for k, (r, j) in enumerate(order):
+            fwd, c, key = per_rank[r][j]
+            self.rank[k] = r
+            self.forward[k] = fwd
+            self.duration[k] = c if fwd else chunks + c
+            (self.counts_f if fwd else self.counts_b)[c] += 1
+            dep = self._release(key, senders, done_key)
+            if dep is not None:
+                send_at, produced_by = dep
+                self.sender[k] = index_of[send_at]
+                self.producer[k] = index_of[produced_by]
+                if key[0] != "local":
+                    # both directions cross the boundary after the lower chunk: the comm of its last block
+                    self.boundary[k] = c - 1 if fwd else c
+        self.ranks = len(per_rank)
+        self.chunks = chunks
+        self.previous = [-1] * len(order)  # the compute before on the same rank
+        latest: dict[int, int] = {}
+        for k, r in enumerate(self.rank):
+            self.previous[k] = latest.get(r, -1)
+            latest[r] = k
+        self.one_chunk_per_rank = tuple(schedule.chunk_rank) == tuple(range(self.ranks))
+        self._levels = self._by_depth()
+
+    def _by_depth(self) -> list[tuple[np.ndarray, ...]]:
+        """Computes grouped by depth in the graph, as index arrays for the batched replay. Index
+        `n` is a sentinel that ended at 0.0 (no previous compute, no message) and boundary
+        `chunks` a transfer of 0.0 (a local hand-over)."""
+        n = len(self.rank)
+        previous = [n if p < 0 else p for p in self.previous]
+        sender = [s if s >= 0 else n for s in self.sender]
+        depth = [0] * (n + 1)
+        groups: dict[int, list[int]] = {}
+        for k in range(n):
+            depth[k] = 1 + max(depth[previous[k]] if previous[k] < n else -1, depth[sender[k]] if sender[k] < n else -1)
+            groups.setdefault(depth[k], []).append(k)
+        return [
+            tuple(np.array(v) for v in (g, [previous[k] for k in g], [sender[k] for k in g], [self.boundary[k] for k in g], [self.duration[k] for k in g]))
+            for _, g in sorted(groups.items())
+        ]
+
+    @staticmethod
+    def _release(key, senders, done_key) -> Optional[tuple[tuple[int, int], tuple[int, int]]]:
+        """(compute the message leaves after, compute that produced it) for a compute's input."""
+        if key is None:
+            return None
+        if key[0] == "local":
+            local = done_key[key[1:]]
+            return local, local
+        send_at = senders[key]
+        producer = done_key[(Op.FORWARD if key[0] == "act" else Op.BACKWARD, key[1], key[2])]
+        return send_at, producer
+
+    def _times(self, costs: CostModel, bounds: Sequence[tuple[int, int]]) -> tuple[list[float], list[float]]:
+        """Per-compute durations (forward chunks, then backward chunks) and per-boundary comm times."""
+        fwd = [sum(costs.forward[a:b]) for a, b in bounds]
+        bwd = [sum(costs.backward[a:b]) for a, b in bounds]
+        factors = [costs.factor(r) for r in self.chunk_rank]
+        durations = [t * factors[c] for c, t in enumerate(fwd)] + [t * factors[c] for c, t in enumerate(bwd)]
+        comm = [costs.comm_time(b - 1) for a, b in bounds] + [0.0]
+        return durations, comm
+
+    def iteration_time(self, costs: CostModel, bounds: Sequence[tuple[int, int]]) -> float:
+        """`simulate(...).iteration_time`, without building events."""
+        durations, comm = self._times(costs, bounds)
+        end = [0.0] * len(self.rank)
+        clock = [0.0] * self.ranks
+        for k, (r, d, s, x) in enumerate(zip(self.rank, self.duration, self.sender, self.boundary)):
+            start = clock[r]
+            if s >= 0:
+                ready = end[s] + comm[x]
+                if ready > start:
+                    start = ready
+            end[k] = clock[r] = start + durations[d]
+        return max(clock)
+
+    def iteration_times(self, costs: CostModel, candidates: Sequence[Sequence[tuple[int, int]]]) -> list[float]:
+        """`iteration_time` of many partitions at once (one numpy column each)."""
+        if not candidates:
+            return []
+        k, n, chunks = len(candidates), len(self.rank), self.chunks
+        durations = np.empty((2 * chunks, k))
+        comm = np.empty((chunks + 1, k))
+        for j, bounds in enumerate(candidates):
+            durations[:, j], comm[:, j] = self._times(costs, bounds)
+        end = np.zeros((n + 1, k))
+        for nodes, previous, sender, boundary, duration in self._levels:
+            end[nodes] = np.maximum(end[previous], end[sender] + comm[boundary]) + durations[duration]
+        return end[:n].max(axis=0).tolist()
+
+    def lower_bound(self, costs: CostModel, bounds: Sequence[tuple[int, int]]) -> float:
+        """A cheap lower bound of the iteration time, to skip partitions that cannot win.
+
+        One chunk per rank: stage i starts only after micro-batch 0 crossed the stages before it,
+        then computes for m (f_i + b_i), and its last backward still has to drain back through
+        them: T >= sum_{s<i} (f_s + c_s) + m (f_i + b_i) + sum_{s<i} (b_s + c_s). Otherwise the
+        busiest rank's compute, back to back."""
+        if not self.one_chunk_per_rank:
+            return self.busy_bound(costs, bounds)
+        durations, comm = self._times(costs, bounds)
+        c = self.chunks
+        best = fill = drain = 0.0
+        for i in range(c):
+            v = fill + self.counts_f[i] * durations[i] + self.counts_b[i] * durations[c + i]
+            if self.counts_b[i]:
+                v += drain
+            if v > best:
+                best = v
+            fill += durations[i] + comm[i]
+            drain += durations[c + i] + comm[i]
+        return best
+
+    def run(self, costs: CostModel, bounds: Sequence[tuple[int, int]]) -> tuple[float, Optional[int]]:
+        """(iteration time, master stage) as `simulate` defines them, critical path included."""
+        durations, comm = self._times(costs, bounds)
+        n = len(self.rank)
+        if n == 0:
+            return 0.0, None
+        start_of, end = [0.0] * n, [0.0] * n
+        cause = [-1] * n
+        clock = [0.0] * self.ranks
+        last = [-1] * self.ranks
+        steps = zip(self.rank, self.sender, self.boundary, self.producer, self.duration)
+        for k, (r, s, x, producer, d) in enumerate(steps):
+            ready = end[s] + comm[x] if s >= 0 else 0.0
+            # the constraint that set the start; on a tie the remote one (simulate's rule)
+            if ready >= clock[r]:
+                start = ready
+                cause[k] = producer if producer >= 0 else last[r]
+            else:
+                start = clock[r]
+                cause[k] = last[r]
+            start_of[k] = start
+            end[k] = clock[r] = start + durations[d]
+            last[r] = k
+        # the path ends at the latest compute (ties: the later rank, then the earlier compute), which
+        # is a rank's last one or, with zero durations, one that ended with it
+        rank = max((r for r in range(self.ranks) if last[r] >= 0), key=lambda r: (clock[r], r))
+        k = last[rank]
+        while self.previous[k] >= 0 and end[self.previous[k]] == end[k]:
+            k = self.previous[k]
+        path = [k]
+        while cause[path[-1]] >= 0:
+            path.append(cause[path[-1]])
+        path.reverse()
+        return max(clock), self._master(path, start_of, end)
+
+    def _master(self, path: list[int], start: list[float], end: list[float]) -> int:
+        """The rank where the path takes a backward and a forward back to back most often (ties: the
+        later rank); with none, the rank of the longest compute on the path (simulate's rule)."""
+        counts: dict[int, int] = {}
+        for a, b in zip(path, path[1:]):
+            if self.rank[a] == self.rank[b] and self.forward[a] != self.forward[b]:
+                counts[self.rank[a]] = counts.get(self.rank[a], 0) + 1
+        if not counts:
+            return self.rank[max(path, key=lambda i: (end[i] - start[i], self.rank[i]))]
+        best = max(counts.values())
+        return max(r for r, c in counts.items() if c == best)
+
+    def busy_bound(self, costs: CostModel, bounds: Sequence[tuple[int, int]]) -> float:
+        """A lower bound of the iteration time: the busiest rank's compute, back to back."""
+        durations, _ = self._times(costs, bounds)
+        busy = [0.0] * self.ranks
+        for c in range(self.chunks):
+            busy[self.chunk_rank[c]] += self.counts_f[c] * durations[c] + self.counts_b[c] * durations[self.chunks + c]
+        return max(busy)
+
+
+class Evaluator:
+    """Simulated iteration time and master stage of partitions of one schedule, cached by bounds."""
+
+    def __init__(self, costs: CostModel, schedule: str, stages: int, microbatches: int):
+        self.costs = costs
+        self.replay = compiled(schedule, stages, microbatches)
+        self._time: dict[Bounds, float] = {}
+        self._master: dict[Bounds, Optional[int]] = {}
+
+    def time(self, bounds: Bounds) -> float:
+        t = self._time.get(bounds)
+        if t is None:
+            t = self._time[bounds] = self.replay.iteration_time(self.costs, bounds)
+        return t
+
+    def times(self, candidates: Sequence[Bounds]) -> list[float]:
+        """Iteration times of many partitions; the ones not seen yet are replayed in one batch."""
+        new = [b for b in dict.fromkeys(candidates) if b not in self._time]
+        if len(new) == 1:
+            self.time(new[0])
+        elif new:
+            self._time.update(zip(new, self.replay.iteration_times(self.costs, new)))
+        return [self._time[b] for b in candidates]
+
+    def lower_bound(self, bounds: Bounds) -> float:
+        return self.replay.lower_bound(self.costs, bounds)
+
+    def master(self, bounds: Bounds) -> Optional[int]:
+        if bounds not in self._master:
+            self._time[bounds], self._master[bounds] = self.replay.run(self.costs, bounds)
+        return self._master[bounds]
+
+    @property
+    def evaluations(self) -> int:
+        return len(self._time)
+
+
+@lru_cache(maxsize=32)
+def compiled(name: str, stages: int, microbatches: int) -> Replay:
+    return Replay(cached_schedule(name, stages, microbatches))
