@@ -108,6 +108,9 @@ def chunk_costs(costs: CostModel, bounds: Sequence[tuple[int, int]]) -> tuple[li
     """Forward / backward time and boundary communication time of each chunk (block range)."""
     if bounds[-1][1] != costs.num_blocks or bounds[0][0] != 0:
         raise ValueError(f"the partition covers blocks {bounds[0][0]}..{bounds[-1][1] - 1} but the costs have {costs.num_blocks} blocks")
+    for (a, b), (c, _) in zip(bounds, list(bounds[1:]) + [(costs.num_blocks, None)]):
+        if not a < b or b != c:
+            raise ValueError(f"the partition {list(map(tuple, bounds))} must be contiguous, non-empty block ranges")
     f = [sum(costs.forward[a:b]) for a, b in bounds]
     b_ = [sum(costs.backward[a:b]) for a, b in bounds]
     comm = [costs.comm_time(b - 1) for a, b in bounds]

@@ -85,3 +85,9 @@ def test_bad_costs_are_clear_errors(kwargs, match):
 def test_partition_must_cover_the_costed_blocks():
     with pytest.raises(ValueError, match="covers blocks 0..2 but the costs have 4 blocks"):
         simulate(build_schedule("1f1b", 2, 2), CostModel.uniform(4, 1, 1), [(0, 1), (1, 3)])
+
+
+@pytest.mark.parametrize("bounds", [[(0, 3), (2, 4)], [(0, 1), (2, 4)], [(0, 0), (0, 4)]])
+def test_partition_must_be_contiguous_and_non_empty(bounds):
+    with pytest.raises(ValueError, match="contiguous, non-empty block ranges"):
+        simulate(build_schedule("1f1b", 2, 2), CostModel.uniform(4, 1, 1), bounds)

@@ -236,3 +236,37 @@ def test_precision_plugins_apply_inside_the_schedule(tmp_path, precision):
     full = LitSeq(dtype="float32")
     single(full, train=loader(dtype=torch.float32))
     assert err < 0.2 * max_rel_diff(ref.state_dict(), full.state_dict()), err
+
+
+@pytest.mark.parametrize("devices,sliced", [(2, 1), (4, 2)])
+def test_slicer_equals_single_process_and_writes_the_plan(tmp_path, devices, sliced):
+    ref = LitSeq()
+    single(ref, steps=4)
+    model = LitSeq()
+    strategy = AutoPipeStrategy(partition="autopipe", slicer=sliced, microbatches=4, trace=True, start_method="spawn")
+    pipelined(model, devices, steps=4, strategy=strategy, default_root_dir=tmp_path)
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    import json
+
+    summary = json.loads((tmp_path / "plan.json").read_text())
+    assert summary["slicer"]["sliced"] == sliced
+    assert summary["slicer"]["startup"] < summary["slicer"]["baseline_startup"]
+    assert sum(b - a for a, b in summary["bounds"]) == len(ref.seq) and len(summary["bounds"]) == devices
+    assert summary["plan"]["method"] == "autopipe"
+    assert (tmp_path / "plan_timeline.png").exists() and (tmp_path / "profile.json").exists()
+    # the run really executed the halves: (4 + sliced) forwards and backwards per rank
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    computes = [e for e in events if e.get("cat") == "compute"]
+    assert len(computes) == devices * (4 + sliced) * 2
+
+
+def test_trace_writes_a_measured_timeline(tmp_path):
+    model = LitSeq()
+    strategy = AutoPipeStrategy(partition="uniform", microbatches=3, trace=True, start_method="spawn")
+    pipelined(model, 2, steps=2, strategy=strategy, default_root_dir=tmp_path)
+    import json
+
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    computes = [e for e in events if e.get("cat") == "compute"]
+    assert len(computes) == 2 * 3 * 2 and {e["pid"] for e in computes} == {0, 1}
+    assert (tmp_path / "trace_timeline.png").exists()

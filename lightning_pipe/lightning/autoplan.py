@@ -26,7 +26,7 @@ from torch import nn
 
 from ..planning import Plan, plan
 from ..planning.partition import partition_blocks
-from ..planning.slicer import SlicePlan, choose_slicing, simulate_sliced
+from ..planning.slicer import SlicePlan, choose_slicing, fixed_slicing, simulate_sliced
 from ..profiler import Profile, profile_blocks
 from ..viz import chrome_trace, gantt, traced_timeline
 from .stage import _Handoff
@@ -111,7 +111,7 @@ class PlanResult:
 class AutoPlanner:
     """Profile -> plan -> (slice) for the strategy; also keeps and writes traces of real steps."""
 
-    def __init__(self, method: Optional[str], slicer: bool, profile: Optional[str], bandwidth: Optional[float], latency: Optional[float]):
+    def __init__(self, method: Optional[str], slicer: bool | int, profile: Optional[str], bandwidth: Optional[float], latency: Optional[float]):
         self.method = method if method != "uniform" else None  # "uniform" needs no profile
         self.slicer, self.profile_path, self.bandwidth, self.latency = slicer, profile, bandwidth, latency
         self._trace: Optional[tuple[Any, list]] = None
@@ -151,7 +151,11 @@ class AutoPlanner:
             bounds = result.bounds
         else:
             bounds = partition_blocks(fallback, len(pipeline), depth).bounds
-        slicing = choose_slicing(costs, bounds, m, strategy.schedule_name) if self.slicer else None
+        slicing = None
+        if self.slicer is True:
+            slicing = choose_slicing(costs, bounds, m, strategy.schedule_name)
+        elif self.slicer:  # a fixed count
+            slicing = fixed_slicing(costs, bounds, m, int(self.slicer), strategy.schedule_name)
         box = [(tuple(map(tuple, bounds)), slicing.sliced if slicing else 0)]
         if topo.world_size > 1:  # the same numbers everywhere already; rank 0's word is final
             dist.broadcast_object_list(box, 0)

@@ -62,7 +62,7 @@ class AutoPipeStrategy(ParallelStrategy):
         partition: PartitionSpec = "autopipe",
         width: int = 1,
         prefetch: bool = True,
-        slicer: bool = False,
+        slicer: Union[bool, int] = False,
         trace: bool = False,
         profile: Optional[str] = None,
         bandwidth: Optional[float] = None,
@@ -89,6 +89,8 @@ class AutoPipeStrategy(ParallelStrategy):
             raise ValueError(f"microbatches={microbatches!r}: the number of micro-batches must be an integer >= 1")
         if not isinstance(width, int) or isinstance(width, bool) or width < 1:
             raise ValueError(f"width={width!r}: the number of pipeline replicas must be an integer >= 1")
+        if not isinstance(slicer, (bool, int)) or (not isinstance(slicer, bool) and not 0 <= slicer <= microbatches):
+            raise ValueError(f"slicer={slicer!r}: True (the simulator chooses), False, or a count 0..microbatches={microbatches}")
         if start_method not in START_METHODS:
             raise ValueError(f"start_method={start_method!r}; allowed values: {list(START_METHODS)}")
         if isinstance(partition, str):

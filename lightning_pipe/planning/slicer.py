@@ -49,3 +49,12 @@ def choose_slicing(costs: CostModel, bounds: Sequence[tuple[int, int]], microbat
     best = min(candidates, key=lambda c: (round(c[2], 12), round(c[1], 12), c[0]))
     base = candidates[0]
     return SlicePlan(best[0], best[1], best[2], base[1], base[2], tuple(candidates))
+
+
+def fixed_slicing(costs: CostModel, bounds: Sequence[tuple[int, int]], microbatches: int, sliced: int, schedule: str = "1f1b") -> SlicePlan:
+    """A given number of sliced micro-batches, with the simulator's figures for it."""
+    if not 0 <= sliced <= microbatches:
+        raise ValueError(f"slicer={sliced}: must be between 0 and microbatches={microbatches}")
+    runs = [(k, simulate_sliced(costs, bounds, microbatches, k, schedule)) for k in sorted({0, sliced})]
+    candidates = tuple((k, t.startup, t.iteration_time) for k, t in runs)
+    return SlicePlan(sliced, candidates[-1][1], candidates[-1][2], candidates[0][1], candidates[0][2], candidates)
