@@ -3,7 +3,10 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .lightning import AutoPipeStrategy
+from .planning import Plan, plan, transformer_costs
+from .profiler import Profile
 from .schedules import PipelineSchedule, ScheduleError, build_schedule, validate
+from .simulator import CostModel, Timeline, simulate
 
 __version__ = "0.1.0"
 
@@ -15,4 +18,17 @@ StrategyRegistry.register(
     override=True,
 )
 
-__all__ = ["AutoPipeStrategy", "PipelineSchedule", "ScheduleError", "build_schedule", "validate"]
+__all__ = [
+    "AutoPipeStrategy",
+    "CostModel",
+    "PipelineSchedule",
+    "Plan",
+    "Profile",
+    "ScheduleError",
+    "Timeline",
+    "build_schedule",
+    "plan",
+    "simulate",
+    "transformer_costs",
+    "validate",
+]
