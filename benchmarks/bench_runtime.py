@@ -173,6 +173,8 @@ def _torch(rank: int, cfg: dict, name: str) -> dict:
 
 def _worker(rank: int, world: int, port: int, mode: str, cfg: dict, out_dir: str) -> None:
     torch.set_num_threads(1)
+    if cfg.get("pin") and hasattr(os, "sched_setaffinity"):  # rank r (and the threads it starts) on CPU r
+        os.sched_setaffinity(0, {rank % os.cpu_count()})
     path = os.path.join(out_dir, f"{rank}.pt")
     try:
         if mode != "single":
@@ -217,6 +219,20 @@ def _own_seconds() -> float:
         r = resource.getrusage(who)
         total += r.ru_utime + r.ru_stime
     return total
+
+
+def wait_until_quiet(max_wait: float, threshold: float) -> float:
+    """Wait (at most `max_wait` s) until other processes use less than `threshold` CPUs; return their load."""
+    deadline = time.monotonic() + max_wait
+    while True:
+        busy0, own0 = _busy_seconds(), _own_seconds()
+        if busy0 is None:
+            return 0.0
+        time.sleep(1.0)
+        load = max(0.0, (_busy_seconds() - busy0) - (_own_seconds() - own0))
+        if load < threshold or time.monotonic() > deadline:
+            return load
+        time.sleep(1.0)
 
 
 def launch(mode: str, cfg: dict, timeout: float) -> tuple[list[dict], float]:
@@ -284,6 +300,9 @@ def main() -> None:
     p.add_argument("--retries", type=int, default=3, help="re-runs of a run disturbed by other processes")
     p.add_argument("--max-foreign", type=float, default=0.1,
                    help="a run during which other processes used more CPUs than this is disturbed")
+    p.add_argument("--quiet-wait", type=float, default=20.0,
+                   help="seconds to wait at most, before each run, for other processes to go quiet")
+    p.add_argument("--pin", action="store_true", help="pin rank r's process to CPU r (every mode alike)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run before its processes are killed")
@@ -298,7 +317,7 @@ def main() -> None:
         modes.insert(0, "single")
     cfg = dict(
         hidden=args.hidden, mlp_ratio=args.mlp_ratio, blocks=args.blocks, batch=args.batch,
-        microbatches=args.microbatches, steps=args.steps, warmup=args.warmup, lr=args.lr,
+        microbatches=args.microbatches, steps=args.steps, warmup=args.warmup, lr=args.lr, pin=args.pin,
     )
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, 1 thread per process, gloo; config: {cfg}", flush=True)
 
@@ -308,6 +327,7 @@ def main() -> None:
     for rep in range(args.repeats):
         for mode in modes:
             for attempt in range(args.retries + 1):
+                wait_until_quiet(args.quiet_wait, args.max_foreign)
                 results, foreign = launch(mode, cfg, args.timeout)
                 if foreign <= args.max_foreign:
                     break

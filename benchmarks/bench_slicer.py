@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("--stages", nargs="+", type=int, default=[2, 4, 8, 16])
     parser.add_argument("--microbatch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--pictures", default=None, help="folder for timelines of gpt2-345m at 4 stages, without and with slicing")
     args = parser.parse_args()
     print(f"{'model':<11} {'p':>3} {'m':>3} {'k':>3} {'start-up ms':>12} {'sliced':>9} {'cut':>6} {'iteration ms':>13} {'sliced':>9} {'gain':>6}")
     worst_cut = 1.0
@@ -38,6 +39,18 @@ def main() -> None:
             print(f"{name:<11} {p:>3} {m:>3} {s.sliced:>3} {s.baseline_startup * 1e3:>12.2f} {s.startup * 1e3:>9.2f} {s.startup_cut:>6.1%} "
                   f"{s.baseline_iteration_time * 1e3:>13.2f} {s.iteration_time * 1e3:>9.2f} {gain:>6.1%}")
     print(f"\nsmallest start-up cut at >= 4 stages: {worst_cut:.1%} (target >= 45%)")
+    if args.pictures:
+        from lightning_pipe.planning.slicer import simulate_sliced
+        from lightning_pipe.viz import gantt
+
+        costs, kinds = transformer_costs("gpt2-345m", args.microbatch, args.seq_len)
+        best = plan(costs, 4, 8, method="autopipe", kinds=kinds)
+        k = choose_slicing(costs, best.bounds, 8).sliced
+        for name, sliced in (("off", 0), ("on", k)):
+            t = simulate_sliced(costs, best.bounds, 8, sliced)
+            gantt(t, f"{args.pictures}/slicer_{name}.png", title=f"gpt2-345m, 4 stages, 1F1B, m=8, slicer {name} "
+                  f"(k={sliced}): start-up {t.startup * 1e3:.1f} ms, iteration {t.iteration_time * 1e3:.1f} ms")
+        print(f"pictures written to {args.pictures}")
 
 
 if __name__ == "__main__":

@@ -100,3 +100,11 @@ def test_short_last_batch_fails_clearly_in_the_workers():
     trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(microbatches=2, start_method="spawn"), **trainer_kwargs(max_steps=10))
     with pytest.raises(Exception, match=r"a batch of 1 samples cannot be split into microbatches=2"):
         trainer.fit(LitSeq(), loader(n=41))
+
+
+def test_saved_profile_must_match_the_model(tmp_path):
+    from lightning_pipe.profiler import Profile
+
+    path = Profile.synthetic([1.0] * 4).save(tmp_path / "profile.json")
+    fails_before_spawn(LitSeq(), 2, r"the profile synthetic-mbs1-synthetic-synthetic has 4 blocks but the model has 6",
+                       profile=str(path))

@@ -118,3 +118,34 @@ def test_devices_that_do_not_fit_the_pipeline(tmp_path):
     assert line.startswith("error:") and "pipeline.width" in line
     line = bad(tmp_path, "trainer.devices=2", "pipeline.partition=[4,4]")
     assert line.startswith("error:") and "sums to 8 blocks but the model has 10 blocks" in line
+
+
+def plan_cli(args, cwd):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "lightning_pipe.plan", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_plan_command_prints_and_saves_a_plan(tmp_path):
+    import json
+
+    proc = plan_cli(["recipe=gpt2-345m", "pipeline.stages=8", "pipeline.slicer=true", f"hydra.run.dir={tmp_path / 'p'}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "autopipe plan, 1f1b, 8 stages" in proc.stdout and "master stage" in proc.stdout
+    summary = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert summary["plan"]["stages"] == 8 and sum(summary["plan"]["sizes"]) == 2 * 24 + 2
+    assert summary["slicer"]["startup"] < summary["slicer"]["baseline_startup"]
+    assert (tmp_path / "p" / "plan_timeline.png").exists()
+
+
+def test_plan_command_from_a_saved_profile_and_bad_profiles(tmp_path):
+    from lightning_pipe.profiler import Profile
+
+    good = Profile.synthetic([1e-3] * 10, activation_bytes=1e5).save(tmp_path / "profile.json")
+    proc = plan_cli(["partition=dp", f"pipeline.profile={good}", f"hydra.run.dir={tmp_path / 'p'}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "dp plan, 1f1b, 2 stages" in proc.stdout
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model": "m", "microbatch_size": 1, "dtype": "f", "device": "cpu", "forward": [-1.0], '
+                   '"backward": [1.0], "activation_bytes": [0], "param_bytes": [0]}')
+    proc = plan_cli([f"pipeline.profile={bad}", f"hydra.run.dir={tmp_path / 'q'}"], tmp_path)
+    assert proc.returncode == 2 and "error: profile: forward must hold finite numbers >= 0" in proc.stderr

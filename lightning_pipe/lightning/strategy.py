@@ -35,6 +35,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from ..planning.partition import PartitionSpec, check_partition_spec, partition_blocks
 from ..planning.partitioners import PARTITIONERS
+from ..profiler import Profile
 from ..runtime.executor import Executor
 from ..runtime.microbatch import batch_size, signature, split_microbatches
 from ..runtime.p2p import Transport
@@ -517,6 +518,8 @@ def _validate_inputs(strategy: AutoPipeStrategy, args: tuple, trainer: Optional[
         check_no_outside_parameters(model, path)
         spec = strategy.partition if not isinstance(strategy.partition, str) else "uniform"  # planners: the counts
         partition_blocks(spec, len(pipeline), strategy.depth)
+        if strategy._planner.profile_path is not None:  # a saved profile must describe this model
+            Profile.load(strategy._planner.profile_path).check_blocks(len(pipeline))
     fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
     size = getattr(args[1], "batch_size", None) if fitting and len(args) > 1 else None
     if isinstance(size, int) and size < strategy.microbatches:
