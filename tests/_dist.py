@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -43,9 +44,10 @@ def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 120.0
         procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, out_dir)) for r in range(world)]
         for p in procs:
             p.start()
+        deadline = time.monotonic() + timeout  # one deadline for the whole job, not per process
         deadline_hit = False
         for p in procs:
-            p.join(timeout)
+            p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 deadline_hit = True
         for p in procs:

@@ -50,7 +50,7 @@ def test_forward_only_has_no_backward():
 
 
 def test_unknown_schedule_names_allowed_values():
-    with pytest.raises(ValueError, match=r"schedule='zigzag'.*\['1f1b', 'gpipe'\]"):
+    with pytest.raises(ValueError, match=r"schedule='zigzag'.*\['1f1b', 'gpipe', 'interleaved', 'wave'\]"):
         get_schedule("zigzag")
 
 
@@ -75,14 +75,16 @@ def test_missing_backward_is_named():
 
 
 def test_dependency_cycle_is_named():
-    def receive_gradient_before_sending_activation(lists):
-        # rank 0 waits for a gradient before it sends the activation that gradient needs
+    def send_activation_after_its_backward(lists):
+        # rank 0 waits in B(mb 0) for a gradient that needs the activation it only sends afterwards
         acts = lists[0]
-        recv = Action(Op.RECV_GRAD, 0, 0, 1)
-        acts.remove(recv)
-        acts.insert(0, recv)
-    with pytest.raises(ScheduleError, match=r"dependency cycle: .*rank 0, action 0 RECV_B\(chunk=0, mb=0, from=1\)"):
-        validate(broken(receive_gradient_before_sending_activation))
+        send = Action(Op.SEND_ACT, 0, 0, 1)
+        acts.remove(send)
+        acts.insert(acts.index(Action(Op.BACKWARD, 0, 0)) + 1, send)
+    schedule = build_schedule("1f1b", 2, 1)
+    send_activation_after_its_backward(schedule.actions)
+    with pytest.raises(ScheduleError, match=r"dependency cycle: ranks wait on each other forever: rank 0, action \d+ B\(chunk=0, mb=0\); rank 1, action \d+ F\(chunk=1, mb=0\)"):
+        validate(schedule)
 
 
 def test_receive_order_mismatch_is_named():

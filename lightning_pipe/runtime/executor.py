@@ -140,6 +140,11 @@ class Executor:
                     elif c.op is Op.SEND_GRAD:
                         ops += transport.send_gradients(c.peer, outbox.pop(("gradient", c.chunk, c.microbatch)))
                     elif not posted[i]:
+                        if c.op is Op.RECV_ACT and transport.needs_header(c.peer, c.chunk, keys[c.microbatch]):
+                            # the header is read blocking: first issue what this group holds, or a
+                            # peer waiting for one of these sends could never send the header
+                            issue(ops, pendings)
+                            ops, pendings = [], []
                         post(i, ops, pendings)
                     i += 1
                 if self.trace:  # a send is issued (not completed) here: a point in time

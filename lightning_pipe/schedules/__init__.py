@@ -6,25 +6,35 @@ from typing import Callable
 
 from .actions import Action, Op, PipelineSchedule
 from .gpipe import forward_only, gpipe
+from .interleaved import interleaved_1f1b
 from .one_f_one_b import one_f_one_b
 from .validate import ScheduleError, validate
+from .wave import wave, wave_placement
 
-SCHEDULES: dict[str, Callable[[int, int], PipelineSchedule]] = {
+SCHEDULES: dict[str, Callable[..., PipelineSchedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
+    "interleaved": interleaved_1f1b,  # option: chunks (v)
+    "wave": wave,  # option: waves (W)
 }
+OPTIONS = {"interleaved": ("chunks",), "wave": ("waves",)}
 
 
-def get_schedule(name: str) -> Callable[[int, int], PipelineSchedule]:
+def get_schedule(name: str) -> Callable[..., PipelineSchedule]:
     key = name.lower()
     if key not in SCHEDULES:
         raise ValueError(f"schedule={name!r} is not a known schedule; allowed values: {sorted(SCHEDULES)}")
     return SCHEDULES[key]
 
 
-def build_schedule(name: str, stages: int, microbatches: int) -> PipelineSchedule:
-    """Build and validate: an inconsistent schedule is an error here, never a hang at run time."""
-    schedule = get_schedule(name)(stages, microbatches)
+def build_schedule(name: str, stages: int, microbatches: int, **options: int) -> PipelineSchedule:
+    """Build and validate: an inconsistent schedule is an error here, never a hang at run time.
+    `options`: chunks=v for "interleaved", waves=W for "wave"."""
+    allowed = OPTIONS.get(name.lower(), ())
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"schedule={name!r} takes no option {unknown}; its options: {list(allowed) or 'none'}")
+    schedule = get_schedule(name)(stages, microbatches, **options)
     validate(schedule)
     return schedule
 
@@ -39,6 +49,9 @@ __all__ = [
     "forward_only",
     "get_schedule",
     "gpipe",
+    "interleaved_1f1b",
     "one_f_one_b",
     "validate",
+    "wave",
+    "wave_placement",
 ]

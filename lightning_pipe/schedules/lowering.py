@@ -45,4 +45,52 @@ def lower(
             else:
                 raise ValueError(f"compute order of rank {rank} holds {op}; only F and B are compute ops")
         lists.append(out)
-    return PipelineSchedule(name, num_microbatches, tuple(chunk_rank), lists, backward)
+    return PipelineSchedule(name, num_microbatches, tuple(chunk_rank), _receives_in_send_order(lists), backward)
+
+
+def _message(rank: int, a: Action) -> tuple:
+    """(source, destination, (kind, producing chunk, micro-batch)) of a send or a receive."""
+    if a.op is Op.SEND_ACT:
+        return rank, a.peer, ("act", a.chunk, a.microbatch)
+    if a.op is Op.SEND_GRAD:
+        return rank, a.peer, ("grad", a.chunk, a.microbatch)
+    if a.op is Op.RECV_ACT:
+        return a.peer, rank, ("act", a.chunk - 1, a.microbatch)
+    return a.peer, rank, ("grad", a.chunk + 1, a.microbatch)
+
+
+def _receive(src: int, msg: tuple) -> Action:
+    kind, chunk, mb = msg
+    return Action(Op.RECV_ACT, chunk + 1, mb, src) if kind == "act" else Action(Op.RECV_GRAD, chunk - 1, mb, src)
+
+
+def _receives_in_send_order(lists: list[list[Action]]) -> list[list[Action]]:
+    """Messages between two ranks are matched in order (NCCL has no tags), so a rank must post its
+    receives from a peer in the order the peer sends. Where a rank needs a later message first
+    (multi-chunk schedules), the earlier ones are posted just before it: posting never blocks, and
+    the posted buffers wait until their computes take them."""
+    sends: dict[tuple[int, int], list[tuple]] = {}
+    for rank, actions in enumerate(lists):
+        for a in actions:
+            if a.op.is_send:
+                src, dst, msg = _message(rank, a)
+                sends.setdefault((src, dst), []).append(msg)
+    out = []
+    for rank, actions in enumerate(lists):
+        posted: dict[tuple[int, int], int] = {}
+        rewritten: list[Action] = []
+        for a in actions:
+            if not a.op.is_recv:
+                rewritten.append(a)
+                continue
+            src, dst, msg = _message(rank, a)
+            order = sends.get((src, dst), [])
+            if msg not in order:  # no such send: leave it for the validator to name
+                rewritten.append(a)
+                continue
+            upto = order.index(msg) + 1
+            for earlier in order[posted.get((src, dst), 0):upto]:
+                rewritten.append(_receive(src, earlier))
+            posted[(src, dst)] = max(posted.get((src, dst), 0), upto)
+        out.append(rewritten)
+    return out

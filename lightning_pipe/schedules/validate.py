@@ -10,7 +10,8 @@ than the sends, a micro-batch never forwarded or backwarded, or ranks waiting on
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
+from typing import Optional
 
 from .actions import Action, Op, PipelineSchedule
 
@@ -79,31 +80,44 @@ def _check_static(s: PipelineSchedule) -> None:
                 raise ScheduleError(f"{_where(rank, index, a)}: message sent or received more than once")
 
 
-def _inputs_ready(s: PipelineSchedule, rank: int, a: Action, done: set, received: set) -> str | None:
-    """None if a compute's inputs exist on `rank`; else what is missing."""
+def _needs(s: PipelineSchedule, rank: int, a: Action) -> tuple[Optional[tuple], Optional[tuple]]:
+    """(local compute, remote message) a compute's input comes from; None where not applicable."""
     c, mb, last = a.chunk, a.microbatch, s.num_chunks - 1
     if a.op is Op.FORWARD:
-        if c == 0 or (Op.FORWARD, c - 1, mb) in done or ("activation", c - 1, mb) in received:
-            return None
-        return f"the activation of chunk {c - 1}"
-    if (Op.FORWARD, c, mb) not in done:
-        return f"its own forward of micro-batch {mb}"
-    if c == last or (Op.BACKWARD, c + 1, mb) in done or ("gradient", c + 1, mb) in received:
-        return None
-    return f"the gradient from chunk {c + 1}"
+        if c == 0:
+            return None, None
+        if s.chunk_rank[c - 1] == rank:
+            return (Op.FORWARD, c - 1, mb), None
+        return None, ("activation", c - 1, mb)
+    if c == last:
+        return None, None
+    if s.chunk_rank[c + 1] == rank:
+        return (Op.BACKWARD, c + 1, mb), None
+    return None, ("gradient", c + 1, mb)
 
 
 def validate(s: PipelineSchedule) -> None:
-    """Raise `ScheduleError` naming the rank and action at fault; return None for a sound schedule."""
+    """Raise `ScheduleError` naming the rank and action at fault; return None for a sound schedule.
+
+    Semantics replayed: a send is issued and never blocks; a receive is *posted* (never blocks) and
+    matches the next message on its channel in send order; a compute waits until its remote input
+    has been sent, and needs a receive posted for it before it (or the producing compute on this rank)."""
     if s.num_microbatches < 1:
         raise ScheduleError(f"microbatches={s.num_microbatches}: must be >= 1")
     if set(s.chunk_rank) != set(range(s.num_ranks)):
         raise ScheduleError(f"chunk placement {s.chunk_rank} leaves some of the {s.num_ranks} ranks without a chunk")
     _check_static(s)
-    channels: dict[tuple[int, int], deque] = {}
+    send_order: dict[tuple[int, int], list] = {}
+    for rank, actions in enumerate(s.actions):
+        for a in actions:
+            if a.op.is_send:
+                src, dst, msg = _message(rank, a)
+                send_order.setdefault((src, dst), []).append(msg)
+    posted_count: dict[tuple[int, int], int] = {}
+    sent: set = set()
     pointer = [0] * s.num_ranks
     done: list[set] = [set() for _ in range(s.num_ranks)]
-    received: list[set] = [set() for _ in range(s.num_ranks)]
+    posted: list[set] = [set() for _ in range(s.num_ranks)]
     progress = True
     while progress:
         progress = False
@@ -111,24 +125,31 @@ def validate(s: PipelineSchedule) -> None:
             while pointer[rank] < len(actions):
                 index, a = pointer[rank], actions[pointer[rank]]
                 if a.op.is_send:
-                    src, dst, msg = _message(rank, a)
-                    channels.setdefault((src, dst), deque()).append(msg)
+                    sent.add(_message(rank, a)[2])
                 elif a.op.is_recv:
                     src, dst, msg = _message(rank, a)
-                    queue = channels.get((src, dst))
-                    if not queue:
-                        break  # blocked until the peer sends
-                    if queue[0] != msg:
+                    k = posted_count.get((src, dst), 0)
+                    expected = send_order.get((src, dst), [])[k]
+                    if expected != msg:
                         raise ScheduleError(
-                            f"{_where(rank, index, a)}: rank {src} sends {queue[0][0]} of chunk {queue[0][1]}"
-                            f" mb {queue[0][2]} first; receives must be posted in the order of the sends"
+                            f"{_where(rank, index, a)}: rank {src} sends {expected[0]} of chunk {expected[1]}"
+                            f" mb {expected[2]} first; receives must be posted in the order of the sends"
                         )
-                    queue.popleft()
-                    received[rank].add(msg)
+                    posted_count[(src, dst)] = k + 1
+                    posted[rank].add(msg)
                 elif a.op.is_compute:
-                    missing = _inputs_ready(s, rank, a, done[rank], received[rank])
-                    if missing is not None:
-                        raise ScheduleError(f"{_where(rank, index, a)}: needs {missing}, which no earlier action provides")
+                    if a.op is Op.BACKWARD and (Op.FORWARD, a.chunk, a.microbatch) not in done[rank]:
+                        raise ScheduleError(f"{_where(rank, index, a)}: needs its own forward of micro-batch {a.microbatch}, which no earlier action provides")
+                    local, remote = _needs(s, rank, a)
+                    if local is not None and local not in done[rank]:
+                        what = "the activation" if a.op is Op.FORWARD else "the gradient"
+                        raise ScheduleError(f"{_where(rank, index, a)}: needs {what} of chunk {local[1]}, which no earlier action provides")
+                    if remote is not None:
+                        if remote not in posted[rank]:
+                            what = "the activation" if a.op is Op.FORWARD else "the gradient from"
+                            raise ScheduleError(f"{_where(rank, index, a)}: needs {what} of chunk {remote[1]}, which no earlier action provides")
+                        if remote not in sent:
+                            break  # posted, not yet sent: wait for the peer
                     done[rank].add((a.op, a.chunk, a.microbatch))
                 elif a.op is Op.REDUCE_GRAD:
                     pending = [mb for mb in range(s.num_microbatches) if (Op.BACKWARD, a.chunk, mb) not in done[rank]]
