@@ -50,3 +50,18 @@ def test_language_model_with_tied_embedding_equals_single_process(cls, data, par
     L.Trainer(devices=2, strategy=strategy, **trainer_kwargs(gradient_clip_val=0.5)).fit(model, data())
     assert model.model[-1].weight is model.model[0].token.weight, "the trained model comes back tied"
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+
+
+@pytest.mark.parametrize("devices,schedule,options,m", [
+    (2, "wave", dict(waves=1), 2), (2, "wave", dict(waves=2), 4), (2, "interleaved", dict(chunks=2), 4),
+])
+def test_multichunk_schedules_with_tied_embedding_equal_single_process(devices, schedule, options, m):
+    cfg = dict(CFG, n_layer=4)  # 10 blocks: room for 2 x 2 x waves chunks
+    torch.manual_seed(0)
+    ref = CausalLM(model=ModelConfig(**cfg), lr=1e-2, warmup_steps=1, max_steps=4).double()
+    L.Trainer(devices=1, **trainer_kwargs()).fit(ref, gpt_data())
+    torch.manual_seed(0)
+    model = CausalLM(model=ModelConfig(**cfg), lr=1e-2, warmup_steps=1, max_steps=4).double()
+    strategy = AutoPipeStrategy(schedule=schedule, microbatches=m, partition="uniform", start_method="spawn", **options)
+    L.Trainer(devices=devices, strategy=strategy, **trainer_kwargs()).fit(model, gpt_data())
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10

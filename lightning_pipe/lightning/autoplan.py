@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from ..planning import Plan, plan
+from ..planning.partitioners import PARTITIONERS
 from ..planning.partition import partition_blocks
 from ..planning.slicer import SlicePlan, choose_slicing, fixed_slicing, simulate_sliced
 from ..profiler import Profile, profile_blocks
@@ -163,6 +164,27 @@ class AutoPlanner:
         if rank == 0:
             self._report(strategy, profile, costs, bounds, result, slicing, time.perf_counter() - start)
         return PlanResult(bounds, result, sliced)
+
+    def run_chunks(self, strategy: Any, module: Any, pipeline: nn.Sequential, num_chunks: int) -> tuple:
+        """Multi-chunk schedules (interleaved, wave): profile, then balance the chunks by Algorithm 1
+        (min-max of forward + backward per chunk); the master-stage heuristic assumes one chunk per rank."""
+        sample, mbs = sample_microbatch(module.trainer, strategy.microbatches)
+        if sample is None and self.profile_path is None:
+            return partition_blocks("uniform", len(pipeline), num_chunks).bounds
+        if self.profile_path is not None:
+            profile = Profile.load(self.profile_path)
+            profile.check_blocks(len(pipeline))
+        else:
+            profile = profile_pipeline(module, pipeline, sample, strategy.root_device, strategy.global_rank,
+                                       strategy.topology.world_size, type(module).__name__, mbs)
+        bounds = PARTITIONERS["dp"](profile.costs(), num_chunks, strategy.microbatches)
+        box = [tuple(map(tuple, bounds))]
+        if strategy.topology.world_size > 1:
+            dist.broadcast_object_list(box, 0)
+        if strategy.global_rank == 0:
+            profile.save(self._out() / "profile.json")
+            rank_zero_info(f"{num_chunks} chunks balanced by Algorithm 1: blocks per chunk {[b - a for a, b in box[0]]}")
+        return box[0]
 
     def _report(self, strategy: Any, profile: Profile, costs: Any, bounds: Any, result: Optional[Plan],
                 slicing: Optional[SlicePlan], seconds: float) -> None:

@@ -63,6 +63,8 @@ class AutoPipeStrategy(ParallelStrategy):
         partition: PartitionSpec = "autopipe",
         width: int = 1,
         prefetch: bool = True,
+        chunks: int = 2,
+        waves: int = 1,
         slicer: Union[bool, int] = False,
         trace: bool = False,
         profile: Optional[str] = None,
@@ -92,6 +94,11 @@ class AutoPipeStrategy(ParallelStrategy):
             raise ValueError(f"width={width!r}: the number of pipeline replicas must be an integer >= 1")
         if not isinstance(slicer, (bool, int)) or (not isinstance(slicer, bool) and not 0 <= slicer <= microbatches):
             raise ValueError(f"slicer={slicer!r}: True (the simulator chooses), False, or a count 0..microbatches={microbatches}")
+        for name, value in (("chunks", chunks), ("waves", waves)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+        if slicer and schedule.lower() in ("interleaved", "wave"):
+            raise ValueError(f"slicer={slicer!r} works with schedule='gpipe' or '1f1b', not {schedule!r}")
         if start_method not in START_METHODS:
             raise ValueError(f"start_method={start_method!r}; allowed values: {list(START_METHODS)}")
         if isinstance(partition, str):
@@ -104,6 +111,7 @@ class AutoPipeStrategy(ParallelStrategy):
             check_partition_spec(partition)
         self.schedule_name, self.microbatches, self.partition, self.width = schedule.lower(), microbatches, partition, width
         self.prefetch, self.trace = prefetch, trace
+        self.chunks, self.waves = chunks, waves
         self._planner = AutoPlanner(partition if isinstance(partition, str) else None, slicer, profile, bandwidth, latency)
         self.plan: Optional[Any] = None  # the Plan this run trains with (planner partitions)
         self.sliced = 0  # warm-up micro-batches the slicer cuts in halves
@@ -123,6 +131,9 @@ class AutoPipeStrategy(ParallelStrategy):
         self._new_grads: list[Optional[Tensor]] = []
         self._active = False  # between setup and teardown: the model is cut and the process groups live
         self._tied: list[TiedParameter] = []
+        self._chunk_blocks: dict[int, list[int]] = {}  # this rank's chunks -> their block indices
+        self._num_chunks = 0
+        self._reduced: set[int] = set()
         self._tied_groups: dict[int, Any] = {}
 
     # ---- Lightning plumbing (as DDP does it) ---------------------------------------------------
@@ -164,6 +175,15 @@ class AutoPipeStrategy(ParallelStrategy):
         return self.global_rank // self.depth
 
     @property
+    def schedule_options(self) -> dict[str, int]:
+        return {"interleaved": {"chunks": self.chunks}, "wave": {"waves": self.waves}}.get(self.schedule_name, {})
+
+    def placement(self, microbatches: Optional[int] = None) -> tuple[int, ...]:
+        """Which pipeline rank holds each model chunk (one chunk per rank for GPipe / 1F1B)."""
+        m = microbatches or self.microbatches
+        return build_schedule(self.schedule_name, self.depth, m, **self.schedule_options).chunk_rank
+
+    @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every stage of one pipeline must see the same batch: shard data by replica, not by rank.
         return {"num_replicas": self.width, "rank": self.replica_index}
@@ -175,6 +195,7 @@ class AutoPipeStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         Topology(self.num_nodes * self.num_processes, self.width)  # fail before spawning anything
+        self.placement()  # e.g. interleaved needs micro-batches in multiples of the stages
         if self._start_method == "popen":
             self._launcher = _CheckedSubprocessLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
         else:
@@ -246,7 +267,7 @@ class AutoPipeStrategy(ParallelStrategy):
         self._logs = LogBroadcaster(
             self._groups.pipeline if topo.depth > 1 else None, last, self.root_device, self.global_rank == last
         )
-        self._host = LightningHost(module, self._stage, topo.depth - 1, self._reduce_chunk)
+        self._host = LightningHost(module, self._stage, self._num_chunks - 1, self._reduce_chunk)
         self._active = True
 
     def _cut(self, module: nn.Module) -> None:
@@ -257,18 +278,25 @@ class AutoPipeStrategy(ParallelStrategy):
         path, pipeline = find_pipeline(module)
         check_no_outside_parameters(module, path)
         depth = self.topology.depth
-        if self._planner.needs_profile:  # a named planner or the slicer: profile on the real ranks first
+        placement = self.placement()
+        if len(placement) == depth and self._planner.needs_profile:  # a planner or the slicer: profile first
             result = self._planner.run(self, module, pipeline)
             bounds, self.plan, self.sliced = result.bounds, result.plan, result.sliced
+        elif len(placement) > depth and self._planner.method is not None:
+            bounds = self._planner.run_chunks(self, module, pipeline, len(placement))
         else:
-            bounds = partition_blocks(self.partition, len(pipeline), depth).bounds
-        start, stop = bounds[self.stage_index]
-        self._setup_tied(find_tied_parameters(pipeline, bounds))
-        self._stage = PipelineStage({i: pipeline[i] for i in range(start, stop)}, {self.stage_index: (start, stop)})
+            spec = self.partition if not isinstance(self.partition, str) else "uniform"
+            bounds = partition_blocks(spec, len(pipeline), len(placement)).bounds
+        mine = {c: bounds[c] for c in range(len(placement)) if placement[c] == self.stage_index}
+        self._chunk_blocks = {c: list(range(*b)) for c, b in mine.items()}
+        self._setup_tied(find_tied_parameters(pipeline, bounds, placement))
+        blocks = {i: pipeline[i] for ids in self._chunk_blocks.values() for i in ids}
+        self._stage = PipelineStage(blocks, mine)
+        self._num_chunks = len(placement)
         self._pipeline_path = path
         self._full_pipeline = pipeline if self.global_rank == 0 else None
         set_submodule(module, path, self._stage)
-        log.info(f"rank {self.global_rank}: stage {self.stage_index}/{depth} holds blocks {start}..{stop - 1}")
+        log.info(f"rank {self.global_rank}: stage {self.stage_index}/{depth} holds chunks {mine} (blocks [start, stop))")
 
     def _setup_tied(self, tied: list[TiedParameter]) -> None:
         """One group per tied parameter and replica (new_group is collective: every rank, same order);
@@ -309,16 +337,22 @@ class AutoPipeStrategy(ParallelStrategy):
         clip_grad_norm_global(self.precision_plugin.main_params(optimizer), float(clip_val), group, skip_in_norm=copies)
 
     def _reduce_chunk(self, chunk: int) -> None:
-        allreduce_tied(self._tied, self._tied_groups, self.stage_index)
-        allreduce_mean(self._stage.parameters(), self._groups.stage, self.width)
+        """REDUCE(chunk): average the chunk's gradients over the replicas; after this rank's last
+        chunk also sum the tied weights over the stages holding them (both are linear: any order)."""
+        params = {id(p): p for i in self._chunk_blocks[chunk] for p in self._stage._modules[str(i)].parameters()}
+        allreduce_mean(params.values(), self._groups.stage, self.width)
+        self._reduced.add(chunk)
+        if self._reduced >= set(self._chunk_blocks):
+            allreduce_tied(self._tied, self._tied_groups, self.stage_index)
+            self._reduced = set()
 
     def _executor(self, kind: str, m: int) -> Executor:
         key = (kind, m)
         if key not in self._executors:
             if kind == "train":
-                schedule = build_schedule(self.schedule_name, self.topology.depth, m)
+                schedule = build_schedule(self.schedule_name, self.topology.depth, m, **self.schedule_options)
             else:
-                schedule = forward_only(self.topology.depth, m)
+                schedule = forward_only(self.topology.depth, m, self.placement())
                 validate(schedule)
             self._executors[key] = Executor(schedule, self.stage_index, self._transport, self.prefetch, trace=self.trace)
         return self._executors[key]
@@ -517,7 +551,7 @@ def _validate_inputs(strategy: AutoPipeStrategy, args: tuple, trainer: Optional[
         path, pipeline = find_pipeline(model)
         check_no_outside_parameters(model, path)
         spec = strategy.partition if not isinstance(strategy.partition, str) else "uniform"  # planners: the counts
-        partition_blocks(spec, len(pipeline), strategy.depth)
+        partition_blocks(spec, len(pipeline), len(strategy.placement()))
         if strategy._planner.profile_path is not None:  # a saved profile must describe this model
             Profile.load(strategy._planner.profile_path).check_blocks(len(pipeline))
     fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING

@@ -9,6 +9,7 @@ Detection is automatic: any parameter object reachable from blocks on two or mor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch.distributed as dist
 from torch import nn
@@ -21,8 +22,11 @@ class TiedParameter:
     parameter: nn.Parameter  # this process's copy (valid on the stages in `stages`)
 
 
-def find_tied_parameters(pipeline: nn.Sequential, bounds: tuple[tuple[int, int], ...]) -> list[TiedParameter]:
-    stage_of_block = {b: s for s, (start, stop) in enumerate(bounds) for b in range(start, stop)}
+def find_tied_parameters(pipeline: nn.Sequential, bounds: tuple[tuple[int, int], ...],
+                         chunk_rank: Optional[tuple[int, ...]] = None) -> list[TiedParameter]:
+    """`bounds[c]` are chunk c's blocks, on rank ``chunk_rank[c]`` (default: chunk c on rank c)."""
+    owner = chunk_rank if chunk_rank is not None else tuple(range(len(bounds)))
+    stage_of_block = {b: owner[c] for c, (start, stop) in enumerate(bounds) for b in range(start, stop)}
     holders: dict[int, set[int]] = {}
     objects: dict[int, nn.Parameter] = {}
     order: list[int] = []
