@@ -133,6 +133,7 @@ class AutoPipeStrategy(ParallelStrategy):
         self._tied: list[TiedParameter] = []
         self._chunk_blocks: dict[int, list[int]] = {}  # this rank's chunks -> their block indices
         self._num_chunks = 0
+        self._bounds: tuple = ()
         self._reduced: set[int] = set()
         self._tied_groups: dict[int, Any] = {}
 
@@ -279,7 +280,10 @@ class AutoPipeStrategy(ParallelStrategy):
         check_no_outside_parameters(module, path)
         depth = self.topology.depth
         placement = self.placement()
-        if len(placement) == depth and self._planner.needs_profile:  # a planner or the slicer: profile first
+        resumed = self._resumed_partition(module.trainer, len(placement))
+        if resumed is not None:  # resuming: the checkpoint's partition, not a new (noisy) plan
+            bounds, self.sliced = resumed
+        elif len(placement) == depth and self._planner.needs_profile:  # a planner or the slicer: profile first
             result = self._planner.run(self, module, pipeline)
             bounds, self.plan, self.sliced = result.bounds, result.plan, result.sliced
         elif len(placement) > depth and self._planner.method is not None:
@@ -287,6 +291,7 @@ class AutoPipeStrategy(ParallelStrategy):
         else:
             spec = self.partition if not isinstance(self.partition, str) else "uniform"
             bounds = partition_blocks(spec, len(pipeline), len(placement)).bounds
+        self._bounds = tuple(tuple(b) for b in bounds)
         mine = {c: bounds[c] for c in range(len(placement)) if placement[c] == self.stage_index}
         self._chunk_blocks = {c: list(range(*b)) for c, b in mine.items()}
         self._setup_tied(find_tied_parameters(pipeline, bounds, placement))
@@ -297,6 +302,17 @@ class AutoPipeStrategy(ParallelStrategy):
         self._full_pipeline = pipeline if self.global_rank == 0 else None
         set_submodule(module, path, self._stage)
         log.info(f"rank {self.global_rank}: stage {self.stage_index}/{depth} holds chunks {mine} (blocks [start, stop))")
+
+    def _resumed_partition(self, trainer: Any, num_chunks: int) -> Optional[tuple]:
+        """(bounds, sliced) stored in the checkpoint `fit(ckpt_path=...)` resumes from, if any."""
+        path = getattr(trainer, "ckpt_path", None)
+        if path is None or trainer.state.fn != TrainerFn.FITTING:
+            return None
+        states = self.checkpoint_io.load_checkpoint(path).get("optimizer_states") or [{}]
+        bounds = states[0].get("autopipe_bounds")
+        if bounds is None or len(bounds) != num_chunks:
+            return None  # load_optimizer_state_dict explains a mismatch of depth
+        return tuple(tuple(b) for b in bounds), int(states[0].get("autopipe_sliced", 0))
 
     def _setup_tied(self, tied: list[TiedParameter]) -> None:
         """One group per tied parameter and replica (new_group is collective: every rank, same order);
@@ -461,7 +477,11 @@ class AutoPipeStrategy(ParallelStrategy):
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         state = _to_cpu(optimizer.state_dict())
         parts = self._gather_to_zero(state)
-        return {"autopipe_stage_states": parts, "autopipe_depth": self.topology.depth} if parts is not None else {}
+        if parts is None:
+            return {}
+        # the partition travels with the states: a resumed run must cut the model the same way
+        return {"autopipe_stage_states": parts, "autopipe_depth": self.topology.depth,
+                "autopipe_bounds": [list(b) for b in self._bounds], "autopipe_sliced": self.sliced}
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
