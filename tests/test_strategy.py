@@ -270,3 +270,20 @@ def test_trace_writes_a_measured_timeline(tmp_path):
     computes = [e for e in events if e.get("cat") == "compute"]
     assert len(computes) == 2 * 3 * 2 and {e["pid"] for e in computes} == {0, 1}
     assert (tmp_path / "trace_timeline.png").exists()
+
+
+def test_resume_reuses_the_checkpoints_partition(tmp_path):
+    # a checkpoint written with an explicit uneven partition resumes under partition="autopipe":
+    # the stored partition wins over a new plan, so the optimizer states fit
+    ckpts = tmp_path / "ckpt"
+    pipelined(LitSeq(), 2, steps=4, train=loader(n=40), enable_checkpointing=True,
+              callbacks=[ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4)],
+              strategy=AutoPipeStrategy(partition=[1, 5], microbatches=3, start_method="spawn"))
+    ckpt = glob.glob(str(ckpts / "*.ckpt"))[0]
+    assert torch.load(ckpt, weights_only=False)["optimizer_states"][0]["autopipe_bounds"] == [[0, 1], [1, 6]]
+    resumed = LitSeq()
+    trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(microbatches=3, start_method="spawn"), **trainer_kwargs(max_steps=8))
+    trainer.fit(resumed, loader(n=40), ckpt_path=ckpt)
+    ref = LitSeq()
+    single(ref, steps=8, train=loader(n=40))
+    assert max_rel_diff(ref.state_dict(), resumed.state_dict()) <= 1e-10

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Sequence, Union
 
@@ -134,6 +135,7 @@ class AutoPipeStrategy(ParallelStrategy):
         self._chunk_blocks: dict[int, list[int]] = {}  # this rank's chunks -> their block indices
         self._num_chunks = 0
         self._bounds: tuple = ()
+        self._resume_path: Optional[str] = None
         self._reduced: set[int] = set()
         self._tied_groups: dict[int, Any] = {}
 
@@ -305,8 +307,9 @@ class AutoPipeStrategy(ParallelStrategy):
 
     def _resumed_partition(self, trainer: Any, num_chunks: int) -> Optional[tuple]:
         """(bounds, sliced) stored in the checkpoint `fit(ckpt_path=...)` resumes from, if any."""
-        path = getattr(trainer, "ckpt_path", None)
-        if path is None or trainer.state.fn != TrainerFn.FITTING:
+        # Lightning loads the checkpoint only after setup; the launcher noted fit's ckpt_path for us
+        path = self._resume_path
+        if path is None or trainer.state.fn != TrainerFn.FITTING or not os.path.isfile(path):
             return None
         states = self.checkpoint_io.load_checkpoint(path).get("optimizer_states") or [{}]
         bounds = states[0].get("autopipe_bounds")
@@ -575,6 +578,8 @@ def _validate_inputs(strategy: AutoPipeStrategy, args: tuple, trainer: Optional[
         if strategy._planner.profile_path is not None:  # a saved profile must describe this model
             Profile.load(strategy._planner.profile_path).check_blocks(len(pipeline))
     fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+    # fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, ...)
+    strategy._resume_path = str(args[4]) if fitting and len(args) > 4 and args[4] is not None else None
     size = getattr(args[1], "batch_size", None) if fitting and len(args) > 1 else None
     if isinstance(size, int) and size < strategy.microbatches:
         raise ValueError(
