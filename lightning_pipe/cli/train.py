@@ -70,7 +70,7 @@ def build(cfg: DictConfig) -> tuple[L.LightningModule, L.LightningDataModule, L.
     partition = pipe.partition if isinstance(pipe.partition, str) else list(pipe.partition)
     strategy = AutoPipeStrategy(
         schedule=pipe.schedule, microbatches=pipe.microbatches, partition=partition, width=pipe.width,
-        prefetch=pipe.prefetch, slicer=pipe.slicer, trace=pipe.trace, profile=pipe.profile,
+        chunks=pipe.chunks, waves=pipe.waves, prefetch=pipe.prefetch, slicer=pipe.slicer, trace=pipe.trace, profile=pipe.profile,
         bandwidth=pipe.bandwidth, latency=pipe.latency, start_method=_start_method(pipe),
     )
     world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
@@ -80,7 +80,7 @@ def build(cfg: DictConfig) -> tuple[L.LightningModule, L.LightningDataModule, L.
         raise SettingError(f"trainer.devices x trainer.num_nodes = {world} does not fit pipeline.width: {err}") from None
     _, blocks = find_pipeline(module)
     try:
-        partition_blocks(partition if not isinstance(partition, str) else "uniform", len(blocks), topology.depth)
+        partition_blocks(partition if not isinstance(partition, str) else "uniform", len(blocks), len(strategy_chunks(strategy, world)))
     except ValueError as err:
         raise SettingError(f"{err} (pipeline.partition, trainer.devices)") from None
     if cfg.data.batch_size < pipe.microbatches:
@@ -91,6 +91,13 @@ def build(cfg: DictConfig) -> tuple[L.LightningModule, L.LightningDataModule, L.
         logger=_instantiate_all(cfg.get("logger")) or False, **trainer_kwargs,
     )
     return module, datamodule, trainer
+
+
+def strategy_chunks(strategy: AutoPipeStrategy, world: int) -> tuple:
+    """The chunk placement the strategy will use on `world` processes (checked before any spawn)."""
+    from ..schedules import build_schedule
+
+    return build_schedule(strategy.schedule_name, world // strategy.width, strategy.microbatches, **strategy.schedule_options).chunk_rank
 
 
 def _fail(message: str, run_dir: Optional[Path], created: bool) -> None:

@@ -135,6 +135,7 @@ class AutoPipeStrategy(ParallelStrategy):
         self._chunk_blocks: dict[int, list[int]] = {}  # this rank's chunks -> their block indices
         self._num_chunks = 0
         self._bounds: tuple = ()
+        self._loss_stage = 0
         self._resume_path: Optional[str] = None
         self._reduced: set[int] = set()
         self._tied_groups: dict[int, Any] = {}
@@ -266,7 +267,9 @@ class AutoPipeStrategy(ParallelStrategy):
         topo = self.topology
         self._transport = Transport(lambda r: topo.global_rank(self.replica_index, r), self.root_device)
         self._executors = {}
-        last = topo.global_rank(self.replica_index, topo.depth - 1)
+        # the rank holding the last chunk computes the loss (the last stage, or rank 0 in a wave)
+        self._loss_stage = self.placement()[-1]
+        last = topo.global_rank(self.replica_index, self._loss_stage)
         self._logs = LogBroadcaster(
             self._groups.pipeline if topo.depth > 1 else None, last, self.root_device, self.global_rank == last
         )
@@ -434,7 +437,7 @@ class AutoPipeStrategy(ParallelStrategy):
     def _eval(self, step: str, context: Callable, args: tuple, kwargs: dict) -> Any:
         m = min(self.microbatches, batch_size(args[0]))
         self._run("eval", step, context, args, kwargs, m)
-        return merge_outputs(self._host.outputs) if self.stage_index == self.topology.depth - 1 else None
+        return merge_outputs(self._host.outputs) if self.stage_index == self._loss_stage else None
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._eval("validation_step", self.precision_plugin.val_step_context, args, kwargs)
@@ -447,7 +450,7 @@ class AutoPipeStrategy(ParallelStrategy):
         if self.topology.depth == 1:
             return output
         box = [output]  # predictions come from the last stage; the trainer returns rank 0's
-        last = self.topology.global_rank(self.replica_index, self.topology.depth - 1)
+        last = self.topology.global_rank(self.replica_index, self._loss_stage)
         dist.broadcast_object_list(box, last, group=self._groups.pipeline, device=self.root_device)
         return box[0]
 
