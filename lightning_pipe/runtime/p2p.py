@@ -10,25 +10,12 @@ header (count, dtypes, shapes, requires-grad flags) in front of the data and the
 before allocating buffers; both ends cache it and later messages are raw data only. A new shape
 (the last short batch of an epoch, another sequence length) is a new signature, so it is
 negotiated again. Gradients need no header: their shapes are those of the activation sent.
-
-On gloo, sends and receives are issued from a helper thread, never from the thread that computes.
-Issuing a gloo op writes to the pair's TCP socket (the data, or a "ready to receive" notice) while
-holding the pair's lock, and wakes the peer's reader thread. When every core runs a stage, a woken
-reader thread often lands on the writer's core and preempts it, and gloo's reader thread spins in
-`epoll_wait` while it cannot take a pair lock another thread holds; the issuing thread can then lose
-a whole scheduler slice (1-5 ms measured on a 2-core VM, see docs/benchmarks.md). A helper thread
-takes those hits instead: the compute thread only hands it the ops (in order, so each peer sees the
-messages in the executor's order) and later waits on the works. NCCL ops are asynchronous kernel
-launches bound to the caller's CUDA context, so they are issued inline.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Optional, Sequence, Union
+from typing import Callable, Hashable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -106,105 +93,15 @@ class PendingRecv:
         return tuple(tensors) if self.spec.is_tuple else tensors[0]
 
 
-class _Batch:
-    """Ops handed to the issuing thread; `works` is set (or `error`) once they are issued."""
-
-    __slots__ = ("ops", "works", "error", "issued")
-
-    def __init__(self, ops: list):
-        self.ops, self.works, self.error, self.issued = ops, None, None, threading.Event()
-
-    def wait_issued(self) -> list:
-        self.issued.wait()
-        if self.error is not None:
-            raise RuntimeError("issuing a pipeline send/receive failed") from self.error
-        return self.works
-
-
-class _DeferredWork:
-    """The work of op `index` of a batch the issuing thread has (or will have) issued."""
-
-    __slots__ = ("batch", "index")
-
-    def __init__(self, batch: _Batch, index: int):
-        self.batch, self.index = batch, index
-
-    def wait(self) -> bool:
-        works = self.batch.wait_issued()
-        if len(works) == len(self.batch.ops):
-            return works[self.index].wait()
-        for work in works:  # coalesced: one work stands for the whole group
-            work.wait()
-        return True
-
-
-def _issue_ops(ops: list[dist.P2POp], batch_ops: bool) -> list[dist.Work]:
-    if batch_ops:
-        return dist.batch_isend_irecv(ops)
-    return [op.op(op.tensor, op.peer) for op in ops]
-
-
-def _issuing_loop(jobs: "queue.SimpleQueue[Optional[tuple[_Batch, bool]]]") -> None:
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        batch, batch_ops = job
-        try:
-            batch.works = _issue_ops(batch.ops, batch_ops)
-        except BaseException as error:  # handed to whoever waits on the batch
-            batch.error = error
-        batch.issued.set()
-        del job, batch  # hold no tensors or works while idle
-
-
-class _Issuer:
-    """A daemon thread that issues batches of p2p ops in submission order (so the per-peer order of
-    the messages is the order the executor chose)."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._last: Optional[_Batch] = None
-        self._thread = threading.Thread(target=_issuing_loop, args=(self._jobs,), name="pipe-p2p-issue", daemon=True)
-        self._thread.start()
-        # stop the thread when the transport goes away (the loop does not reference the transport)
-        self._finalizer = weakref.finalize(self, self._jobs.put, None)
-
-    def submit(self, ops: list, batch_ops: bool) -> list[_DeferredWork]:
-        batch = self._last = _Batch(ops)
-        self._jobs.put((batch, batch_ops))
-        return [_DeferredWork(batch, k) for k in range(len(ops))]
-
-    def flush(self) -> None:
-        """Return once everything submitted so far is issued (before this thread issues directly)."""
-        if self._last is not None:
-            self._last.wait_issued()
-            self._last = None
-
-    def close(self) -> None:
-        self._finalizer()
-
-
 class Transport:
-    """Sends and receives between pipeline ranks of one pipeline (peers are pipeline ranks).
+    """Sends and receives between pipeline ranks of one pipeline (peers are pipeline ranks)."""
 
-    `issue_thread` (default: on for gloo, off otherwise) issues the ops from a helper thread; see
-    the module docstring."""
-
-    def __init__(
-        self,
-        to_global: Callable[[int], int],
-        device: torch.device,
-        batch_ops: Optional[bool] = None,
-        issue_thread: Optional[bool] = None,
-    ):
+    def __init__(self, to_global: Callable[[int], int], device: torch.device, batch_ops: Optional[bool] = None):
         self.to_global, self.device = to_global, device
         # NCCL runs the sends and receives between two ranks in order on one stream, so a send and a
         # receive that a neighbour issues in the other order deadlock unless they go in one group.
         backend = dist.get_backend() if dist.is_initialized() else "gloo"
         self.batch_ops = (backend != "gloo") if batch_ops is None else batch_ops
-        self.issue_thread = (backend == "gloo") if issue_thread is None else issue_thread
-        self._issuer: Optional[_Issuer] = None
         self._sent: set[Hashable] = set()
         self._specs: dict[Hashable, ActivationSpec] = {}
         self._pinned: list[Tensor] = []  # headers in flight
@@ -232,7 +129,6 @@ class Transport:
         src = self.to_global(peer)
         spec = self._specs.get((peer, chunk, key))
         if spec is None:
-            self.flush()  # receives already handed to the issuing thread must be posted before this one
             length = torch.empty(1, dtype=torch.int64, device=self.device)
             dist.recv(length, src)
             header = torch.empty(int(length.item()), dtype=torch.int64, device=self.device)
@@ -252,27 +148,12 @@ class Transport:
         return PendingRecv(buffers, None), [dist.P2POp(dist.irecv, b, src) for b in buffers]
 
     # ---- issuing -----------------------------------------------------------------------------
-    def issue(self, ops: list[dist.P2POp]) -> list[Any]:
-        """Start `ops` in order; one work per op (or one for a coalesced group), to `wait()` on."""
+    def issue(self, ops: list[dist.P2POp]) -> list[dist.Work]:
         if not ops:
             return []
-        if self.issue_thread:
-            if self._issuer is None:
-                self._issuer = _Issuer()
-            return self._issuer.submit(ops, self.batch_ops)
-        return _issue_ops(ops, self.batch_ops)
-
-    def flush(self) -> None:
-        """Wait until every op handed to `issue` has been issued (not completed)."""
-        if self._issuer is not None:
-            self._issuer.flush()
-
-    def close(self) -> None:
-        """Stop the issuing thread (a later `issue` starts a new one)."""
-        if self._issuer is not None:
-            self._issuer.flush()
-            self._issuer.close()
-            self._issuer = None
+        if self.batch_ops:
+            return dist.batch_isend_irecv(ops)
+        return [op.op(op.tensor, op.peer) for op in ops]
 
     def release_headers(self) -> None:
         self._pinned.clear()
