@@ -378,7 +378,7 @@ def simulator_job(rank: int, world: int, args: Any, log) -> dict:
         for i in order:
             label, bounds = partitions[i]
             last = rnd == args.rounds - 1
-            trace = args.trace_steps if last and label.split(" = ")[0] == "autopipe" else 0
+            trace = args.trace_steps if last and "autopipe" in label.split(" = ") else 0
             out, load = _segment(lambda: run_partition(model, bounds, rank, world, x, y, args, args.steps, args.warmup, trace),
                                  rank, world, args, log)
             runs[i].append(out["times"])
@@ -520,7 +520,11 @@ def report(a: dict, args: Any) -> str:
     for r in rows:
         lines.append(f"| {r['label']} | {r['sizes']} | {r['measured'] * 1e3:.1f} | {r['simulated'] * 1e3:.1f} | {r['error']:+.1%} | "
                      f"{r['lone'] * 1e3:.1f} | {r['lone_error']:+.1%} | {r['master']} | {r['load']:.2f} |")
+    cores = os.cpu_count() or 1
+    floor = args.microbatches * sum(a["lone"].forward + a["lone"].backward) / min(cores, world)
     worst = max(abs(r["error"]) for r in rows)
+    lines += ["", f"CPU floor: m x (lone f+b of all blocks) / min(cores, ranks) = {floor * 1e3:.1f} ms per step "
+                  f"({cores} cores for {world} ranks)"]
     worst_lone = max(abs(r["lone_error"]) for r in rows)
     lines += [
         "",
@@ -549,7 +553,7 @@ def plot_comparison(analyses: list[dict], path: Path) -> None:
         ax.plot(xs, [r["simulated"] * 1e3 for r in rows], "s--", label="simulated (concurrent profile)", color="#DD8452")
         ax.plot(xs, [r["lone"] * 1e3 for r in rows], "^:", label="simulated (lone profile)", color="#8C8C8C")
         ax.set_xticks(list(xs))
-        ax.set_xticklabels([f"{r['label'].split(' = ')[0]}\n{r['sizes']}" for r in rows], fontsize=7, rotation=30, ha="right")
+        ax.set_xticklabels([f"{r['label'].replace(' = ', '=')}\n{r['sizes']}" for r in rows], fontsize=7, rotation=30, ha="right")
         ax.set_ylabel("iteration time (ms)")
         ax.set_ylim(bottom=0)
         ax.set_title(f"{a['world']} processes on 2 cores: Spearman {a['rho']:.2f}, max |error| "
@@ -566,7 +570,7 @@ def plot_timelines(a: dict, folder: Path, label: str = "autopipe") -> list[Path]
     from lightning_pipe.simulator import simulate
     from lightning_pipe.viz import gantt, traced_timeline
 
-    index = next((i for i, r in enumerate(a["rows"]) if r["label"].split(" = ")[0] == label), None)
+    index = next((i for i, r in enumerate(a["rows"]) if label in r["label"].split(" = ")), None)
     if index is None or index not in a["traces"]:
         return []
     row = a["rows"][index]
