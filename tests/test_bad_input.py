@@ -18,7 +18,7 @@ from models import LitSeq, loader, trainer_kwargs
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(schedule="zigzag"), r"schedule='zigzag' is not a known schedule; allowed values: \['1f1b', 'gpipe', 'interleaved', 'wave'\]"),
+        (dict(schedule="zigzag"), r"schedule='zigzag' is not a known schedule; allowed values: \['1f1b', 'gpipe', 'interleaved', 'wave', 'auto'\]"),
         (dict(microbatches=0), r"microbatches=0: .* integer >= 1"),
         (dict(width=0), r"width=0: .* integer >= 1"),
         (dict(partition="magic"), r"partition='magic' is not a known method; allowed: \['autopipe', 'dp', 'exhaustive', 'parameters', 'uniform'\]"),

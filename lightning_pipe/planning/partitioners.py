@@ -7,43 +7,65 @@
     exhaustive  every split simulated (small models only): the ground truth
 
 All take the same arguments so `plan` can call any of them; `kinds` only matters to `uniform`.
+`stages` counts ranks; `options` (chunks=v for interleaved, waves=W for wave) make a multi-chunk
+schedule, cut into P·v or 2PW pieces (see chunked.py for how `autopipe` searches those).
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
+from ..schedules import chunk_count
 from ..simulator import CostModel
+from .chunked import ChunkedEvaluator
 from .exhaustive import exhaustive_bounds
 from .heuristic import autopipe_bounds
 from .minmax import min_max_bounds
+from .refine import refine
 from .replay import Bounds, Evaluator
 from .uniform import uniform_bounds
 
 Partitioner = Callable[..., Bounds]
 
 
-def uniform(costs: CostModel, stages: int, microbatches: int, schedule: str = "1f1b", *, kinds: Optional[Sequence[str]] = None) -> Bounds:
-    return uniform_bounds(costs.num_blocks, stages, kinds)
+Options = Optional[dict]
 
 
-def parameters(costs: CostModel, stages: int, microbatches: int, schedule: str = "1f1b", *, kinds: Optional[Sequence[str]] = None) -> Bounds:
+def pieces(stages: int, schedule: str, options: Options) -> int:
+    return chunk_count(schedule, stages, **(options or {}))
+
+
+def uniform(costs: CostModel, stages: int, microbatches: int, schedule: str = "1f1b", *,
+            kinds: Optional[Sequence[str]] = None, options: Options = None) -> Bounds:
+    return uniform_bounds(costs.num_blocks, pieces(stages, schedule, options), kinds)
+
+
+def parameters(costs: CostModel, stages: int, microbatches: int, schedule: str = "1f1b", *,
+               kinds: Optional[Sequence[str]] = None, options: Options = None) -> Bounds:
     if not costs.param_bytes:
         raise ValueError("method='parameters' balances parameter bytes, but the cost model has no param_bytes")
-    return min_max_bounds(costs.param_bytes, stages)
+    return min_max_bounds(costs.param_bytes, pieces(stages, schedule, options))
 
 
-def dp(costs: CostModel, stages: int, microbatches: int, schedule: str = "1f1b", *, kinds: Optional[Sequence[str]] = None) -> Bounds:
-    return min_max_bounds([f + b for f, b in zip(costs.forward, costs.backward)], stages)
+def dp(costs: CostModel, stages: int, microbatches: int, schedule: str = "1f1b", *,
+       kinds: Optional[Sequence[str]] = None, options: Options = None) -> Bounds:
+    return min_max_bounds([f + b for f, b in zip(costs.forward, costs.backward)], pieces(stages, schedule, options))
 
 
-def autopipe(costs: CostModel, stages: int, microbatches: int, schedule: str = "1f1b", *, kinds: Optional[Sequence[str]] = None) -> Bounds:
-    return autopipe_bounds(Evaluator(costs, schedule, stages, microbatches), stages)
+def autopipe(costs: CostModel, stages: int, microbatches: int, schedule: str = "1f1b", *,
+             kinds: Optional[Sequence[str]] = None, options: Options = None) -> Bounds:
+    evaluator = Evaluator(costs, schedule, stages, microbatches, options)
+    n = pieces(stages, schedule, options)
+    if n == stages:
+        return autopipe_bounds(evaluator, stages)
+    return refine(ChunkedEvaluator(evaluator), dp(costs, stages, microbatches, schedule, options=options))
 
 
-def exhaustive(costs: CostModel, stages: int, microbatches: int, schedule: str = "1f1b", *, kinds: Optional[Sequence[str]] = None) -> Bounds:
-    seed = dp(costs, stages, microbatches, schedule)  # a good first incumbent: the bound prunes more
-    return exhaustive_bounds(Evaluator(costs, schedule, stages, microbatches), stages, seed)
+def exhaustive(costs: CostModel, stages: int, microbatches: int, schedule: str = "1f1b", *,
+               kinds: Optional[Sequence[str]] = None, options: Options = None) -> Bounds:
+    seed = dp(costs, stages, microbatches, schedule, options=options)  # a good first incumbent: the bound prunes more
+    evaluator = Evaluator(costs, schedule, stages, microbatches, options)
+    return exhaustive_bounds(evaluator, pieces(stages, schedule, options), seed)
 
 
 PARTITIONERS: dict[str, Partitioner] = {

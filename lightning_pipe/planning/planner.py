@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
-from ..schedules import get_schedule
+from ..schedules import OPTIONS, check_chunks, get_schedule
 from ..simulator import CostModel, simulate
 from .partition import Partition
 from .partitioners import PARTITIONERS
@@ -35,6 +35,12 @@ class Plan:
     bubble_ratio: float
     planning_seconds: float
     kinds: tuple[str, ...] = ()
+    options: tuple[tuple[str, int], ...] = ()  # chunks= / waves= of a multi-chunk schedule
+    chunk_rank: tuple[int, ...] = ()  # the rank holding each piece (empty: piece s on rank s)
+
+    @property
+    def schedule_options(self) -> dict[str, int]:
+        return dict(self.options)
 
     @property
     def stages(self) -> int:
@@ -54,8 +60,9 @@ class Plan:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["bounds"] = [list(b) for b in self.bounds]
-        for key in ("sizes", "stage_forward", "stage_backward", "stage_param_bytes", "kinds"):
+        for key in ("sizes", "stage_forward", "stage_backward", "stage_param_bytes", "kinds", "chunk_rank"):
             out[key] = list(out[key])
+        out["options"] = self.schedule_options
         out["stages"] = self.stages
         out["balance"] = self.balance
         return out
@@ -73,17 +80,20 @@ class Plan:
         return " + ".join(parts)
 
     def table(self) -> str:
+        chunked = len(set(self.chunk_rank)) < len(self.chunk_rank)
+        options = "".join(f" {k}={v}" for k, v in self.options)
+        pieces = f"{self.stages} chunks on {len(set(self.chunk_rank))} ranks" if chunked else f"{self.stages} stages"
         head = (
-            f"{self.method} plan, {self.schedule}, {self.stages} stages, {self.microbatches} micro-batches: "
-            f"iteration {self.iteration_time * 1e3:.3f} ms (simulated), master stage {self.master_stage}, "
+            f"{self.method} plan, {self.schedule}{options}, {pieces}, {self.microbatches} micro-batches: "
+            f"iteration {self.iteration_time * 1e3:.3f} ms (simulated), master {'rank' if chunked else 'stage'} {self.master_stage}, "
             f"bubble {self.bubble_ratio:.1%}, balance (std of f+b) {self.balance * 1e3:.3f} ms, "
             f"planned in {self.planning_seconds * 1e3:.1f} ms"
         )
-        columns = ["stage", "blocks"] + (["contents"] if self.kinds else []) + ["forward ms", "backward ms", "f+b ms"]
+        columns = (["chunk", "rank"] if chunked else ["stage"]) + ["blocks"] + (["contents"] if self.kinds else []) + ["forward ms", "backward ms", "f+b ms"]
         columns += ["params MB"] if self.stage_param_bytes else []
         rows = []
         for s, (a, b) in enumerate(self.bounds):
-            row = [str(s), f"{a}..{b - 1} ({b - a})"] + ([self.contents(s)] if self.kinds else [])
+            row = [str(s)] + ([str(self.chunk_rank[s])] if chunked else []) + [f"{a}..{b - 1} ({b - a})"] + ([self.contents(s)] if self.kinds else [])
             f, bw = self.stage_forward[s], self.stage_backward[s]
             row += [f"{f * 1e3:.3f}", f"{bw * 1e3:.3f}", f"{(f + bw) * 1e3:.3f}"]
             row += [f"{self.stage_param_bytes[s] / 1e6:.1f}"] if self.stage_param_bytes else []
@@ -94,14 +104,20 @@ class Plan:
         return "\n".join(lines)
 
 
-def check_plan_settings(costs: CostModel, stages: int, microbatches: int, method: str, schedule: str, kinds) -> None:
+def check_plan_settings(costs: CostModel, stages: int, microbatches: int, method: str, schedule: str, kinds,
+                        options: Optional[dict] = None) -> None:
     """Every bad setting is a ValueError that names it, before any work."""
     if not isinstance(method, str) or method not in PARTITIONERS:
         raise ValueError(f"method={method!r} is not a known partitioner; allowed values: {sorted(PARTITIONERS)}")
     get_schedule(schedule)  # names the allowed schedules
-    for name, value in (("stages", stages), ("microbatches", microbatches)):
+    unknown = sorted(set(options or {}) - set(OPTIONS.get(schedule, ())))
+    if unknown:
+        raise ValueError(f"schedule={schedule!r} takes no option {unknown}; its options: {list(OPTIONS.get(schedule, ())) or 'none'}")
+    for name, value in (("stages", stages), ("microbatches", microbatches), *(options or {}).items()):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+    if options:
+        check_chunks(schedule, stages, costs.num_blocks, **options)
     if stages > costs.num_blocks:
         raise ValueError(
             f"stages={stages} exceeds the {costs.num_blocks} blocks of the cost model: every stage needs at least "
@@ -118,17 +134,21 @@ def plan(
     method: str = "autopipe",
     schedule: str = "1f1b",
     kinds: Optional[Sequence[str]] = None,
+    options: Optional[dict] = None,
 ) -> Plan:
     """Partition the blocks of `costs` into `stages` stages with partitioner `method` (a key of
-    PARTITIONERS) and simulate the result with `schedule` ('1f1b' or 'gpipe').
+    PARTITIONERS) and simulate the result with `schedule` (any of SCHEDULES; `options` are its
+    chunks= / waves=, and a multi-chunk schedule is cut into that many chunks over `stages` ranks).
 
     `kinds` names each block ('embedding', 'attention', 'ffn', 'head' or anything else); `uniform`
     then counts layers instead of blocks, and the table shows what each stage holds."""
     started = time.perf_counter()
-    check_plan_settings(costs, stages, microbatches, method, schedule, kinds)
+    check_plan_settings(costs, stages, microbatches, method, schedule, kinds, options)
     kinds = tuple(kinds) if kinds is not None else None
-    bounds = tuple(tuple(b) for b in PARTITIONERS[method](costs, stages, microbatches, schedule, kinds=kinds))
-    timeline = simulate(cached_schedule(schedule, stages, microbatches), costs, bounds)
+    options = dict(options or {})
+    bounds = tuple(tuple(b) for b in PARTITIONERS[method](costs, stages, microbatches, schedule, kinds=kinds, options=options))
+    built = cached_schedule(schedule, stages, microbatches, tuple(sorted(options.items())))
+    timeline = simulate(built, costs, bounds)
     planning_seconds = time.perf_counter() - started
     return Plan(
         method=method,
@@ -144,4 +164,6 @@ def plan(
         bubble_ratio=timeline.bubble_ratio,
         planning_seconds=planning_seconds,
         kinds=kinds or (),
+        options=tuple(sorted(options.items())),
+        chunk_rank=tuple(built.chunk_rank),
     )

@@ -20,17 +20,17 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..schedules import Op, PipelineSchedule, get_schedule
-from ..simulator import CostModel
+from ..simulator import CostModel, simulate
 
 Bounds = tuple[tuple[int, int], ...]
 
 
 @lru_cache(maxsize=32)
-def cached_schedule(name: str, stages: int, microbatches: int) -> PipelineSchedule:
+def cached_schedule(name: str, stages: int, microbatches: int, options: tuple[tuple[str, int], ...] = ()) -> PipelineSchedule:
     """Built once per (name, stages, microbatches); nothing mutates a schedule. Not `validate`d
     (14 ms at 16 x 32, a seventh of the planning budget): the generators are validated by their
     tests, and `Replay` itself rejects a schedule that cannot finish."""
-    return get_schedule(name)(stages, microbatches)
+    return get_schedule(name)(stages, microbatches, **dict(options))
 
 
 class Replay:
@@ -166,8 +166,15 @@ class Replay:
         comm = [costs.comm_time(b - 1) for a, b in bounds] + [0.0]
         return durations, comm
 
+    def _shared(self, costs: CostModel) -> bool:
+        # Shared cores make a compute's duration depend on what the other ranks do meanwhile, which
+        # the compiled graph's fixed durations cannot express: those cases go to `simulate` itself.
+        return costs.shares_cores(self.ranks)
+
     def iteration_time(self, costs: CostModel, bounds: Sequence[tuple[int, int]]) -> float:
         """`simulate(...).iteration_time`, without building events."""
+        if self._shared(costs):
+            return simulate(self.schedule, costs, bounds, critical_path=False).iteration_time
         durations, comm = self._times(costs, bounds)
         end = [0.0] * len(self.rank)
         clock = [0.0] * self.ranks
@@ -184,6 +191,8 @@ class Replay:
         """`iteration_time` of many partitions at once (one numpy column each)."""
         if not candidates:
             return []
+        if self._shared(costs):
+            return [self.iteration_time(costs, bounds) for bounds in candidates]
         k, n, chunks = len(candidates), len(self.rank), self.chunks
         durations = np.empty((2 * chunks, k))
         comm = np.empty((chunks + 1, k))
@@ -200,7 +209,8 @@ class Replay:
         One chunk per rank: stage i starts only after micro-batch 0 crossed the stages before it,
         then computes for m (f_i + b_i), and its last backward still has to drain back through
         them: T >= sum_{s<i} (f_s + c_s) + m (f_i + b_i) + sum_{s<i} (b_s + c_s). Otherwise the
-        busiest rank's compute, back to back."""
+        busiest rank's compute, back to back. Shared cores only slow computes down, so these still
+        hold, and the machine's floor (all compute over the cores) is one more."""
         if not self.one_chunk_per_rank:
             return self.busy_bound(costs, bounds)
         durations, comm = self._times(costs, bounds)
@@ -214,10 +224,15 @@ class Replay:
                 best = v
             fill += durations[i] + comm[i]
             drain += durations[c + i] + comm[i]
+        if self._shared(costs):
+            return max(best, self.busy_bound(costs, bounds))
         return best
 
     def run(self, costs: CostModel, bounds: Sequence[tuple[int, int]]) -> tuple[float, Optional[int]]:
         """(iteration time, master stage) as `simulate` defines them, critical path included."""
+        if self._shared(costs):
+            timeline = simulate(self.schedule, costs, bounds)
+            return timeline.iteration_time, timeline.master_stage
         durations, comm = self._times(costs, bounds)
         n = len(self.rank)
         if n == 0:
@@ -269,15 +284,18 @@ class Replay:
         busy = [0.0] * self.ranks
         for c in range(self.chunks):
             busy[self.chunk_rank[c]] += self.counts_f[c] * durations[c] + self.counts_b[c] * durations[self.chunks + c]
+        if self._shared(costs):  # at most `cores` seconds of compute get done per second
+            return max(max(busy), sum(busy) / costs.cores)
         return max(busy)
 
 
 class Evaluator:
     """Simulated iteration time and master stage of partitions of one schedule, cached by bounds."""
 
-    def __init__(self, costs: CostModel, schedule: str, stages: int, microbatches: int):
+    def __init__(self, costs: CostModel, schedule: str, stages: int, microbatches: int, options: Optional[dict] = None):
+        # `stages` counts ranks; a multi-chunk schedule (options chunks= / waves=) cuts more pieces
         self.costs = costs
-        self.replay = compiled(schedule, stages, microbatches)
+        self.replay = compiled(schedule, stages, microbatches, tuple(sorted((options or {}).items())))
         self._time: dict[Bounds, float] = {}
         self._master: dict[Bounds, Optional[int]] = {}
 
@@ -310,5 +328,5 @@ class Evaluator:
 
 
 @lru_cache(maxsize=32)
-def compiled(name: str, stages: int, microbatches: int) -> Replay:
-    return Replay(cached_schedule(name, stages, microbatches))
+def compiled(name: str, stages: int, microbatches: int, options: tuple[tuple[str, int], ...] = ()) -> Replay:
+    return Replay(cached_schedule(name, stages, microbatches, options))

@@ -1,0 +1,162 @@
+"""`schedule="auto"`: plan every candidate schedule on the profile, simulate, run the fastest that fits.
+
+Each candidate (1F1B, interleaved v = 2, 4, wave W = 1, 2, 4) gets its own partition from the same
+partitioner (a multi-chunk schedule cuts P·v or 2PW chunks), then the simulator predicts its
+iteration time and each rank's peak memory. Memory is the rank's weights times `weight_copies`
+(parameters, gradients and the optimizer's state: 4 for Adam in fp32) plus the activations it holds
+for backward at its peak. A candidate that cannot run (more chunks than blocks, a micro-batch count
+it cannot use) or does not fit `memory_limit` is kept in the table with the reason, so the choice
+can be read and checked. Ties go to fewer chunks: the same time with fewer messages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+from ..simulator import CostModel, Timeline, simulate
+from .planner import Plan, plan
+from .replay import cached_schedule
+from .slicer import choose_slicing, fixed_slicing, simulate_sliced
+
+CANDIDATES: tuple[tuple[str, dict[str, int]], ...] = (
+    ("1f1b", {}),
+    ("interleaved", {"chunks": 2}),
+    ("interleaved", {"chunks": 4}),
+    ("wave", {"waves": 1}),
+    ("wave", {"waves": 2}),
+    ("wave", {"waves": 4}),
+)
+ADAM_WEIGHT_COPIES = 4.0  # parameters + gradients + exp_avg + exp_avg_sq
+
+
+def label(schedule: str, options: dict[str, int]) -> str:
+    return schedule + "".join(f" {k}={v}" for k, v in sorted(options.items()))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    schedule: str
+    options: tuple[tuple[str, int], ...]
+    plan: Optional[Plan]  # None: the schedule cannot run this model / micro-batch count
+    iteration_time: float  # simulated seconds per step; inf when it cannot run
+    peak_memory: float  # predicted bytes on the fullest rank; inf when it cannot run
+    sliced: int  # warm-up micro-batches the slicer cuts in halves (1F1B with slicer only)
+    verdict: str  # "chosen", "runs", "over the memory limit" or "cannot run: <why>"
+
+    @property
+    def name(self) -> str:
+        return label(self.schedule, dict(self.options))
+
+    @property
+    def num_chunks(self) -> int:
+        return self.plan.stages if self.plan is not None else 0
+
+    def to_dict(self) -> dict:
+        return {"schedule": self.schedule, "options": dict(self.options), "iteration_time": self.iteration_time,
+                "peak_memory": self.peak_memory, "sliced": self.sliced, "verdict": self.verdict,
+                "bounds": [list(b) for b in self.plan.bounds] if self.plan else None}
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    candidates: tuple[Candidate, ...]
+    chosen: Candidate
+    memory_limit: Optional[float]
+
+    @property
+    def plan(self) -> Plan:
+        assert self.chosen.plan is not None
+        return self.chosen.plan
+
+    @property
+    def reason(self) -> str:
+        runners = sorted((c for c in self.candidates if c.verdict in ("chosen", "runs")), key=lambda c: c.iteration_time)
+        why = f"{self.chosen.name} is the fastest simulated schedule"
+        if len(runners) > 1:
+            why += f", {runners[1].iteration_time / self.chosen.iteration_time - 1:.1%} ahead of {runners[1].name}"
+        if self.memory_limit is not None:
+            why += f", within the memory limit of {self.memory_limit / 2**30:.2f} GiB"
+        return why
+
+    def table(self) -> str:
+        limit = "none" if self.memory_limit is None else f"{self.memory_limit / 2**30:.2f} GiB"
+        lines = [f"schedule=auto (memory limit {limit}): {self.reason}"]
+        columns = ("schedule", "chunks", "iteration ms", "vs chosen", "peak memory MiB", "verdict")
+        rows = []
+        for c in self.candidates:
+            runs = c.plan is not None
+            rows.append((
+                c.name + (f" (sliced {c.sliced})" if c.sliced else ""),
+                str(c.num_chunks) if runs else "-",
+                f"{c.iteration_time * 1e3:.3f}" if runs else "-",
+                f"{c.iteration_time / self.chosen.iteration_time:.3f}x" if runs else "-",
+                f"{c.peak_memory / 2**20:.1f}" if runs else "-",
+                c.verdict if runs else "cannot run (below)",
+            ))
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(columns)]
+        lines.append("  ".join(h.ljust(w) for h, w in zip(columns, widths)))
+        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+        lines += [f"{c.name}: {c.verdict}" for c in self.candidates if c.plan is None]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"chosen": self.chosen.to_dict(), "reason": self.reason, "memory_limit": self.memory_limit,
+                "candidates": [c.to_dict() for c in self.candidates]}
+
+
+def peak_memory(timeline: Timeline, weight_copies: float) -> float:
+    """Predicted peak bytes of the fullest rank: its weights' copies plus its stashed activations."""
+    per_rank = [w * weight_copies + a for w, a in zip(timeline.weight_bytes, timeline.peak_activation_bytes)]
+    return max(per_rank, default=0.0)
+
+
+def choose_schedule(
+    costs: CostModel,
+    stages: int,
+    microbatches: int,
+    method: str = "autopipe",
+    kinds: Optional[Sequence[str]] = None,
+    memory_limit: Optional[float] = None,
+    candidates: Sequence[tuple[str, dict[str, int]]] = CANDIDATES,
+    slicer: Union[bool, int] = False,
+    weight_copies: float = ADAM_WEIGHT_COPIES,
+) -> ScheduleChoice:
+    """Plan and simulate each candidate on `stages` ranks; choose the fastest within `memory_limit`
+    (bytes; None: no limit). `slicer` applies to the 1F1B / GPipe candidates as in `plan`'s strategy."""
+    if memory_limit is not None and not (isinstance(memory_limit, (int, float)) and memory_limit > 0):
+        raise ValueError(f"memory_limit={memory_limit!r}: a number of bytes > 0, or None for no limit")
+    if not candidates:
+        raise ValueError("candidates is empty: give at least one (schedule, options) pair")
+    found: list[Candidate] = []
+    for schedule, options in candidates:
+        key = tuple(sorted(options.items()))
+        try:
+            chosen_plan = plan(costs, stages, microbatches, method=method, schedule=schedule, kinds=kinds, options=options)
+        except ValueError as error:  # e.g. more chunks than blocks, m not a multiple of p
+            found.append(Candidate(schedule, key, None, math.inf, math.inf, 0, f"cannot run: {error}"))
+            continue
+        sliced, time = 0, chosen_plan.iteration_time
+        if slicer and not options:
+            slicing = (choose_slicing(costs, chosen_plan.bounds, microbatches, schedule) if slicer is True
+                       else fixed_slicing(costs, chosen_plan.bounds, microbatches, int(slicer), schedule))
+            sliced, time = slicing.sliced, slicing.iteration_time
+            timeline = simulate_sliced(costs, chosen_plan.bounds, microbatches, sliced, schedule)
+        else:
+            timeline = simulate(cached_schedule(schedule, stages, microbatches, key), costs, chosen_plan.bounds, critical_path=False)
+        memory = peak_memory(timeline, weight_copies)
+        verdict = "runs" if memory_limit is None or memory <= memory_limit else "over the memory limit"
+        found.append(Candidate(schedule, key, chosen_plan, time, memory, sliced, verdict))
+    fits = [c for c in found if c.verdict == "runs"]
+    if not fits:
+        detail = "; ".join(f"{c.name}: {c.verdict}" + (f" ({c.peak_memory / 2**20:.1f} MiB)" if c.plan else "") for c in found)
+        raise ValueError(f"schedule='auto' found no candidate that runs within memory_limit={memory_limit!r}: {detail}")
+    # fastest; on a tie (to float noise) fewer chunks, then the listed order
+    best = min(fits, key=lambda c: (round(c.iteration_time, 12), c.num_chunks, found.index(c)))
+    chosen = _with_verdict(best, "chosen")
+    return ScheduleChoice(tuple(chosen if c is best else c for c in found), chosen, memory_limit)
+
+
+def _with_verdict(c: Candidate, verdict: str) -> Candidate:
+    return Candidate(c.schedule, c.options, c.plan, c.iteration_time, c.peak_memory, c.sliced, verdict)
