@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -10,6 +12,7 @@ import lightning as L
 
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.models import CausalLM, MaskedLM, ModelConfig
+from lightning_pipe.profiler import Profile
 from models import max_rel_diff, trainer_kwargs
 
 pytestmark = pytest.mark.timeout(240)
@@ -52,11 +55,12 @@ def test_language_model_with_tied_embedding_equals_single_process(cls, data, par
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
 
 
-@pytest.mark.parametrize("devices,schedule,options,m", [
-    (2, "wave", dict(waves=1), 2), (2, "wave", dict(waves=2), 4), (2, "interleaved", dict(chunks=2), 4),
+@pytest.mark.parametrize("devices,schedule,options,m,layers", [
+    (2, "wave", dict(waves=1), 2, 4), (2, "wave", dict(waves=2), 4, 4), (2, "interleaved", dict(chunks=2), 4, 4),
+    (4, "wave", dict(waves=1), 4, 4), (4, "wave", dict(waves=2), 4, 7), (4, "interleaved", dict(chunks=2), 4, 4),
 ])
-def test_multichunk_schedules_with_tied_embedding_equal_single_process(devices, schedule, options, m):
-    cfg = dict(CFG, n_layer=4)  # 10 blocks: room for 2 x 2 x waves chunks
+def test_multichunk_schedules_with_tied_embedding_equal_single_process(devices, schedule, options, m, layers):
+    cfg = dict(CFG, n_layer=layers)  # 2 * layers + 2 blocks: room for 2 x ranks x waves chunks
     torch.manual_seed(0)
     ref = CausalLM(model=ModelConfig(**cfg), lr=1e-2, warmup_steps=1, max_steps=4).double()
     L.Trainer(devices=1, **trainer_kwargs()).fit(ref, gpt_data())
@@ -70,3 +74,48 @@ def test_multichunk_schedules_with_tied_embedding_equal_single_process(devices, 
     val_ref = L.Trainer(devices=1, **trainer_kwargs()).validate(ref, gpt_data(), verbose=False)
     val = trainer.validate(model, gpt_data(), verbose=False)
     assert val[0]["val_loss"] == pytest.approx(val_ref[0]["val_loss"], rel=1e-9)
+
+
+def fit_auto(cls, data, cfg, devices, tmp_path, **kw):
+    torch.manual_seed(0)
+    ref = cls(model=ModelConfig(**cfg), lr=1e-2, warmup_steps=1, max_steps=4).double()
+    L.Trainer(devices=1, **trainer_kwargs()).fit(ref, data())
+    torch.manual_seed(0)
+    model = cls(model=ModelConfig(**cfg), lr=1e-2, warmup_steps=1, max_steps=4).double()
+    strategy = AutoPipeStrategy(schedule="auto", microbatches=4, start_method="spawn", **kw)
+    L.Trainer(devices=devices, strategy=strategy, default_root_dir=tmp_path, **trainer_kwargs()).fit(model, data())
+    summary = json.loads((tmp_path / "plan.json").read_text())
+    return ref, model, summary
+
+
+def check_choice(summary):
+    """plan.json names every candidate with its predicted time, and the chosen one is the fastest
+    that runs; the run used it."""
+    candidates = summary["schedule_choice"]["candidates"]
+    runs = [c for c in candidates if c["verdict"] in ("runs", "chosen")]
+    chosen = [c for c in candidates if c["verdict"] == "chosen"]
+    assert len(chosen) == 1 and chosen[0]["iteration_time"] == min(c["iteration_time"] for c in runs)
+    assert (summary["schedule"], summary["options"]) == (chosen[0]["schedule"], chosen[0]["options"])
+    assert summary["bounds"] == chosen[0]["bounds"]
+    return chosen[0]
+
+
+def test_auto_chooses_by_simulation_and_runs_the_multichunk_choice_exactly(tmp_path):
+    # a saved profile with equal blocks: on 2 ranks x 4 micro-batches the simulator ranks interleaved
+    # v = 2 first (tied with v = 4, which has more chunks), so "auto" must run interleaved, exactly
+    cfg = dict(CFG, n_layer=4)  # 10 blocks
+    path = Profile.synthetic([1e-3] * 10).save(tmp_path / "profile_in.json")
+    ref, model, summary = fit_auto(CausalLM, gpt_data, cfg, 2, tmp_path, profile=str(path))
+    chosen = check_choice(summary)
+    assert (chosen["schedule"], chosen["options"]) == ("interleaved", {"chunks": 2})
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    assert model.model[-1].weight is model.model[0].token.weight
+
+
+def test_auto_profiles_bert_on_4_ranks_and_trains_exactly(tmp_path):
+    cfg = dict(CFG, n_layer=4)  # 10 blocks: interleaved v=2 and wave W=1 (8 chunks) are candidates
+    ref, model, summary = fit_auto(MaskedLM, bert_data, cfg, 4, tmp_path)
+    check_choice(summary)
+    names = {(c["schedule"], tuple(sorted(c["options"].items()))): c["verdict"] for c in summary["schedule_choice"]["candidates"]}
+    assert names[("wave", (("waves", 2),))].startswith("cannot run")  # 16 chunks > 10 blocks
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10

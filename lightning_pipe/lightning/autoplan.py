@@ -25,10 +25,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from ..planning import Plan, plan
-from ..planning.partitioners import PARTITIONERS
+from ..planning.auto import ScheduleChoice, choose_schedule
 from ..planning.partition import partition_blocks
+from ..planning.replay import cached_schedule
 from ..planning.slicer import SlicePlan, choose_slicing, fixed_slicing, simulate_sliced
 from ..profiler import Profile, profile_blocks
+from ..schedules import chunk_count
+from ..simulator import simulate
 from ..viz import chrome_trace, gantt, traced_timeline
 from .stage import _Handoff
 
@@ -107,10 +110,14 @@ class PlanResult:
     bounds: tuple[tuple[int, int], ...]
     plan: Optional[Plan]
     sliced: int
+    schedule: str  # the schedule to run (schedule="auto": the one chosen)
+    options: dict[str, int]
+    choice: Optional[ScheduleChoice] = None
 
 
 class AutoPlanner:
-    """Profile -> plan -> (slice) for the strategy; also keeps and writes traces of real steps."""
+    """Profile -> (choose a schedule) -> plan -> (slice) for the strategy; also keeps and writes
+    traces of real steps."""
 
     def __init__(self, method: Optional[str], slicer: bool | int, profile: Optional[str], bandwidth: Optional[float], latency: Optional[float]):
         self.method = method if method != "uniform" else None  # "uniform" needs no profile
@@ -125,17 +132,19 @@ class AutoPlanner:
 
     @property
     def needs_profile(self) -> bool:
-        return self.method is not None or self.slicer
+        return self.method is not None or bool(self.slicer)
 
     def run(self, strategy: Any, module: Any, pipeline: nn.Sequential) -> PlanResult:
         topo, rank = strategy.topology, strategy.global_rank
         depth, m = topo.depth, strategy.microbatches
+        schedule, options = strategy.schedule_name, dict(strategy.schedule_options)
         fallback = strategy.partition if not isinstance(strategy.partition, str) else "uniform"
         sample, mbs = sample_microbatch(module.trainer, m)
         if sample is None and self.profile_path is None:
             if rank == 0:
-                log.warning("no map-style dataset to profile with: using a uniform partition and no slicing")
-            return PlanResult(partition_blocks(fallback, len(pipeline), depth).bounds, None, 0)
+                log.warning(f"no map-style dataset to profile with: running {schedule} on a uniform partition, no slicing")
+            return PlanResult(partition_blocks(fallback, len(pipeline), chunk_count(schedule, depth, **options)).bounds,
+                              None, 0, schedule, options)
         start = time.perf_counter()
         if self.profile_path is not None:
             profile = Profile.load(self.profile_path)
@@ -146,58 +155,57 @@ class AutoPlanner:
         default_bw, default_lat = DEFAULT_LINKS.get(strategy.root_device.type, DEFAULT_LINKS["cuda"])
         costs = profile.costs(self.bandwidth or default_bw, self.latency if self.latency is not None else default_lat)
         kinds = [KINDS.get(type(b).__name__, "block") for b in pipeline]
+        method = self.method or "uniform"
+        kinds_for = kinds if self.method is not None else None  # "uniform" without kinds: equal block counts
+        choice: Optional[ScheduleChoice] = None
         result: Optional[Plan] = None
-        if self.method is not None:
-            result = plan(costs, depth, m, method=self.method, schedule=strategy.schedule_name, kinds=kinds)
+        slicing: Optional[SlicePlan] = None
+        if strategy.auto:
+            choice = choose_schedule(costs, depth, m, method=method, kinds=kinds_for,
+                                     memory_limit=strategy.memory_limit_bytes, slicer=self.slicer)
+            result, schedule, options = choice.plan, choice.chosen.schedule, dict(choice.chosen.options)
             bounds = result.bounds
+            if choice.chosen.sliced:
+                slicing = fixed_slicing(costs, bounds, m, choice.chosen.sliced, schedule)
         else:
-            bounds = partition_blocks(fallback, len(pipeline), depth).bounds
-        slicing = None
-        if self.slicer is True:
-            slicing = choose_slicing(costs, bounds, m, strategy.schedule_name)
-        elif self.slicer:  # a fixed count
-            slicing = fixed_slicing(costs, bounds, m, int(self.slicer), strategy.schedule_name)
-        box = [(tuple(map(tuple, bounds)), slicing.sliced if slicing else 0)]
+            if self.method is not None:
+                result = plan(costs, depth, m, method=self.method, schedule=schedule, kinds=kinds, options=options)
+                bounds = result.bounds
+            else:
+                bounds = partition_blocks(fallback, len(pipeline), chunk_count(schedule, depth, **options)).bounds
+            if self.slicer is True:
+                slicing = choose_slicing(costs, bounds, m, schedule)
+            elif self.slicer:  # a fixed count
+                slicing = fixed_slicing(costs, bounds, m, int(self.slicer), schedule)
+        box = [(tuple(map(tuple, bounds)), slicing.sliced if slicing else 0, schedule, options)]
         if topo.world_size > 1:  # the same numbers everywhere already; rank 0's word is final
             dist.broadcast_object_list(box, 0)
-        bounds, sliced = box[0]
+        bounds, sliced, schedule, options = box[0]
         if rank == 0:
-            self._report(strategy, profile, costs, bounds, result, slicing, time.perf_counter() - start)
-        return PlanResult(bounds, result, sliced)
-
-    def run_chunks(self, strategy: Any, module: Any, pipeline: nn.Sequential, num_chunks: int) -> tuple:
-        """Multi-chunk schedules (interleaved, wave): profile, then balance the chunks by Algorithm 1
-        (min-max of forward + backward per chunk); the master-stage heuristic assumes one chunk per rank."""
-        sample, mbs = sample_microbatch(module.trainer, strategy.microbatches)
-        if sample is None and self.profile_path is None:
-            return partition_blocks("uniform", len(pipeline), num_chunks).bounds
-        if self.profile_path is not None:
-            profile = Profile.load(self.profile_path)
-            profile.check_blocks(len(pipeline))
-        else:
-            profile = profile_pipeline(module, pipeline, sample, strategy.root_device, strategy.global_rank,
-                                       strategy.topology.world_size, type(module).__name__, mbs)
-        bounds = PARTITIONERS["dp"](profile.costs(), num_chunks, strategy.microbatches)
-        box = [tuple(map(tuple, bounds))]
-        if strategy.topology.world_size > 1:
-            dist.broadcast_object_list(box, 0)
-        if strategy.global_rank == 0:
-            profile.save(self._out() / "profile.json")
-            rank_zero_info(f"{num_chunks} chunks balanced by Algorithm 1: blocks per chunk {[b - a for a, b in box[0]]}")
-        return box[0]
+            self._report(strategy, profile, costs, bounds, result, slicing, choice, schedule, options, time.perf_counter() - start)
+        return PlanResult(bounds, result, sliced, schedule, options, choice)
 
     def _report(self, strategy: Any, profile: Profile, costs: Any, bounds: Any, result: Optional[Plan],
-                slicing: Optional[SlicePlan], seconds: float) -> None:
+                slicing: Optional[SlicePlan], choice: Optional[ScheduleChoice], schedule: str, options: dict,
+                seconds: float) -> None:
         out = self._out()
         profile.save(out / "profile.json")
-        summary = {"profile": profile.key, "profiled_and_planned_seconds": seconds,
-                   "bounds": [list(b) for b in bounds], "plan": result.to_dict() if result else None}
+        summary = {"profile": profile.key, "profiled_and_planned_seconds": seconds, "schedule": schedule,
+                   "options": options, "bounds": [list(b) for b in bounds], "plan": result.to_dict() if result else None}
+        if choice is not None:
+            summary["schedule_choice"] = choice.to_dict()
         if slicing is not None:
             summary["slicer"] = {"sliced": slicing.sliced, "startup": slicing.startup, "baseline_startup": slicing.baseline_startup,
                                  "iteration_time": slicing.iteration_time, "baseline_iteration_time": slicing.baseline_iteration_time}
         (out / "plan.json").write_text(json.dumps(summary, indent=1))
-        timeline = simulate_sliced(costs, bounds, strategy.microbatches, slicing.sliced if slicing else 0, strategy.schedule_name)
-        gantt(timeline, out / "plan_timeline.png", title=f"predicted: {timeline.schedule.name}, stages {[b - a for a, b in bounds]}")
+        depth, m = strategy.topology.depth, strategy.microbatches
+        if options:
+            timeline = simulate(cached_schedule(schedule, depth, m, tuple(sorted(options.items()))), costs, bounds)
+        else:
+            timeline = simulate_sliced(costs, bounds, m, slicing.sliced if slicing else 0, schedule)
+        gantt(timeline, out / "plan_timeline.png", title=f"predicted: {timeline.schedule.name}, chunks {[b - a for a, b in bounds]}")
+        if choice is not None:
+            rank_zero_info("\n" + choice.table())
         if result is not None:
             rank_zero_info("\n" + result.table())
         if slicing is not None:

@@ -42,7 +42,7 @@ from ..runtime.microbatch import batch_size, signature, split_microbatches
 from ..runtime.p2p import Transport
 from ..runtime.reduce import allreduce_mean, clip_grad_norm_global
 from ..runtime.tied import TiedParameter, allreduce_tied, find_tied_parameters
-from ..schedules import SCHEDULES, build_schedule, forward_only, validate
+from ..schedules import SCHEDULES, build_schedule, check_chunks, forward_only, validate
 from ..topology import ProcessGroups, Topology
 from .host import LightningHost
 from .autoplan import AutoPlanner
@@ -67,6 +67,7 @@ class AutoPipeStrategy(ParallelStrategy):
         chunks: int = 2,
         waves: int = 1,
         slicer: Union[bool, int] = False,
+        memory_limit: Optional[float] = None,
         trace: bool = False,
         profile: Optional[str] = None,
         bandwidth: Optional[float] = None,
@@ -87,8 +88,8 @@ class AutoPipeStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r} is not a known schedule; allowed values: {sorted(SCHEDULES)}")
+        if not isinstance(schedule, str) or (schedule.lower() not in SCHEDULES and schedule.lower() != "auto"):
+            raise ValueError(f"schedule={schedule!r} is not a known schedule; allowed values: {sorted(SCHEDULES) + ['auto']}")
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
             raise ValueError(f"microbatches={microbatches!r}: the number of micro-batches must be an integer >= 1")
         if not isinstance(width, int) or isinstance(width, bool) or width < 1:
@@ -100,6 +101,11 @@ class AutoPipeStrategy(ParallelStrategy):
                 raise ValueError(f"{name}={value!r}: must be an integer >= 1")
         if slicer and schedule.lower() in ("interleaved", "wave"):
             raise ValueError(f"slicer={slicer!r} works with schedule='gpipe' or '1f1b', not {schedule!r}")
+        if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)) or memory_limit <= 0):
+            raise ValueError(f"memory_limit={memory_limit!r}: bytes per device (> 0) for schedule='auto', or None (the device's memory)")
+        if schedule.lower() == "auto" and not isinstance(partition, str):
+            raise ValueError(f"schedule='auto' plans its own partition for each candidate schedule: partition={partition!r} must be "
+                             f"a method name, one of {sorted(PARTITIONERS)}")
         if start_method not in START_METHODS:
             raise ValueError(f"start_method={start_method!r}; allowed values: {list(START_METHODS)}")
         if isinstance(partition, str):
@@ -110,11 +116,16 @@ class AutoPipeStrategy(ParallelStrategy):
         else:
             partition = [int(n) if isinstance(n, int) and not isinstance(n, bool) else n for n in partition]
             check_partition_spec(partition)
-        self.schedule_name, self.microbatches, self.partition, self.width = schedule.lower(), microbatches, partition, width
+        # schedule="auto" runs 1F1B until the planner has chosen (in setup, from the profile)
+        self.auto = schedule.lower() == "auto"
+        self.schedule_name = "1f1b" if self.auto else schedule.lower()
+        self.microbatches, self.partition, self.width = microbatches, partition, width
+        self.memory_limit = memory_limit
         self.prefetch, self.trace = prefetch, trace
         self.chunks, self.waves = chunks, waves
         self._planner = AutoPlanner(partition if isinstance(partition, str) else None, slicer, profile, bandwidth, latency)
         self.plan: Optional[Any] = None  # the Plan this run trains with (planner partitions)
+        self.schedule_choice: Optional[Any] = None  # schedule="auto": every candidate and the chosen one
         self.sliced = 0  # warm-up micro-batches the slicer cuts in halves
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
@@ -181,6 +192,21 @@ class AutoPipeStrategy(ParallelStrategy):
     @property
     def schedule_options(self) -> dict[str, int]:
         return {"interleaved": {"chunks": self.chunks}, "wave": {"waves": self.waves}}.get(self.schedule_name, {})
+
+    @property
+    def memory_limit_bytes(self) -> Optional[float]:
+        """schedule="auto"'s limit: as configured, else a GPU's total memory; none on CPU."""
+        if self.memory_limit is not None:
+            return float(self.memory_limit)
+        if self.root_device.type == "cuda":
+            return float(torch.cuda.get_device_properties(self.root_device).total_memory)
+        return None
+
+    def use_schedule(self, name: str, options: dict[str, int]) -> None:
+        """Run `name` with `options` (chunks= / waves=): the choice of schedule="auto"."""
+        self.schedule_name = name
+        self.chunks = options.get("chunks", self.chunks)
+        self.waves = options.get("waves", self.waves)
 
     def placement(self, microbatches: Optional[int] = None) -> tuple[int, ...]:
         """Which pipeline rank holds each model chunk (one chunk per rank for GPipe / 1F1B)."""
@@ -284,18 +310,17 @@ class AutoPipeStrategy(ParallelStrategy):
         path, pipeline = find_pipeline(module)
         check_no_outside_parameters(module, path)
         depth = self.topology.depth
-        placement = self.placement()
-        resumed = self._resumed_partition(module.trainer, len(placement))
-        if resumed is not None:  # resuming: the checkpoint's partition, not a new (noisy) plan
+        resumed = self._resumed_partition(module.trainer)
+        if resumed is not None:  # resuming: the checkpoint's schedule and partition, not a new (noisy) plan
             bounds, self.sliced = resumed
-        elif len(placement) == depth and self._planner.needs_profile:  # a planner or the slicer: profile first
+        elif self.auto or self._planner.needs_profile:  # choose a schedule, plan or slice: profile first
             result = self._planner.run(self, module, pipeline)
-            bounds, self.plan, self.sliced = result.bounds, result.plan, result.sliced
-        elif len(placement) > depth and self._planner.method is not None:
-            bounds = self._planner.run_chunks(self, module, pipeline, len(placement))
+            self.use_schedule(result.schedule, result.options)
+            bounds, self.plan, self.sliced, self.schedule_choice = result.bounds, result.plan, result.sliced, result.choice
         else:
             spec = self.partition if not isinstance(self.partition, str) else "uniform"
-            bounds = partition_blocks(spec, len(pipeline), len(placement)).bounds
+            bounds = partition_blocks(spec, len(pipeline), len(self.placement())).bounds
+        placement = self.placement()
         self._bounds = tuple(tuple(b) for b in bounds)
         mine = {c: bounds[c] for c in range(len(placement)) if placement[c] == self.stage_index}
         self._chunk_blocks = {c: list(range(*b)) for c, b in mine.items()}
@@ -308,15 +333,18 @@ class AutoPipeStrategy(ParallelStrategy):
         set_submodule(module, path, self._stage)
         log.info(f"rank {self.global_rank}: stage {self.stage_index}/{depth} holds chunks {mine} (blocks [start, stop))")
 
-    def _resumed_partition(self, trainer: Any, num_chunks: int) -> Optional[tuple]:
-        """(bounds, sliced) stored in the checkpoint `fit(ckpt_path=...)` resumes from, if any."""
+    def _resumed_partition(self, trainer: Any) -> Optional[tuple]:
+        """(bounds, sliced) stored in the checkpoint `fit(ckpt_path=...)` resumes from, if any; with
+        schedule="auto" also the schedule the run chose, which is put back in use."""
         # Lightning loads the checkpoint only after setup; the launcher noted fit's ckpt_path for us
         path = self._resume_path
         if path is None or trainer.state.fn != TrainerFn.FITTING or not os.path.isfile(path):
             return None
         states = self.checkpoint_io.load_checkpoint(path).get("optimizer_states") or [{}]
-        bounds = states[0].get("autopipe_bounds")
-        if bounds is None or len(bounds) != num_chunks:
+        bounds, chosen = states[0].get("autopipe_bounds"), states[0].get("autopipe_schedule")
+        if self.auto and chosen is not None:
+            self.use_schedule(chosen[0], dict(chosen[1]))
+        if bounds is None or len(bounds) != len(self.placement()):
             return None  # load_optimizer_state_dict explains a mismatch of depth
         return tuple(tuple(b) for b in bounds), int(states[0].get("autopipe_sliced", 0))
 
@@ -487,7 +515,8 @@ class AutoPipeStrategy(ParallelStrategy):
             return {}
         # the partition travels with the states: a resumed run must cut the model the same way
         return {"autopipe_stage_states": parts, "autopipe_depth": self.topology.depth,
-                "autopipe_bounds": [list(b) for b in self._bounds], "autopipe_sliced": self.sliced}
+                "autopipe_bounds": [list(b) for b in self._bounds], "autopipe_sliced": self.sliced,
+                "autopipe_schedule": [self.schedule_name, dict(self.schedule_options)]}
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
@@ -576,6 +605,8 @@ def _validate_inputs(strategy: AutoPipeStrategy, args: tuple, trainer: Optional[
     if isinstance(model, nn.Module):
         path, pipeline = find_pipeline(model)
         check_no_outside_parameters(model, path)
+        if strategy.schedule_options:  # multi-chunk: name the waves / chunks setting (partition_blocks names stages)
+            check_chunks(strategy.schedule_name, strategy.depth, len(pipeline), **strategy.schedule_options)
         spec = strategy.partition if not isinstance(strategy.partition, str) else "uniform"  # planners: the counts
         partition_blocks(spec, len(pipeline), len(strategy.placement()))
         if strategy._planner.profile_path is not None:  # a saved profile must describe this model
