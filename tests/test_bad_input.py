@@ -25,6 +25,11 @@ from models import LitSeq, loader, trainer_kwargs
         (dict(slicer=9, microbatches=4), r"slicer=9: True \(the simulator chooses\), False, or a count 0..microbatches=4"),
         (dict(partition=[2, 0, 4]), r"partition=\[2, 0, 4\]: a list of blocks per stage must hold integers >= 1"),
         (dict(start_method="thread"), r"start_method='thread'; allowed values"),
+        (dict(schedule="wave", waves=0), r"waves=0: must be an integer >= 1"),
+        (dict(schedule="interleaved", chunks=0), r"chunks=0: must be an integer >= 1"),
+        (dict(schedule="wave", slicer=True), r"slicer=True works with schedule='gpipe' or '1f1b', not 'wave'"),
+        (dict(schedule="auto", partition=[3, 3]), r"schedule='auto' plans its own partition .* partition=\[3, 3\] must be a method name"),
+        (dict(schedule="auto", memory_limit=-1), r"memory_limit=-1: bytes per device \(> 0\)"),
     ],
 )
 def test_strategy_settings(kwargs, match):
@@ -74,6 +79,22 @@ def test_partition_length_must_match_stages():
 
 def test_more_stages_than_blocks():
     fails_before_spawn(LitSeq(blocks=2), 4, r"the pipeline has 4 stages but the model only 2 blocks")
+
+
+def test_waves_that_do_not_fit_the_model():
+    fails_before_spawn(LitSeq(), 2, r"schedule='wave' with waves=2 on 2 ranks cuts the model into 2 x 2 x 2 = 8 chunks, "
+                       r"more than its 6 blocks: use waves <= 1", schedule="wave", waves=2)
+
+
+def test_more_interleaved_chunks_than_blocks():
+    fails_before_spawn(LitSeq(), 2, r"schedule='interleaved' with chunks=4 on 2 ranks cuts the model into 8 chunks, more "
+                       r"than its 6 blocks: use chunks <= 3", schedule="interleaved", chunks=4)
+
+
+def test_microbatches_interleaved_cannot_use():
+    # known as soon as the Trainer knows its devices: it refuses to be built
+    with pytest.raises(ValueError, match=r"microbatches=3: interleaved 1F1B needs a multiple of the 2 stages \(e.g. 4\)"):
+        L.Trainer(devices=2, strategy=AutoPipeStrategy(schedule="interleaved", microbatches=3, start_method="spawn"), **trainer_kwargs())
 
 
 def test_module_without_pipeline():

@@ -30,7 +30,11 @@ def cli(args, cwd, timeout=200):
 
 
 def test_recipes_are_the_documented_set():
-    assert RECIPES == ["bert-large", "bert-tiny-cpu", "gpt-tiny-cpu", "gpt2-1.3b", "gpt2-345m", "gpt2-762m"]
+    # the README's recipe table lists exactly the recipes there are
+    import re
+
+    documented = sorted(re.findall(r"^\| `([\w.-]+)`", (ROOT / "README.md").read_text(), flags=re.M))
+    assert RECIPES == documented and {"gpt-tiny-cpu", "bert-tiny-cpu", "bert-tiny-wave", "gpt2-345m"} <= set(RECIPES)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -149,3 +153,24 @@ def test_plan_command_from_a_saved_profile_and_bad_profiles(tmp_path):
                    '"backward": [1.0], "activation_bytes": [0], "param_bytes": [0]}')
     proc = plan_cli([f"pipeline.profile={bad}", f"hydra.run.dir={tmp_path / 'q'}"], tmp_path)
     assert proc.returncode == 2 and "error: profile: forward must hold finite numbers >= 0" in proc.stderr
+
+
+def test_plan_command_chooses_a_schedule(tmp_path):
+    import json
+
+    proc = plan_cli(["recipe=gpt2-345m", "pipeline.stages=4", "pipeline.microbatches=8", "pipeline.schedule=auto",
+                     f"hydra.run.dir={tmp_path / 'p'}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "p" / "plan.json").read_text())
+    candidates = summary["schedule_choice"]["candidates"]
+    assert len(candidates) == 6  # 1f1b, interleaved v=2/4, wave W=1/2/4
+    chosen = next(c for c in candidates if c["verdict"] == "chosen")
+    assert chosen["iteration_time"] == min(c["iteration_time"] for c in candidates)
+    assert summary["plan"]["schedule"] == chosen["schedule"] and summary["plan"]["bounds"] == chosen["bounds"]
+    assert "schedule=auto" in proc.stdout and "is the fastest simulated schedule" in proc.stdout
+
+
+def test_waves_that_do_not_fit_name_the_setting(tmp_path):
+    line = bad(tmp_path, "pipeline.schedule=wave", "pipeline.waves=3")  # gpt-tiny: 10 blocks < 2 x 2 x 3 chunks
+    assert line.startswith("error: schedule='wave' with waves=3 on 2 ranks") and "use waves <= 2" in line
+    assert "pipeline.waves" in line

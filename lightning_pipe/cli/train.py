@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..lightning import AutoPipeStrategy
 from ..lightning.stage import PipelineSetupError, find_pipeline
 from ..planning.partition import partition_blocks
+from ..schedules import build_schedule, check_chunks
 from ..topology import Topology
 from .paths import CONFIG_DIR
 
@@ -71,7 +72,7 @@ def build(cfg: DictConfig) -> tuple[L.LightningModule, L.LightningDataModule, L.
     strategy = AutoPipeStrategy(
         schedule=pipe.schedule, microbatches=pipe.microbatches, partition=partition, width=pipe.width,
         chunks=pipe.chunks, waves=pipe.waves, prefetch=pipe.prefetch, slicer=pipe.slicer, trace=pipe.trace, profile=pipe.profile,
-        bandwidth=pipe.bandwidth, latency=pipe.latency, start_method=_start_method(pipe),
+        bandwidth=pipe.bandwidth, latency=pipe.latency, memory_limit=pipe.get("memory_limit"), start_method=_start_method(pipe),
     )
     world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
     try:
@@ -79,6 +80,11 @@ def build(cfg: DictConfig) -> tuple[L.LightningModule, L.LightningDataModule, L.
     except ValueError as err:
         raise SettingError(f"trainer.devices x trainer.num_nodes = {world} does not fit pipeline.width: {err}") from None
     _, blocks = find_pipeline(module)
+    if strategy.schedule_options:
+        try:
+            check_chunks(strategy.schedule_name, topology.depth, len(blocks), **strategy.schedule_options)
+        except ValueError as err:
+            raise SettingError(f"{err} (pipeline.{'waves' if strategy.schedule_name == 'wave' else 'chunks'}, trainer.devices)") from None
     try:
         partition_blocks(partition if not isinstance(partition, str) else "uniform", len(blocks), len(strategy_chunks(strategy, world)))
     except ValueError as err:
@@ -95,8 +101,6 @@ def build(cfg: DictConfig) -> tuple[L.LightningModule, L.LightningDataModule, L.
 
 def strategy_chunks(strategy: AutoPipeStrategy, world: int) -> tuple:
     """The chunk placement the strategy will use on `world` processes (checked before any spawn)."""
-    from ..schedules import build_schedule
-
     return build_schedule(strategy.schedule_name, world // strategy.width, strategy.microbatches, **strategy.schedule_options).chunk_rank
 
 

@@ -50,6 +50,10 @@ class Candidate:
         return label(self.schedule, dict(self.options))
 
     @property
+    def schedule_options(self) -> dict[str, int]:
+        return dict(self.options)
+
+    @property
     def num_chunks(self) -> int:
         return self.plan.stages if self.plan is not None else 0
 
