@@ -287,3 +287,26 @@ def test_resume_reuses_the_checkpoints_partition(tmp_path):
     ref = LitSeq()
     single(ref, steps=8, train=loader(n=40))
     assert max_rel_diff(ref.state_dict(), resumed.state_dict()) <= 1e-10
+
+
+def test_auto_resume_keeps_the_checkpoints_schedule(tmp_path):
+    # equal blocks: "auto" picks interleaved v=2 on 2 ranks x 4 micro-batches; the resumed run is
+    # given a memory limit that only 1F1B would meet, and must still continue the checkpoint's
+    # interleaved schedule and partition, exactly
+    from lightning_pipe.profiler import Profile
+
+    profile = str(Profile.synthetic([1e-3] * 6, activation_bytes=1e6).save(tmp_path / "profile.json"))
+    ckpts = tmp_path / "ckpt"
+    first = AutoPipeStrategy(schedule="auto", microbatches=4, profile=profile, start_method="spawn")
+    pipelined(LitSeq(), 2, steps=4, train=loader(n=40), enable_checkpointing=True, default_root_dir=tmp_path,
+              callbacks=[ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4)], strategy=first)
+    ckpt = glob.glob(str(ckpts / "*.ckpt"))[0]
+    state = torch.load(ckpt, weights_only=False)["optimizer_states"][0]
+    assert state["autopipe_schedule"] == ["interleaved", {"chunks": 2}] and len(state["autopipe_bounds"]) == 4
+    resumed = LitSeq()
+    again = AutoPipeStrategy(schedule="auto", microbatches=4, profile=profile, memory_limit=6.2 * 2**20, start_method="spawn")
+    trainer = L.Trainer(devices=2, strategy=again, **trainer_kwargs(max_steps=8))
+    trainer.fit(resumed, loader(n=40), ckpt_path=ckpt)
+    ref = LitSeq()
+    single(ref, steps=8, train=loader(n=40))
+    assert max_rel_diff(ref.state_dict(), resumed.state_dict()) <= 1e-10
