@@ -125,14 +125,32 @@ def profile_blocks(
     warmup: int = 2,
     indices: Optional[Sequence[int]] = None,
     context: Callable[[], Any] = torch.enable_grad,
+    loss_fn: Optional[Callable[[Any], Tensor]] = None,
+    inflight: Optional[int] = None,
 ) -> dict[int, dict[str, float]]:
     """Measure blocks ``indices`` (all by default) on `device` with `sample` as block 0's input.
 
     Blocks before the first measured one are run forward only to make its input. Each block is
     moved to the device while it is measured and back afterwards, so a model larger than one
     device can be profiled. Returns ``{index: {forward, backward, activation_bytes, param_bytes, peak_memory}}``.
+
+    ``loss_fn(output) -> scalar`` (e.g. a closure over the micro-batch's targets): the last block
+    of `blocks` is then timed as the last stage runs it, its forward followed by the loss and its
+    backward started from the loss, so the loss's cost lands in that block's times. Its
+    activation_bytes stay those of the block's own output.
+
+    ``inflight=k`` ("chain" mode): the blocks from the first to the last measured one run back to
+    back as one stage does, on k micro-batches in flight (k forwards through all of them, then k
+    backwards), each block timed between its neighbours; `repeats` / `warmup` count such rounds.
+    A block alone, its backward right after its forward on the same input, runs with hot caches
+    and comes out several percent faster than inside a stage (3-11% on a small GPT on CPU); the
+    chain keeps the caches as busy as training does. The chain's blocks are on `device` together.
     """
     wanted = set(range(len(blocks)) if indices is None else indices)
+    if inflight is not None:
+        if not (isinstance(inflight, int) and inflight >= 1):
+            raise ValueError(f"inflight must be None or an integer >= 1, got {inflight!r}")
+        return _profile_chain(blocks, sample, device, wanted, repeats, warmup, context, loss_fn, inflight)
     results: dict[int, dict[str, float]] = {}
     x = sample
     for i, block in enumerate(blocks):
@@ -143,11 +161,95 @@ def profile_blocks(
         x = _to(x, device)
         if i in wanted:
             with context():
-                results[i] = _measure(block, x, device, repeats, warmup)
+                results[i] = _measure(block, x, device, repeats, warmup, loss_fn if i == len(blocks) - 1 else None)
         with torch.no_grad(), context():
             x = block(x)
         block.to(home)
     return results
+
+
+def _profile_chain(blocks: Sequence[nn.Module], sample: Any, device: torch.device, wanted: set[int], repeats: int, warmup: int,
+                   context: Callable[[], Any], loss_fn: Optional[Callable[[Any], Tensor]], inflight: int) -> dict[int, dict[str, float]]:
+    if not wanted:
+        return {}
+    first, last = min(wanted), max(wanted)
+    x = sample
+    for block in blocks[:first]:  # forward only, to make the first measured block's input
+        home = next((p.device for p in block.parameters()), device)
+        block.to(device)
+        with torch.no_grad(), context():
+            x = block(_to(x, device))
+        block.to(home)
+    x = _to(x, device)
+    chain = list(blocks[first:last + 1])
+    homes = [next((p.device for p in b.parameters()), device) for b in chain]
+    for b in chain:
+        b.to(device)
+    n, ends_model = len(chain), last == len(blocks) - 1
+    fwd: list[list[float]] = [[] for _ in chain]
+    bwd: list[list[float]] = [[] for _ in chain]
+    peak, out_bytes = [0.0] * n, [0] * n
+    cuda = device.type == "cuda"
+
+    def timed(fn: Callable[[], Any], j: int) -> tuple[Any, float]:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        value = fn()
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        if cuda:
+            peak[j] = max(peak[j], float(torch.cuda.max_memory_allocated(device)))
+        return value, elapsed
+
+    with context():
+        for r in range(warmup + repeats):
+            stash = []
+            for _ in range(inflight):
+                h, saved = x, []
+                for j, block in enumerate(chain):
+                    inp = _leaf(h)  # a fresh leaf per block: backward is timed block by block
+
+                    def run(block=block, inp=inp, j=j):
+                        out = block(inp)
+                        return out, (loss_fn(out) if loss_fn is not None and ends_model and j == n - 1 else None)
+
+                    (out, loss), t = timed(run, j)
+                    out_bytes[j] = _nbytes(out)
+                    if r >= warmup:
+                        fwd[j].append(t)
+                    saved.append((inp, out if loss is None else loss))
+                    h = out
+                stash.append(saved)
+            for saved in stash:
+                grads: Optional[list[Tensor]] = None
+                for j in reversed(range(n)):
+                    inp, out = saved[j]
+                    outs = _float_outputs(out)
+                    seeds = grads if grads is not None else [torch.ones_like(o) for o in outs]
+                    _, t = timed(lambda: torch.autograd.backward(outs, seeds) if outs else None, j)
+                    if r >= warmup:
+                        bwd[j].append(t)
+                    if j > 0:
+                        grads = _input_grads(saved[j - 1][1], inp)
+            for b in chain:
+                b.zero_grad(set_to_none=True)  # gradients accumulate over a round, as over a step
+    for b, home in zip(chain, homes):
+        b.to(home)
+    return {first + j: {"forward": statistics.median(fwd[j]), "backward": statistics.median(bwd[j]),
+                        "activation_bytes": float(out_bytes[j]), "param_bytes": float(sum(p.numel() * p.element_size() for p in chain[j].parameters())),
+                        "peak_memory": peak[j]}
+            for j in range(n) if first + j in wanted}
+
+
+def _input_grads(out: Any, leaf: Any) -> list[Tensor]:
+    """Gradients for the outputs of the block before (those requiring grad, in order) from the
+    next block's input leaves: position by position, zeros where the next block did not use one."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    leaves = leaf if isinstance(leaf, (tuple, list)) else (leaf,)
+    return [lf.grad if isinstance(lf, Tensor) and lf.grad is not None else torch.zeros_like(o)
+            for o, lf in zip(outs, leaves) if isinstance(o, Tensor) and o.requires_grad]
 
 
 def _to(value: Any, device: torch.device) -> Any:
@@ -158,7 +260,8 @@ def _to(value: Any, device: torch.device) -> Any:
     return value
 
 
-def _measure(block: nn.Module, x: Any, device: torch.device, repeats: int, warmup: int) -> dict[str, float]:
+def _measure(block: nn.Module, x: Any, device: torch.device, repeats: int, warmup: int,
+             loss_fn: Optional[Callable[[Any], Tensor]] = None) -> dict[str, float]:
     fwd, bwd = [], []
     out = None
     if device.type == "cuda":
@@ -168,9 +271,10 @@ def _measure(block: nn.Module, x: Any, device: torch.device, repeats: int, warmu
         _sync(device)
         t0 = time.perf_counter()
         out = block(inp)
+        loss = loss_fn(out) if loss_fn is not None else None
         _sync(device)
         t1 = time.perf_counter()
-        outs = _float_outputs(out)
+        outs = _float_outputs(loss if loss is not None else out)
         if outs:
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
         _sync(device)

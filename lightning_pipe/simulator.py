@@ -28,6 +28,11 @@ class CostModel:
     output (what crosses a stage boundary after it); ``param_bytes[i]``: its weights. Communication
     takes ``latency + bytes / bandwidth``; ``slowdown[r]`` multiplies rank r's compute times (a
     shared or slower device).
+
+    ``cores``: the ranks share this many processors (e.g. 4 CPU processes on 2 cores). While k
+    ranks compute at once, each progresses at min(1, cores / k) of its profiled speed (processor
+    sharing); a rank waiting for a message uses no core. None (the default), or at least as many
+    cores as ranks: every rank has a device of its own.
     """
 
     forward: tuple[float, ...]
@@ -37,6 +42,7 @@ class CostModel:
     bandwidth: float = math.inf  # bytes / s
     latency: float = 0.0  # s
     slowdown: tuple[float, ...] = ()
+    cores: Optional[int] = None
 
     def __post_init__(self) -> None:
         n = len(self.forward)
@@ -52,6 +58,8 @@ class CostModel:
                 raise ValueError(f"costs: {name} must hold finite numbers >= 0, got {bad[:3]}")
         if not self.bandwidth > 0 or self.latency < 0 or any(not s > 0 for s in self.slowdown):
             raise ValueError("costs: bandwidth must be > 0, latency >= 0 and every slowdown > 0")
+        if self.cores is not None and not (isinstance(self.cores, int) and self.cores >= 1):
+            raise ValueError(f"costs: cores must be None or an integer >= 1, got {self.cores!r}")
 
     @property
     def num_blocks(self) -> int:
@@ -67,6 +75,10 @@ class CostModel:
 
     def factor(self, rank: int) -> float:
         return self.slowdown[rank] if rank < len(self.slowdown) else 1.0
+
+    def shares_cores(self, ranks: int) -> bool:
+        """Whether `ranks` ranks computing at once would have to share processors."""
+        return self.cores is not None and self.cores < ranks
 
 
 @dataclass(frozen=True)
@@ -128,6 +140,8 @@ def simulate(schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tupl
     if scale is not None and len(scale) != schedule.num_microbatches:
         raise ValueError(f"scale has {len(scale)} entries for {schedule.num_microbatches} micro-batches")
     fwd, bwd, comm = chunk_costs(costs, bounds)
+    if costs.shares_cores(schedule.num_ranks):
+        return _simulate_shared(schedule, costs, bounds, critical_path, scale, fwd, bwd, comm)
     ranks = schedule.num_ranks
     arrival: dict[tuple, tuple[float, Optional[Event]]] = {}  # message -> (arrival time, producing compute)
     done: dict[tuple, Event] = {}  # (op, chunk, mb) -> compute event
@@ -185,6 +199,11 @@ def simulate(schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tupl
                 progressed = True
         if not progressed:
             raise ValueError("the schedule cannot finish (validate it first: a rank waits for a message never sent)")
+    return _finish(schedule, costs, bounds, critical_path, events, clock, busy, done, cause)
+
+
+def _finish(schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tuple[int, int]], critical_path: bool,
+            events: list[Event], clock: list[float], busy: list[float], done: dict, cause: dict) -> Timeline:
     iteration = max(clock) if clock else 0.0
     timeline = Timeline(schedule, events, iteration, busy, _startup(schedule, done))
     _memory(timeline, costs, bounds)
@@ -192,6 +211,115 @@ def simulate(schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tupl
         timeline.critical_path = _critical_path(events, cause)
         timeline.master_stage = _master_stage(timeline.critical_path, schedule)
     return timeline
+
+
+def _simulate_shared(schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tuple[int, int]], critical_path: bool,
+                     scale: Optional[Sequence[float]], fwd: list[float], bwd: list[float], comm: list[float]) -> Timeline:
+    """`simulate` when the ranks share `costs.cores` processors: event by event in time order.
+
+    While k ranks compute, each progresses at speed min(1, cores / k). All running computes share
+    one speed, so progress is kept as a common "virtual time" V (seconds of profiled work done by
+    each running compute): a compute started at V0 with work w ends when V reaches V0 + w. Equal
+    finishing points are then equal floats, and simultaneous ends stay simultaneous."""
+    ranks, cores = schedule.num_ranks, costs.cores
+    arrival: dict[tuple, tuple[float, Optional[Event]]] = {}
+    done: dict[tuple, Event] = {}
+    clock = [0.0] * ranks  # when the rank became free
+    last: list[Optional[Event]] = [None] * ranks
+    pointer = [0] * ranks
+    events: list[Event] = []
+    cause: dict[Event, Optional[Event]] = {}
+    busy = [0.0] * ranks
+    running: dict[int, tuple[float, float, Action, Optional[Event], float]] = {}  # rank -> (V at end, start, action, producer, ready)
+    starts: dict[int, tuple[float, Action, Optional[Event], float, float]] = {}  # rank -> (start, action, producer, ready, work): input in flight
+    now = virtual = 0.0
+    remaining = sum(len(a) for a in schedule.actions)
+    while remaining or running:
+        # at `now`: let every free rank issue its sends and start what it can, until nothing moves
+        progressed = True
+        while progressed:
+            progressed = False
+            for r in range(ranks):
+                if r in running:
+                    continue
+                if r in starts:
+                    start, a, producer, ready, work = starts[r]
+                    if start > now:
+                        continue
+                    del starts[r]
+                    running[r] = (virtual + work, start, a, producer, ready)
+                    remaining -= 1
+                    progressed = True
+                    continue
+                actions = schedule.actions[r]
+                while pointer[r] < len(actions):
+                    a = actions[pointer[r]]
+                    c, mb = a.chunk, a.microbatch
+                    if a.op is Op.FORWARD or a.op is Op.BACKWARD:
+                        if a.op is Op.FORWARD:
+                            need = ("act", c - 1, mb) if c > 0 else None
+                            local = done.get((Op.FORWARD, c - 1, mb)) if c > 0 and schedule.chunk_rank[c - 1] == r else None
+                            work = fwd[c]
+                        else:
+                            need = ("grad", c + 1, mb) if c < schedule.num_chunks - 1 else None
+                            local = done.get((Op.BACKWARD, c + 1, mb)) if need and schedule.chunk_rank[c + 1] == r else None
+                            work = bwd[c]
+                        ready, producer = 0.0, None
+                        if need is not None and local is None:
+                            if need not in arrival:
+                                break  # not sent yet
+                            ready, producer = arrival[need]
+                        elif local is not None:
+                            ready, producer = local.end, local
+                        work *= costs.factor(r) * (scale[mb] if scale is not None else 1.0)
+                        pointer[r] += 1
+                        start = max(clock[r], ready)
+                        if start > now:  # the input is in flight: the rank starts when it lands
+                            starts[r] = (start, a, producer, ready, work)
+                        else:
+                            running[r] = (virtual + work, now, a, producer, ready)
+                            remaining -= 1
+                        progressed = True
+                        break
+                    if a.op is Op.SEND_ACT or a.op is Op.SEND_GRAD:
+                        producer = done[(Op.FORWARD if a.op is Op.SEND_ACT else Op.BACKWARD, c, mb)]
+                        block = bounds[c][1] - 1 if a.op is Op.SEND_ACT else bounds[c][0] - 1
+                        t = comm[c] if a.op is Op.SEND_ACT else costs.comm_time(block)
+                        if scale is not None and costs.activation_bytes:
+                            t = costs.latency + (t - costs.latency) * scale[mb]
+                        key = ("act", c, mb) if a.op is Op.SEND_ACT else ("grad", c, mb)
+                        arrival[key] = (clock[r] + t, producer)
+                        events.append(Event(r, a, clock[r], clock[r] + t))
+                    pointer[r] += 1
+                    remaining -= 1
+                    progressed = True
+        if not running:
+            if not starts:
+                if remaining:
+                    raise ValueError("the schedule cannot finish (validate it first: a rank waits for a message never sent)")
+                break
+            now = min(s[0] for s in starts.values())  # idle until the next input lands
+            continue
+        # advance to the next end of a compute or the next start, whichever comes first
+        speed = min(1.0, cores / len(running))
+        first_end = min(v for v, *_ in running.values())
+        t_end = now + (first_end - virtual) / speed
+        t_start = min((s[0] for s in starts.values()), default=math.inf)
+        if t_start < t_end:
+            virtual += (t_start - now) * speed
+            now = t_start
+            continue
+        now, virtual = t_end, first_end
+        for r in [r for r, run in running.items() if run[0] == first_end]:
+            _, start, a, producer, ready = running.pop(r)
+            event = Event(r, a, start, now)
+            cause[event] = producer if (producer is not None and ready >= clock[r]) else last[r]
+            clock[r] = now
+            busy[r] += now - start
+            last[r] = event
+            done[(a.op, a.chunk, a.microbatch)] = event
+            events.append(event)
+    return _finish(schedule, costs, bounds, critical_path, events, clock, busy, done, cause)
 
 
 def _startup(schedule: PipelineSchedule, done: dict) -> float:

@@ -36,6 +36,68 @@ def test_profile_blocks_measures_every_block_and_round_trips(tmp_path):
     assert costs.num_blocks == len(blocks) and costs.forward == tuple(p.forward)
 
 
+
+class _SlowLoss(torch.autograd.Function):
+    """A loss whose forward takes 20 ms and backward 30 ms (sleeps), so its share is known."""
+
+    @staticmethod
+    def forward(ctx, x):
+        import time
+
+        time.sleep(0.02)
+        ctx.shape = x.shape
+        return x.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        import time
+
+        time.sleep(0.03)
+        return grad * torch.ones(ctx.shape)
+
+
+def test_profile_blocks_times_the_loss_with_the_last_block():
+    blocks = [torch.nn.Linear(16, 16), torch.nn.Linear(16, 8)]
+    x = torch.randn(4, 16)
+    plain = profile_blocks(blocks, x, torch.device("cpu"), repeats=3, warmup=1)
+    with_loss = profile_blocks(blocks, x, torch.device("cpu"), repeats=3, warmup=1, loss_fn=_SlowLoss.apply)
+    # only the last block carries the loss: its forward >= 20 ms, its backward >= 30 ms
+    assert with_loss[1]["forward"] >= 0.02 and with_loss[1]["backward"] >= 0.03
+    assert plain[1]["forward"] < 0.01 and plain[1]["backward"] < 0.01
+    assert with_loss[0]["forward"] < 0.01 and with_loss[0]["backward"] < 0.01
+    # what crosses the boundary is still the block's output (4 x 8 float32), not the scalar loss
+    assert with_loss[1]["activation_bytes"] == plain[1]["activation_bytes"] == 4 * 8 * 4
+    # measured alone (indices), the last block still carries it; an earlier block never does
+    assert profile_blocks(blocks, x, torch.device("cpu"), repeats=1, warmup=0, indices=[1], loss_fn=_SlowLoss.apply)[1]["forward"] >= 0.02
+    assert profile_blocks(blocks, x, torch.device("cpu"), repeats=1, warmup=0, indices=[0], loss_fn=_SlowLoss.apply)[0]["forward"] < 0.01
+
+
+def test_profile_blocks_chain_mode_runs_the_blocks_as_a_stage():
+    torch.manual_seed(0)
+    blocks = [torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 8)]
+    calls = [0, 0, 0]
+    for i, b in enumerate(blocks):
+        b.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    first_grads = []
+    blocks[0].weight.register_hook(lambda g: first_grads.append(g.abs().sum().item()))
+    x = torch.randn(4, 16)
+    res = profile_blocks(blocks, x, torch.device("cpu"), repeats=2, warmup=1, inflight=3, loss_fn=_SlowLoss.apply)
+    # (warm-up + repeats) rounds of 3 micro-batches through every block; the backward chain reaches
+    # block 0 with the real gradient from the loss (not zeros) every time
+    assert calls == [9, 9, 9] and len(first_grads) == 9 and all(g > 0 for g in first_grads)
+    assert sorted(res) == [0, 1, 2]
+    assert res[2]["forward"] >= 0.02 and res[2]["backward"] >= 0.03  # the loss, with the last block
+    assert res[0]["forward"] < 0.01 and res[0]["backward"] < 0.01
+    alone = profile_blocks(blocks, x, torch.device("cpu"), repeats=1, warmup=0)
+    for i in range(3):
+        assert res[i]["activation_bytes"] == alone[i]["activation_bytes"] and res[i]["param_bytes"] == alone[i]["param_bytes"]
+    # a middle block alone: the blocks before it run once, forward only, to make its input
+    calls[:] = [0, 0, 0]
+    assert sorted(profile_blocks(blocks, x, torch.device("cpu"), repeats=1, warmup=0, inflight=2, indices=[1])) == [1]
+    assert calls == [1, 2, 0]
+    with pytest.raises(ValueError, match="inflight must be None or an integer >= 1"):
+        profile_blocks(blocks, x, torch.device("cpu"), inflight=0)
+
 def test_synthetic_profile_and_bad_profiles(tmp_path):
     p = Profile.synthetic([1.0, 2.0, 3.0])
     assert p.backward == [2.0, 4.0, 6.0]

@@ -55,7 +55,8 @@ class Executor:
         self.actions = schedule.actions[rank]
         self.last_chunk = schedule.num_chunks - 1
         # trace: (action index, start, end) of each compute and send of the last run, perf_counter
-        # seconds; on CUDA the device is synchronised around each compute, which costs overlap.
+        # seconds. A compute starts once its input is taken (the wait for a receive is idle time,
+        # not compute); on CUDA the device is synchronised around each compute, which costs overlap.
         self.trace = trace
         self.records: list[tuple[int, float, float]] = []
 
@@ -126,6 +127,13 @@ class Executor:
             next_recv += 1
         records = self.records = []
         sync = self.trace and transport.device.type == "cuda"
+
+        def start_clock() -> float:
+            # called once the compute's input is taken: waiting for it is not compute time
+            if sync:
+                torch.cuda.synchronize(transport.device)
+            return time.perf_counter()
+
         i = 0
         while i < len(actions):
             a = actions[i]
@@ -155,12 +163,10 @@ class Executor:
             if a.op.is_compute and self.prefetch:
                 prefetch()
             c, mb = a.chunk, a.microbatch
-            if self.trace and a.op.is_compute:
-                if sync:
-                    torch.cuda.synchronize(transport.device)
-                started = time.perf_counter()
             if a.op is Op.FORWARD:
                 inputs = take(Op.RECV_ACT, c, mb) if c > 0 else None
+                if self.trace:
+                    started = start_clock()
                 with torch.set_grad_enabled(self.schedule.backward):
                     out = host.forward(c, mb, inputs)
                 if self.schedule.backward:
@@ -172,11 +178,14 @@ class Executor:
                         outbox[("activation", c, mb)] = out
             elif a.op is Op.BACKWARD:
                 out, inputs = stash_out.pop((c, mb)), stash_in.pop((c, mb))
+                received = take(Op.RECV_GRAD, c, mb) if c != self.last_chunk else None
+                if self.trace:
+                    started = start_clock()
                 if c == self.last_chunk:
                     if out is not None and out.requires_grad:
                         torch.autograd.backward(out)
                 else:
-                    torch.autograd.backward(_needs_grad(out), take(Op.RECV_GRAD, c, mb))
+                    torch.autograd.backward(_needs_grad(out), received)
                 if c > 0:
                     grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in _needs_grad(inputs)]
                     if self.schedule.chunk_rank[c - 1] == self.rank:
