@@ -1,4 +1,5 @@
-"""`partition="autopipe"` (or any planner): profile the blocks on the real ranks, then plan.
+"""`partition="autopipe"` (or any planner), `slicer` or `schedule="auto"`: profile the blocks on the
+real ranks, then (choose the schedule and) plan.
 
 Runs in the strategy's setup, before the model is cut:
 1. A sample micro-batch is taken from the training dataset directly (not through the DataLoader,
