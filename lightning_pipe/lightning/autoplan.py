@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -76,6 +77,21 @@ def pipeline_input(module: Any, pipeline: nn.Sequential, batch: Any) -> Any:
     raise RuntimeError("training_step never called the pipeline; call self.<pipeline>(x) in it")
 
 
+def step_loss(module: Any, pipeline: nn.Sequential, batch: Any) -> Any:
+    """`loss_fn(output)`: the rest of the user's training_step after the pipeline call, on `output`
+    (so the profile charges the loss to the last block, as the last stage pays it)."""
+
+    def loss_fn(output: Any) -> Any:
+        pipeline.forward = lambda *args, **kwargs: output  # type: ignore[method-assign]  # skip the blocks
+        try:
+            result = module.training_step(batch, 0)
+        finally:
+            del pipeline.forward
+        return result["loss"] if isinstance(result, dict) else result
+
+    return loss_fn
+
+
 def profile_pipeline(module: Any, pipeline: nn.Sequential, batch: Any, device: torch.device, rank: int, world: int,
                      model_name: str, microbatch_size: int, repeats: int = 3) -> Profile:
     blocks = list(pipeline)
@@ -84,7 +100,12 @@ def profile_pipeline(module: Any, pipeline: nn.Sequential, batch: Any, device: t
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         x = pipeline_input(module, pipeline, batch)
-        measured = profile_blocks(blocks, x, device, model=model_name, repeats=repeats, warmup=1, indices=list(mine))
+        module.log = lambda *a, **k: None  # type: ignore[method-assign]  # the loss step logs nothing here
+        try:
+            measured = profile_blocks(blocks, x, device, model=model_name, repeats=repeats, warmup=1, indices=list(mine),
+                                      loss_fn=step_loss(module, pipeline, move_data_to_device(batch, device)))
+        finally:
+            del module.log
     for blk, saved in zip(blocks, buffers):  # e.g. BatchNorm statistics: as if never run
         for n, b in blk.named_buffers():
             b.data.copy_(saved[n])
