@@ -76,6 +76,20 @@ def test_multichunk_schedules_with_tied_embedding_equal_single_process(devices, 
     assert val[0]["val_loss"] == pytest.approx(val_ref[0]["val_loss"], rel=1e-9)
 
 
+@pytest.mark.parametrize("devices,waves", [(2, 2), (4, 1)])
+def test_bert_wave_equals_single_process(devices, waves):
+    # the attention mask (an integer tensor) travels down and back up the wave, and through local hand-overs
+    cfg = dict(CFG, n_layer=4)
+    torch.manual_seed(0)
+    ref = MaskedLM(model=ModelConfig(**cfg), lr=1e-2, warmup_steps=1, max_steps=4).double()
+    L.Trainer(devices=1, **trainer_kwargs()).fit(ref, bert_data())
+    torch.manual_seed(0)
+    model = MaskedLM(model=ModelConfig(**cfg), lr=1e-2, warmup_steps=1, max_steps=4).double()
+    strategy = AutoPipeStrategy(schedule="wave", waves=waves, microbatches=4, partition="uniform", start_method="spawn")
+    L.Trainer(devices=devices, strategy=strategy, **trainer_kwargs()).fit(model, bert_data())
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+
+
 def fit_auto(cls, data, cfg, devices, tmp_path, **kw):
     torch.manual_seed(0)
     ref = cls(model=ModelConfig(**cfg), lr=1e-2, warmup_steps=1, max_steps=4).double()
