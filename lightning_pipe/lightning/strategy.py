@@ -10,6 +10,7 @@ the user's own step methods), and then fits the result into Lightning's automati
 - The loss and everything the last stage logged are broadcast and logged on every rank.
 - Gradient clipping by norm uses the global norm over all stages; fp16's inf check is agreed on
   by all ranks so every stage skips the same steps.
+- Launch checks and the workers' clean exit live in launchers.py.
 - Checkpoints hold the full model in single-process layout (gathered on rank 0); optimizer
   states are kept per stage, so resuming needs the same depth.
 """
@@ -20,14 +21,13 @@ import atexit
 import logging
 import os
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _get_default_process_group_backend_for_device, _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -36,16 +36,16 @@ from torch.distributed.constants import default_pg_timeout
 
 from ..planning.partition import PartitionSpec, check_partition_spec, partition_blocks
 from ..planning.partitioners import PARTITIONERS
-from ..profiler import Profile
 from ..runtime.executor import Executor
 from ..runtime.microbatch import batch_size, signature, split_microbatches
 from ..runtime.p2p import Transport
 from ..runtime.reduce import allreduce_mean, clip_grad_norm_global
 from ..runtime.tied import TiedParameter, allreduce_tied, find_tied_parameters
-from ..schedules import SCHEDULES, build_schedule, check_chunks, forward_only, validate
+from ..schedules import SCHEDULES, build_schedule, forward_only, validate
 from ..topology import ProcessGroups, Topology
 from .host import LightningHost
 from .autoplan import AutoPlanner
+from .launchers import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher, close_process_groups
 from .logs import LogBroadcaster, replay
 from .outputs import merge_outputs
 from .stage import PipelineStage, check_no_outside_parameters, find_pipeline, set_submodule
@@ -227,9 +227,9 @@ class AutoPipeStrategy(ParallelStrategy):
         Topology(self.num_nodes * self.num_processes, self.width)  # fail before spawning anything
         self.placement()  # e.g. interleaved needs micro-batches in multiples of the stages
         if self._start_method == "popen":
-            self._launcher = _CheckedSubprocessLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = CheckedSubprocessLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _CheckedMultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = CheckedMultiProcessingLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -243,7 +243,7 @@ class AutoPipeStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
-        atexit.register(_close_process_groups)
+        atexit.register(close_process_groups)
 
     def barrier(self, name: Optional[str] = None) -> None:
         if not _distributed_is_initialized():
@@ -561,14 +561,6 @@ class AutoPipeStrategy(ParallelStrategy):
         pass  # registered by lightning_pipe/__init__.py
 
 
-def _close_process_groups() -> None:
-    """At exit, close the process groups (ours and the default) in order. Left to interpreter
-    shutdown, gloo sub-groups were seen to abort a process ("terminate called without an active
-    exception") once its peers had gone. Registered once per setup; calls after the first do nothing."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, Tensor):
         return obj.detach().cpu()
@@ -596,52 +588,3 @@ def _agree_on_inf(scaler: Any) -> None:
 
     scaler.unscale_ = unscale_
     scaler._autopipe_synced = True
-
-
-def _validate_inputs(strategy: AutoPipeStrategy, args: tuple, trainer: Optional[Any]) -> None:
-    """Refuse what cannot be pipelined before any process starts: the model, and a training batch
-    size visible up front (every trainer function passes the model, then its dataloaders)."""
-    model = args[0] if args else None
-    if isinstance(model, nn.Module):
-        path, pipeline = find_pipeline(model)
-        check_no_outside_parameters(model, path)
-        if strategy.schedule_options:  # multi-chunk: name the waves / chunks setting (partition_blocks names stages)
-            check_chunks(strategy.schedule_name, strategy.depth, len(pipeline), **strategy.schedule_options)
-        spec = strategy.partition if not isinstance(strategy.partition, str) else "uniform"  # planners: the counts
-        partition_blocks(spec, len(pipeline), len(strategy.placement()))
-        if strategy._planner.profile_path is not None:  # a saved profile must describe this model
-            Profile.load(strategy._planner.profile_path).check_blocks(len(pipeline))
-    fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-    # fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, ...)
-    strategy._resume_path = str(args[4]) if fitting and len(args) > 4 and args[4] is not None else None
-    size = getattr(args[1], "batch_size", None) if fitting and len(args) > 1 else None
-    if isinstance(size, int) and size < strategy.microbatches:
-        raise ValueError(
-            f"the training DataLoader's batch_size={size} is smaller than microbatches={strategy.microbatches}: "
-            "use a batch size >= microbatches or fewer micro-batches"
-        )
-
-
-class _CheckedSubprocessLauncher(_SubprocessScriptLauncher):
-    def __init__(self, strategy: AutoPipeStrategy, *args: Any):
-        super().__init__(*args)
-        self._strategy = strategy
-
-    def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
-        _validate_inputs(self._strategy, args, trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
-
-
-class _CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
-    def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
-        _validate_inputs(self._strategy, args, trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
-
-    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
-        super()._wrapping_function(process_idx, *args, **kwargs)
-        # A worker is about to exit: leave together and close the process groups ourselves. Left to
-        # interpreter shutdown, gloo's threads were seen to abort a worker ("terminate called
-        # without an active exception") when its peer had already gone.
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
