@@ -3,30 +3,39 @@
 A small GPT (lightning_pipe.models.build_gpt; 4 layers = 10 sub-layer blocks by default) is trained
 with our runtime (SequentialPipeline, 1F1B, m = 8 micro-batches) on 4 gloo processes with one
 thread each, under 7 partitions: uniform (Megatron-LM's equal layers), dp, autopipe, parameters and
-3 deliberately unbalanced ones (the splits whose simulated iteration is closest to 1.25x, 1.5x and
-1.8x the best one). For each partition the measured iteration time (median over the timed steps
-after warm-up, of the wall time from the first rank entering the step to the last one leaving it;
-the optimizer step is not part of it, as it is not part of the simulator's iteration) is put next
-to the simulator's prediction from a profile taken in the same job:
+deliberately unbalanced ones (the splits whose simulated iteration is closest to 1.25x, 1.5x,
+1.8x, 2x.. the best one). For each partition the measured iteration time (median over the timed
+steps after warm-up, of the wall time from the first rank entering the step to the last one leaving
+it; the optimizer step is not part of it, as it is not part of the simulator's iteration) is put
+next to the simulator's prediction from a profile taken in the same job:
 
-- profile: every rank runs `profile_blocks` on all blocks at the same time, so each block is timed
-  while the other processes compute too (as in training, where the ranks share the CPU cores); the
-  per-block figure is the median over the ranks' medians. For comparison a second profile is taken
-  on rank 0 alone while the other ranks wait ("lone");
+- profile: `profile_blocks(..., loss_fn=cross-entropy, inflight=4)`: the blocks run back to back as
+  a stage does, 4 micro-batches in flight, each block timed between its neighbours, and the loss
+  timed with the LM head (the last stage computes it). min(cores, processes) ranks profile at the
+  same time while the others wait: each profiling rank has a core to itself, with a neighbour
+  computing too, as in training; the per-block figure is the median over those ranks;
+- shared cores: with more processes than cores (4 on 2) the simulator is told ``cores``
+  (`CostModel.cores`): while k ranks compute, each runs at min(1, cores / k) of its profiled speed;
 - link: latency and bandwidth fitted to a ping-pong (isend / irecv, as the Transport does) between
-  ranks 0 and 1, message sizes 4 B .. 4 MB, while ranks 2 and 3 wait;
+  ranks 0 and 1, message sizes 4 B .. 4 MB, while the other ranks wait;
 - partitions are planned on rank 0 from that profile and link and broadcast.
+
+Also simulated, to show what each ingredient is worth: the same with per-block profiles (each block
+alone on one input, backward right after forward: hot caches), without the cores model, from a
+profile with all ranks at once (contention baked into every block), and from rank 0 alone. Every
+timed step is traced (`trace=True`: pure compute time, waits excluded), so the traced compute time
+per rank can be compared with the simulated one.
 
 Printed per partition: measured, simulated, error; then the Spearman rank correlation over the
 partitions. Targets (issue): every partition within 10%, rank correlation 1.0. The same is repeated
-with 2 processes (2 stages) as a supplementary table: 4 processes on a 2-core machine oversubscribe
-the cores, which no per-block profile can express (see docs/autopipe.md).
+with 2 processes (2 stages, a core each).
 
 Timing hygiene: before the job and before each measured segment, the script waits (polling every
 20 s, up to --quiet-wait s) until no other benchmark or test runs (`pgrep -f bench_runtime`,
 `pgrep -f pytest`) and the machine is idle; it measures the CPU time other processes took during
 each segment ("foreign load", from /proc/stat minus the ranks' own CPU time) and repeats a
-disturbed segment (up to --retries times), keeping the least disturbed one.
+disturbed segment (up to --retries times), keeping the least disturbed one. Run it under
+`flock /tmp/bench.lock` when other benchmarks share the machine.
 
     python benchmarks/bench_simulator.py                      # 4 then 2 processes, pictures in docs/img
     python benchmarks/bench_simulator.py --worlds 4 --steps 20 --rounds 3
@@ -196,6 +205,29 @@ def ping_pong(rank: int, sizes: Sequence[int] = (4, 1 << 14, 1 << 16, 1 << 18, 1
 
 
 # ---- profiles ----------------------------------------------------------------------------------
+def profile_at_once(blocks: Sequence[nn.Module], sample: Any, target: Any, rank: int, world: int, repeats: int, profilers: int,
+                   inflight: Optional[int], name: str, mbs: int):
+    """Profile every block, the loss timed with the last one (`loss_fn`); ranks < `profilers` at
+    the same time while the others wait. ``inflight``: chain mode (see profile_blocks), None: each
+    block alone. Every rank returns the same Profile: per block the median over the ranks that
+    measured."""
+    from lightning_pipe.profiler import Profile, profile_blocks
+
+    dist.barrier()
+    measured = None
+    if rank < profilers:
+        chain = inflight is not None
+        measured = profile_blocks(blocks, sample, torch.device("cpu"), model=name, loss_fn=lambda out: lm_loss(out, target),
+                                  inflight=inflight, repeats=max(1, repeats // inflight) if chain else repeats, warmup=1 if chain else 2)
+    parts: list = [None] * world
+    dist.all_gather_object(parts, measured)
+    parts = [p for p in parts if p is not None]
+    field = lambda key: [statistics.median(p[i][key] for p in parts) for i in range(len(blocks))]  # noqa: E731
+    return Profile(name, mbs, "float32", "cpu", field("forward"), field("backward"), field("activation_bytes"), field("param_bytes"),
+                   field("peak_memory"), [type(b).__name__ for b in blocks])
+
+
+# The loss as an extra block, for bench_autopipe_speedup.py (which also reports the loss's own share).
 class LossBlock(nn.Module):
     """The last stage's loss as a block, so the profile times it too: SequentialHost runs the loss
     function after the last block, inside the last stage's forward, and backward starts from it."""
@@ -312,11 +344,10 @@ def _segment(run: Callable[[], Any], rank: int, world: int, args: Any, log) -> t
     return best[1], best[0]
 
 
-def run_partition(model: nn.Sequential, bounds, rank: int, world: int, x, y, args: Any, steps: int, warmup: int,
-                  trace: int = 0) -> dict:
+def run_partition(model: nn.Sequential, bounds, rank: int, world: int, x, y, args: Any, steps: int, warmup: int) -> dict:
     """Train `steps` timed steps (after `warmup`) with this rank's stage of `bounds`; returns per
-    step (start, end) on the machine-wide monotonic clock, and the executor records of `trace`
-    extra traced steps."""
+    step (start, end) on the machine-wide monotonic clock and the executor's trace records (every
+    timed step is traced: a few clock reads per compute)."""
     from lightning_pipe.runtime.p2p import Transport
     from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
     from lightning_pipe.schedules import build_schedule
@@ -325,6 +356,7 @@ def run_partition(model: nn.Sequential, bounds, rank: int, world: int, x, y, arg
     chunk = nn.Sequential(*[model[i] for i in range(a, b)])
     host = SequentialHost({rank: chunk}, world - 1, lm_loss)
     pipe = SequentialPipeline(build_schedule("1f1b", world, args.microbatches), rank, host, Transport(lambda r: r, torch.device("cpu")))
+    pipe.executor.trace = True
 
     def step() -> tuple[float, float]:
         chunk.zero_grad(set_to_none=True)
@@ -335,16 +367,17 @@ def run_partition(model: nn.Sequential, bounds, rank: int, world: int, x, y, arg
 
     for _ in range(warmup):
         step()
-    times = [step() for _ in range(steps)]
-    traces = []
-    if trace:
-        pipe.executor.trace = True
-        for _ in range(trace):
-            span = step()
-            traces.append((span, list(pipe.executor.records)))
-        pipe.executor.trace = False
+    times, traces = [], []
+    # CPU accounting of the timed steps: this rank's CPU seconds (gloo's threads included) and the
+    # machine's, to tell extra work from cores left idle
+    cpu0, busy0, wall0 = _own_seconds(), _busy_seconds(), time.monotonic()
+    for _ in range(steps):
+        times.append(step())
+        traces.append(list(pipe.executor.records))
+    cpu1, busy1, wall1 = _own_seconds(), _busy_seconds(), time.monotonic()
     chunk.zero_grad(set_to_none=True)
-    return {"times": times, "traces": traces}
+    machine = (busy1 - busy0) if busy0 is not None else math.nan
+    return {"times": times, "traces": traces, "cpu": (cpu1 - cpu0, machine, wall1 - wall0, steps)}
 
 
 def simulator_job(rank: int, world: int, args: Any, log) -> dict:
@@ -355,14 +388,20 @@ def simulator_job(rank: int, world: int, args: Any, log) -> dict:
     kinds = block_kinds(model)
     x, y = make_batch(args)
     sample, target = x[: args.mbs], y[: args.mbs]
+    cores = min(args.cores, world)
     link, _ = _segment(lambda: ping_pong(rank), rank, world, args, log)
-    (profile, loss), profile_load = _segment(
-        lambda: gather_profile(blocks, sample, target, rank, world, args.profile_repeats, False, "gpt", args.mbs), rank, world, args, log)
-    (lone, _), lone_load = _segment(
-        lambda: gather_profile(blocks, sample, target, rank, world, args.profile_repeats, True, "gpt", args.mbs), rank, world, args, log)
+    # name -> (ranks profiling at once, chain mode); "main" is what the headline simulation uses
+    kinds_of_profile = {"main": (cores, args.inflight), "hot": (cores, None), "lone": (1, args.inflight)}
+    if world > cores:
+        kinds_of_profile["all"] = (world, args.inflight)
+    profiles, profile_loads = {}, {}
+    for key, (profilers, inflight) in kinds_of_profile.items():
+        profiles[key], profile_loads[key] = _segment(
+            lambda: profile_at_once(blocks, sample, target, rank, world, args.profile_repeats, profilers, inflight, "gpt", args.mbs),
+            rank, world, args, log)
     box = [None]
     if rank == 0:
-        costs = profile.costs(link["bandwidth"], link["latency"])
+        costs = profiles["main"].costs(link["bandwidth"], link["latency"], cores=args.cores)
         box = [{"link": link, "partitions": choose_partitions(costs, kinds, world, args.microbatches, args.partitions)}]
     dist.broadcast_object_list(box, 0)
     link, partitions = box[0]["link"], box[0]["partitions"]
@@ -370,25 +409,24 @@ def simulator_job(rank: int, world: int, args: Any, log) -> dict:
         log(f"  link: latency {link['latency'] * 1e6:.0f} us, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s; "
             f"partitions: {', '.join(f'{l} {sizes_of(b)}' for l, b in partitions)}")
     runs: dict[int, list] = {i: [] for i in range(len(partitions))}
+    traces: dict[int, list] = {i: [] for i in range(len(partitions))}
     loads: dict[int, list] = {i: [] for i in range(len(partitions))}
-    traces: dict[int, list] = {}
+    cpu: dict[int, list] = {i: [] for i in range(len(partitions))}
     for rnd in range(args.rounds):
         order = list(range(len(partitions)))
         order = order[rnd % len(order):] + order[: rnd % len(order)]  # a different partition first each round
         for i in order:
             label, bounds = partitions[i]
-            last = rnd == args.rounds - 1
-            trace = args.trace_steps if last and "autopipe" in label.split(" = ") else 0
-            out, load = _segment(lambda: run_partition(model, bounds, rank, world, x, y, args, args.steps, args.warmup, trace),
+            out, load = _segment(lambda: run_partition(model, bounds, rank, world, x, y, args, args.steps, args.warmup),
                                  rank, world, args, log)
             runs[i].append(out["times"])
+            traces[i].extend(zip(out["times"], out["traces"]))
             loads[i].append(load)
-            if out["traces"]:
-                traces[i] = out["traces"]
+            cpu[i].append(out["cpu"])
             if rank == 0:
                 log(f"  round {rnd + 1}/{args.rounds} {label:<24} done (foreign load {load:.2f} CPUs)")
-    return {"rank": rank, "link": link, "profile": profile, "loss": loss, "lone": lone, "profile_load": profile_load, "lone_load": lone_load,
-            "partitions": partitions, "runs": runs, "loads": loads, "traces": traces}
+    return {"rank": rank, "link": link, "profiles": profiles, "profile_loads": profile_loads, "partitions": partitions,
+            "runs": runs, "loads": loads, "traces": traces, "cpu": cpu}
 
 
 # ---- launching ---------------------------------------------------------------------------------
@@ -477,88 +515,196 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     return cov / var if var > 0 else float("nan")
 
 
-def analyse(results: list[dict], world: int, m: int) -> dict:
+# variant -> (profile, with the cores model?, legend): the headline first, then what each ingredient is worth
+VARIANTS = {
+    "simulated": ("main", True, "chain profile (min(cores, ranks) at once) + cores model"),
+    "hot": ("hot", True, "per-block profile (hot caches) + cores model"),
+    "no-cores": ("main", False, "chain profile, no cores model"),
+    "all": ("all", False, "chain profile with all ranks at once, no cores model"),
+    "lone": ("lone", True, "chain profile on rank 0 alone + cores model"),
+}
+
+
+def traced_busy(results: list[dict], index: int, schedule) -> list[float]:
+    """Per rank, the median over the timed steps of its traced compute time (waits excluded)."""
+    busy = []
+    for r in results:
+        per_step = [sum(e - s for i, s, e in recs if schedule.actions[r["rank"]][i].op.is_compute) for _, recs in r["traces"][index]]
+        busy.append(statistics.median(per_step))
+    return busy
+
+
+def cpu_use(results: list[dict], index: int) -> tuple[float, float]:
+    """(CPU seconds of all ranks per timed step, CPUs the whole machine kept busy meanwhile)."""
+    rounds = results[0]["cpu"][index]
+    steps = sum(n for *_, n in rounds)
+    own = sum(c for r in results for c, *_ in r["cpu"][index]) / steps
+    machine = sum(m for _, m, _, _ in rounds) / sum(w for _, _, w, _ in rounds)
+    return own, machine
+
+
+def measured_path(results: list[dict], index: int, schedule) -> tuple[float, float, float]:
+    """The traced step's critical path, walked back from the compute that ends last through what
+    each compute waited for (its input, if that was sent after the rank's previous compute ended,
+    else the previous compute), split into (compute, waiting for a message, gaps between a rank's
+    computes); medians over the timed steps."""
+    from lightning_pipe.schedules import Op
+
+    world = len(results)
+    parts = []
+    for s in range(len(results[0]["traces"][index])):
+        sent, comps = {}, {}
+        start = min(r["traces"][index][s][0][0] for r in results)
+        for rank, r in enumerate(results):
+            for i, t0, t1 in r["traces"][index][s][1]:
+                a = schedule.actions[rank][i]
+                if a.op.is_send:
+                    sent[(a.op, a.chunk, a.microbatch)] = t0
+                elif a.op.is_compute:
+                    comps[(rank, a.op, a.chunk, a.microbatch)] = (t0, t1)
+        before = {}
+        for rank in range(world):
+            mine = sorted((v, k) for k, v in comps.items() if k[0] == rank)
+            before.update({k: (mine[j - 1][1] if j else None) for j, (_, k) in enumerate(mine)})
+        key = max(comps, key=lambda k: comps[k][1])
+        compute = message = gap = 0.0
+        while True:
+            t0, t1 = comps[key]
+            compute += t1 - t0
+            rank, op, c, mb = key
+            need = None
+            if op is Op.FORWARD and c > 0:
+                need = (Op.SEND_ACT, c - 1, mb), (schedule.chunk_rank[c - 1], op, c - 1, mb)
+            elif op is Op.BACKWARD and c < schedule.num_chunks - 1:
+                need = (Op.SEND_GRAD, c + 1, mb), (schedule.chunk_rank[c + 1], op, c + 1, mb)
+            prev = before[key]
+            prev_end = comps[prev][1] if prev is not None else start
+            if need is not None and need[1] in comps and sent.get(need[0], -math.inf) >= prev_end:
+                message += t0 - comps[need[1]][1]
+                key = need[1]
+            else:
+                gap += t0 - prev_end
+                if prev is None:
+                    break
+                key = prev
+        parts.append((compute, message, gap))
+    return tuple(statistics.median(p[j] for p in parts) for j in range(3))
+
+
+def analyse(results: list[dict], world: int, args: Any) -> dict:
     from lightning_pipe.schedules import build_schedule
     from lightning_pipe.simulator import simulate
 
     r0 = results[0]
-    link, partitions = r0["link"], r0["partitions"]
-    costs = r0["profile"].costs(link["bandwidth"], link["latency"])
-    lone_costs = r0["lone"].costs(link["bandwidth"], link["latency"])
-    schedule = build_schedule("1f1b", world, m)
+    link, partitions, profiles = r0["link"], r0["partitions"], r0["profiles"]
+    variants = {k: v for k, v in VARIANTS.items() if v[0] in profiles and (world > min(args.cores, world) or k not in ("no-cores", "all"))}
+    costs = {k: profiles[p].costs(link["bandwidth"], link["latency"], cores=args.cores if shared else None)
+             for k, (p, shared, _) in variants.items()}
+    schedule = build_schedule("1f1b", world, args.microbatches)
     rows = []
     for i, (label, bounds) in enumerate(partitions):
         times = iteration_times(results, i)
         measured = statistics.median(times)
-        sim = simulate(schedule, costs, bounds)
-        lone = simulate(schedule, lone_costs, bounds, critical_path=False).iteration_time
+        sims = {k: simulate(schedule, c, bounds, critical_path=(k == "simulated")) for k, c in costs.items()}
         q1, _, q3 = statistics.quantiles(times, n=4) if len(times) >= 4 else (measured, measured, measured)
+        main = sims["simulated"]
+        busy = traced_busy(results, i, schedule)
+        heavy = max(range(world), key=lambda r: busy[r])
+        cpu, machine = cpu_use(results, i)
+        path = measured_path(results, i, schedule)
+        sim_path = sum(e.end - e.start for e in main.critical_path)
         rows.append({"label": label, "bounds": bounds, "sizes": sizes_of(bounds), "measured": measured, "iqr": (q1, q3),
-                     "simulated": sim.iteration_time, "lone": lone, "error": sim.iteration_time / measured - 1,
-                     "lone_error": lone / measured - 1, "master": sim.master_stage, "bubble": sim.bubble_ratio,
+                     "sim": {k: t.iteration_time for k, t in sims.items()},
+                     "error": {k: t.iteration_time / measured - 1 for k, t in sims.items()},
+                     "master": main.master_stage, "bubble": main.bubble_ratio, "heavy": heavy,
+                     "traced_busy": busy[heavy], "sim_busy": main.busy[heavy], "cpu": cpu, "machine": machine,
+                     "path": path, "sim_path": (sim_path, main.iteration_time - sim_path),
                      "load": max(r0["loads"][i]), "steps": len(times)})
-    rho = spearman([r["measured"] for r in rows], [r["simulated"] for r in rows])
-    rho_lone = spearman([r["measured"] for r in rows], [r["lone"] for r in rows])
-    return {"world": world, "rows": rows, "rho": rho, "rho_lone": rho_lone, "link": link, "costs": costs, "schedule": schedule,
-            "profile": r0["profile"], "loss": r0["loss"], "lone": r0["lone"], "profile_load": r0["profile_load"], "lone_load": r0["lone_load"],
-            "traces": {i: t for i, t in r0["traces"].items()}, "results": results}
+    measured = [r["measured"] for r in rows]
+    rho = {k: spearman(measured, [r["sim"][k] for r in rows]) for k in variants}
+    return {"world": world, "rows": rows, "rho": rho, "variants": variants, "link": link, "costs": costs["simulated"],
+            "schedule": schedule, "profiles": profiles, "profile_loads": r0["profile_loads"], "results": results}
 
 
 def report(a: dict, args: Any) -> str:
-    world, rows = a["world"], a["rows"]
+    world, rows, profiles = a["world"], a["rows"], a["profiles"]
+    cores = min(args.cores, world)
+    total = lambda key: 1e3 * sum(profiles[key].forward + profiles[key].backward)  # noqa: E731
     lines = [
-        f"{world} processes x 1 thread, {world} stages, 1F1B, m = {args.microbatches}; link: latency "
+        f"{world} processes x 1 thread on {args.cores} cores, {world} stages, 1F1B, m = {args.microbatches}; link: latency "
         f"{a['link']['latency'] * 1e6:.0f} us, bandwidth {a['link']['bandwidth'] / 1e9:.2f} GB/s (ping-pong rank 0 <-> 1)",
-        f"profile: all {world} ranks at once (foreign load {a['profile_load']:.2f} CPUs), sum of f+b over blocks "
-        f"{1e3 * sum(a['profile'].forward + a['profile'].backward):.1f} ms per micro-batch; lone (rank 0 alone): "
-        f"{1e3 * sum(a['lone'].forward + a['lone'].backward):.1f} ms; the loss (in the head's figures): "
-        f"{1e3 * a['loss'][0]:.2f} + {1e3 * a['loss'][1]:.2f} ms",
+        "profiles (f+b of all blocks per micro-batch, the loss included; foreign load): "
+        + ", ".join(f"{k} {total(k):.1f} ms ({a['profile_loads'][k]:.2f})" for k in profiles),
+        f"  main = chain (inflight {args.inflight}) on {cores} ranks at once; hot = per-block on {cores} ranks at once; "
+        f"lone = chain on rank 0 alone" + (f"; all = chain on all {world} ranks at once" if "all" in profiles else ""),
+        f"simulated with cores = {args.cores}" + (" (more ranks than cores: processor sharing)" if world > args.cores else " (a core per rank: no sharing)"),
         "",
-        "| partition | blocks per stage | measured ms | simulated ms | error | simulated from lone profile ms | error | master stage | foreign load |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| partition | blocks per stage | measured ms | simulated ms | error | master stage | busiest rank: traced / simulated compute ms | foreign load |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r['label']} | {r['sizes']} | {r['measured'] * 1e3:.1f} | {r['simulated'] * 1e3:.1f} | {r['error']:+.1%} | "
-                     f"{r['lone'] * 1e3:.1f} | {r['lone_error']:+.1%} | {r['master']} | {r['load']:.2f} |")
-    cores = os.cpu_count() or 1
-    floor = args.microbatches * sum(a["lone"].forward + a["lone"].backward) / min(cores, world)
-    worst = max(abs(r["error"]) for r in rows)
-    lines += ["", f"CPU floor: m x (lone f+b of all blocks) / min(cores, ranks) = {floor * 1e3:.1f} ms per step "
-                  f"({cores} cores for {world} ranks)"]
-    worst_lone = max(abs(r["lone_error"]) for r in rows)
+        lines.append(f"| {r['label']} | {r['sizes']} | {r['measured'] * 1e3:.1f} | {r['sim']['simulated'] * 1e3:.1f} | "
+                     f"{r['error']['simulated']:+.1%} | {r['master']} | {r['heavy']}: {r['traced_busy'] * 1e3:.1f} / {r['sim_busy'] * 1e3:.1f} | "
+                     f"{r['load']:.2f} |")
+    work = args.microbatches * sum(profiles["main"].forward + profiles["main"].backward)
+    lines += ["", f"Where the time goes (per step, ms; profiled CPU work m x sum(f+b) = {work * 1e3:.1f} ms): CPU time of all ranks and "
+                  "how many CPUs the machine kept busy over the timed steps; the critical path of the traced steps (computes, waits for a "
+                  "message, gaps between a rank's computes) next to the simulated one (computes, waits)", "",
+              "| partition | ranks' CPU per step | machine busy (CPUs) | measured path: compute + message + gaps | simulated path: compute + waits |",
+              "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        c, msg, gap = (v * 1e3 for v in r["path"])
+        sc, sw = (v * 1e3 for v in r["sim_path"])
+        lines.append(f"| {r['label']} | {r['cpu'] * 1e3:.1f} | {r['machine']:.2f} | {c:.1f} + {msg:.1f} + {gap:.1f} | {sc:.1f} + {sw:.1f} |")
+    names = list(a["variants"])
+    lines += ["", "Every variant (error per partition, Spearman, largest |error|):", "",
+              "| partition | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for r in rows:
+        lines.append(f"| {r['label']} | " + " | ".join(f"{r['error'][k]:+.1%}" for k in names) + " |")
+    lines.append("| Spearman | " + " | ".join(f"{a['rho'][k]:.3f}" for k in names) + " |")
+    lines.append("| max abs error | " + " | ".join(f"{max(abs(r['error'][k]) for r in rows):.1%}" for k in names) + " |")
+    lines += ["", "variants: " + "; ".join(f"{k} = {a['variants'][k][2]}" for k in names)]
+    floor = args.microbatches * sum(profiles["main"].forward + profiles["main"].backward) / cores
+    worst = max(abs(r["error"]["simulated"]) for r in rows)
+    within = sum(abs(r["error"]["simulated"]) <= 0.10 for r in rows)
     lines += [
+        f"CPU floor: m x (f+b of all blocks, main profile) / min(cores, ranks) = {floor * 1e3:.1f} ms per step",
         "",
-        f"Spearman rank correlation (measured vs simulated): {a['rho']:.3f}; from the lone profile: {a['rho_lone']:.3f}",
-        f"largest |error|: {worst:.1%} (profile taken concurrently), {worst_lone:.1%} (lone profile)",
+        f"Spearman rank correlation (measured vs simulated): {a['rho']['simulated']:.3f}; largest |error| {worst:.1%}; "
+        f"{within} of {len(rows)} within 10%",
         f"targets: every partition within 10% -> {'met' if worst <= 0.10 else 'missed'}; rank correlation 1.0 -> "
-        f"{'met' if a['rho'] > 0.9999 else 'missed'}",
+        f"{'met' if a['rho']['simulated'] > 0.9999 else 'missed'}",
     ]
     return "\n".join(lines)
 
 
 # ---- pictures ----------------------------------------------------------------------------------
-def plot_comparison(analyses: list[dict], path: Path) -> None:
+def plot_comparison(analyses: list[dict], path: Path, args: Any) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(analyses), figsize=(6.5 * len(analyses), 4.2), squeeze=False)
+    styles = {"simulated": ("s--", "#DD8452"), "hot": ("v:", "#55A868"), "no-cores": ("D:", "#C44E52"), "all": ("x:", "#8172B3"),
+              "lone": ("^:", "#8C8C8C")}
+    fig, axes = plt.subplots(1, len(analyses), figsize=(6.8 * len(analyses), 4.6), squeeze=False)
     for ax, a in zip(axes[0], analyses):
         rows = a["rows"]
         xs = range(len(rows))
-        ax.plot(xs, [r["measured"] * 1e3 for r in rows], "o-", label="measured (median step)", color="#4C72B0")
+        ax.plot(xs, [r["measured"] * 1e3 for r in rows], "o-", label="measured (median step)", color="#4C72B0", lw=2)
         ax.fill_between(xs, [r["iqr"][0] * 1e3 for r in rows], [r["iqr"][1] * 1e3 for r in rows], color="#4C72B0", alpha=0.2,
                         label="measured, quartiles")
-        ax.plot(xs, [r["simulated"] * 1e3 for r in rows], "s--", label="simulated (concurrent profile)", color="#DD8452")
-        ax.plot(xs, [r["lone"] * 1e3 for r in rows], "^:", label="simulated (lone profile)", color="#8C8C8C")
+        for k in a["variants"]:
+            marker, color = styles[k]
+            ax.plot(xs, [r["sim"][k] * 1e3 for r in rows], marker, color=color, lw=2 if k == "simulated" else 1,
+                    alpha=1.0 if k == "simulated" else 0.7, label=f"{k}: {a['variants'][k][2]}")
         ax.set_xticks(list(xs))
         ax.set_xticklabels([f"{r['label'].replace(' = ', '=')}\n{r['sizes']}" for r in rows], fontsize=7, rotation=30, ha="right")
         ax.set_ylabel("iteration time (ms)")
         ax.set_ylim(bottom=0)
-        ax.set_title(f"{a['world']} processes on 2 cores: Spearman {a['rho']:.2f}, max |error| "
-                     f"{max(abs(r['error']) for r in rows):.0%}", fontsize=9)
-        ax.legend(fontsize=7, loc="lower right")
+        ax.set_title(f"{a['world']} processes on {args.cores} cores: Spearman {a['rho']['simulated']:.2f}, max |error| "
+                     f"{max(abs(r['error']['simulated']) for r in rows):.1%}", fontsize=9)
+        ax.legend(fontsize=6, loc="lower right")
         ax.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -571,24 +717,26 @@ def plot_timelines(a: dict, folder: Path, label: str = "autopipe") -> list[Path]
     from lightning_pipe.viz import gantt, traced_timeline
 
     index = next((i for i, r in enumerate(a["rows"]) if label in r["label"].split(" = ")), None)
-    if index is None or index not in a["traces"]:
+    if index is None:
         return []
     row = a["rows"][index]
     # the traced step whose iteration is the median one, records of all ranks (one monotonic clock)
+    steps = len(a["results"][0]["traces"][index])
     per_step = []
-    for s in range(len(a["traces"][index])):
-        records = [r["traces"][index][s][1] for r in a["results"]]
+    for s in range(steps):
         spans = [r["traces"][index][s][0] for r in a["results"]]
-        per_step.append((max(e for _, e in spans) - min(t for t, _ in spans), records))
-    per_step.sort(key=lambda t: t[0])
-    measured = traced_timeline(a["schedule"], per_step[len(per_step) // 2][1])
+        records = [r["traces"][index][s][1] for r in a["results"]]
+        per_step.append((max(e for _, e in spans) - min(t for t, _ in spans), s, records))
+    per_step.sort(key=lambda t: t[:2])
+    measured = traced_timeline(a["schedule"], per_step[len(per_step) // 2][2])
     predicted = simulate(a["schedule"], a["costs"], row["bounds"])
+    m = a["schedule"].num_microbatches
     out_m = gantt(measured, folder / "measured_timeline.png",
-                  title=f"measured: {label} {row['sizes']}, {a['world']} processes, 1F1B m={a['schedule'].num_microbatches}: "
-                        f"iteration {measured.iteration_time * 1e3:.1f} ms")
+                  title=f"measured (traced; gaps = waiting): {label} {row['sizes']}, {a['world']} processes, m={m}: "
+                        f"{measured.iteration_time * 1e3:.1f} ms")
     out_p = gantt(predicted, folder / "predicted_timeline.png",
-                  title=f"simulated: {label} {row['sizes']}, {a['world']} stages, 1F1B m={a['schedule'].num_microbatches}: "
-                        f"iteration {predicted.iteration_time * 1e3:.1f} ms, bubble {predicted.bubble_ratio:.0%}, master stage {predicted.master_stage}")
+                  title=f"simulated: {label} {row['sizes']}, {a['world']} stages on {a['costs'].cores} cores, 1F1B m={m}: "
+                        f"iteration {predicted.iteration_time * 1e3:.1f} ms, master stage {predicted.master_stage}")
     return [out_m, out_p]
 
 
@@ -615,26 +763,38 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--mbs", type=int, default=4, help="micro-batch size (sequences)")
     p.add_argument("--partitions", type=int, default=7)
-    p.add_argument("--trace-steps", type=int, default=3, help="traced steps of the autopipe partition (last round)")
     p.add_argument("--pictures", default=str(ROOT / "docs" / "img"), help="folder for the pictures ('' for none)")
+    p.add_argument("--inflight", type=int, default=4, help="micro-batches in flight in the chain-mode profile")
+    p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores the processes share (the simulator's cores model)")
+    p.add_argument("--raw", default="", help="save the measurements (torch.save) to this file")
+    p.add_argument("--from-raw", default="", help="analyse measurements saved with --raw instead of measuring")
     add_common_arguments(p)
+    p.set_defaults(profile_repeats=16)  # timed samples per block; chain mode: 16 / inflight rounds
     args = p.parse_args()
     started = time.time()
-    print(provenance())
+    print(provenance() if not args.from_raw else f"re-analysis of {args.from_raw}")
     print(f"gloo, 1 thread per process; GPT {args.layers} layers "
           f"({2 * args.layers + 2} blocks), hidden {args.hidden}, heads {args.heads}, seq {args.seq}, vocab {args.vocab}, "
           f"micro-batch {args.mbs}, m = {args.microbatches}", flush=True)
     analyses = []
+    saved = torch.load(args.from_raw, weights_only=False) if args.from_raw else {}
+    raw = {}
     for world in args.worlds:
         print(f"\n== {world} processes ==", flush=True)
-        wait_for_quiet(args.quiet_wait, args.max_foreign)
-        results = launch(simulator_job, world, args, args.timeout)
-        a = analyse(results, world, args.microbatches)
+        if args.from_raw:
+            results = saved[world]
+        else:
+            wait_for_quiet(args.quiet_wait, args.max_foreign)
+            results = launch(simulator_job, world, args, args.timeout)
+        raw[world] = results
+        if args.raw:
+            torch.save(raw, args.raw)
+        a = analyse(results, world, args)
         analyses.append(a)
         print(report(a, args), flush=True)
     if args.pictures:
         folder = Path(args.pictures)
-        plot_comparison(analyses, folder / "simulated_vs_measured.png")
+        plot_comparison(analyses, folder / "simulated_vs_measured.png", args)
         written = [folder / "simulated_vs_measured.png"] + plot_timelines(analyses[0], folder)
         print("\npictures: " + ", ".join(str(w) for w in written))
     print(f"\ntotal {time.time() - started:.0f} s")

@@ -58,9 +58,10 @@ class Profile:
         if self.num_blocks != num_blocks:
             raise ValueError(f"the profile {self.key} has {self.num_blocks} blocks but the model has {num_blocks}")
 
-    def costs(self, bandwidth: float = math.inf, latency: float = 0.0, slowdown: Sequence[float] = ()) -> CostModel:
+    def costs(self, bandwidth: float = math.inf, latency: float = 0.0, slowdown: Sequence[float] = (),
+              cores: Optional[int] = None) -> CostModel:
         return CostModel(tuple(self.forward), tuple(self.backward), tuple(self.activation_bytes),
-                         tuple(self.param_bytes), bandwidth, latency, tuple(slowdown))
+                         tuple(self.param_bytes), bandwidth, latency, tuple(slowdown), cores)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
