@@ -220,7 +220,8 @@ def _simulate_shared(schedule: PipelineSchedule, costs: CostModel, bounds: Seque
     While k ranks compute, each progresses at speed min(1, cores / k). All running computes share
     one speed, so progress is kept as a common "virtual time" V (seconds of profiled work done by
     each running compute): a compute started at V0 with work w ends when V reaches V0 + w. Equal
-    finishing points are then equal floats, and simultaneous ends stay simultaneous."""
+    finishing points are then equal floats, and simultaneous ends stay simultaneous. A rank's
+    `busy` is its wall time in computes, the slow-down from sharing included."""
     ranks, cores = schedule.num_ranks, costs.cores
     arrival: dict[tuple, tuple[float, Optional[Event]]] = {}
     done: dict[tuple, Event] = {}
