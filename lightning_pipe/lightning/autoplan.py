@@ -101,8 +101,8 @@ def profile_pipeline(module: Any, pipeline: nn.Sequential, batch: Any, device: t
     with torch.random.fork_rng(devices=devices):
         x = pipeline_input(module, pipeline, batch)
         module.log = lambda *a, **k: None  # type: ignore[method-assign]  # the loss step logs nothing here
-        try:
-            measured = profile_blocks(blocks, x, device, model=model_name, repeats=repeats, warmup=1, indices=list(mine),
+        try:  # the rank's blocks run together, 2 micro-batches in flight: caches as busy as in training
+            measured = profile_blocks(blocks, x, device, model=model_name, repeats=repeats, warmup=1, indices=list(mine), inflight=2,
                                       loss_fn=step_loss(module, pipeline, move_data_to_device(batch, device)))
         finally:
             del module.log
