@@ -29,13 +29,16 @@ schedule: each rank holds half the weights in all of them).
 
 Our runs are traced per action (Executor trace=True) and the time the compute thread spends inside
 isend / irecv is counted, which splits each rank's step into compute, issuing and waiting, next to
-the simulator's busy and idle time. From those traces three corrections are fitted (`calibrate`:
-compute x k, a fixed cost per compute action, a cost per message on the compute thread) and the
-simulator is run again on the corrected costs ("simulated, calibrated"): how much of the gap
-between measured and simulated those effects explain.
+the simulator's busy and idle time, and each message's hand-off delay (how long after it was sent
+the compute that needs it started, when that compute waited for it). From those traces four
+corrections are fitted (`calibrate`: compute x k, a fixed cost per compute action, a cost per
+message on the compute thread, the mean hand-off delay as the link latency) and the simulator is
+run again on the corrected costs ("simulated, calibrated"): how much of the gap between measured
+and simulated those effects explain.
 
     python benchmarks/bench_waves.py                        # m = 4 and m = 2, a few minutes
-    python benchmarks/bench_waves.py --microbatches 4 --repeats 3 --picture docs/img/waves_speedup.png
+    python benchmarks/bench_waves.py --picture docs/img/waves_speedup.png   # as in docs/schedules.md
+    python benchmarks/bench_waves.py --microbatches 4 --modes ours-1f1b,ours-wave4,torch-zbv
 
 Timing hygiene as bench_runtime.py (whose model, data, quiet-gating and launcher this reuses):
 each run waits for a quiet machine, measures the CPU other processes used meanwhile and repeats
@@ -99,6 +102,7 @@ def _ours_multi(rank: int, cfg: dict, name: str) -> dict:
     schedule, bounds = our_schedule(name, cfg["microbatches"], cfg["blocks"])
     mine = schedule.chunks_of(rank)
     chunks = {c: model[bounds[c][0] : bounds[c][1]] for c in mine}
+
     class TimedTransport(Transport):
         """Counts the time the compute thread spends inside isend / irecv (issuing, not waiting)."""
 
