@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .schedules.actions import Action, Op, PipelineSchedule
 
@@ -160,23 +160,12 @@ def simulate(schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tupl
                 a = actions[pointer[r]]
                 c, mb = a.chunk, a.microbatch
                 if a.op is Op.FORWARD or a.op is Op.BACKWARD:
-                    if a.op is Op.FORWARD:
-                        need = ("act", c - 1, mb) if c > 0 else None
-                        local = done.get((Op.FORWARD, c - 1, mb)) if c > 0 and schedule.chunk_rank[c - 1] == r else None
-                        duration = fwd[c]
-                    else:
-                        need = ("grad", c + 1, mb) if c < schedule.num_chunks - 1 else None
-                        local = done.get((Op.BACKWARD, c + 1, mb)) if need and schedule.chunk_rank[c + 1] == r else None
-                        duration = bwd[c]
-                    ready, producer = 0.0, None
-                    if need is not None and local is None:
-                        if need not in arrival:
-                            break  # the message is not sent yet: another rank must advance first
-                        ready, producer = arrival[need]
-                    elif local is not None:
-                        ready, producer = local.end, local
+                    inputs = _input(schedule, a, r, done, arrival)
+                    if inputs is None:
+                        break  # the message is not sent yet: another rank must advance first
+                    ready, producer = inputs
                     start = max(clock[r], ready)
-                    duration *= costs.factor(r) * (scale[mb] if scale is not None else 1.0)
+                    duration = (fwd[c] if a.op is Op.FORWARD else bwd[c]) * costs.factor(r) * (scale[mb] if scale is not None else 1.0)
                     event = Event(r, a, start, start + duration)
                     # the constraint that set the start; on a tie the remote one (the path toward later stages)
                     cause[event] = producer if (producer is not None and ready >= clock[r]) else last[r]
@@ -200,6 +189,23 @@ def simulate(schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tupl
         if not progressed:
             raise ValueError("the schedule cannot finish (validate it first: a rank waits for a message never sent)")
     return _finish(schedule, costs, bounds, critical_path, events, clock, busy, done, cause)
+
+
+def _input(schedule: PipelineSchedule, a: Any, r: int, done: dict, arrival: dict) -> Optional[tuple[float, Optional["Event"]]]:
+    """(when the input of compute `a` on rank `r` is there, the event that produced it), or None
+    while its message is not sent yet. Adjacent chunks on one rank hand over locally."""
+    c, mb = a.chunk, a.microbatch
+    if a.op is Op.FORWARD:
+        need = ("act", c - 1, mb) if c > 0 else None
+        local = done.get((Op.FORWARD, c - 1, mb)) if c > 0 and schedule.chunk_rank[c - 1] == r else None
+    else:
+        need = ("grad", c + 1, mb) if c < schedule.num_chunks - 1 else None
+        local = done.get((Op.BACKWARD, c + 1, mb)) if need and schedule.chunk_rank[c + 1] == r else None
+    if local is not None:
+        return local.end, local
+    if need is None:
+        return 0.0, None
+    return arrival.get(need)
 
 
 def _finish(schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tuple[int, int]], critical_path: bool,
@@ -257,22 +263,11 @@ def _simulate_shared(schedule: PipelineSchedule, costs: CostModel, bounds: Seque
                     a = actions[pointer[r]]
                     c, mb = a.chunk, a.microbatch
                     if a.op is Op.FORWARD or a.op is Op.BACKWARD:
-                        if a.op is Op.FORWARD:
-                            need = ("act", c - 1, mb) if c > 0 else None
-                            local = done.get((Op.FORWARD, c - 1, mb)) if c > 0 and schedule.chunk_rank[c - 1] == r else None
-                            work = fwd[c]
-                        else:
-                            need = ("grad", c + 1, mb) if c < schedule.num_chunks - 1 else None
-                            local = done.get((Op.BACKWARD, c + 1, mb)) if need and schedule.chunk_rank[c + 1] == r else None
-                            work = bwd[c]
-                        ready, producer = 0.0, None
-                        if need is not None and local is None:
-                            if need not in arrival:
-                                break  # not sent yet
-                            ready, producer = arrival[need]
-                        elif local is not None:
-                            ready, producer = local.end, local
-                        work *= costs.factor(r) * (scale[mb] if scale is not None else 1.0)
+                        inputs = _input(schedule, a, r, done, arrival)
+                        if inputs is None:
+                            break  # not sent yet
+                        ready, producer = inputs
+                        work = (fwd[c] if a.op is Op.FORWARD else bwd[c]) * costs.factor(r) * (scale[mb] if scale is not None else 1.0)
                         pointer[r] += 1
                         start = max(clock[r], ready)
                         if start > now:  # the input is in flight: the rank starts when it lands
