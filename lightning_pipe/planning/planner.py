@@ -8,7 +8,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
-from ..schedules import OPTIONS, check_chunks, get_schedule
+from ..errors import SettingError, check_count
+from ..schedules import ScheduleSpec
 from ..simulator import CostModel, simulate
 from .partition import Partition
 from .partitioners import PARTITIONERS
@@ -106,22 +107,18 @@ class Plan:
 
 def check_plan_settings(costs: CostModel, stages: int, microbatches: int, method: str, schedule: str, kinds,
                         options: Optional[dict] = None) -> None:
-    """Every bad setting is a ValueError that names it, before any work."""
+    """Every bad setting is a SettingError that names it, before any work."""
     if not isinstance(method, str) or method not in PARTITIONERS:
-        raise ValueError(f"method={method!r} is not a known partitioner; allowed values: {sorted(PARTITIONERS)}")
-    get_schedule(schedule)  # names the allowed schedules
-    unknown = sorted(set(options or {}) - set(OPTIONS.get(schedule, ())))
-    if unknown:
-        raise ValueError(f"schedule={schedule!r} takes no option {unknown}; its options: {list(OPTIONS.get(schedule, ())) or 'none'}")
-    for name, value in (("stages", stages), ("microbatches", microbatches), *(options or {}).items()):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+        raise SettingError(f"method={method!r} is not a known partitioner; allowed values: {sorted(PARTITIONERS)}", "partition")
+    spec = ScheduleSpec.of(schedule, **(options or {}))  # names unknown schedules and options
+    check_count("stages", stages)
+    check_count("microbatches", microbatches)
     if options:
-        check_chunks(schedule, stages, costs.num_blocks, **options)
+        spec.check(stages, costs.num_blocks)
     if stages > costs.num_blocks:
-        raise ValueError(
+        raise SettingError(
             f"stages={stages} exceeds the {costs.num_blocks} blocks of the cost model: every stage needs at least "
-            f"one block, so use at most {costs.num_blocks} stages"
+            f"one block, so use at most {costs.num_blocks} stages", "stages"
         )
     if kinds is not None and len(kinds) != costs.num_blocks:
         raise ValueError(f"kinds has {len(kinds)} entries for {costs.num_blocks} blocks: give one kind per block")

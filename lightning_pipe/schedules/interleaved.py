@@ -37,3 +37,15 @@ def interleaved_1f1b(stages: int, microbatches: int, chunks: int = 2) -> Pipelin
         order += [backward(k, rank) for k in range(total - warmup, total)]
         compute.append(order)
     return lower(f"interleaved-v{v}", compute, tuple(c % p for c in range(p * v)), m)
+
+
+def interleaved_chunks(stages: int, chunks: int = 2) -> int:
+    return stages * chunks
+
+
+def interleaved_misfit(stages: int, num_blocks: int, chunks: int = 2) -> str:
+    """Why v chunks per rank do not fit a model of `num_blocks` blocks, and what fits."""
+    most = num_blocks // stages
+    hint = f"chunks <= {most}" if most else "fewer ranks"
+    return (f"schedule='interleaved' with chunks={chunks} on {stages} ranks cuts the model into "
+            f"{stages * chunks} chunks, more than its {num_blocks} blocks: use {hint}")

@@ -64,3 +64,15 @@ def wave(stages: int, microbatches: int, waves: int = 1) -> PipelineSchedule:
     placement = wave_placement(stages, waves)
     compute = greedy_order(placement, stages, microbatches)
     return lower(f"wave-w{waves}", compute, placement, microbatches)
+
+
+def wave_chunks(stages: int, waves: int = 1) -> int:
+    return 2 * stages * waves
+
+
+def wave_misfit(stages: int, num_blocks: int, waves: int = 1) -> str:
+    """Why W waves do not fit a model of `num_blocks` blocks, and what fits."""
+    most = num_blocks // (2 * stages)
+    hint = f"waves <= {most}" if most else f"at most {num_blocks // 2} ranks or another schedule"
+    return (f"schedule='wave' with waves={waves} on {stages} ranks cuts the model into 2 x {stages} x "
+            f"{waves} = {2 * stages * waves} chunks, more than its {num_blocks} blocks: use {hint}")

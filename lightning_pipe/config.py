@@ -1,0 +1,184 @@
+"""`PipelineConfig`: every pipeline setting, typed, documented and checked in one place.
+
+Built once — from `AutoPipeStrategy(...)` keywords, from the Hydra group `conf/pipeline`
+(`_target_: lightning_pipe.PipelineConfig`) or by hand — and handed to the launcher, the
+strategy, the planner and the CLI. Checks come in the order their facts become known, all
+before any process starts:
+
+1. construction: each setting on its own (`__post_init__`);
+2. `check_world(world_size)`: once the devices are known (the Trainer's launcher);
+3. `check_model(world_size, num_blocks)`, `check_batch_size(n)`: once the model and the
+   training DataLoader are known (`fit`, or the CLI's build).
+
+Every failure is a `SettingError` naming the setting, so the CLI can say `pipeline.<setting>`.
+No Lightning here: the CLI and the strategy are the only ones that map it onto Lightning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+from .errors import SettingError, check_choice, check_count
+from .planning.partition import PartitionSpec, partition_blocks
+from .planning.partitioners import PARTITIONERS
+from .profiler import Profile
+from .schedules import AUTO, REGISTRY, ScheduleSpec
+from .topology import Topology
+
+START_METHODS = ["popen", "spawn", "fork", "forkserver"]
+MULTI_CHUNK = tuple(name for name, kind in REGISTRY.items() if kind.chunks is not None)
+
+
+@dataclass
+class PipelineConfig:
+    """Settings of a pipeline-parallel run (see the fields' docstrings)."""
+
+    # ---- schedule ----------------------------------------------------------------------------
+    schedule: str = "1f1b"
+    """gpipe | 1f1b | interleaved | wave, or auto (the simulator's fastest within memory_limit)."""
+    chunks: int = 2
+    """interleaved: model chunks per rank (v)."""
+    waves: int = 1
+    """wave: Hanayo waves (W); each rank holds 2W chunks."""
+    microbatches: int = 4
+    """Micro-batches per optimizer step (m)."""
+    width: int = 1
+    """Pipeline replicas (data parallel); stages = devices x nodes / width."""
+
+    # ---- planning ----------------------------------------------------------------------------
+    partition: Any = "autopipe"
+    """A partitioner (autopipe, dp, parameters, exhaustive, uniform) or blocks per stage, e.g. [4, 6]."""
+    slicer: Any = False
+    """AutoPipe slicer: True (the simulator picks how many warm-up micro-batches to halve), False, or a count."""
+    memory_limit: Optional[float] = None
+    """schedule=auto: bytes per device a candidate may use (None: a GPU's memory; no limit on CPU)."""
+    profile: Optional[str] = None
+    """A saved profile.json to plan from instead of profiling on the ranks."""
+    bandwidth: Optional[float] = None
+    """Link model for planning, bytes/s (None: a default for the device type)."""
+    latency: Optional[float] = None
+    """Link model for planning, seconds per message (None: a default for the device type)."""
+    stages: Optional[int] = None
+    """The plan command only: stages to plan for (None: devices x nodes / width)."""
+
+    # ---- runtime -----------------------------------------------------------------------------
+    prefetch: bool = True
+    """Post receives before the compute that needs them (Hanayo §4.2)."""
+    trace: bool = False
+    """Record each action's real start and end; writes trace.json and trace_timeline.png."""
+    start_method: str = "popen"
+    """How Lightning starts the processes: popen (re-run the command), spawn, fork or forkserver."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.schedule, str) or (self.schedule.lower() not in REGISTRY and self.schedule.lower() != AUTO):
+            raise SettingError(f"schedule={self.schedule!r} is not a known schedule; allowed values: {sorted(REGISTRY) + [AUTO]}",
+                               "schedule")
+        self.schedule = self.schedule.lower()
+        for name in ("microbatches", "width", "chunks", "waves"):
+            check_count(name, getattr(self, name))
+        if self.stages is not None:
+            check_count("stages", self.stages)
+        self.partition = _partition(self.partition)
+        if not isinstance(self.slicer, (bool, int)) or (not isinstance(self.slicer, bool) and not 0 <= self.slicer <= self.microbatches):
+            raise SettingError(f"slicer={self.slicer!r}: True (the simulator chooses), False, or a count "
+                               f"0..microbatches={self.microbatches}", "slicer")
+        if self.slicer and self.schedule in MULTI_CHUNK:
+            raise SettingError(f"slicer={self.slicer!r} works with schedule='gpipe' or '1f1b', not {self.schedule!r}", "slicer")
+        if self.memory_limit is not None and (isinstance(self.memory_limit, bool) or not isinstance(self.memory_limit, (int, float))
+                                              or self.memory_limit <= 0):
+            raise SettingError(f"memory_limit={self.memory_limit!r}: bytes per device (> 0) for schedule='auto', "
+                               "or None (the device's memory)", "memory_limit")
+        if self.auto and not isinstance(self.partition, str):
+            raise SettingError(f"schedule='auto' plans its own partition for each candidate schedule: partition={self.partition!r} "
+                               f"must be a method name, one of {sorted(PARTITIONERS)}", "partition")
+        for name in ("bandwidth", "latency"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise SettingError(f"{name}={value!r}: a number >= 0, or None for the device type's default", name)
+        self.start_method = check_choice("start_method", self.start_method, START_METHODS)
+
+    # ---- what the settings mean ----------------------------------------------------------------
+    @property
+    def auto(self) -> bool:
+        return self.schedule == AUTO
+
+    @property
+    def schedule_spec(self) -> ScheduleSpec:
+        """The schedule to run; schedule="auto" runs 1F1B until the planner has chosen."""
+        return ScheduleSpec.from_settings("1f1b" if self.auto else self.schedule, {"chunks": self.chunks, "waves": self.waves})
+
+    @property
+    def planner(self) -> Optional[str]:
+        """The partitioner that needs a profile (None: a fixed partition or "uniform")."""
+        return self.partition if isinstance(self.partition, str) and self.partition != "uniform" else None
+
+    @property
+    def fixed_partition(self) -> PartitionSpec:
+        """What to cut with when nothing is planned: the listed sizes, else equal block counts."""
+        return self.partition if not isinstance(self.partition, str) else "uniform"
+
+    @property
+    def needs_profile(self) -> bool:
+        return self.auto or self.planner is not None or bool(self.slicer)
+
+    @property
+    def mode(self) -> str:
+        """The training mode that runs a step (lightning_pipe.modes): every schedule today is synchronous."""
+        return "sync"
+
+    def replace(self, **changes: Any) -> "PipelineConfig":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return PipelineConfig(**values)
+
+    # ---- checks once more is known -------------------------------------------------------------
+    def topology(self, world_size: int) -> Topology:
+        try:
+            return Topology(world_size, self.width)
+        except ValueError as err:
+            raise SettingError(str(err), "width") from None
+
+    def check_world(self, world_size: int) -> Topology:
+        """The devices are known: the width must divide them and the schedule must take the
+        micro-batch count on that depth (e.g. interleaved needs a multiple of the stages)."""
+        topology = self.topology(world_size)
+        self.schedule_spec.placement(topology.depth, self.microbatches)
+        return topology
+
+    def check_model(self, world_size: int, num_blocks: int) -> None:
+        """The model is known: every chunk needs a block, a listed partition must fit, a saved
+        profile must describe this model."""
+        topology = self.check_world(world_size)
+        spec = self.schedule_spec
+        spec.check(topology.depth, num_blocks)
+        try:
+            partition_blocks(self.fixed_partition, num_blocks, spec.chunk_count(topology.depth))
+        except ValueError as err:
+            raise SettingError(str(err), "partition") from None
+        if self.profile is not None:
+            try:
+                Profile.load(self.profile).check_blocks(num_blocks)
+            except ValueError as err:  # a missing file stays a FileNotFoundError
+                raise SettingError(str(err), "profile") from None
+
+    def check_batch_size(self, batch_size: Optional[int], what: str = "the training DataLoader's batch_size") -> None:
+        if isinstance(batch_size, int) and batch_size < self.microbatches:
+            raise SettingError(f"{what}={batch_size} is smaller than microbatches={self.microbatches}: "
+                               "use a batch size >= microbatches or fewer micro-batches", "microbatches")
+
+
+def _partition(value: Any) -> PartitionSpec:
+    if isinstance(value, str):
+        if value not in PARTITIONERS:
+            raise SettingError(f"partition={value!r} is not a known method; allowed: {sorted(PARTITIONERS)} or a list of blocks per stage",
+                               "partition")
+        return value
+    try:
+        sizes = list(value)
+    except TypeError:
+        raise SettingError(f"partition={value!r}: a method name ({sorted(PARTITIONERS)}) or a list of blocks per stage",
+                           "partition") from None
+    if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
+        raise SettingError(f"partition={sizes}: a list of blocks per stage must hold integers >= 1, one per stage", "partition")
+    return sizes
