@@ -2,29 +2,30 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from .config import PipelineConfig
+from .errors import SettingError
 from .lightning import AutoPipeStrategy
 from .planning import Plan, plan, transformer_costs
 from .profiler import Profile
-from .schedules import PipelineSchedule, ScheduleError, build_schedule, validate
+from .schedules import PipelineSchedule, ScheduleError, ScheduleSpec, build_schedule, validate
 from .simulator import CostModel, Timeline, simulate
 
 __version__ = "0.1.0"
 
-# Idempotent: this module may be imported twice (as a package and from __main__, or reloaded).
-StrategyRegistry.register(
-    "autopipe",
-    AutoPipeStrategy,
-    description="Pipeline parallelism (GPipe / 1F1B) planned and run by lightning-pipe",
-    override=True,
-)
+# "autopipe" and one name per schedule ("autopipe_wave", ...); idempotent (override=True): this
+# module may be imported twice (as a package and from __main__, or reloaded).
+AutoPipeStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "AutoPipeStrategy",
     "CostModel",
+    "PipelineConfig",
     "PipelineSchedule",
     "Plan",
     "Profile",
     "ScheduleError",
+    "ScheduleSpec",
+    "SettingError",
     "Timeline",
     "build_schedule",
     "plan",

@@ -9,13 +9,19 @@ knows about torch.distributed or Lightning.
 A `Timeline` holds every action's start and end and the figures planners ask for: iteration time,
 per-rank busy and idle time, bubble ratio, start-up overhead (until the last stage starts
 micro-batch 0), the critical path and AutoPipe's master stage, and peak stashed activations.
+
+This module is the one definition of the timing model. The planners' fast path,
+`planning/replay.py`, compiles a schedule once and replays it for many partitions, but takes its
+chunk costs (`chunk_costs`), input dependencies (`input_source`), critical path
+(`trace_critical_path`) and master-stage rule (`master_stage`) from here, so the two cannot drift
+apart; tests/test_one_simulator.py checks they agree on every schedule.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from .schedules.actions import Action, Op, PipelineSchedule
 
@@ -116,17 +122,185 @@ class Timeline:
         return [e for e in self.events if e.action.op.is_compute and (rank is None or e.rank == rank)]
 
 
-def chunk_costs(costs: CostModel, bounds: Sequence[tuple[int, int]]) -> tuple[list[float], list[float], list[float]]:
-    """Forward / backward time and boundary communication time of each chunk (block range)."""
-    if bounds[-1][1] != costs.num_blocks or bounds[0][0] != 0:
-        raise ValueError(f"the partition covers blocks {bounds[0][0]}..{bounds[-1][1] - 1} but the costs have {costs.num_blocks} blocks")
-    for (a, b), (c, _) in zip(bounds, list(bounds[1:]) + [(costs.num_blocks, None)]):
-        if not a < b or b != c:
+def chunk_costs(costs: CostModel, bounds: Sequence[tuple[int, int]],
+                ranks: Optional[Sequence[int]] = None) -> tuple[list[float], list[float], list[float]]:
+    """Forward / backward time and boundary communication time of each chunk (block range).
+
+    ``comm[c]`` is a message across the boundary after chunk c, either way: chunk c's activation
+    going up, or the gradient of that same tensor coming back. With ``ranks`` (the rank holding
+    each chunk, ``schedule.chunk_rank``) the compute times include that rank's slowdown.
+    `simulate` and the planners' `Replay` both take their costs from here, so they add the same
+    floats in the same order."""
+    n = costs.num_blocks
+    if bounds[-1][1] != n or bounds[0][0] != 0:
+        raise ValueError(f"the partition covers blocks {bounds[0][0]}..{bounds[-1][1] - 1} but the costs have {n} blocks")
+    # one pass, checks and sums together: the planners call this for every partition they try
+    forward, backward = costs.forward, costs.backward
+    f, b_, comm = [], [], []
+    edge = 0
+    for a, b in bounds:
+        if a != edge or not a < b:
             raise ValueError(f"the partition {list(map(tuple, bounds))} must be contiguous, non-empty block ranges")
-    f = [sum(costs.forward[a:b]) for a, b in bounds]
-    b_ = [sum(costs.backward[a:b]) for a, b in bounds]
-    comm = [costs.comm_time(b - 1) for a, b in bounds]
+        f.append(sum(forward[a:b]))
+        b_.append(sum(backward[a:b]))
+        comm.append(costs.comm_time(b - 1))
+        edge = b
+    if ranks is not None and costs.slowdown:  # without slowdowns every factor is 1.0: x * 1.0 == x
+        factors = [costs.factor(r) for r in ranks]
+        f = [t * s for t, s in zip(f, factors)]
+        b_ = [t * s for t, s in zip(b_, factors)]
     return f, b_, comm
+
+
+# ---- what a compute waits for, and the critical path: one definition for `simulate` and `Replay` ----
+#
+# `planning/replay.py` compiles a schedule once and replays it for many partitions; it does not
+# re-implement these rules but calls them, over the same representation: the computes as indices
+# 0..n-1 with parallel lists: rank, forward?, start, end, when the rank was free for it, when its
+# input was ready, the compute that produced the input and the rank's compute before (None: none).
+
+
+def message_of(a: Action) -> tuple[str, int, int]:
+    """The key of the message a send carries: ("act" | "grad", sending chunk, micro-batch)."""
+    return ("act" if a.op is Op.SEND_ACT else "grad", a.chunk, a.microbatch)
+
+
+def produced_by(message: tuple[str, int, int]) -> tuple[Op, int, int]:
+    """The compute whose output a message carries, as (op, chunk, micro-batch)."""
+    kind, c, mb = message
+    return (Op.FORWARD if kind == "act" else Op.BACKWARD, c, mb)
+
+
+def input_source(schedule: PipelineSchedule, a: Action, r: int) -> Optional[tuple[bool, tuple]]:
+    """Where compute `a` on rank `r` takes its input from: None when it is there from the start
+    (the first chunk's forward, the last chunk's backward); (True, (op, chunk, mb)) for a hand-over
+    from the adjacent chunk on the same rank (no message); (False, message) otherwise."""
+    c, mb = a.chunk, a.microbatch
+    if a.op is Op.FORWARD:
+        if c == 0:
+            return None
+        return (True, (Op.FORWARD, c - 1, mb)) if schedule.chunk_rank[c - 1] == r else (False, ("act", c - 1, mb))
+    if c == schedule.num_chunks - 1:
+        return None
+    return (True, (Op.BACKWARD, c + 1, mb)) if schedule.chunk_rank[c + 1] == r else (False, ("grad", c + 1, mb))
+
+
+def trace_critical_path(end: Sequence[float], rank: Sequence[int], free: Sequence[float], ready: Sequence[float],
+                        producer: Sequence[Optional[int]], previous: Sequence[Optional[int]]) -> list[int]:
+    """The critical path as compute indices, first to last: from the compute that ends last (ties:
+    the later rank, then the lowest index) back through what each one waited for last, which is
+    the producer of its input when that set the start (its input was ready no earlier than its rank
+    was free; on a tie the remote one: the path toward later stages), else the rank's previous
+    compute. Applied here, along the path only, so the loops just record `free` and `ready`."""
+    if not end:
+        return []
+    latest = max(end)
+    first = end.index(latest)
+    tied = [k for k in range(first, len(end)) if end[k] == latest]
+    top = max(rank[k] for k in tied)
+    k: Optional[int] = next(k for k in tied if rank[k] == top)
+    path = []
+    while k is not None:
+        path.append(k)
+        k = producer[k] if producer[k] is not None and ready[k] >= free[k] else previous[k]
+    return path[::-1]
+
+
+def master_stage(path: Sequence[int], rank: Sequence[int], forward: Sequence[bool], start: Sequence[float],
+                 end: Sequence[float]) -> Optional[int]:
+    """AutoPipe's master stage: the stage the critical path runs along in the 1F1B phase, i.e. where
+    it takes a backward and a forward back to back on one rank most often; nearest the last stage on
+    ties. With no such turn (GPipe-like paths, forward only), the rank of the longest compute on
+    the path (ties: the later rank, then the earlier compute)."""
+    counts: dict[int, int] = {}
+    for i, j in zip(path, path[1:]):
+        if rank[i] == rank[j] and forward[i] != forward[j]:
+            counts[rank[i]] = counts.get(rank[i], 0) + 1
+    if not counts:
+        return rank[max(path, key=lambda i: (end[i] - start[i], rank[i]))] if path else None
+    best = max(counts.values())
+    return max(r for r, n in counts.items() if n == best)
+
+
+class _Run:
+    """The state `simulate`'s two loops (own devices, shared cores) share, and the steps they take
+    alike: a compute's work, a send, a compute's completion, and the finished `Timeline`. They
+    differ only in when a compute ends."""
+
+    def __init__(self, schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tuple[int, int]],
+                 scale: Optional[Sequence[float]]):
+        self.schedule, self.costs, self.bounds, self.scale = schedule, costs, bounds, scale
+        self.fwd, self.bwd, self.comm = chunk_costs(costs, bounds, schedule.chunk_rank)
+        ranks = schedule.num_ranks
+        self.arrival: dict[tuple, tuple[float, Optional[int]]] = {}  # message -> (arrival time, producing compute)
+        self.done: dict[tuple, int] = {}  # (op, chunk, mb) -> compute index
+        self.computes: list[Event] = []
+        # per compute, for the critical path: when its rank was free, when its input was there, the
+        # compute that produced the input and the rank's compute before (None: none)
+        self.free: list[float] = []
+        self.ready: list[float] = []
+        self.producer: list[Optional[int]] = []
+        self.previous: list[Optional[int]] = []
+        self.events: list[Event] = []  # computes, and sends as [issued, arrived] intervals
+        self.clock = [0.0] * ranks  # when the rank became free
+        self.last: list[Optional[int]] = [None] * ranks
+        self.busy = [0.0] * ranks
+        self.pointer = [0] * ranks
+        self.remaining = sum(len(a) for a in schedule.actions)
+
+    def input(self, a: Action, r: int) -> Optional[tuple[float, Optional[int]]]:
+        """(when compute `a`'s input is there, the compute that produced it), or None while its
+        message is not sent yet (or its local producer has not run)."""
+        source = input_source(self.schedule, a, r)
+        if source is None:
+            return 0.0, None
+        local, key = source
+        if not local:
+            return self.arrival.get(key)
+        k = self.done.get(key)
+        return None if k is None else (self.computes[k].end, k)
+
+    def work(self, a: Action) -> float:
+        """Seconds of profiled compute (slowdown included, scaled by the micro-batch's size)."""
+        t = self.fwd[a.chunk] if a.op is Op.FORWARD else self.bwd[a.chunk]
+        return t * self.scale[a.microbatch] if self.scale is not None else t
+
+    def send(self, r: int, a: Action) -> None:
+        """Issued at the rank's clock; arrives a transfer later (the latency does not scale)."""
+        t = self.comm[a.chunk] if a.op is Op.SEND_ACT else self.comm[a.chunk - 1]
+        if self.scale is not None and self.costs.activation_bytes:
+            t = self.costs.latency + (t - self.costs.latency) * self.scale[a.microbatch]
+        message = message_of(a)
+        self.arrival[message] = (self.clock[r] + t, self.done[produced_by(message)])
+        self.events.append(Event(r, a, self.clock[r], self.clock[r] + t))
+
+    def complete(self, r: int, a: Action, start: float, end: float, spent: float, producer: Optional[int], ready: float) -> None:
+        k = len(self.computes)
+        event = Event(r, a, start, end)
+        self.free.append(self.clock[r])
+        self.ready.append(ready)
+        self.producer.append(producer)
+        self.previous.append(self.last[r])
+        self.clock[r] = end
+        self.busy[r] += spent
+        self.last[r] = k
+        self.done[(a.op, a.chunk, a.microbatch)] = k
+        self.computes.append(event)
+        self.events.append(event)
+
+    def timeline(self, critical_path: bool) -> Timeline:
+        schedule, computes = self.schedule, self.computes
+        first = self.done.get((Op.FORWARD, schedule.num_chunks - 1, 0))  # start-up: the last stage starts micro-batch 0
+        startup = computes[first].start if first is not None else 0.0
+        timeline = Timeline(schedule, self.events, max(self.clock) if self.clock else 0.0, self.busy, startup)
+        _memory(timeline, self.costs, self.bounds)
+        if critical_path and self.events:
+            rank = [e.rank for e in computes]
+            start, end = [e.start for e in computes], [e.end for e in computes]
+            path = trace_critical_path(end, rank, self.free, self.ready, self.producer, self.previous)
+            timeline.critical_path = [computes[k] for k in path]
+            timeline.master_stage = master_stage(path, rank, [e.action.op is Op.FORWARD for e in computes], start, end)
+        return timeline
 
 
 def simulate(schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tuple[int, int]], critical_path: bool = True,
@@ -139,88 +313,34 @@ def simulate(schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tupl
         raise ValueError(f"{len(bounds)} block ranges for a schedule of {schedule.num_chunks} chunks")
     if scale is not None and len(scale) != schedule.num_microbatches:
         raise ValueError(f"scale has {len(scale)} entries for {schedule.num_microbatches} micro-batches")
-    fwd, bwd, comm = chunk_costs(costs, bounds)
+    run = _Run(schedule, costs, bounds, scale)
     if costs.shares_cores(schedule.num_ranks):
-        return _simulate_shared(schedule, costs, bounds, critical_path, scale, fwd, bwd, comm)
-    ranks = schedule.num_ranks
-    arrival: dict[tuple, tuple[float, Optional[Event]]] = {}  # message -> (arrival time, producing compute)
-    done: dict[tuple, Event] = {}  # (op, chunk, mb) -> compute event
-    clock = [0.0] * ranks
-    last: list[Optional[Event]] = [None] * ranks
-    pointer = [0] * ranks
-    events: list[Event] = []
-    cause: dict[Event, Optional[Event]] = {}  # what a compute waited for last (critical path)
-    busy = [0.0] * ranks
-    remaining = sum(len(a) for a in schedule.actions)
-    while remaining:
+        return _simulate_shared(run, critical_path)
+    clock, pointer = run.clock, run.pointer
+    while run.remaining:
         progressed = False
-        for r in range(ranks):
-            actions = schedule.actions[r]
+        for r, actions in enumerate(schedule.actions):
             while pointer[r] < len(actions):
                 a = actions[pointer[r]]
-                c, mb = a.chunk, a.microbatch
                 if a.op is Op.FORWARD or a.op is Op.BACKWARD:
-                    inputs = _input(schedule, a, r, done, arrival)
+                    inputs = run.input(a, r)
                     if inputs is None:
                         break  # the message is not sent yet: another rank must advance first
                     ready, producer = inputs
                     start = max(clock[r], ready)
-                    duration = (fwd[c] if a.op is Op.FORWARD else bwd[c]) * costs.factor(r) * (scale[mb] if scale is not None else 1.0)
-                    event = Event(r, a, start, start + duration)
-                    # the constraint that set the start; on a tie the remote one (the path toward later stages)
-                    cause[event] = producer if (producer is not None and ready >= clock[r]) else last[r]
-                    clock[r] = event.end
-                    busy[r] += duration
-                    last[r] = event
-                    done[(a.op, c, mb)] = event
-                    events.append(event)
-                elif a.op is Op.SEND_ACT or a.op is Op.SEND_GRAD:
-                    producer = done[(Op.FORWARD if a.op is Op.SEND_ACT else Op.BACKWARD, c, mb)]
-                    block = bounds[c][1] - 1 if a.op is Op.SEND_ACT else bounds[c][0] - 1
-                    t = comm[c] if a.op is Op.SEND_ACT else costs.comm_time(block)
-                    if scale is not None and costs.activation_bytes:  # latency stays, transfer scales
-                        t = costs.latency + (t - costs.latency) * scale[mb]
-                    key = ("act", c, mb) if a.op is Op.SEND_ACT else ("grad", c, mb)
-                    arrival[key] = (clock[r] + t, producer)
-                    events.append(Event(r, a, clock[r], clock[r] + t))
+                    duration = run.work(a)
+                    run.complete(r, a, start, start + duration, duration, producer, ready)
+                elif a.op.is_send:
+                    run.send(r, a)
                 pointer[r] += 1
-                remaining -= 1
+                run.remaining -= 1
                 progressed = True
         if not progressed:
             raise ValueError("the schedule cannot finish (validate it first: a rank waits for a message never sent)")
-    return _finish(schedule, costs, bounds, critical_path, events, clock, busy, done, cause)
+    return run.timeline(critical_path)
 
 
-def _input(schedule: PipelineSchedule, a: Any, r: int, done: dict, arrival: dict) -> Optional[tuple[float, Optional["Event"]]]:
-    """(when the input of compute `a` on rank `r` is there, the event that produced it), or None
-    while its message is not sent yet. Adjacent chunks on one rank hand over locally."""
-    c, mb = a.chunk, a.microbatch
-    if a.op is Op.FORWARD:
-        need = ("act", c - 1, mb) if c > 0 else None
-        local = done.get((Op.FORWARD, c - 1, mb)) if c > 0 and schedule.chunk_rank[c - 1] == r else None
-    else:
-        need = ("grad", c + 1, mb) if c < schedule.num_chunks - 1 else None
-        local = done.get((Op.BACKWARD, c + 1, mb)) if need and schedule.chunk_rank[c + 1] == r else None
-    if local is not None:
-        return local.end, local
-    if need is None:
-        return 0.0, None
-    return arrival.get(need)
-
-
-def _finish(schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tuple[int, int]], critical_path: bool,
-            events: list[Event], clock: list[float], busy: list[float], done: dict, cause: dict) -> Timeline:
-    iteration = max(clock) if clock else 0.0
-    timeline = Timeline(schedule, events, iteration, busy, _startup(schedule, done))
-    _memory(timeline, costs, bounds)
-    if critical_path and events:
-        timeline.critical_path = _critical_path(events, cause)
-        timeline.master_stage = _master_stage(timeline.critical_path, schedule)
-    return timeline
-
-
-def _simulate_shared(schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tuple[int, int]], critical_path: bool,
-                     scale: Optional[Sequence[float]], fwd: list[float], bwd: list[float], comm: list[float]) -> Timeline:
+def _simulate_shared(run: _Run, critical_path: bool) -> Timeline:
     """`simulate` when the ranks share `costs.cores` processors: event by event in time order.
 
     While k ranks compute, each progresses at speed min(1, cores / k). All running computes share
@@ -228,20 +348,12 @@ def _simulate_shared(schedule: PipelineSchedule, costs: CostModel, bounds: Seque
     each running compute): a compute started at V0 with work w ends when V reaches V0 + w. Equal
     finishing points are then equal floats, and simultaneous ends stay simultaneous. A rank's
     `busy` is its wall time in computes, the slow-down from sharing included."""
-    ranks, cores = schedule.num_ranks, costs.cores
-    arrival: dict[tuple, tuple[float, Optional[Event]]] = {}
-    done: dict[tuple, Event] = {}
-    clock = [0.0] * ranks  # when the rank became free
-    last: list[Optional[Event]] = [None] * ranks
-    pointer = [0] * ranks
-    events: list[Event] = []
-    cause: dict[Event, Optional[Event]] = {}
-    busy = [0.0] * ranks
-    running: dict[int, tuple[float, float, Action, Optional[Event], float]] = {}  # rank -> (V at end, start, action, producer, ready)
-    starts: dict[int, tuple[float, Action, Optional[Event], float, float]] = {}  # rank -> (start, action, producer, ready, work): input in flight
+    schedule, cores = run.schedule, run.costs.cores
+    ranks, clock, pointer = schedule.num_ranks, run.clock, run.pointer
+    running: dict[int, tuple[float, float, Action, Optional[int], float]] = {}  # rank -> (V at end, start, action, producer, ready)
+    starts: dict[int, tuple[float, Action, Optional[int], float, float]] = {}  # rank -> (start, action, producer, ready, work): input in flight
     now = virtual = 0.0
-    remaining = sum(len(a) for a in schedule.actions)
-    while remaining or running:
+    while run.remaining or running:
         # at `now`: let every free rank issue its sends and start what it can, until nothing moves
         progressed = True
         while progressed:
@@ -255,43 +367,35 @@ def _simulate_shared(schedule: PipelineSchedule, costs: CostModel, bounds: Seque
                         continue
                     del starts[r]
                     running[r] = (virtual + work, start, a, producer, ready)
-                    remaining -= 1
+                    run.remaining -= 1
                     progressed = True
                     continue
                 actions = schedule.actions[r]
                 while pointer[r] < len(actions):
                     a = actions[pointer[r]]
-                    c, mb = a.chunk, a.microbatch
                     if a.op is Op.FORWARD or a.op is Op.BACKWARD:
-                        inputs = _input(schedule, a, r, done, arrival)
+                        inputs = run.input(a, r)
                         if inputs is None:
                             break  # not sent yet
                         ready, producer = inputs
-                        work = (fwd[c] if a.op is Op.FORWARD else bwd[c]) * costs.factor(r) * (scale[mb] if scale is not None else 1.0)
+                        work = run.work(a)
                         pointer[r] += 1
                         start = max(clock[r], ready)
                         if start > now:  # the input is in flight: the rank starts when it lands
                             starts[r] = (start, a, producer, ready, work)
                         else:
                             running[r] = (virtual + work, now, a, producer, ready)
-                            remaining -= 1
+                            run.remaining -= 1
                         progressed = True
                         break
-                    if a.op is Op.SEND_ACT or a.op is Op.SEND_GRAD:
-                        producer = done[(Op.FORWARD if a.op is Op.SEND_ACT else Op.BACKWARD, c, mb)]
-                        block = bounds[c][1] - 1 if a.op is Op.SEND_ACT else bounds[c][0] - 1
-                        t = comm[c] if a.op is Op.SEND_ACT else costs.comm_time(block)
-                        if scale is not None and costs.activation_bytes:
-                            t = costs.latency + (t - costs.latency) * scale[mb]
-                        key = ("act", c, mb) if a.op is Op.SEND_ACT else ("grad", c, mb)
-                        arrival[key] = (clock[r] + t, producer)
-                        events.append(Event(r, a, clock[r], clock[r] + t))
+                    if a.op.is_send:
+                        run.send(r, a)
                     pointer[r] += 1
-                    remaining -= 1
+                    run.remaining -= 1
                     progressed = True
         if not running:
             if not starts:
-                if remaining:
+                if run.remaining:
                     raise ValueError("the schedule cannot finish (validate it first: a rank waits for a message never sent)")
                 break
             now = min(s[0] for s in starts.values())  # idle until the next input lands
@@ -306,45 +410,10 @@ def _simulate_shared(schedule: PipelineSchedule, costs: CostModel, bounds: Seque
             now = t_start
             continue
         now, virtual = t_end, first_end
-        for r in [r for r, run in running.items() if run[0] == first_end]:
+        for r in [r for r, run_ in running.items() if run_[0] == first_end]:
             _, start, a, producer, ready = running.pop(r)
-            event = Event(r, a, start, now)
-            cause[event] = producer if (producer is not None and ready >= clock[r]) else last[r]
-            clock[r] = now
-            busy[r] += now - start
-            last[r] = event
-            done[(a.op, a.chunk, a.microbatch)] = event
-            events.append(event)
-    return _finish(schedule, costs, bounds, critical_path, events, clock, busy, done, cause)
-
-
-def _startup(schedule: PipelineSchedule, done: dict) -> float:
-    last = schedule.num_chunks - 1
-    first = done.get((Op.FORWARD, last, 0))
-    return first.start if first is not None else 0.0
-
-
-def _critical_path(events: list[Event], cause: dict) -> list[Event]:
-    end = max((e for e in events if e.action.op.is_compute), key=lambda e: (e.end, e.rank))
-    path = [end]
-    while cause.get(path[-1]) is not None:
-        path.append(cause[path[-1]])
-    return path[::-1]
-
-
-def _master_stage(path: list[Event], schedule: PipelineSchedule) -> Optional[int]:
-    """AutoPipe's master stage: the stage the critical path runs along in the 1F1B phase, i.e. where
-    it takes a backward and then a forward back to back on one rank; nearest the last stage on ties."""
-    counts: dict[int, int] = {}
-    for prev, nxt in zip(path, path[1:]):
-        if prev.rank == nxt.rank and prev.action.op is Op.BACKWARD and nxt.action.op is Op.FORWARD:
-            counts[prev.rank] = counts.get(prev.rank, 0) + 1
-        elif prev.rank == nxt.rank and prev.action.op is Op.FORWARD and nxt.action.op is Op.BACKWARD:
-            counts[prev.rank] = counts.get(prev.rank, 0) + 1
-    if not counts:
-        return max(path, key=lambda e: (e.end - e.start, e.rank)).rank if path else None
-    best = max(counts.values())
-    return max(r for r, n in counts.items() if n == best)
+            run.complete(r, a, start, now, now - start, producer, ready)
+    return run.timeline(critical_path)
 
 
 def _memory(t: Timeline, costs: CostModel, bounds: Sequence[tuple[int, int]]) -> None:

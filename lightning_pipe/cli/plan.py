@@ -16,49 +16,53 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from ..errors import SettingError
 from ..planning import plan, transformer_costs
 from ..planning.auto import choose_schedule
 from ..planning.replay import cached_schedule
 from ..planning.slicer import choose_slicing, fixed_slicing, simulate_sliced
+from ..schedules import ScheduleSpec
 from ..simulator import simulate
 from ..profiler import Profile
 from ..viz import gantt
 from .paths import CONFIG_DIR
+from .train import named, pipeline_config
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    pipe = cfg.pipeline
-    world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
-    stages = int(pipe.stages) if pipe.stages else world // int(pipe.width)
-    method = pipe.partition if isinstance(pipe.partition, str) else None
-    microbatch = max(1, int(cfg.data.batch_size) // int(pipe.microbatches))
     try:
+        config = pipeline_config(cfg)
+        world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
+        stages = config.stages or config.topology(world).depth
+        method = config.partition if isinstance(config.partition, str) else None
+        microbatch = max(1, int(cfg.data.batch_size) // config.microbatches)
         if method is None:
-            raise ValueError(f"pipeline.partition={list(pipe.partition)}: the plan command needs a method name (autopipe, dp, ...)")
+            raise SettingError(f"partition={config.partition}: the plan command needs a method name (autopipe, dp, ...)", "partition")
         if cfg.plan.profile:
-            costs, kinds = Profile.load(cfg.plan.profile).costs(pipe.bandwidth or 25e9, pipe.latency or 20e-6), None
+            costs, kinds = Profile.load(cfg.plan.profile).costs(config.bandwidth or 25e9, config.latency or 20e-6), None
             source = f"profile {cfg.plan.profile}"
         else:
-            extra = {k: v for k, v in (("bandwidth", pipe.bandwidth), ("latency", pipe.latency)) if v is not None}
+            extra = {k: v for k, v in (("bandwidth", config.bandwidth), ("latency", config.latency)) if v is not None}
             costs, kinds = transformer_costs(cfg.model.model.name, microbatch, int(cfg.data.seq_len),
                                              device_flops=float(cfg.plan.device_flops), **extra)
             source = f"FLOPs of {cfg.model.model.name}, micro-batch {microbatch} x {cfg.data.seq_len} tokens"
-        m, schedule = int(pipe.microbatches), str(pipe.schedule).lower()
-        options = {"interleaved": {"chunks": int(pipe.chunks)}, "wave": {"waves": int(pipe.waves)}}.get(schedule, {})
+        m = config.microbatches
         choice = None
-        if schedule == "auto":
-            choice = choose_schedule(costs, stages, m, method=method, kinds=kinds, memory_limit=pipe.get("memory_limit"), slicer=pipe.slicer)
-            result, schedule, options = choice.plan, choice.chosen.schedule, choice.chosen.schedule_options
-            slicing = fixed_slicing(costs, result.bounds, m, choice.chosen.sliced, schedule) if choice.chosen.sliced else None
+        if config.auto:
+            choice = choose_schedule(costs, stages, m, method=method, kinds=kinds, memory_limit=config.memory_limit, slicer=config.slicer)
+            result, spec = choice.plan, ScheduleSpec.of(choice.chosen.schedule, **choice.chosen.schedule_options)
+            slicing = fixed_slicing(costs, result.bounds, m, choice.chosen.sliced, spec.name) if choice.chosen.sliced else None
         else:
-            result = plan(costs, stages, m, method=method, schedule=schedule, kinds=kinds, options=options)
-            if pipe.slicer and options:
-                raise ValueError(f"pipeline.slicer=true works with pipeline.schedule=gpipe or 1f1b, not {schedule!r}")
-            slicing = choose_slicing(costs, result.bounds, m, schedule) if pipe.slicer else None
+            spec = config.schedule_spec
+            result = plan(costs, stages, m, method=method, schedule=spec.name, kinds=kinds, options=spec.kwargs)
+            slicing = choose_slicing(costs, result.bounds, m, spec.name) if config.slicer else None
     except (ValueError, FileNotFoundError) as err:
+        if isinstance(err, SettingError) and err.setting:
+            err = named(err)
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    schedule, options = spec.name, spec.kwargs
     out = Path(HydraConfig.get().runtime.output_dir)
     summary = {"costs": source, "plan": result.to_dict()}
     if choice is not None:

@@ -23,16 +23,11 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from ..config import PipelineConfig
+from ..errors import SettingError
 from ..lightning import AutoPipeStrategy
 from ..lightning.stage import PipelineSetupError, find_pipeline
-from ..planning.partition import partition_blocks
-from ..schedules import build_schedule, check_chunks
-from ..topology import Topology
 from .paths import CONFIG_DIR
-
-
-class SettingError(ValueError):
-    pass
 
 
 def _instantiate_all(group: Optional[DictConfig]) -> list[Any]:
@@ -60,48 +55,48 @@ def _start_method(pipeline: DictConfig) -> str:
     return "popen"
 
 
+def pipeline_config(cfg: DictConfig) -> PipelineConfig:
+    """The checked `PipelineConfig` of `cfg.pipeline` (its `_target_`), start_method resolved."""
+    node = OmegaConf.to_container(cfg.pipeline, resolve=True)
+    node["start_method"] = _start_method(cfg.pipeline)
+    try:
+        return instantiate(node)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, SettingError):
+            raise err.__cause__ from None
+        raise
+
+
+def named(err: SettingError, *also: str) -> SettingError:
+    """The error with the Hydra keys to change, e.g. `(pipeline.waves, trainer.devices)`."""
+    keys = [f"pipeline.{err.setting}"] if err.setting else []
+    return SettingError(f"{err} ({', '.join(keys + list(also))})", err.setting)
+
+
 def build(cfg: DictConfig) -> tuple[L.LightningModule, L.LightningDataModule, L.Trainer]:
     """Model, data and trainer from a composed config; raises on any bad setting before work starts."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
+    try:
+        config = pipeline_config(cfg)
+    except SettingError as err:
+        raise named(err) from None
     module = instantiate(cfg.model)
     max_seq_len = getattr(getattr(module, "config", None), "max_seq_len", None)
     datamodule = instantiate(cfg.data, max_seq_len=max_seq_len) if max_seq_len else instantiate(cfg.data)
     datamodule.setup("fit")  # reads the corpus now: a missing or empty one is an error before any process starts
-    pipe = cfg.pipeline
-    partition = pipe.partition if isinstance(pipe.partition, str) else list(pipe.partition)
-    strategy = AutoPipeStrategy(
-        schedule=pipe.schedule, microbatches=pipe.microbatches, partition=partition, width=pipe.width,
-        chunks=pipe.chunks, waves=pipe.waves, prefetch=pipe.prefetch, slicer=pipe.slicer, trace=pipe.trace, profile=pipe.profile,
-        bandwidth=pipe.bandwidth, latency=pipe.latency, memory_limit=pipe.get("memory_limit"), start_method=_start_method(pipe),
-    )
     world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
-    try:
-        topology = Topology(world, pipe.width)
-    except ValueError as err:
-        raise SettingError(f"trainer.devices x trainer.num_nodes = {world} does not fit pipeline.width: {err}") from None
     _, blocks = find_pipeline(module)
-    if strategy.schedule_options:
-        try:
-            check_chunks(strategy.schedule_name, topology.depth, len(blocks), **strategy.schedule_options)
-        except ValueError as err:
-            raise SettingError(f"{err} (pipeline.{'waves' if strategy.schedule_name == 'wave' else 'chunks'}, trainer.devices)") from None
     try:
-        partition_blocks(partition if not isinstance(partition, str) else "uniform", len(blocks), len(strategy_chunks(strategy, world)))
-    except ValueError as err:
-        raise SettingError(f"{err} (pipeline.partition, trainer.devices)") from None
-    if cfg.data.batch_size < pipe.microbatches:
-        raise SettingError(f"data.batch_size={cfg.data.batch_size} is smaller than pipeline.microbatches={pipe.microbatches}")
+        config.check_model(world, len(blocks))
+        config.check_batch_size(cfg.data.batch_size, "data.batch_size")
+    except SettingError as err:
+        raise named(err, f"trainer.devices x trainer.num_nodes = {world}") from None
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer = L.Trainer(
-        strategy=strategy, callbacks=_instantiate_all(cfg.get("callbacks")),
+        strategy=AutoPipeStrategy.from_config(config), callbacks=_instantiate_all(cfg.get("callbacks")),
         logger=_instantiate_all(cfg.get("logger")) or False, **trainer_kwargs,
     )
     return module, datamodule, trainer
-
-
-def strategy_chunks(strategy: AutoPipeStrategy, world: int) -> tuple:
-    """The chunk placement the strategy will use on `world` processes (checked before any spawn)."""
-    return build_schedule(strategy.schedule_name, world // strategy.width, strategy.microbatches, **strategy.schedule_options).chunk_rank
 
 
 def _fail(message: str, run_dir: Optional[Path], created: bool) -> None:

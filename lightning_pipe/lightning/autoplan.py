@@ -32,7 +32,7 @@ from ..planning.partition import partition_blocks
 from ..planning.replay import cached_schedule
 from ..planning.slicer import SlicePlan, choose_slicing, fixed_slicing, simulate_sliced
 from ..profiler import Profile, profile_blocks
-from ..schedules import chunk_count
+from ..schedules import ScheduleSpec
 from ..simulator import simulate
 from ..viz import chrome_trace, gantt, traced_timeline
 from .stage import _Handoff
@@ -132,8 +132,7 @@ class PlanResult:
     bounds: tuple[tuple[int, int], ...]
     plan: Optional[Plan]
     sliced: int
-    schedule: str  # the schedule to run (schedule="auto": the one chosen)
-    options: dict[str, int]
+    spec: ScheduleSpec  # the schedule to run (schedule="auto": the one chosen)
     choice: Optional[ScheduleChoice] = None
 
 
@@ -141,9 +140,10 @@ class AutoPlanner:
     """Profile -> (choose a schedule) -> plan -> (slice) for the strategy; also keeps and writes
     traces of real steps."""
 
-    def __init__(self, method: Optional[str], slicer: bool | int, profile: Optional[str], bandwidth: Optional[float], latency: Optional[float]):
-        self.method = method if method != "uniform" else None  # "uniform" needs no profile
-        self.slicer, self.profile_path, self.bandwidth, self.latency = slicer, profile, bandwidth, latency
+    def __init__(self, config: Any):
+        self.config = config
+        self.method = config.planner  # None: "uniform" or listed sizes, which need no profile
+        self.slicer, self.profile_path, self.bandwidth, self.latency = config.slicer, config.profile, config.bandwidth, config.latency
         self._trace: Optional[tuple[Any, list]] = None
         self.out_dir: Optional[Path] = None
 
@@ -152,21 +152,16 @@ class AutoPlanner:
         trainer = strategy.lightning_module.trainer
         self.out_dir = Path(trainer.log_dir or trainer.default_root_dir)
 
-    @property
-    def needs_profile(self) -> bool:
-        return self.method is not None or bool(self.slicer)
-
-    def run(self, strategy: Any, module: Any, pipeline: nn.Sequential) -> PlanResult:
+    def run(self, strategy: Any, module: Any, pipeline: nn.Sequential, spec: ScheduleSpec) -> PlanResult:
         topo, rank = strategy.topology, strategy.global_rank
-        depth, m = topo.depth, strategy.microbatches
-        schedule, options = strategy.schedule_name, dict(strategy.schedule_options)
-        fallback = strategy.partition if not isinstance(strategy.partition, str) else "uniform"
+        depth, m = topo.depth, self.config.microbatches
+        schedule, options = spec.name, spec.kwargs
+        fallback = self.config.fixed_partition
         sample, mbs = sample_microbatch(module.trainer, m)
         if sample is None and self.profile_path is None:
             if rank == 0:
                 log.warning(f"no map-style dataset to profile with: running {schedule} on a uniform partition, no slicing")
-            return PlanResult(partition_blocks(fallback, len(pipeline), chunk_count(schedule, depth, **options)).bounds,
-                              None, 0, schedule, options)
+            return PlanResult(partition_blocks(fallback, len(pipeline), spec.chunk_count(depth)).bounds, None, 0, spec)
         start = time.perf_counter()
         if self.profile_path is not None:
             profile = Profile.load(self.profile_path)
@@ -182,7 +177,7 @@ class AutoPlanner:
         choice: Optional[ScheduleChoice] = None
         result: Optional[Plan] = None
         slicing: Optional[SlicePlan] = None
-        if strategy.auto:
+        if self.config.auto:
             choice = choose_schedule(costs, depth, m, method=method, kinds=kinds_for,
                                      memory_limit=strategy.memory_limit_bytes, slicer=self.slicer)
             result, schedule, options = choice.plan, choice.chosen.schedule, dict(choice.chosen.options)
@@ -194,7 +189,7 @@ class AutoPlanner:
                 result = plan(costs, depth, m, method=self.method, schedule=schedule, kinds=kinds, options=options)
                 bounds = result.bounds
             else:
-                bounds = partition_blocks(fallback, len(pipeline), chunk_count(schedule, depth, **options)).bounds
+                bounds = partition_blocks(fallback, len(pipeline), spec.chunk_count(depth)).bounds
             if self.slicer is True:
                 slicing = choose_slicing(costs, bounds, m, schedule)
             elif self.slicer:  # a fixed count
@@ -205,7 +200,7 @@ class AutoPlanner:
         bounds, sliced, schedule, options = box[0]
         if rank == 0:
             self._report(strategy, profile, costs, bounds, result, slicing, choice, schedule, options, time.perf_counter() - start)
-        return PlanResult(bounds, result, sliced, schedule, options, choice)
+        return PlanResult(bounds, result, sliced, ScheduleSpec.of(schedule, **options), choice)
 
     def _report(self, strategy: Any, profile: Profile, costs: Any, bounds: Any, result: Optional[Plan],
                 slicing: Optional[SlicePlan], choice: Optional[ScheduleChoice], schedule: str, options: dict,
@@ -220,7 +215,7 @@ class AutoPlanner:
             summary["slicer"] = {"sliced": slicing.sliced, "startup": slicing.startup, "baseline_startup": slicing.baseline_startup,
                                  "iteration_time": slicing.iteration_time, "baseline_iteration_time": slicing.baseline_iteration_time}
         (out / "plan.json").write_text(json.dumps(summary, indent=1))
-        depth, m = strategy.topology.depth, strategy.microbatches
+        depth, m = strategy.topology.depth, self.config.microbatches
         if options:
             timeline = simulate(cached_schedule(schedule, depth, m, tuple(sorted(options.items()))), costs, bounds)
         else:
@@ -252,7 +247,7 @@ class AutoPlanner:
         schedule, mine = self._trace
         parts = [None] * strategy.topology.depth if strategy.global_rank == 0 else None
         if strategy.topology.depth > 1:
-            dist.gather_object(mine, parts, dst=0, group=strategy._groups.pipeline)
+            dist.gather_object(mine, parts, dst=0, group=strategy.process_groups.pipeline)
         else:
             parts = [mine]
         if strategy.global_rank == 0:

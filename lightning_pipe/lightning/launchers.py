@@ -13,9 +13,6 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from ..planning.partition import partition_blocks
-from ..profiler import Profile
-from ..schedules import check_chunks
 from .stage import check_no_outside_parameters, find_pipeline
 
 
@@ -28,27 +25,20 @@ def close_process_groups() -> None:
 
 
 def validate_inputs(strategy: Any, args: tuple, trainer: Optional[Any]) -> None:
-    """Refuse what cannot be pipelined before any process starts: the model, and a training batch
-    size visible up front (every trainer function passes the model, then its dataloaders)."""
+    """Refuse what cannot be pipelined before any process starts: the model against the settings,
+    and a training batch size visible up front (every trainer function passes the model, then its
+    dataloaders)."""
+    config = strategy.config
     model = args[0] if args else None
     if isinstance(model, nn.Module):
         path, pipeline = find_pipeline(model)
         check_no_outside_parameters(model, path)
-        if strategy.schedule_options:  # multi-chunk: name the waves / chunks setting (partition_blocks names stages)
-            check_chunks(strategy.schedule_name, strategy.depth, len(pipeline), **strategy.schedule_options)
-        spec = strategy.partition if not isinstance(strategy.partition, str) else "uniform"  # planners: the counts
-        partition_blocks(spec, len(pipeline), len(strategy.placement()))
-        if strategy._planner.profile_path is not None:  # a saved profile must describe this model
-            Profile.load(strategy._planner.profile_path).check_blocks(len(pipeline))
+        config.check_model(strategy.num_nodes * strategy.num_processes, len(pipeline))
     fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
     # fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, ...)
-    strategy._resume_path = str(args[4]) if fitting and len(args) > 4 and args[4] is not None else None
-    size = getattr(args[1], "batch_size", None) if fitting and len(args) > 1 else None
-    if isinstance(size, int) and size < strategy.microbatches:
-        raise ValueError(
-            f"the training DataLoader's batch_size={size} is smaller than microbatches={strategy.microbatches}: "
-            "use a batch size >= microbatches or fewer micro-batches"
-        )
+    strategy.resume_path = str(args[4]) if fitting and len(args) > 4 and args[4] is not None else None
+    if fitting and len(args) > 1:
+        config.check_batch_size(getattr(args[1], "batch_size", None))
 
 
 class CheckedSubprocessLauncher(_SubprocessScriptLauncher):

@@ -4,8 +4,14 @@ Planners simulate hundreds of partitions of one schedule. `simulator.simulate` r
 action list and builds an `Event` per action each time; here the walk is done once: each compute
 keeps the compute whose end releases it (the previous compute on its rank is implicit in the
 rank's clock) and the stage boundary its message crosses. A partition then costs one flat loop
-over the computes. The semantics are `simulate`'s, float for float (same sums, same order of
-operations), so iteration times and master stages agree exactly; tests/test_planning.py checks it.
+over the computes.
+
+Only the loop is this module's own. The rules are the simulator's, imported, not restated:
+`chunk_costs` (per-chunk times and messages), `input_source` (what a compute waits for),
+`trace_critical_path` and `master_stage`, over the same representation (computes as indices with
+parallel lists). The loop does `simulate`'s float operations in its order, so
+iteration times and master stages agree exactly, on every schedule (tests/test_one_simulator.py).
+Shared cores (`CostModel.cores`) make durations depend on the other ranks: those go to `simulate`.
 
 Many partitions at once: computes at the same depth of the graph wait for nothing among
 themselves, so `iteration_times` runs depth by depth with numpy, one column per partition (the
@@ -20,7 +26,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..schedules import Op, PipelineSchedule, get_schedule
-from ..simulator import CostModel, simulate
+from ..simulator import CostModel, chunk_costs, input_source, master_stage, message_of, produced_by, simulate, trace_critical_path
 
 Bounds = tuple[tuple[int, int], ...]
 
@@ -40,32 +46,16 @@ class Replay:
         self.schedule = schedule
         chunks = schedule.num_chunks
         self.chunk_rank = schedule.chunk_rank
-        per_rank: list[list[tuple[bool, int, Optional[tuple]]]] = []  # (forward?, chunk, message or local key)
+        per_rank: list[list[tuple[bool, int, Optional[tuple]]]] = []  # (forward?, chunk, input source)
         senders: dict[tuple, tuple[int, int]] = {}  # message -> (rank, index of the compute before the send)
         for r, actions in enumerate(schedule.actions):
             computes: list[tuple[bool, int, Optional[tuple]]] = []
             for a in actions:
-                c, mb = a.chunk, a.microbatch
-                if a.op is Op.FORWARD:
-                    if c == 0:
-                        key = None
-                    elif schedule.chunk_rank[c - 1] == r:
-                        key = ("local", Op.FORWARD, c - 1, mb)
-                    else:
-                        key = ("act", c - 1, mb)
-                    computes.append((True, c, key))
-                elif a.op is Op.BACKWARD:
-                    if c == chunks - 1:
-                        key = None
-                    elif schedule.chunk_rank[c + 1] == r:
-                        key = ("local", Op.BACKWARD, c + 1, mb)
-                    else:
-                        key = ("grad", c + 1, mb)
-                    computes.append((False, c, key))
+                if a.op.is_compute:
+                    computes.append((a.op is Op.FORWARD, a.chunk, input_source(schedule, a, r)))
                 elif a.op.is_send:
                     # a send leaves at the sender's clock: the end of its latest compute
-                    kind = "act" if a.op is Op.SEND_ACT else "grad"
-                    senders[(kind, c, mb)] = (r, len(computes) - 1)
+                    senders[message_of(a)] = (r, len(computes) - 1)
             per_rank.append(computes)
 
         # (op, chunk, microbatch) -> (rank, position): the producer of a message, the cause on the path
@@ -99,7 +89,7 @@ class Replay:
         self.rank = [0] * n
         self.duration = [0] * n  # index into forward + backward chunk times
         self.sender = [-1] * n  # compute whose end the message leaves at (or the local producer)
-        self.producer = [-1] * n  # compute that produced the data (the cause on the critical path)
+        self.producer: list[Optional[int]] = [None] * n  # compute that produced the data (the cause on the critical path)
         self.boundary = [chunks] * n  # stage boundary crossed (chunk index); `chunks` = no transfer
         self.forward = [True] * n
         self.counts_f = [0] * chunks
@@ -112,18 +102,18 @@ class Replay:
             (self.counts_f if fwd else self.counts_b)[c] += 1
             dep = self._release(key, senders, done_key)
             if dep is not None:
-                send_at, produced_by = dep
+                send_at, producer = dep
                 self.sender[k] = index_of[send_at]
-                self.producer[k] = index_of[produced_by]
-                if key[0] != "local":
+                self.producer[k] = index_of[producer]
+                if not key[0]:  # a message, not a local hand-over
                     # both directions cross the boundary after the lower chunk: the comm of its last block
                     self.boundary[k] = c - 1 if fwd else c
         self.ranks = len(per_rank)
         self.chunks = chunks
-        self.previous = [-1] * len(order)  # the compute before on the same rank
+        self.previous: list[Optional[int]] = [None] * len(order)  # the compute before on the same rank
         latest: dict[int, int] = {}
         for k, r in enumerate(self.rank):
-            self.previous[k] = latest.get(r, -1)
+            self.previous[k] = latest.get(r)
             latest[r] = k
         self.one_chunk_per_rank = tuple(schedule.chunk_rank) == tuple(range(self.ranks))
         self._levels = self._by_depth()
@@ -133,7 +123,7 @@ class Replay:
         `n` is a sentinel that ended at 0.0 (no previous compute, no message) and boundary
         `chunks` a transfer of 0.0 (a local hand-over)."""
         n = len(self.rank)
-        previous = [n if p < 0 else p for p in self.previous]
+        previous = [n if p is None else p for p in self.previous]
         sender = [s if s >= 0 else n for s in self.sender]
         depth = [0] * (n + 1)
         groups: dict[int, list[int]] = {}
@@ -146,25 +136,21 @@ class Replay:
         ]
 
     @staticmethod
-    def _release(key, senders, done_key) -> Optional[tuple[tuple[int, int], tuple[int, int]]]:
+    def _release(source, senders, done_key) -> Optional[tuple[tuple[int, int], tuple[int, int]]]:
         """(compute the message leaves after, compute that produced it) for a compute's input."""
-        if key is None:
+        if source is None:
             return None
-        if key[0] == "local":
-            local = done_key[key[1:]]
-            return local, local
-        send_at = senders[key]
-        producer = done_key[(Op.FORWARD if key[0] == "act" else Op.BACKWARD, key[1], key[2])]
-        return send_at, producer
+        local, key = source
+        if local:
+            return done_key[key], done_key[key]
+        return senders[key], done_key[produced_by(key)]
 
     def _times(self, costs: CostModel, bounds: Sequence[tuple[int, int]]) -> tuple[list[float], list[float]]:
-        """Per-compute durations (forward chunks, then backward chunks) and per-boundary comm times."""
-        fwd = [sum(costs.forward[a:b]) for a, b in bounds]
-        bwd = [sum(costs.backward[a:b]) for a, b in bounds]
-        factors = [costs.factor(r) for r in self.chunk_rank]
-        durations = [t * factors[c] for c, t in enumerate(fwd)] + [t * factors[c] for c, t in enumerate(bwd)]
-        comm = [costs.comm_time(b - 1) for a, b in bounds] + [0.0]
-        return durations, comm
+        """Per-compute durations (forward chunks, then backward chunks; slowdown included) and
+        per-boundary comm times, plus a 0.0 for `chunks` (a local hand-over): `chunk_costs`'."""
+        fwd, bwd, comm = chunk_costs(costs, bounds, self.chunk_rank)
+        comm.append(0.0)
+        return fwd + bwd, comm
 
     def _shared(self, costs: CostModel) -> bool:
         # Shared cores make a compute's duration depend on what the other ranks do meanwhile, which
@@ -237,46 +223,15 @@ class Replay:
         n = len(self.rank)
         if n == 0:
             return 0.0, None
-        start_of, end = [0.0] * n, [0.0] * n
-        cause = [-1] * n
+        start_of, end, free_of, ready_of = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
         clock = [0.0] * self.ranks
-        last = [-1] * self.ranks
-        steps = zip(self.rank, self.sender, self.boundary, self.producer, self.duration)
-        for k, (r, s, x, producer, d) in enumerate(steps):
-            ready = end[s] + comm[x] if s >= 0 else 0.0
-            # the constraint that set the start; on a tie the remote one (simulate's rule)
-            if ready >= clock[r]:
-                start = ready
-                cause[k] = producer if producer >= 0 else last[r]
-            else:
-                start = clock[r]
-                cause[k] = last[r]
-            start_of[k] = start
+        for k, (r, s, x, d) in enumerate(zip(self.rank, self.sender, self.boundary, self.duration)):
+            free = free_of[k] = clock[r]
+            ready = ready_of[k] = end[s] + comm[x] if s >= 0 else 0.0
+            start_of[k] = start = ready if ready >= free else free  # max(free, ready), as `simulate`
             end[k] = clock[r] = start + durations[d]
-            last[r] = k
-        # the path ends at the latest compute (ties: the later rank, then the earlier compute), which
-        # is a rank's last one or, with zero durations, one that ended with it
-        rank = max((r for r in range(self.ranks) if last[r] >= 0), key=lambda r: (clock[r], r))
-        k = last[rank]
-        while self.previous[k] >= 0 and end[self.previous[k]] == end[k]:
-            k = self.previous[k]
-        path = [k]
-        while cause[path[-1]] >= 0:
-            path.append(cause[path[-1]])
-        path.reverse()
-        return max(clock), self._master(path, start_of, end)
-
-    def _master(self, path: list[int], start: list[float], end: list[float]) -> int:
-        """The rank where the path takes a backward and a forward back to back most often (ties: the
-        later rank); with none, the rank of the longest compute on the path (simulate's rule)."""
-        counts: dict[int, int] = {}
-        for a, b in zip(path, path[1:]):
-            if self.rank[a] == self.rank[b] and self.forward[a] != self.forward[b]:
-                counts[self.rank[a]] = counts.get(self.rank[a], 0) + 1
-        if not counts:
-            return self.rank[max(path, key=lambda i: (end[i] - start[i], self.rank[i]))]
-        best = max(counts.values())
-        return max(r for r, c in counts.items() if c == best)
+        path = trace_critical_path(end, self.rank, free_of, ready_of, self.producer, self.previous)
+        return max(clock), master_stage(path, self.rank, self.forward, start_of, end)
 
     def busy_bound(self, costs: CostModel, bounds: Sequence[tuple[int, int]]) -> float:
         """A lower bound of the iteration time: the busiest rank's compute, back to back."""

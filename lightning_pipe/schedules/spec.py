@@ -97,8 +97,8 @@ class ScheduleSpec:
             return
         if self.kind.misfit is not None:
             raise SettingError(self.kind.misfit(stages, num_blocks, **self.kwargs), self.options[0][0])
-        raise SettingError(f"{stages} pipeline stages for a pipeline of {num_blocks} blocks: every stage needs at least one block, "
-                           f"so use at most {num_blocks} stages (processes / width)", "stages")
+        raise SettingError(f"the pipeline has {stages} stages but the model only {num_blocks} blocks: use at most {num_blocks} "
+                           "stages (devices x nodes / width) or split the model into more blocks", "width")
 
     def build(self, stages: int, microbatches: int, check: bool = True) -> PipelineSchedule:
         """Build and `validate`: an inconsistent schedule is an error here, never a hang at run time.

@@ -1,0 +1,116 @@
+"""A stage's gradient duties beyond autograd, and the hand-over of gradients to Lightning.
+
+- `StageGradients`: REDUCE(chunk) averages a chunk's gradients over the replicas, and after the
+  rank's last chunk sums tied weights over the stages holding them (both linear: any order);
+  the global norm for clipping; fp16's overflow agreed on by every rank.
+- `GradientStash`: Lightning zeroes gradients *after* ``training_step``, so the gradients the
+  schedule produced inside the step are set aside there and put back in ``backward``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..runtime.reduce import allreduce_mean, clip_grad_norm_global
+from ..runtime.tied import TiedParameter, allreduce_tied
+from ..topology import ProcessGroups, Topology
+from .stage import PipelineStage
+
+log = logging.getLogger(__name__)
+
+
+class StageGradients:
+    def __init__(self, stage: PipelineStage, chunk_blocks: dict[int, list[int]], topology: Topology, groups: ProcessGroups,
+                 rank: int, tied: list[TiedParameter]):
+        self.stage, self.chunk_blocks, self.topology, self.groups = stage, chunk_blocks, topology, groups
+        self.stage_index, self.replica_index = topology.stage_of(rank), topology.replica_of(rank)
+        self.tied = tied
+        self._tied_groups = self._tie(rank)
+        self._reduced: set[int] = set()
+
+    def _tie(self, rank: int) -> dict[int, Any]:
+        """One group per tied parameter and replica (new_group is collective: every rank, same
+        order); the copies start from the first holding stage's values."""
+        topo, groups = self.topology, {}
+        for t in self.tied:
+            for w in range(topo.width):
+                ranks = [topo.global_rank(w, s) for s in t.stages]
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    groups[t.index] = group
+            if self.stage_index in t.stages:
+                src = topo.global_rank(self.replica_index, t.stages[0])
+                dist.broadcast(t.parameter.data, src, group=groups[t.index])
+        if self.tied:
+            log.info(f"tied parameters across stages: {[t.stages for t in self.tied]}")
+        return groups
+
+    def sync_replicas(self) -> None:
+        """Replicas of a stage start from replica 0's weights (as DDP syncs from rank 0)."""
+        if self.topology.width == 1:
+            return
+        src = self.topology.global_rank(0, self.stage_index)
+        for tensor in list(self.stage.parameters()) + list(self.stage.buffers()):
+            dist.broadcast(tensor.data, src, group=self.groups.stage)
+
+    def reduce_chunk(self, chunk: int) -> None:
+        """The schedule's REDUCE(chunk)."""
+        params = {id(p): p for i in self.chunk_blocks[chunk] for p in self.stage._modules[str(i)].parameters()}
+        allreduce_mean(params.values(), self.groups.stage, self.topology.width)
+        self._reduced.add(chunk)
+        if self._reduced >= set(self.chunk_blocks):
+            allreduce_tied(self.tied, self._tied_groups, self.stage_index)
+            self._reduced = set()
+
+    def clip_grad_norm(self, params: Iterable[Tensor], max_norm: float) -> Tensor:
+        """`clip_grad_norm_` over the whole pipeline; a tied weight's (equal) gradient counts once,
+        on the first stage holding it."""
+        group = self.groups.pipeline if self.topology.depth > 1 else None
+        copies = frozenset(id(t.parameter) for t in self.tied if t.stages[0] != self.stage_index)
+        return clip_grad_norm_global(params, max_norm, group, skip_in_norm=copies)
+
+    def agree_on_overflow(self, params: Iterable[Tensor]) -> None:
+        """fp16: every rank must skip the same steps. Before the scaler unscales, any rank's
+        non-finite gradient is made every rank's (one inf written into a local gradient), so each
+        scaler's own check finds it, skips the step and backs off its scale alike."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        local = torch.stack([torch.logical_not(torch.isfinite(g).all()) for g in grads]).any()
+        found = local.to(torch.float32).reshape(1)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        if found.item() > 0 and not local.item():
+            grads[0].view(-1)[0] = float("inf")
+
+
+class GradientStash:
+    """Gradients made inside ``training_step``, kept aside from Lightning's ``zero_grad``."""
+
+    def __init__(self) -> None:
+        self._new: list[Optional[Tensor]] = []
+
+    def around_step(self, params: list[nn.Parameter], step: Any) -> Any:
+        saved = [p.grad for p in params]  # stale or accumulated: Lightning zeroes or keeps them after the step
+        for p in params:
+            p.grad = None
+        try:
+            return step()
+        finally:
+            self._new = [p.grad for p in params]
+            for p, g in zip(params, saved):
+                p.grad = g
+
+    def put_back(self, params: list[nn.Parameter], accumulate: int) -> None:
+        """Add the step's gradients to what is there, divided as Lightning divides the closure loss."""
+        for p, g in zip(params, self._new):
+            if g is None:
+                continue
+            if accumulate > 1:
+                g = g / accumulate
+            p.grad = g if p.grad is None else p.grad + g
+        self._new = []

@@ -1,0 +1,42 @@
+"""Training modes: what one optimizer step runs on a rank's stage, behind one interface.
+
+The strategy calls its mode once per step and at the edges (drain before validation, a
+checkpoint or the end of fit; state for checkpoints; resume). Today every schedule is
+synchronous (`SyncMode`: the pipeline fills and drains inside a step); PipeDream-2BW, AvgPipe's
+elastic averaging and adaptive re-partitioning come as modes of their own, not as branches in
+the strategy. Modes know the runtime, never Lightning.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence
+
+from ..runtime.executor import Executor, StageHost
+from .sync import SyncMode
+
+
+class TrainingMode(Protocol):
+    def run(self, kind: str, host: StageHost, keys: Sequence[Any]) -> Executor:
+        """Run one step's action list on this rank (`kind`: "train" or "eval"); keys[i] is
+        micro-batch i's signature. Returns the executor that ran (for its trace)."""
+        ...
+
+    def drain(self) -> None:
+        """Apply whatever is still in flight (nothing for a synchronous schedule)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must hold to resume this mode exactly."""
+        ...
+
+
+MODES: dict[str, Callable[..., TrainingMode]] = {"sync": SyncMode}
+
+
+def make_mode(name: str, **kwargs: Any) -> TrainingMode:
+    if name not in MODES:
+        raise ValueError(f"mode={name!r} is not a known training mode; allowed values: {sorted(MODES)}")
+    return MODES[name](**kwargs)
+
+
+__all__ = ["MODES", "SyncMode", "TrainingMode", "make_mode"]
