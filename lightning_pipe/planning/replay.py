@@ -6,12 +6,12 @@ keeps the compute whose end releases it (the previous compute on its rank is imp
 rank's clock) and the stage boundary its message crosses. A partition then costs one flat loop
 over the computes.
 
-Only the loop is this module's own. The rules are the simulator's, imported, not restated:
-`chunk_costs` (per-chunk times and messages), `input_source` (what a compute waits for),
-`trace_critical_path` and `master_stage`, over the same representation (computes as indices with
-parallel lists). The loop does `simulate`'s float operations in its order, so
-iteration times and master stages agree exactly, on every schedule (tests/test_one_simulator.py).
-Shared cores (`CostModel.cores`) make durations depend on the other ranks: those go to `simulate`.
+Only the loops are this module's own. The rules live in `simulator.py` and are imported, not
+restated: `chunk_costs` (per-chunk times and messages), `input_source` (what a compute waits
+for), `trace_critical_path` and `master_stage`, over one representation (computes as indices
+with parallel lists). The loops do `simulate`'s float operations in its order, so iteration
+times and master stages agree exactly on every schedule (tests/test_one_simulator.py). Shared
+cores (`CostModel.cores`) make durations depend on the other ranks: those go to `simulate`.
 
 Many partitions at once: computes at the same depth of the graph wait for nothing among
 themselves, so `iteration_times` runs depth by depth with numpy, one column per partition (the
