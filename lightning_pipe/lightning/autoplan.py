@@ -152,6 +152,14 @@ class AutoPlanner:
         trainer = strategy.lightning_module.trainer
         self.out_dir = Path(trainer.log_dir or trainer.default_root_dir)
 
+    def memory_limit(self, device: torch.device) -> Optional[float]:
+        """schedule="auto"'s limit: as configured, else a GPU's total memory; none on CPU."""
+        if self.config.memory_limit is not None:
+            return float(self.config.memory_limit)
+        if device.type == "cuda":
+            return float(torch.cuda.get_device_properties(device).total_memory)
+        return None
+
     def run(self, strategy: Any, module: Any, pipeline: nn.Sequential, spec: ScheduleSpec) -> PlanResult:
         topo, rank = strategy.topology, strategy.global_rank
         depth, m = topo.depth, self.config.microbatches
@@ -179,7 +187,7 @@ class AutoPlanner:
         slicing: Optional[SlicePlan] = None
         if self.config.auto:
             choice = choose_schedule(costs, depth, m, method=method, kinds=kinds_for,
-                                     memory_limit=strategy.memory_limit_bytes, slicer=self.slicer)
+                                     memory_limit=self.memory_limit(strategy.root_device), slicer=self.slicer)
             result, schedule, options = choice.plan, choice.chosen.schedule, dict(choice.chosen.options)
             bounds = result.bounds
             if choice.chosen.sliced:

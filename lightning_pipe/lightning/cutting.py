@@ -17,6 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from ..planning.partition import partition_blocks
+from ..runtime.p2p import Transport
 from ..runtime.tied import TiedParameter, find_tied_parameters
 from ..schedules import ScheduleSpec
 from .checkpoints import resumed_layout
@@ -43,6 +44,13 @@ class Cut:
     def chunk_blocks(self) -> dict[int, list[int]]:
         """This rank's chunks -> their block indices."""
         return {c: list(range(*self.bounds[c])) for c in self.stage.chunk_bounds}
+
+    def mode_settings(self, strategy: Any) -> dict[str, Any]:
+        """What a training mode (lightning_pipe.modes) is built from."""
+        topo, replica, config = strategy.topology, strategy.replica_index, strategy.config
+        transport = Transport(lambda r: topo.global_rank(replica, r), strategy.root_device)
+        return dict(spec=self.spec, stages=topo.depth, microbatches=config.microbatches, rank=strategy.stage_index,
+                    transport=transport, prefetch=config.prefetch, trace=config.trace, sliced=self.sliced)
 
     @property
     def loss_stage(self) -> int:

@@ -8,21 +8,15 @@ mode (`lightning_pipe.modes`), gradients are handled by `gradients` and the prec
 
 from __future__ import annotations
 
-import atexit
 from dataclasses import fields
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
-import torch.distributed as dist
-from lightning.fabric.utilities.distributed import (_distributed_is_initialized, _get_default_process_group_backend_for_device,
-                                                    _init_dist_connection, _sync_ddp_if_available)
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
@@ -30,22 +24,19 @@ from typing_extensions import override
 from ..config import PipelineConfig
 from ..modes import TrainingMode, make_mode
 from ..planning.partition import PartitionSpec
-from ..runtime.microbatch import batch_size, signature, split_microbatches
-from ..runtime.p2p import Transport
-from ..schedules import REGISTRY, ScheduleSpec
+from ..schedules import REGISTRY
 from ..topology import ProcessGroups, Topology
 from . import checkpoints
 from .autoplan import AutoPlanner
 from .cutting import Cut, cut_module, uncut_module
-from .gradients import GradientStash, StageGradients
-from .host import LightningHost
-from .launchers import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher, close_process_groups
-from .logs import LogBroadcaster, replay
-from .outputs import merge_outputs
+from .gradients import StageGradients
+from .launchers import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher
 from .precision import pipeline_precision
+from .processes import ProcessGroupStrategy
+from .steps import PipelineSteps
 
 
-class AutoPipeStrategy(ParallelStrategy):
+class AutoPipeStrategy(ProcessGroupStrategy):
     """Pipeline parallelism, planned and run by lightning-pipe: ``Trainer(strategy="autopipe")``.
 
     Arguments (the pipeline's are `PipelineConfig`'s fields, documented there):
@@ -96,21 +87,17 @@ class AutoPipeStrategy(ParallelStrategy):
         self.config = PipelineConfig(schedule=schedule, microbatches=microbatches, partition=partition, width=width,
                                      prefetch=prefetch, chunks=chunks, waves=waves, slicer=slicer, memory_limit=memory_limit,
                                      trace=trace, profile=profile, bandwidth=bandwidth, latency=latency, start_method=start_method)
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-                         checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout, accelerator=accelerator,
+                         parallel_devices=parallel_devices, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
         self.planner = AutoPlanner(self.config)
         self.resume_path: Optional[str] = None  # fit's ckpt_path, noted by the launcher
         self.topology: Optional[Topology] = None
         self.process_groups: Optional[ProcessGroups] = None
         self.cut: Optional[Cut] = None
         self.mode: Optional[TrainingMode] = None
-        self._num_nodes = 1
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._host: Optional[LightningHost] = None
         self._gradients: Optional[StageGradients] = None
-        self._stash = GradientStash()
-        self._logs: Optional[LogBroadcaster] = None
+        self._steps: Optional[PipelineSteps] = None
         self._active = False  # between setup and teardown: the model is cut and the process groups live
 
     @classmethod
@@ -130,11 +117,6 @@ class AutoPipeStrategy(ParallelStrategy):
 
     # ---- what the run is ------------------------------------------------------------------------
     @property
-    def spec(self) -> ScheduleSpec:
-        """The schedule this run trains with (schedule="auto": the chosen one once the model is cut)."""
-        return self.cut.spec if self.cut is not None else self.config.schedule_spec
-
-    @property
     def plan(self) -> Optional[Any]:
         return self.cut.plan if self.cut is not None else None
 
@@ -153,15 +135,6 @@ class AutoPipeStrategy(ParallelStrategy):
     @property
     def replica_index(self) -> int:
         return self.global_rank // self.depth
-
-    @property
-    def memory_limit_bytes(self) -> Optional[float]:
-        """schedule="auto"'s limit: as configured, else a GPU's total memory; none on CPU."""
-        if self.config.memory_limit is not None:
-            return float(self.config.memory_limit)
-        if self.root_device.type == "cuda":
-            return float(torch.cuda.get_device_properties(self.root_device).total_memory)
-        return None
 
     # ---- Lightning plumbing (as DDP does it) ---------------------------------------------------
     @property
@@ -185,24 +158,6 @@ class AutoPipeStrategy(ParallelStrategy):
 
     @property
     @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every stage of one pipeline must see the same batch: shard data by replica, not by rank.
         return {"num_replicas": self.config.width, "rank": self.replica_index}
@@ -220,46 +175,6 @@ class AutoPipeStrategy(ParallelStrategy):
             self._launcher = CheckedSubprocessLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             self._launcher = CheckedMultiProcessingLauncher(self, start_method=self.config.start_method)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
-        atexit.register(close_process_groups)
-
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl" and self.root_device.type == "cuda":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    @override
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
 
     # ---- setup: cut the model into this rank's stage and build the mode --------------------------
     @override
@@ -286,79 +201,39 @@ class AutoPipeStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         self.precision_plugin.pipeline = self._gradients
-        transport = Transport(lambda r: topo.global_rank(self.replica_index, r), self.root_device)
-        self.mode = make_mode(self.config.mode, spec=self.cut.spec, stages=topo.depth, microbatches=self.config.microbatches,
-                              rank=self.stage_index, transport=transport, prefetch=self.config.prefetch,
-                              trace=self.config.trace, sliced=self.cut.sliced)
-        last = topo.global_rank(self.replica_index, self.cut.loss_stage)
-        group = self.process_groups.pipeline if topo.depth > 1 else None
-        self._logs = LogBroadcaster(group, last, self.root_device, self.global_rank == last)
-        self._host = LightningHost(module, self.cut.stage, len(self.cut.placement) - 1, self._gradients.reduce_chunk)
+        self.mode = make_mode(self.config.mode, **self.cut.mode_settings(self))
+        self._steps = PipelineSteps.build(self, module, self.mode, self._gradients)
         self._active = True
 
-    # ---- steps -------------------------------------------------------------------------------
-    def _run(self, kind: str, step: str, context: Callable, args: tuple, kwargs: dict, m: int) -> float:
-        module, host = self.lightning_module, self._host
-        microbatches, weights = split_microbatches(args[0], m, sliced=self.cut.sliced if kind == "train" else 0)
-        keys = [(kind, signature(mb)) for mb in microbatches]  # the slicer's halves are micro-batches of their own
-        scaler = getattr(self.precision_plugin, "scaler", None) if kind == "train" else None
-        host.begin(step, microbatches, weights, args[1:], kwargs, scaler.scale if scaler is not None else None)
-        module.log = host.recorder  # type: ignore[method-assign]
-        if self.config.trace and self.topology.depth > 1:
-            dist.barrier(group=self.process_groups.pipeline)  # a common start, so the ranks' traces line up
-        try:
-            with context():
-                executor = self.mode.run(kind, host, keys)
-        finally:
-            del module.log
-        if self.config.trace and kind == "train":
-            self.planner.keep_trace(executor)
-        loss, entries = self._logs.exchange(host.recorder, host.loss if host.loss is not None else 0.0)
-        replay(module, entries, self.root_device)
-        return loss
-
+    # ---- steps (steps.py) ------------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        params = list(self.lightning_module.parameters())
-        run = lambda: self._run("train", "training_step", self.precision_plugin.train_step_context, args, kwargs,  # noqa: E731
-                                self.config.microbatches)
-        loss = self._stash.around_step(params, run)
-        dtype = self._host.loss.dtype if self._host.loss is not None else torch.get_default_dtype()
-        return torch.tensor(loss, dtype=dtype, device=self.root_device)
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return self._steps.train(self.precision_plugin.train_step_context, args, kwargs, scaler)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
-        """The schedule already ran the backward: put its gradients where the optimizer expects them."""
+        """No autograd here: the schedule ran the backward; its gradients go back between the precision hooks."""
         module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self._stash.put_back(list(module.parameters()), module.trainer.accumulate_grad_batches if module._trainer is not None else 1)
+        self._steps.backward(module.trainer.accumulate_grad_batches if module._trainer is not None else 1)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
 
-    def _eval(self, step: str, context: Callable, args: tuple, kwargs: dict) -> Any:
-        self.mode.drain()
-        self._run("eval", step, context, args, kwargs, min(self.config.microbatches, batch_size(args[0])))
-        return merge_outputs(self._host.outputs) if self.stage_index == self.cut.loss_stage else None
-
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval("validation_step", self.precision_plugin.val_step_context, args, kwargs)
+        return self._steps.evaluate("validation_step", self.precision_plugin.val_step_context, args, kwargs, self.stage_index)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval("test_step", self.precision_plugin.test_step_context, args, kwargs)
+        return self._steps.evaluate("test_step", self.precision_plugin.test_step_context, args, kwargs, self.stage_index)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = self._eval("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
-        if self.topology.depth == 1:
-            return output
-        box = [output]  # predictions come from the last stage; the trainer returns rank 0's
-        last = self.topology.global_rank(self.replica_index, self.cut.loss_stage)
-        dist.broadcast_object_list(box, last, group=self.process_groups.pipeline, device=self.root_device)
-        return box[0]
+        output = self._steps.evaluate("predict_step", self.precision_plugin.predict_step_context, args, kwargs, self.stage_index)
+        return self._steps.from_last_stage(output)  # the trainer returns rank 0's predictions
 
     # ---- checkpoints (checkpoints.py) --------------------------------------------------------------
     @override

@@ -1,0 +1,88 @@
+"""The process side of the strategy, as Lightning's DDPStrategy does it: one process per device,
+a torch.distributed process group over all of them, collectives for Lightning's own use.
+Nothing pipeline-specific lives here (strategy.py adds that)."""
+
+from __future__ import annotations
+
+import atexit
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import (_distributed_is_initialized, _get_default_process_group_backend_for_device,
+                                                    _init_dist_connection, _sync_ddp_if_available)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from .launchers import close_process_groups
+
+
+class ProcessGroupStrategy(ParallelStrategy):
+    def __init__(self, process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        atexit.register(close_process_groups)
+
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl" and self.root_device.type == "cuda":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+

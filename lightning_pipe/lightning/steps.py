@@ -1,0 +1,88 @@
+"""One rank's part of a Lightning step: the batch's micro-batches through the training mode.
+
+Per step the batch is split (the slicer's halves become micro-batches of their own), the mode
+runs this rank's action list with `LightningHost` calling the user's step methods, under the
+precision plugin's context and with ``module.log`` redirected to a recorder; then the loss and
+everything the last stage logged are broadcast and logged on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..modes import TrainingMode
+from ..runtime.microbatch import batch_size, signature, split_microbatches
+from .autoplan import AutoPlanner
+from .cutting import Cut
+from .gradients import GradientStash, StageGradients
+from .host import LightningHost
+from .logs import LogBroadcaster, replay
+from .outputs import merge_outputs
+
+
+class PipelineSteps:
+    def __init__(self, module: Any, cut: Cut, mode: TrainingMode, host: LightningHost, planner: AutoPlanner, device: torch.device,
+                 microbatches: int, group: Optional[Any], last: int, is_last: bool, trace: bool = False):
+        self.module, self.cut, self.mode, self.host = module, cut, mode, host
+        self.planner, self.device, self.microbatches = planner, device, microbatches
+        self.group, self.last = group, last  # the pipeline's process group (None: one stage); the last chunk's global rank
+        self.logs = LogBroadcaster(group, last, device, is_last)
+        self.trace_group = group if trace else None
+        self.stash = GradientStash()
+
+    @classmethod
+    def build(cls, strategy: Any, module: Any, mode: TrainingMode, gradients: StageGradients) -> "PipelineSteps":
+        cut, topo = strategy.cut, strategy.topology
+        last = topo.global_rank(strategy.replica_index, cut.loss_stage)
+        group = strategy.process_groups.pipeline if topo.depth > 1 else None
+        host = LightningHost(module, cut.stage, len(cut.placement) - 1, gradients.reduce_chunk)
+        return cls(module, cut, mode, host, strategy.planner, strategy.root_device, strategy.config.microbatches, group, last,
+                   strategy.global_rank == last, strategy.config.trace)
+
+    def _run(self, kind: str, step: str, context: Callable, args: tuple, kwargs: dict, m: int, scaler: Any = None) -> float:
+        module, host = self.module, self.host
+        microbatches, weights = split_microbatches(args[0], m, sliced=self.cut.sliced if kind == "train" else 0)
+        keys = [(kind, signature(mb)) for mb in microbatches]
+        host.begin(step, microbatches, weights, args[1:], kwargs, scaler.scale if scaler is not None else None)
+        module.log = host.recorder  # type: ignore[method-assign]
+        if self.trace_group is not None:
+            dist.barrier(group=self.trace_group)  # a common start, so the ranks' traces line up
+        try:
+            with context():
+                executor = self.mode.run(kind, host, keys)
+        finally:
+            del module.log
+        if self.trace_group is not None and kind == "train":
+            self.planner.keep_trace(executor)
+        loss, entries = self.logs.exchange(host.recorder, host.loss if host.loss is not None else 0.0)
+        replay(module, entries, self.device)
+        return loss
+
+    def train(self, context: Callable, args: tuple, kwargs: dict, scaler: Any) -> Tensor:
+        """training_step: the schedule's gradients are set aside from Lightning's zero_grad."""
+        run = lambda: self._run("train", "training_step", context, args, kwargs, self.microbatches, scaler)  # noqa: E731
+        loss = self.stash.around_step(list(self.module.parameters()), run)
+        dtype = self.host.loss.dtype if self.host.loss is not None else torch.get_default_dtype()
+        return torch.tensor(loss, dtype=dtype, device=self.device)
+
+    def backward(self, accumulate: int) -> None:
+        """The schedule already ran the backward: put its gradients where the optimizer expects them."""
+        self.stash.put_back(list(self.module.parameters()), accumulate)
+
+    def evaluate(self, step: str, context: Callable, args: tuple, kwargs: dict, stage_index: int) -> Any:
+        """validation/test/predict: forwards only; the outputs are the last chunk's rank's."""
+        self.mode.drain()
+        self._run("eval", step, context, args, kwargs, min(self.microbatches, batch_size(args[0])))
+        return merge_outputs(self.host.outputs) if stage_index == self.cut.loss_stage else None
+
+    def from_last_stage(self, output: Any) -> Any:
+        """The last chunk's rank's `output` on every rank of the pipeline."""
+        if self.group is None:
+            return output
+        box = [output]
+        dist.broadcast_object_list(box, self.last, group=self.group, device=self.device)
+        return box[0]
