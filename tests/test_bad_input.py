@@ -116,6 +116,7 @@ def test_batch_smaller_than_microbatches():
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.multiprocess
 def test_short_last_batch_fails_clearly_in_the_workers():
     # 41 samples in batches of 10: the last batch holds 1 sample, fewer than 2 micro-batches
     trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(microbatches=2, start_method="spawn"), **trainer_kwargs(max_steps=10))

@@ -52,6 +52,7 @@ def test_recipe_resolves_and_builds_on_meta(recipe):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.multiprocess
 def test_tiny_recipe_trains_5_steps_on_2_processes(tmp_path):
     run = tmp_path / "run"
     proc = cli([*FAST, f"hydra.run.dir={run}"], tmp_path)
@@ -66,6 +67,7 @@ def test_tiny_recipe_trains_5_steps_on_2_processes(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.multiprocess
 def test_multirun_puts_each_job_in_its_own_folder(tmp_path):
     sweep = tmp_path / "sweep"
     proc = cli(["-m", "pipeline.schedule=gpipe,1f1b", *FAST, "trainer.max_steps=3", f"hydra.sweep.dir={sweep}",
@@ -87,24 +89,29 @@ def bad(tmp_path, *args):
     return proc.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.multiprocess
 def test_unknown_recipe(tmp_path):
     proc = cli(["recipe=gpt-huge", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=120)
     assert proc.returncode != 0 and "Could not find 'recipe/gpt-huge'" in proc.stderr
     assert "gpt-tiny-cpu" in proc.stderr  # Hydra lists the available recipes
 
 
+@pytest.mark.multiprocess
 def test_unknown_schedule(tmp_path):
     assert bad(tmp_path, "pipeline.schedule=zigzag").startswith("error: schedule='zigzag' is not a known schedule; allowed values")
 
 
+@pytest.mark.multiprocess
 def test_unknown_model_name(tmp_path):
     assert "unknown model name 'gpt-huge'" in bad(tmp_path, "model.model.name=gpt-huge")
 
 
+@pytest.mark.multiprocess
 def test_missing_data_path(tmp_path):
     assert "data.path" in bad(tmp_path, f"data.path={tmp_path / 'nowhere.txt'}")
 
 
+@pytest.mark.multiprocess
 def test_empty_corpus(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
@@ -112,11 +119,13 @@ def test_empty_corpus(tmp_path):
     assert line.startswith("error:") and "empty" in line and "data.path" in line
 
 
+@pytest.mark.multiprocess
 def test_sequence_longer_than_the_context(tmp_path):
     line = bad(tmp_path, "data.seq_len=4096")
     assert line.startswith("error:") and "data.seq_len" in line
 
 
+@pytest.mark.multiprocess
 def test_devices_that_do_not_fit_the_pipeline(tmp_path):
     line = bad(tmp_path, "trainer.devices=3", "pipeline.width=2")
     assert line.startswith("error:") and "pipeline.width" in line
@@ -129,6 +138,7 @@ def plan_cli(args, cwd):
     return subprocess.run([sys.executable, "-m", "lightning_pipe.plan", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.multiprocess
 def test_plan_command_prints_and_saves_a_plan(tmp_path):
     import json
 
@@ -141,6 +151,7 @@ def test_plan_command_prints_and_saves_a_plan(tmp_path):
     assert (tmp_path / "p" / "plan_timeline.png").exists()
 
 
+@pytest.mark.multiprocess
 def test_plan_command_from_a_saved_profile_and_bad_profiles(tmp_path):
     from lightning_pipe.profiler import Profile
 
@@ -155,6 +166,7 @@ def test_plan_command_from_a_saved_profile_and_bad_profiles(tmp_path):
     assert proc.returncode == 2 and "error: profile: forward must hold finite numbers >= 0" in proc.stderr
 
 
+@pytest.mark.multiprocess
 def test_plan_command_chooses_a_schedule(tmp_path):
     import json
 
@@ -170,7 +182,21 @@ def test_plan_command_chooses_a_schedule(tmp_path):
     assert "schedule=auto" in proc.stdout and "is the fastest simulated schedule" in proc.stdout
 
 
+@pytest.mark.multiprocess
 def test_waves_that_do_not_fit_name_the_setting(tmp_path):
     line = bad(tmp_path, "pipeline.schedule=wave", "pipeline.waves=3")  # gpt-tiny: 10 blocks < 2 x 2 x 3 chunks
     assert line.startswith("error: schedule='wave' with waves=3 on 2 ranks") and "use waves <= 2" in line
     assert "pipeline.waves" in line
+
+
+@pytest.mark.multiprocess
+def test_plan_command_dumps_the_schedule_it_planned(tmp_path):
+    from lightning_pipe.schedules import build_schedule
+    from lightning_pipe.schedules.text import load
+
+    proc = plan_cli(["recipe=gpt-tiny-cpu", "partition=dp", "schedule=wave", "pipeline.microbatches=4", "--dump-schedule",
+                     f"hydra.run.dir={tmp_path / 'p'}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    saved = (tmp_path / "p" / "schedule.txt").read_text()
+    assert saved in proc.stdout
+    assert load(saved) == build_schedule("wave", 2, 4, waves=1)

@@ -15,6 +15,8 @@ import lightning as L
 from _dist import free_port
 from models import LitSeq, loader, max_rel_diff, trainer_kwargs
 
+pytestmark = pytest.mark.multiprocess
+
 HERE = os.path.dirname(__file__)
 ROOT = os.path.dirname(HERE)
 

@@ -15,7 +15,7 @@ from lightning_pipe.models import CausalLM, MaskedLM, ModelConfig
 from lightning_pipe.profiler import Profile
 from models import max_rel_diff, trainer_kwargs
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.multiprocess]
 CFG = dict(vocab_size=260, n_layer=2, n_head=2, d_model=32, max_seq_len=16)
 
 

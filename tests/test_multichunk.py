@@ -103,6 +103,7 @@ def train(rank, world, name, options, m):
     (2, "wave", dict(waves=1), 2), (2, "wave", dict(waves=2), 4), (4, "wave", dict(waves=1), 4),
     (2, "interleaved", dict(chunks=2), 4), (4, "interleaved", dict(chunks=2), 4),
 ])
+@pytest.mark.multiprocess
 def test_multichunk_runtime_equals_single_process(world, name, options, m):
     got = {}
     for part in run_distributed(train, world, name, options, m, timeout=180):

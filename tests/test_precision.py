@@ -59,6 +59,7 @@ def fp16(scale: float) -> MixedPrecision:
 SCALE, STEPS = 2e33, 6  # the first steps overflow on the second stage only; later ones train
 
 
+@pytest.mark.multiprocess
 def test_fp16_overflow_is_agreed_by_every_stage():
     ref = Lopsided()
     plugin = fp16(SCALE)

@@ -17,7 +17,7 @@ import lightning_pipe  # noqa: F401  (registers "autopipe")
 from lightning_pipe import AutoPipeStrategy
 from models import LitSeq, dataset, loader, max_rel_diff, trainer_kwargs
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.multiprocess]
 
 
 class RecordMetrics(Callback):

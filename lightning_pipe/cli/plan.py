@@ -22,6 +22,7 @@ from ..planning.auto import choose_schedule
 from ..planning.replay import cached_schedule
 from ..planning.slicer import choose_slicing, fixed_slicing, simulate_sliced
 from ..schedules import ScheduleSpec
+from ..schedules.text import dump
 from ..simulator import simulate
 from ..profiler import Profile
 from ..viz import gantt
@@ -30,7 +31,7 @@ from .train import named, pipeline_config
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> None:
     try:
         config = pipeline_config(cfg)
         world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
@@ -83,7 +84,20 @@ def main(cfg: DictConfig) -> None:
     if slicing is not None:
         print(f"slicer: cut {slicing.sliced} warm-up micro-batches in halves: start-up {slicing.baseline_startup * 1e3:.2f} -> "
               f"{slicing.startup * 1e3:.2f} ms, iteration {slicing.baseline_iteration_time * 1e3:.2f} -> {slicing.iteration_time * 1e3:.2f} ms")
-    print(f"written: {out / 'plan.json'}, {out / 'plan_timeline.png'}")
+    written = [out / "plan.json", out / "plan_timeline.png"]
+    if cfg.plan.get("dump_schedule"):
+        text = dump(timeline.schedule)
+        (out / "schedule.txt").write_text(text)
+        written.append(out / "schedule.txt")
+        print(text, end="")
+    print(f"written: {', '.join(map(str, written))}")
+
+
+def main() -> None:
+    """`--dump-schedule` is `plan.dump_schedule=true` (Hydra takes no flags of its own kind)."""
+    if "--dump-schedule" in sys.argv:
+        sys.argv = [a for a in sys.argv if a != "--dump-schedule"] + ["plan.dump_schedule=true"]
+    _main()
 
 
 if __name__ == "__main__":
