@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 
+import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-import lightning as L
 
 from lightning_pipe import AutoPipeStrategy
 

@@ -229,7 +229,7 @@ def _profile_chain(blocks: Sequence[nn.Module], sample: Any, device: torch.devic
                     inp, out = saved[j]
                     outs = _float_outputs(out)
                     seeds = grads if grads is not None else [torch.ones_like(o) for o in outs]
-                    _, t = timed(lambda: torch.autograd.backward(outs, seeds) if outs else None, j)
+                    _, t = timed(lambda outs=outs, seeds=seeds: torch.autograd.backward(outs, seeds) if outs else None, j)
                     if r >= warmup:
                         bwd[j].append(t)
                     if j > 0:

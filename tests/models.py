@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-import lightning as L
 
 
 def mlp_blocks(n: int = 6, width: int = 8, classes: int = 3) -> nn.Sequential:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import multiprocessing
 import time
 
+import lightning as L
 import pytest
 import torch
+from models import LitSeq, loader, trainer_kwargs
 from torch import nn
 
-import lightning as L
-
 from lightning_pipe import AutoPipeStrategy
-from models import LitSeq, loader, trainer_kwargs
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import trainer_kwargs
 from omegaconf.errors import ValidationError
 
 import lightning_pipe  # noqa: F401  (registers the strategies)
@@ -19,7 +20,6 @@ from lightning_pipe import AutoPipeStrategy, PipelineConfig, ScheduleSpec, Setti
 from lightning_pipe.cli.paths import CONFIG_DIR
 from lightning_pipe.cli.train import pipeline_config
 from lightning_pipe.schedules import REGISTRY
-from models import trainer_kwargs
 
 
 def composed(*overrides: str):

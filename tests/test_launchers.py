@@ -7,11 +7,9 @@ import subprocess
 import sys
 import textwrap
 
+import lightning as L
 import pytest
 import torch
-
-import lightning as L
-
 from _dist import free_port
 from models import LitSeq, loader, max_rel_diff, trainer_kwargs
 

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 
+import lightning as L
 import pytest
 import torch
+from models import max_rel_diff, trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
-
-import lightning as L
 
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.models import CausalLM, MaskedLM, ModelConfig
 from lightning_pipe.profiler import Profile
-from models import max_rel_diff, trainer_kwargs
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.multiprocess]
 CFG = dict(vocab_size=260, n_layer=2, n_head=2, d_model=32, max_seq_len=16)

@@ -146,7 +146,7 @@ def check_against_reference(block, ref, inputs, float_input=None):
     assert out.shape == ref_out.shape
     torch.testing.assert_close(out, ref_out, atol=TOL, rtol=0)
     for name, a, b in zip(names + ["input"], grads, ref_grads):
-        torch.testing.assert_close(a, b, atol=TOL, rtol=0, msg=lambda m: f"grad of {name}: {m}")
+        torch.testing.assert_close(a, b, atol=TOL, rtol=0, msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
 def hidden(B=3, T=7, d=8, seed=1):
@@ -337,7 +337,7 @@ def test_recompute_gives_the_same_gradients(build, dropout):
         grads[recompute] = {n: p.grad.clone() for n, p in model.named_parameters()}
         assert all(b.recompute == recompute for b in list(model)[1:-1])
     for name, g in grads[False].items():
-        torch.testing.assert_close(grads[True][name], g, atol=1e-12, rtol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads[True][name], g, atol=1e-12, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 # ---------------------------------------------------------------- registry

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _dist import run_distributed
+from models import max_rel_diff
 from torch import nn
 
-from _dist import run_distributed
 from lightning_pipe.planning import partition_blocks
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
 from lightning_pipe.schedules import Op, build_schedule, wave_placement
 from lightning_pipe.simulator import CostModel, simulate
-from models import max_rel_diff
 
 
 def test_wave_placement_goes_down_and_up():

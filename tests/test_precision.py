@@ -9,12 +9,12 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from models import max_rel_diff, trainer_kwargs
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.lightning.precision import PipelinePrecisionMixin, pipeline_precision
-from models import max_rel_diff, trainer_kwargs
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -21,7 +21,7 @@ def test_profile_blocks_measures_every_block_and_round_trips(tmp_path):
     x = torch.randint(0, 256, (2, 32))
     measured = profile_blocks(blocks, x, torch.device("cpu"), repeats=2, warmup=1)
     assert sorted(measured) == list(range(len(blocks)))
-    for i, m in measured.items():
+    for m in measured.values():
         assert m["forward"] > 0 and m["backward"] > 0
         assert m["activation_bytes"] > 0
     # the FFN block holds 2 * d * 4d weights (+ biases, LN): the biggest blocks after embedding/head

@@ -12,7 +12,7 @@ from lightning_pipe.schedules import Action, Op, PipelineSchedule, ScheduleError
 def test_builtin_schedules_validate(name, stages, m):
     s = build_schedule(name, stages, m)
     assert s.num_ranks == stages and s.num_microbatches == m
-    for rank, actions in enumerate(s.actions):
+    for actions in s.actions:
         f = [a.microbatch for a in actions if a.op is Op.FORWARD]
         b = [a.microbatch for a in actions if a.op is Op.BACKWARD]
         assert sorted(f) == list(range(m)) and sorted(b) == list(range(m))

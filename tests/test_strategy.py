@@ -5,17 +5,16 @@ from __future__ import annotations
 import glob
 import os
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from models import LitSeq, dataset, loader, max_rel_diff, trainer_kwargs
 from torch import nn
 from torch.utils.data import DataLoader
 
-import lightning as L
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-
 import lightning_pipe  # noqa: F401  (registers "autopipe")
 from lightning_pipe import AutoPipeStrategy
-from models import LitSeq, dataset, loader, max_rel_diff, trainer_kwargs
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.multiprocess]
 

@@ -21,10 +21,10 @@ from ..planning import plan, transformer_costs
 from ..planning.auto import choose_schedule
 from ..planning.replay import cached_schedule
 from ..planning.slicer import choose_slicing, fixed_slicing, simulate_sliced
+from ..profiler import Profile
 from ..schedules import ScheduleSpec
 from ..schedules.text import dump
 from ..simulator import simulate
-from ..profiler import Profile
 from ..viz import gantt
 from .paths import CONFIG_DIR
 from .train import named, pipeline_config

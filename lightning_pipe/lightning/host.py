@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
-import torch
 from torch import Tensor
 
 from ..runtime.p2p import Activation

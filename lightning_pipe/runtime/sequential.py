@@ -6,7 +6,7 @@ shows in a few lines what the Lightning strategy's host does around the user's h
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
