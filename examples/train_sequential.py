@@ -56,8 +56,7 @@ def data(n: int, seed: int) -> DataLoader:
 def train(devices: int, schedule: str, microbatches: int, epochs: int) -> Regressor:
     model = Regressor().double()
     strategy = AutoPipeStrategy(schedule=schedule, microbatches=microbatches) if devices > 1 else "auto"
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=epochs,
-                        logger=False, enable_checkpointing=False)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=epochs, logger=False, enable_checkpointing=False)
     trainer.fit(model, data(2048, 0), data(256, 1))
     if trainer.is_global_zero:
         print(f"devices={devices} schedule={schedule}: val_loss={float(trainer.callback_metrics['val_loss']):.5f}")
@@ -77,8 +76,15 @@ if __name__ == "__main__":
         # Lightning's launcher re-runs this script in the other ranks; only rank 0 gets here with the
         # trained full model handed back, and compares it with a one-process run.
         reference = Regressor().double()
-        L.Trainer(accelerator="cpu", devices=1, max_epochs=args.epochs, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False).fit(reference, data(2048, 0), data(256, 1))
+        L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=args.epochs,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        ).fit(reference, data(2048, 0), data(256, 1))
         ref, got = reference.state_dict(), pipelined.state_dict()
         worst = max(((ref[k] - got[k]).abs().max() / ref[k].abs().max().clamp(min=1e-30)).item() for k in ref)
         print(f"max relative weight difference to single-process training: {worst:.2e}")

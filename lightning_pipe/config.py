@@ -72,8 +72,9 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, str) or (self.schedule.lower() not in REGISTRY and self.schedule.lower() != AUTO):
-            raise SettingError(f"schedule={self.schedule!r} is not a known schedule; allowed values: {sorted(REGISTRY) + [AUTO]}",
-                               "schedule")
+            raise SettingError(
+                f"schedule={self.schedule!r} is not a known schedule; allowed values: {sorted(REGISTRY) + [AUTO]}", "schedule"
+            )
         self.schedule = self.schedule.lower()
         for name in ("microbatches", "width", "chunks", "waves"):
             check_count(name, getattr(self, name))
@@ -81,17 +82,24 @@ class PipelineConfig:
             check_count("stages", self.stages)
         self.partition = _partition(self.partition)
         if not isinstance(self.slicer, (bool, int)) or (not isinstance(self.slicer, bool) and not 0 <= self.slicer <= self.microbatches):
-            raise SettingError(f"slicer={self.slicer!r}: True (the simulator chooses), False, or a count "
-                               f"0..microbatches={self.microbatches}", "slicer")
+            raise SettingError(
+                f"slicer={self.slicer!r}: True (the simulator chooses), False, or a count 0..microbatches={self.microbatches}", "slicer"
+            )
         if self.slicer and self.schedule in MULTI_CHUNK:
             raise SettingError(f"slicer={self.slicer!r} works with schedule='gpipe' or '1f1b', not {self.schedule!r}", "slicer")
-        if self.memory_limit is not None and (isinstance(self.memory_limit, bool) or not isinstance(self.memory_limit, (int, float))
-                                              or self.memory_limit <= 0):
-            raise SettingError(f"memory_limit={self.memory_limit!r}: bytes per device (> 0) for schedule='auto', "
-                               "or None (the device's memory)", "memory_limit")
+        if self.memory_limit is not None and (
+            isinstance(self.memory_limit, bool) or not isinstance(self.memory_limit, (int, float)) or self.memory_limit <= 0
+        ):
+            raise SettingError(
+                f"memory_limit={self.memory_limit!r}: bytes per device (> 0) for schedule='auto', or None (the device's memory)",
+                "memory_limit",
+            )
         if self.auto and not isinstance(self.partition, str):
-            raise SettingError(f"schedule='auto' plans its own partition for each candidate schedule: partition={self.partition!r} "
-                               f"must be a method name, one of {sorted(PARTITIONERS)}", "partition")
+            raise SettingError(
+                f"schedule='auto' plans its own partition for each candidate schedule: partition={self.partition!r} "
+                f"must be a method name, one of {sorted(PARTITIONERS)}",
+                "partition",
+            )
         for name in ("bandwidth", "latency"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
@@ -164,21 +172,26 @@ class PipelineConfig:
 
     def check_batch_size(self, batch_size: Optional[int], what: str = "the training DataLoader's batch_size") -> None:
         if isinstance(batch_size, int) and batch_size < self.microbatches:
-            raise SettingError(f"{what}={batch_size} is smaller than microbatches={self.microbatches}: "
-                               "use a batch size >= microbatches or fewer micro-batches", "microbatches")
+            raise SettingError(
+                f"{what}={batch_size} is smaller than microbatches={self.microbatches}: "
+                "use a batch size >= microbatches or fewer micro-batches",
+                "microbatches",
+            )
 
 
 def _partition(value: Any) -> PartitionSpec:
     if isinstance(value, str):
         if value not in PARTITIONERS:
-            raise SettingError(f"partition={value!r} is not a known method; allowed: {sorted(PARTITIONERS)} or a list of blocks per stage",
-                               "partition")
+            raise SettingError(
+                f"partition={value!r} is not a known method; allowed: {sorted(PARTITIONERS)} or a list of blocks per stage", "partition"
+            )
         return value
     try:
         sizes = list(value)
     except TypeError:
-        raise SettingError(f"partition={value!r}: a method name ({sorted(PARTITIONERS)}) or a list of blocks per stage",
-                           "partition") from None
+        raise SettingError(
+            f"partition={value!r}: a method name ({sorted(PARTITIONERS)}) or a list of blocks per stage", "partition"
+        ) from None
     if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
         raise SettingError(f"partition={sizes}: a list of blocks per stage must hold integers >= 1, one per stage", "partition")
     return sizes

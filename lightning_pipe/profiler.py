@@ -58,10 +58,19 @@ class Profile:
         if self.num_blocks != num_blocks:
             raise ValueError(f"the profile {self.key} has {self.num_blocks} blocks but the model has {num_blocks}")
 
-    def costs(self, bandwidth: float = math.inf, latency: float = 0.0, slowdown: Sequence[float] = (),
-              cores: Optional[int] = None) -> CostModel:
-        return CostModel(tuple(self.forward), tuple(self.backward), tuple(self.activation_bytes),
-                         tuple(self.param_bytes), bandwidth, latency, tuple(slowdown), cores)
+    def costs(
+        self, bandwidth: float = math.inf, latency: float = 0.0, slowdown: Sequence[float] = (), cores: Optional[int] = None
+    ) -> CostModel:
+        return CostModel(
+            tuple(self.forward),
+            tuple(self.backward),
+            tuple(self.activation_bytes),
+            tuple(self.param_bytes),
+            bandwidth,
+            latency,
+            tuple(slowdown),
+            cores,
+        )
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -83,12 +92,20 @@ class Profile:
         return Profile(**data)
 
     @staticmethod
-    def synthetic(forward: Sequence[float], backward: Optional[Sequence[float]] = None, activation_bytes: float | Sequence[float] = 0.0,
-                  param_bytes: float | Sequence[float] = 0.0, model: str = "synthetic", microbatch_size: int = 1) -> "Profile":
+    def synthetic(
+        forward: Sequence[float],
+        backward: Optional[Sequence[float]] = None,
+        activation_bytes: float | Sequence[float] = 0.0,
+        param_bytes: float | Sequence[float] = 0.0,
+        model: str = "synthetic",
+        microbatch_size: int = 1,
+    ) -> "Profile":
         n = len(forward)
         backward = list(backward) if backward is not None else [2.0 * f for f in forward]
         as_list = lambda v: list(v) if isinstance(v, (list, tuple)) else [float(v)] * n  # noqa: E731
-        return Profile(model, microbatch_size, "synthetic", "synthetic", list(forward), backward, as_list(activation_bytes), as_list(param_bytes))
+        return Profile(
+            model, microbatch_size, "synthetic", "synthetic", list(forward), backward, as_list(activation_bytes), as_list(param_bytes)
+        )
 
 
 def _nbytes(value: Any) -> int:
@@ -169,8 +186,17 @@ def profile_blocks(
     return results
 
 
-def _profile_chain(blocks: Sequence[nn.Module], sample: Any, device: torch.device, wanted: set[int], repeats: int, warmup: int,
-                   context: Callable[[], Any], loss_fn: Optional[Callable[[Any], Tensor]], inflight: int) -> dict[int, dict[str, float]]:
+def _profile_chain(
+    blocks: Sequence[nn.Module],
+    sample: Any,
+    device: torch.device,
+    wanted: set[int],
+    repeats: int,
+    warmup: int,
+    context: Callable[[], Any],
+    loss_fn: Optional[Callable[[Any], Tensor]],
+    inflight: int,
+) -> dict[int, dict[str, float]]:
     if not wanted:
         return {}
     first, last = min(wanted), max(wanted)
@@ -182,7 +208,7 @@ def _profile_chain(blocks: Sequence[nn.Module], sample: Any, device: torch.devic
             x = block(_to(x, device))
         block.to(home)
     x = _to(x, device)
-    chain = list(blocks[first:last + 1])
+    chain = list(blocks[first : last + 1])
     homes = [next((p.device for p in b.parameters()), device) for b in chain]
     for b in chain:
         b.to(device)
@@ -238,10 +264,17 @@ def _profile_chain(blocks: Sequence[nn.Module], sample: Any, device: torch.devic
                 b.zero_grad(set_to_none=True)  # gradients accumulate over a round, as over a step
     for b, home in zip(chain, homes):
         b.to(home)
-    return {first + j: {"forward": statistics.median(fwd[j]), "backward": statistics.median(bwd[j]),
-                        "activation_bytes": float(out_bytes[j]), "param_bytes": float(sum(p.numel() * p.element_size() for p in chain[j].parameters())),
-                        "peak_memory": peak[j]}
-            for j in range(n) if first + j in wanted}
+    return {
+        first + j: {
+            "forward": statistics.median(fwd[j]),
+            "backward": statistics.median(bwd[j]),
+            "activation_bytes": float(out_bytes[j]),
+            "param_bytes": float(sum(p.numel() * p.element_size() for p in chain[j].parameters())),
+            "peak_memory": peak[j],
+        }
+        for j in range(n)
+        if first + j in wanted
+    }
 
 
 def _input_grads(out: Any, leaf: Any) -> list[Tensor]:
@@ -249,8 +282,11 @@ def _input_grads(out: Any, leaf: Any) -> list[Tensor]:
     next block's input leaves: position by position, zeros where the next block did not use one."""
     outs = out if isinstance(out, (tuple, list)) else (out,)
     leaves = leaf if isinstance(leaf, (tuple, list)) else (leaf,)
-    return [lf.grad if isinstance(lf, Tensor) and lf.grad is not None else torch.zeros_like(o)
-            for o, lf in zip(outs, leaves) if isinstance(o, Tensor) and o.requires_grad]
+    return [
+        lf.grad if isinstance(lf, Tensor) and lf.grad is not None else torch.zeros_like(o)
+        for o, lf in zip(outs, leaves)
+        if isinstance(o, Tensor) and o.requires_grad
+    ]
 
 
 def _to(value: Any, device: torch.device) -> Any:
@@ -261,8 +297,9 @@ def _to(value: Any, device: torch.device) -> Any:
     return value
 
 
-def _measure(block: nn.Module, x: Any, device: torch.device, repeats: int, warmup: int,
-             loss_fn: Optional[Callable[[Any], Tensor]] = None) -> dict[str, float]:
+def _measure(
+    block: nn.Module, x: Any, device: torch.device, repeats: int, warmup: int, loss_fn: Optional[Callable[[Any], Tensor]] = None
+) -> dict[str, float]:
     fwd, bwd = [], []
     out = None
     if device.type == "cuda":
@@ -286,5 +323,10 @@ def _measure(block: nn.Module, x: Any, device: torch.device, repeats: int, warmu
             bwd.append(t2 - t1)
     peak = float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0.0
     params = sum(p.numel() * p.element_size() for p in block.parameters())
-    return {"forward": statistics.median(fwd), "backward": statistics.median(bwd),
-            "activation_bytes": float(_nbytes(out)), "param_bytes": float(params), "peak_memory": peak}
+    return {
+        "forward": statistics.median(fwd),
+        "backward": statistics.median(bwd),
+        "activation_bytes": float(_nbytes(out)),
+        "param_bytes": float(params),
+        "peak_memory": peak,
+    }

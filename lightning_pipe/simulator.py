@@ -122,8 +122,9 @@ class Timeline:
         return [e for e in self.events if e.action.op.is_compute and (rank is None or e.rank == rank)]
 
 
-def chunk_costs(costs: CostModel, bounds: Sequence[tuple[int, int]],
-                ranks: Optional[Sequence[int]] = None) -> tuple[list[float], list[float], list[float]]:
+def chunk_costs(
+    costs: CostModel, bounds: Sequence[tuple[int, int]], ranks: Optional[Sequence[int]] = None
+) -> tuple[list[float], list[float], list[float]]:
     """Forward / backward time and boundary communication time of each chunk (block range).
 
     ``comm[c]`` is a message across the boundary after chunk c, either way: chunk c's activation
@@ -185,8 +186,14 @@ def input_source(schedule: PipelineSchedule, a: Action, r: int) -> Optional[tupl
     return (True, (Op.BACKWARD, c + 1, mb)) if schedule.chunk_rank[c + 1] == r else (False, ("grad", c + 1, mb))
 
 
-def trace_critical_path(end: Sequence[float], rank: Sequence[int], free: Sequence[float], ready: Sequence[float],
-                        producer: Sequence[Optional[int]], previous: Sequence[Optional[int]]) -> list[int]:
+def trace_critical_path(
+    end: Sequence[float],
+    rank: Sequence[int],
+    free: Sequence[float],
+    ready: Sequence[float],
+    producer: Sequence[Optional[int]],
+    previous: Sequence[Optional[int]],
+) -> list[int]:
     """The critical path as compute indices, first to last: from the compute that ends last (ties:
     the later rank, then the lowest index) back through what each one waited for last, which is
     the producer of its input when that set the start (its input was ready no earlier than its rank
@@ -206,8 +213,9 @@ def trace_critical_path(end: Sequence[float], rank: Sequence[int], free: Sequenc
     return path[::-1]
 
 
-def master_stage(path: Sequence[int], rank: Sequence[int], forward: Sequence[bool], start: Sequence[float],
-                 end: Sequence[float]) -> Optional[int]:
+def master_stage(
+    path: Sequence[int], rank: Sequence[int], forward: Sequence[bool], start: Sequence[float], end: Sequence[float]
+) -> Optional[int]:
     """AutoPipe's master stage: the stage the critical path runs along in the 1F1B phase, i.e. where
     it takes a backward and a forward back to back on one rank most often; nearest the last stage on
     ties. With no such turn (GPipe-like paths, forward only), the rank of the longest compute on
@@ -227,8 +235,7 @@ class _Run:
     alike: a compute's work, a send, a compute's completion, and the finished `Timeline`. They
     differ only in when a compute ends."""
 
-    def __init__(self, schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tuple[int, int]],
-                 scale: Optional[Sequence[float]]):
+    def __init__(self, schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tuple[int, int]], scale: Optional[Sequence[float]]):
         self.schedule, self.costs, self.bounds, self.scale = schedule, costs, bounds, scale
         self.fwd, self.bwd, self.comm = chunk_costs(costs, bounds, schedule.chunk_rank)
         ranks = schedule.num_ranks
@@ -303,8 +310,13 @@ class _Run:
         return timeline
 
 
-def simulate(schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tuple[int, int]], critical_path: bool = True,
-             scale: Optional[Sequence[float]] = None) -> Timeline:
+def simulate(
+    schedule: PipelineSchedule,
+    costs: CostModel,
+    bounds: Sequence[tuple[int, int]],
+    critical_path: bool = True,
+    scale: Optional[Sequence[float]] = None,
+) -> Timeline:
     """Replay `schedule` with chunk c holding blocks ``bounds[c]`` (half-open ranges).
 
     ``scale[i]`` is micro-batch i's size relative to the profiled one (0.5 for a half from the
@@ -351,7 +363,9 @@ def _simulate_shared(run: _Run, critical_path: bool) -> Timeline:
     schedule, cores = run.schedule, run.costs.cores
     ranks, clock, pointer = schedule.num_ranks, run.clock, run.pointer
     running: dict[int, tuple[float, float, Action, Optional[int], float]] = {}  # rank -> (V at end, start, action, producer, ready)
-    starts: dict[int, tuple[float, Action, Optional[int], float, float]] = {}  # rank -> (start, action, producer, ready, work): input in flight
+    starts: dict[
+        int, tuple[float, Action, Optional[int], float, float]
+    ] = {}  # rank -> (start, action, producer, ready, work): input in flight
     now = virtual = 0.0
     while run.remaining or running:
         # at `now`: let every free rank issue its sends and start what it can, until nothing moves

@@ -24,8 +24,7 @@ class Topology:
         if self.world_size % self.width:
             divisors = [w for w in range(1, self.world_size + 1) if self.world_size % w == 0]
             raise ValueError(
-                f"width={self.width} does not divide the world size {self.world_size} (devices x nodes); "
-                f"allowed widths: {divisors}"
+                f"width={self.width} does not divide the world size {self.world_size} (devices x nodes); allowed widths: {divisors}"
             )
 
     @property

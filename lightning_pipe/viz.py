@@ -45,10 +45,17 @@ def gantt(timeline: Timeline, path: str | Path, title: Optional[str] = None, sho
     ax.set_yticklabels([f"rank {r}" for r in reversed(range(ranks))])
     ax.set_xlabel(f"time ({unit})")
     ax.set_xlim(0, timeline.iteration_time * scale)
-    ax.set_title(title or f"{timeline.schedule.name}: {ranks} ranks, m={timeline.schedule.num_microbatches}, "
-                 f"iteration {timeline.iteration_time * scale:.3g} {unit}, bubble {timeline.bubble_ratio:.1%}")
-    handles = [Patch(color=COLOURS[Op.FORWARD], label="forward"), Patch(color=COLOURS[Op.BACKWARD], label="backward"),
-               Patch(color=COLOURS["comm"], label="send"), Patch(color=COLOURS["idle"], label="idle")]
+    ax.set_title(
+        title
+        or f"{timeline.schedule.name}: {ranks} ranks, m={timeline.schedule.num_microbatches}, "
+        f"iteration {timeline.iteration_time * scale:.3g} {unit}, bubble {timeline.bubble_ratio:.1%}"
+    )
+    handles = [
+        Patch(color=COLOURS[Op.FORWARD], label="forward"),
+        Patch(color=COLOURS[Op.BACKWARD], label="backward"),
+        Patch(color=COLOURS["comm"], label="send"),
+        Patch(color=COLOURS["idle"], label="idle"),
+    ]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, frameon=False, fontsize=8)
     fig.tight_layout()
     path = Path(path)
@@ -64,13 +71,19 @@ def chrome_trace(timeline: Timeline, path: str | Path) -> Path:
     for e in timeline.events:
         if not (e.action.op.is_compute or e.action.op.is_send):
             continue
-        events.append({
-            "name": f"{e.action.op.value}{e.action.microbatch}" + (f" c{e.action.chunk}" if timeline.schedule.num_chunks != timeline.schedule.num_ranks else ""),
-            "cat": "compute" if e.action.op.is_compute else "comm",
-            "ph": "X", "pid": e.rank, "tid": 0 if e.action.op.is_compute else 1,
-            "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6,
-            "args": {"chunk": e.action.chunk, "microbatch": e.action.microbatch},
-        })
+        events.append(
+            {
+                "name": f"{e.action.op.value}{e.action.microbatch}"
+                + (f" c{e.action.chunk}" if timeline.schedule.num_chunks != timeline.schedule.num_ranks else ""),
+                "cat": "compute" if e.action.op.is_compute else "comm",
+                "ph": "X",
+                "pid": e.rank,
+                "tid": 0 if e.action.op.is_compute else 1,
+                "ts": e.start * 1e6,
+                "dur": (e.end - e.start) * 1e6,
+                "args": {"chunk": e.action.chunk, "microbatch": e.action.microbatch},
+            }
+        )
     meta = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in range(timeline.schedule.num_ranks)]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

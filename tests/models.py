@@ -79,8 +79,16 @@ def tied_blocks(vocab: int = 11, width: int = 8, mixes: int = 3) -> nn.Sequentia
 class LitSeq(L.LightningModule):
     """A user's module: one nn.Sequential, a loss, logging, AdamW with an LR scheduler."""
 
-    def __init__(self, blocks: int = 6, width: int = 8, lr: float = 1e-2, dtype: str = "float64", masked: bool = False,
-                 seed: int = 0, tied: bool = False):
+    def __init__(
+        self,
+        blocks: int = 6,
+        width: int = 8,
+        lr: float = 1e-2,
+        dtype: str = "float64",
+        masked: bool = False,
+        seed: int = 0,
+        tied: bool = False,
+    ):
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(seed)
@@ -115,8 +123,9 @@ class LitSeq(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def dataset(n: int = 46, width: int = 8, dtype: torch.dtype = torch.float64, masked: bool = False, seed: int = 1,
-            tied: bool = False) -> TensorDataset:
+def dataset(
+    n: int = 46, width: int = 8, dtype: torch.dtype = torch.float64, masked: bool = False, seed: int = 1, tied: bool = False
+) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     if tied:
         return TensorDataset(torch.randint(0, 11, (n, 4), generator=g), torch.randint(0, 11, (n,), generator=g))
@@ -132,8 +141,15 @@ def loader(batch_size: int = 10, **kwargs) -> DataLoader:
 
 
 def trainer_kwargs(**overrides):
-    kw = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-              enable_model_summary=False, max_steps=4, num_sanity_val_steps=0)
+    kw = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_steps=4,
+        num_sanity_val_steps=0,
+    )
     kw.update(overrides)
     return kw
 

@@ -18,8 +18,14 @@ MULTI = [("interleaved", {"chunks": 2}), ("wave", {"waves": 1}), ("wave", {"wave
 
 def random_costs(rng: random.Random, n: int) -> CostModel:
     f = [rng.uniform(0.1, 1.0) for _ in range(n)]
-    return CostModel(tuple(f), tuple(x * rng.uniform(1.5, 3.0) for x in f), activation_bytes=(1.0,) * n,
-                     param_bytes=tuple(rng.uniform(1, 10) for _ in range(n)), bandwidth=10.0, latency=0.01)
+    return CostModel(
+        tuple(f),
+        tuple(x * rng.uniform(1.5, 3.0) for x in f),
+        activation_bytes=(1.0,) * n,
+        param_bytes=tuple(rng.uniform(1, 10) for _ in range(n)),
+        bandwidth=10.0,
+        latency=0.01,
+    )
 
 
 def simulated(costs, schedule, options, ranks, m, bounds):
@@ -116,8 +122,11 @@ def test_auto_bad_settings_are_clear_errors():
         choose_schedule(costs, 2, 4, memory_limit=1000)
     with pytest.raises(ValueError, match=r"memory_limit=-1: a number of bytes > 0"):
         choose_schedule(costs, 2, 4, memory_limit=-1)
-    with pytest.raises(ValueError, match=r"schedule='wave' with waves=4 on 2 ranks cuts the model into 2 x 2 x 4 = 16 chunks, "
-                                         r"more than its 8 blocks: use waves <= 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"schedule='wave' with waves=4 on 2 ranks cuts the model into 2 x 2 x 4 = 16 chunks, "
+        r"more than its 8 blocks: use waves <= 2",
+    ):
         plan(costs, 2, 4, schedule="wave", options={"waves": 4})
     with pytest.raises(ValueError, match=r"schedule='1f1b' takes no option \['chunks'\]"):
         plan(costs, 2, 4, schedule="1f1b", options={"chunks": 2})

@@ -17,10 +17,16 @@ from lightning_pipe import AutoPipeStrategy
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(schedule="zigzag"), r"schedule='zigzag' is not a known schedule; allowed values: \['1f1b', 'gpipe', 'interleaved', 'wave', 'auto'\]"),
+        (
+            dict(schedule="zigzag"),
+            r"schedule='zigzag' is not a known schedule; allowed values: \['1f1b', 'gpipe', 'interleaved', 'wave', 'auto'\]",
+        ),
         (dict(microbatches=0), r"microbatches=0: .* integer >= 1"),
         (dict(width=0), r"width=0: .* integer >= 1"),
-        (dict(partition="magic"), r"partition='magic' is not a known method; allowed: \['autopipe', 'dp', 'exhaustive', 'parameters', 'uniform'\]"),
+        (
+            dict(partition="magic"),
+            r"partition='magic' is not a known method; allowed: \['autopipe', 'dp', 'exhaustive', 'parameters', 'uniform'\]",
+        ),
         (dict(slicer=9, microbatches=4), r"slicer=9: True \(the simulator chooses\), False, or a count 0..microbatches=4"),
         (dict(partition=[2, 0, 4]), r"partition=\[2, 0, 4\]: a list of blocks per stage must hold integers >= 1"),
         (dict(start_method="thread"), r"start_method='thread'; allowed values"),
@@ -81,13 +87,25 @@ def test_more_stages_than_blocks():
 
 
 def test_waves_that_do_not_fit_the_model():
-    fails_before_spawn(LitSeq(), 2, r"schedule='wave' with waves=2 on 2 ranks cuts the model into 2 x 2 x 2 = 8 chunks, "
-                       r"more than its 6 blocks: use waves <= 1", schedule="wave", waves=2)
+    fails_before_spawn(
+        LitSeq(),
+        2,
+        r"schedule='wave' with waves=2 on 2 ranks cuts the model into 2 x 2 x 2 = 8 chunks, "
+        r"more than its 6 blocks: use waves <= 1",
+        schedule="wave",
+        waves=2,
+    )
 
 
 def test_more_interleaved_chunks_than_blocks():
-    fails_before_spawn(LitSeq(), 2, r"schedule='interleaved' with chunks=4 on 2 ranks cuts the model into 8 chunks, more "
-                       r"than its 6 blocks: use chunks <= 3", schedule="interleaved", chunks=4)
+    fails_before_spawn(
+        LitSeq(),
+        2,
+        r"schedule='interleaved' with chunks=4 on 2 ranks cuts the model into 8 chunks, more "
+        r"than its 6 blocks: use chunks <= 3",
+        schedule="interleaved",
+        chunks=4,
+    )
 
 
 def test_microbatches_interleaved_cannot_use():
@@ -127,5 +145,4 @@ def test_saved_profile_must_match_the_model(tmp_path):
     from lightning_pipe.profiler import Profile
 
     path = Profile.synthetic([1.0] * 4).save(tmp_path / "profile.json")
-    fails_before_spawn(LitSeq(), 2, r"the profile synthetic-mbs1-synthetic-synthetic has 4 blocks but the model has 6",
-                       profile=str(path))
+    fails_before_spawn(LitSeq(), 2, r"the profile synthetic-mbs1-synthetic-synthetic has 4 blocks but the model has 6", profile=str(path))

@@ -19,14 +19,21 @@ from lightning_pipe.models import count_parameters
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
 PAPER = {"gpt2-345m": 345e6, "gpt2-762m": 762e6, "gpt2-1.3b": 1314e6, "bert-large": 340e6}
-FAST = ["trainer.max_steps=5", "trainer.log_every_n_steps=1", "trainer.val_check_interval=5", "trainer.limit_val_batches=2", "data.max_bytes=300000"]
+FAST = [
+    "trainer.max_steps=5",
+    "trainer.log_every_n_steps=1",
+    "trainer.val_check_interval=5",
+    "trainer.limit_val_batches=2",
+    "data.max_bytes=300000",
+]
 
 
 def cli(args, cwd, timeout=200):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("LOCAL_RANK", None)
-    return subprocess.run([sys.executable, "-m", "lightning_pipe.train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_pipe.train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_recipes_are_the_documented_set():
@@ -70,8 +77,18 @@ def test_tiny_recipe_trains_5_steps_on_2_processes(tmp_path):
 @pytest.mark.multiprocess
 def test_multirun_puts_each_job_in_its_own_folder(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = cli(["-m", "pipeline.schedule=gpipe,1f1b", *FAST, "trainer.max_steps=3", f"hydra.sweep.dir={sweep}",
-                "hydra.sweep.subdir=${hydra.job.num}"], tmp_path, timeout=280)
+    proc = cli(
+        [
+            "-m",
+            "pipeline.schedule=gpipe,1f1b",
+            *FAST,
+            "trainer.max_steps=3",
+            f"hydra.sweep.dir={sweep}",
+            "hydra.sweep.subdir=${hydra.job.num}",
+        ],
+        tmp_path,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for job, schedule in [("0", "gpipe"), ("1", "1f1b")]:
         assert f"schedule: {schedule}" in (sweep / job / "config_resolved.yaml").read_text()
@@ -135,7 +152,9 @@ def test_devices_that_do_not_fit_the_pipeline(tmp_path):
 
 def plan_cli(args, cwd):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "lightning_pipe.plan", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_pipe.plan", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.multiprocess
@@ -160,8 +179,10 @@ def test_plan_command_from_a_saved_profile_and_bad_profiles(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "dp plan, 1f1b, 2 stages" in proc.stdout
     bad = tmp_path / "bad.json"
-    bad.write_text('{"model": "m", "microbatch_size": 1, "dtype": "f", "device": "cpu", "forward": [-1.0], '
-                   '"backward": [1.0], "activation_bytes": [0], "param_bytes": [0]}')
+    bad.write_text(
+        '{"model": "m", "microbatch_size": 1, "dtype": "f", "device": "cpu", "forward": [-1.0], '
+        '"backward": [1.0], "activation_bytes": [0], "param_bytes": [0]}'
+    )
     proc = plan_cli([f"pipeline.profile={bad}", f"hydra.run.dir={tmp_path / 'q'}"], tmp_path)
     assert proc.returncode == 2 and "error: profile: forward must hold finite numbers >= 0" in proc.stderr
 
@@ -170,8 +191,10 @@ def test_plan_command_from_a_saved_profile_and_bad_profiles(tmp_path):
 def test_plan_command_chooses_a_schedule(tmp_path):
     import json
 
-    proc = plan_cli(["recipe=gpt2-345m", "pipeline.stages=4", "pipeline.microbatches=8", "pipeline.schedule=auto",
-                     f"hydra.run.dir={tmp_path / 'p'}"], tmp_path)
+    proc = plan_cli(
+        ["recipe=gpt2-345m", "pipeline.stages=4", "pipeline.microbatches=8", "pipeline.schedule=auto", f"hydra.run.dir={tmp_path / 'p'}"],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((tmp_path / "p" / "plan.json").read_text())
     candidates = summary["schedule_choice"]["candidates"]
@@ -194,8 +217,17 @@ def test_plan_command_dumps_the_schedule_it_planned(tmp_path):
     from lightning_pipe.schedules import build_schedule
     from lightning_pipe.schedules.text import load
 
-    proc = plan_cli(["recipe=gpt-tiny-cpu", "partition=dp", "schedule=wave", "pipeline.microbatches=4", "--dump-schedule",
-                     f"hydra.run.dir={tmp_path / 'p'}"], tmp_path)
+    proc = plan_cli(
+        [
+            "recipe=gpt-tiny-cpu",
+            "partition=dp",
+            "schedule=wave",
+            "pipeline.microbatches=4",
+            "--dump-schedule",
+            f"hydra.run.dir={tmp_path / 'p'}",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     saved = (tmp_path / "p" / "schedule.txt").read_text()
     assert saved in proc.stdout

@@ -109,8 +109,13 @@ def test_checks_that_need_the_world_and_the_model():
 
 
 @settings(max_examples=60, deadline=None)
-@given(name=st.sampled_from(sorted(REGISTRY)), stages=st.integers(1, 5), per_stage=st.integers(1, 3),
-       option=st.integers(1, 3), blocks=st.integers(1, 40))
+@given(
+    name=st.sampled_from(sorted(REGISTRY)),
+    stages=st.integers(1, 5),
+    per_stage=st.integers(1, 3),
+    option=st.integers(1, 3),
+    blocks=st.integers(1, 40),
+)
 def test_spec_counts_chunks_as_the_built_schedule_does(name, stages, per_stage, option, blocks):
     spec = ScheduleSpec.from_settings(name, {"chunks": option, "waves": option})
     built = spec.build(stages, stages * per_stage)

@@ -61,6 +61,8 @@ def test_plain_script_with_lightnings_launcher(tmp_path):
 def test_torchrun(tmp_path):
     (tmp_path / "train.py").write_text(SCRIPT)
     out = tmp_path / "weights.pt"
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-         "train.py", str(out)], tmp_path)
+    run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", "train.py", str(out)],
+        tmp_path,
+    )
     assert max_rel_diff(reference(), torch.load(out)) <= 1e-10

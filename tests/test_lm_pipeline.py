@@ -54,10 +54,17 @@ def test_language_model_with_tied_embedding_equals_single_process(cls, data, par
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
 
 
-@pytest.mark.parametrize("devices,schedule,options,m,layers", [
-    (2, "wave", dict(waves=1), 2, 4), (2, "wave", dict(waves=2), 4, 4), (2, "interleaved", dict(chunks=2), 4, 4),
-    (4, "wave", dict(waves=1), 4, 4), (4, "wave", dict(waves=2), 4, 7), (4, "interleaved", dict(chunks=2), 4, 4),
-])
+@pytest.mark.parametrize(
+    "devices,schedule,options,m,layers",
+    [
+        (2, "wave", dict(waves=1), 2, 4),
+        (2, "wave", dict(waves=2), 4, 4),
+        (2, "interleaved", dict(chunks=2), 4, 4),
+        (4, "wave", dict(waves=1), 4, 4),
+        (4, "wave", dict(waves=2), 4, 7),
+        (4, "interleaved", dict(chunks=2), 4, 4),
+    ],
+)
 def test_multichunk_schedules_with_tied_embedding_equal_single_process(devices, schedule, options, m, layers):
     cfg = dict(CFG, n_layer=layers)  # 2 * layers + 2 blocks: room for 2 x ranks x waves chunks
     torch.manual_seed(0)

@@ -37,4 +37,6 @@ def test_inconsistent_batch_dimension_is_a_clear_error():
 
 
 def test_signature_tracks_shapes():
-    assert signature((torch.zeros(2, 3), torch.zeros(2, dtype=torch.long))) != signature((torch.zeros(2, 4), torch.zeros(2, dtype=torch.long)))
+    assert signature((torch.zeros(2, 3), torch.zeros(2, dtype=torch.long))) != signature(
+        (torch.zeros(2, 4), torch.zeros(2, dtype=torch.long))
+    )

@@ -38,6 +38,7 @@ TINY = ModelConfig(vocab_size=23, n_layer=2, n_head=2, d_model=8, max_seq_len=12
 
 # ---------------------------------------------------------------- reference math, written out
 
+
 def ref_layer_norm(x, w, b, eps=1e-5):
     mu = x.sum(-1, keepdim=True) / x.shape[-1]
     var = ((x - mu) ** 2).sum(-1, keepdim=True) / x.shape[-1]
@@ -63,7 +64,7 @@ def ref_attention(x, p, n_head, causal, mask=None):
     B, T, d = x.shape
     hd = d // n_head
     qkv = ref_linear(x, p["qkv.weight"], p["qkv.bias"])
-    q, k, v = qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:]
+    q, k, v = qkv[..., :d], qkv[..., d : 2 * d], qkv[..., 2 * d :]
     heads = []
     for h in range(n_head):
         sl = slice(h * hd, (h + 1) * hd)
@@ -71,7 +72,7 @@ def ref_attention(x, p, n_head, causal, mask=None):
         m = torch.zeros(B, T, T, dtype=x.dtype)
         if causal:
             for i in range(T):
-                m[:, i, i + 1:] = -math.inf
+                m[:, i, i + 1 :] = -math.inf
         if mask is not None:
             m = m.masked_fill((mask == 0)[:, None, :].expand(B, T, T), -math.inf)
         heads.append(ref_softmax(s + m) @ v[..., sl])
@@ -79,7 +80,7 @@ def ref_attention(x, p, n_head, causal, mask=None):
 
 
 def ref_attention_block(x, p, n_head, causal, mask=None):
-    a = {k[len("attn."):]: v for k, v in p.items() if k.startswith("attn.")}
+    a = {k[len("attn.") :]: v for k, v in p.items() if k.startswith("attn.")}
     return x + ref_attention(ref_layer_norm(x, p["ln.weight"], p["ln.bias"]), a, n_head, causal, mask)
 
 
@@ -108,6 +109,7 @@ def ref_mlm_head(x, p):
 
 
 # ---------------------------------------------------------------- helpers
+
 
 def randomize(module, seed=0):
     """Non-trivial values everywhere (LayerNorm gains/biases too), float64."""
@@ -162,6 +164,7 @@ def padding_mask(B=3, T=7):
 
 # ---------------------------------------------------------------- blocks = reference math
 
+
 @pytest.mark.parametrize("norm", [False, True], ids=["gpt", "bert"])
 def test_embedding_matches_reference(norm):
     block = randomize(Embedding(23, 8, 12, norm=norm))
@@ -184,17 +187,13 @@ def test_causal_attention_block_matches_reference(recompute):
 def test_masked_attention_block_matches_reference(recompute):
     block = randomize(ResidualAttentionBlock(8, 2, causal=False, recompute=recompute))
     x, mask = hidden(), padding_mask()
-    check_against_reference(
-        block, lambda xm, p: ref_attention_block(xm[0], p, 2, causal=False, mask=xm[1]), (x, mask), float_input=x
-    )
+    check_against_reference(block, lambda xm, p: ref_attention_block(xm[0], p, 2, causal=False, mask=xm[1]), (x, mask), float_input=x)
 
 
 def test_causal_attention_with_padding_matches_reference():
     block = randomize(ResidualAttentionBlock(8, 2, causal=True))
     x, mask = hidden(), padding_mask()
-    check_against_reference(
-        block, lambda xm, p: ref_attention_block(xm[0], p, 2, causal=True, mask=xm[1]), (x, mask), float_input=x
-    )
+    check_against_reference(block, lambda xm, p: ref_attention_block(xm[0], p, 2, causal=True, mask=xm[1]), (x, mask), float_input=x)
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -212,9 +211,7 @@ def test_heads_match_reference():
     x = hidden()
     check_against_reference(randomize(LMHead(8, weight)), ref_lm_head, x, float_input=x)
     x2 = hidden(seed=3)
-    check_against_reference(
-        randomize(MLMHead(8, weight)), lambda xm, p: ref_mlm_head(xm[0], p), (x2, padding_mask()), float_input=x2
-    )
+    check_against_reference(randomize(MLMHead(8, weight)), lambda xm, p: ref_mlm_head(xm[0], p), (x2, padding_mask()), float_input=x2)
 
 
 def test_whole_gpt_matches_reference_composition():
@@ -223,7 +220,7 @@ def test_whole_gpt_matches_reference_composition():
     p = dict(model.named_parameters(remove_duplicate=False))
 
     def sub(i):
-        return {k[len(f"{i}."):]: v for k, v in p.items() if k.startswith(f"{i}.")}
+        return {k[len(f"{i}.") :]: v for k, v in p.items() if k.startswith(f"{i}.")}
 
     h = ref_embedding(ids, sub(0), norm=False)
     for layer in range(TINY.n_layer):
@@ -233,6 +230,7 @@ def test_whole_gpt_matches_reference_composition():
 
 
 # ---------------------------------------------------------------- masks
+
 
 def test_gpt_is_causal():
     model = randomize(build_gpt(TINY)).eval()
@@ -271,6 +269,7 @@ def test_bert_activations_carry_the_mask_and_an_all_padding_row_stays_finite():
 
 
 # ---------------------------------------------------------------- tied embedding
+
 
 @pytest.mark.parametrize("build", [build_gpt, build_bert])
 def test_head_weight_is_the_embedding_weight(build):
@@ -321,6 +320,7 @@ def test_training_step_updates_the_tied_weight_once():
 
 
 # ---------------------------------------------------------------- recomputation
+
 
 @pytest.mark.parametrize("build", [build_gpt, build_bert])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
@@ -383,6 +383,7 @@ def test_sequence_longer_than_positions_is_refused():
 
 # ---------------------------------------------------------------- LightningModules
 
+
 def test_warmup_cosine_schedule():
     f = lambda s: warmup_cosine(s, warmup_steps=4, max_steps=14, min_lr_ratio=0.1)  # noqa: E731
     assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
@@ -410,7 +411,7 @@ def mlm_batches(n=2, B=4, T=16, masked=3, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 256, (n * B, T), generator=g)
     mask = torch.ones(n * B, T, dtype=torch.int64)
-    mask[::2, T - 4:] = 0
+    mask[::2, T - 4 :] = 0
     ids[mask == 0] = PAD_ID
     labels = torch.full((n * B, T), -100)
     for b in range(n * B):
@@ -421,8 +422,9 @@ def mlm_batches(n=2, B=4, T=16, masked=3, seed=0):
 
 
 def fit_fast(lit, batches):
-    trainer = L.Trainer(fast_dev_run=True, accelerator="cpu", devices=1, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        fast_dev_run=True, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
     trainer.fit(lit, batches, batches)
     return trainer
 
@@ -469,8 +471,16 @@ def test_masked_lm_loss_is_the_mean_over_samples_when_counts_are_equal():
 def test_checkpoint_round_trip_keeps_config_and_tying(tmp_path):
     torch.manual_seed(0)
     lit = CausalLM(TINY, lr=2e-3)
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer = L.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     data = DataLoader(TensorDataset(torch.randint(0, 23, (2, 5)), torch.randint(0, 23, (2, 5))), batch_size=2)
     trainer.fit(lit, data)
     path = tmp_path / "lm.ckpt"

@@ -99,10 +99,16 @@ def train(rank, world, name, options, m):
     return {k: v for k, v in model.state_dict().items() if int(k.split(".")[0]) in mine}
 
 
-@pytest.mark.parametrize("world,name,options,m", [
-    (2, "wave", dict(waves=1), 2), (2, "wave", dict(waves=2), 4), (4, "wave", dict(waves=1), 4),
-    (2, "interleaved", dict(chunks=2), 4), (4, "interleaved", dict(chunks=2), 4),
-])
+@pytest.mark.parametrize(
+    "world,name,options,m",
+    [
+        (2, "wave", dict(waves=1), 2),
+        (2, "wave", dict(waves=2), 4),
+        (4, "wave", dict(waves=1), 4),
+        (2, "interleaved", dict(chunks=2), 4),
+        (4, "interleaved", dict(chunks=2), 4),
+    ],
+)
 @pytest.mark.multiprocess
 def test_multichunk_runtime_equals_single_process(world, name, options, m):
     got = {}

@@ -37,8 +37,11 @@ def cases(draw):
     backward = tuple(draw(st.lists(times, min_size=n, max_size=n)))
     kwargs = {}
     if draw(st.booleans()):
-        kwargs.update(activation_bytes=tuple(draw(st.lists(times, min_size=n, max_size=n))),
-                      bandwidth=draw(st.floats(0.1, 100.0)), latency=draw(st.one_of(st.just(0.0), st.floats(0.0, 1.0))))
+        kwargs.update(
+            activation_bytes=tuple(draw(st.lists(times, min_size=n, max_size=n))),
+            bandwidth=draw(st.floats(0.1, 100.0)),
+            latency=draw(st.one_of(st.just(0.0), st.floats(0.0, 1.0))),
+        )
     if draw(st.booleans()):
         kwargs["slowdown"] = tuple(draw(st.lists(st.floats(0.25, 4.0), min_size=p, max_size=p)))
     if p > 1 and draw(st.integers(0, 9)) == 0:

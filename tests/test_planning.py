@@ -34,8 +34,12 @@ def random_costs(rng: random.Random, n: int, messages: str = "same") -> CostMode
         return CostModel(tuple(f), tuple(b), param_bytes=tuple(rng.uniform(1, 10) for _ in range(n)))
     sizes = (1.0,) * n if messages == "same" else tuple(rng.uniform(0.0, 1.0) for _ in range(n))
     return CostModel(
-        tuple(f), tuple(b), activation_bytes=sizes, param_bytes=tuple(rng.uniform(1, 10) for _ in range(n)),
-        bandwidth=rng.uniform(1.0, 20.0), latency=rng.uniform(0.0, 0.05),
+        tuple(f),
+        tuple(b),
+        activation_bytes=sizes,
+        param_bytes=tuple(rng.uniform(1, 10) for _ in range(n)),
+        bandwidth=rng.uniform(1.0, 20.0),
+        latency=rng.uniform(0.0, 0.05),
     )
 
 
@@ -67,7 +71,9 @@ def test_replay_equals_simulate():
         b = [rng.choice([0.0, 2.0, 3 * rng.random()]) for _ in range(n)]
         kwargs = {}
         if rng.random() < 0.5:
-            kwargs = dict(activation_bytes=tuple(rng.random() for _ in range(n)), bandwidth=rng.uniform(0.5, 5), latency=rng.uniform(0, 0.2))
+            kwargs = dict(
+                activation_bytes=tuple(rng.random() for _ in range(n)), bandwidth=rng.uniform(0.5, 5), latency=rng.uniform(0, 0.2)
+            )
         if rng.random() < 0.3:
             kwargs["slowdown"] = tuple(rng.uniform(0.5, 2) for _ in range(p))
         costs = CostModel(tuple(f), tuple(b), **kwargs)
@@ -274,7 +280,10 @@ def test_plan_without_kinds_or_param_bytes():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(method="greedy"), r"method='greedy' is not a known partitioner; allowed values: \['autopipe', 'dp', 'exhaustive', 'parameters', 'uniform'\]"),
+        (
+            dict(method="greedy"),
+            r"method='greedy' is not a known partitioner; allowed values: \['autopipe', 'dp', 'exhaustive', 'parameters', 'uniform'\]",
+        ),
         (dict(stages=0), r"stages=0: must be an integer >= 1"),
         (dict(stages=2.0), r"stages=2.0: must be an integer >= 1"),
         (dict(microbatches=0), r"microbatches=0: must be an integer >= 1"),
@@ -282,8 +291,10 @@ def test_plan_without_kinds_or_param_bytes():
         (dict(schedule="zigzag"), r"schedule='zigzag' is not a known schedule"),
         (dict(kinds=["ffn"] * 5), r"kinds has 5 entries for 6 blocks"),
         (dict(method="parameters"), r"method='parameters' balances parameter bytes, but the cost model has no param_bytes"),
-        (dict(method="uniform", kinds=["embedding", "attention", "ffn", "attention", "ffn", "head"], stages=3),
-         r"uniform with block kinds gives every stage whole layers, but the model has 2 layers"),
+        (
+            dict(method="uniform", kinds=["embedding", "attention", "ffn", "attention", "ffn", "head"], stages=3),
+            r"uniform with block kinds gives every stage whole layers, but the model has 2 layers",
+        ),
     ],
 )
 def test_bad_settings_are_clear_errors(kwargs, match):

@@ -36,7 +36,6 @@ def test_profile_blocks_measures_every_block_and_round_trips(tmp_path):
     assert costs.num_blocks == len(blocks) and costs.forward == tuple(p.forward)
 
 
-
 class _SlowLoss(torch.autograd.Function):
     """A loss whose forward takes 20 ms and backward 30 ms (sleeps), so its share is known."""
 
@@ -98,6 +97,7 @@ def test_profile_blocks_chain_mode_runs_the_blocks_as_a_stage():
     with pytest.raises(ValueError, match="inflight must be None or an integer >= 1"):
         profile_blocks(blocks, x, torch.device("cpu"), inflight=0)
 
+
 def test_synthetic_profile_and_bad_profiles(tmp_path):
     p = Profile.synthetic([1.0, 2.0, 3.0])
     assert p.backward == [2.0, 4.0, 6.0]
@@ -117,8 +117,11 @@ def test_synthetic_profile_and_bad_profiles(tmp_path):
 
 
 def test_gantt_png_and_chrome_trace(tmp_path):
-    t = simulate(build_schedule("1f1b", 3, 4), Profile.synthetic([1.0, 2.0, 1.0], activation_bytes=8.0).costs(bandwidth=16.0),
-                 [(0, 1), (1, 2), (2, 3)])
+    t = simulate(
+        build_schedule("1f1b", 3, 4),
+        Profile.synthetic([1.0, 2.0, 1.0], activation_bytes=8.0).costs(bandwidth=16.0),
+        [(0, 1), (1, 2), (2, 3)],
+    )
     png = gantt(t, tmp_path / "timeline.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     trace = json.loads(chrome_trace(t, tmp_path / "trace.json").read_text())["traceEvents"]

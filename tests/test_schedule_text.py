@@ -64,7 +64,9 @@ def test_hand_broken_golden_text_is_rejected_by_validate():
     # two receives swapped: posted in another order than the peer sends
     swapped = text.replace("RF1.0<0 F1.0 SF1.0>2 RF1.1<0", "RF1.1<0 F1.0 SF1.0>2 RF1.0<0", 1)
     assert swapped != text
-    with pytest.raises(ScheduleError, match=r"rank 1, action 0 RECV_F\(chunk=1, mb=1, from=0\): rank 0 sends activation of chunk 0 mb 0 first"):
+    with pytest.raises(
+        ScheduleError, match=r"rank 1, action 0 RECV_F\(chunk=1, mb=1, from=0\): rank 0 sends activation of chunk 0 mb 0 first"
+    ):
         validate(load(swapped))
 
 

@@ -63,6 +63,7 @@ def broken(mutate) -> PipelineSchedule:
 def test_unmatched_send_is_named():
     def drop_recv(lists):
         lists[1].remove(Action(Op.RECV_ACT, 1, 1, 0))
+
     with pytest.raises(ScheduleError, match=r"rank 0, action \d+ SEND_F\(chunk=0, mb=1, to=1\): no matching receive"):
         validate(broken(drop_recv))
 
@@ -70,6 +71,7 @@ def test_unmatched_send_is_named():
 def test_missing_backward_is_named():
     def drop_backward(lists):
         lists[0].remove(Action(Op.BACKWARD, 0, 1))
+
     with pytest.raises(ScheduleError, match=r"rank 0: micro-batch 1 is never backwarded on chunk 0"):
         validate(broken(drop_backward))
 
@@ -81,9 +83,13 @@ def test_dependency_cycle_is_named():
         send = Action(Op.SEND_ACT, 0, 0, 1)
         acts.remove(send)
         acts.insert(acts.index(Action(Op.BACKWARD, 0, 0)) + 1, send)
+
     schedule = build_schedule("1f1b", 2, 1)
     send_activation_after_its_backward(schedule.actions)
-    with pytest.raises(ScheduleError, match=r"dependency cycle: ranks wait on each other forever: rank 0, action \d+ B\(chunk=0, mb=0\); rank 1, action \d+ F\(chunk=1, mb=0\)"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"dependency cycle: ranks wait on each other forever: rank 0, action \d+ B\(chunk=0, mb=0\); rank 1, action \d+ F\(chunk=1, mb=0\)",
+    ):
         validate(schedule)
 
 
@@ -92,6 +98,7 @@ def test_receive_order_mismatch_is_named():
         acts = lists[1]
         i, j = acts.index(Action(Op.RECV_ACT, 1, 0, 0)), acts.index(Action(Op.RECV_ACT, 1, 1, 0))
         acts[i], acts[j] = acts[j], acts[i]
+
     with pytest.raises(ScheduleError, match=r"rank 1, action \d+ RECV_F\(chunk=1, mb=1, from=0\).*order of the sends"):
         validate(broken(swap))
 
@@ -100,6 +107,7 @@ def test_compute_without_input_is_named():
     def drop_forward_recv_and_send(lists):
         lists[0].remove(Action(Op.SEND_ACT, 0, 0, 1))
         lists[1].remove(Action(Op.RECV_ACT, 1, 0, 0))
+
     with pytest.raises(ScheduleError, match=r"rank 1, action 0 F\(chunk=1, mb=0\): needs the activation of chunk 0"):
         validate(broken(drop_forward_recv_and_send))
 

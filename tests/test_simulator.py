@@ -180,9 +180,14 @@ def test_replay_falls_back_to_simulate_with_shared_cores():
     for _ in range(40):
         name, p, m = rng.choice(["1f1b", "gpipe"]), rng.randint(2, 4), rng.randint(1, 6)
         n = rng.randint(p, 7)
-        costs = CostModel(tuple(rng.random() for _ in range(n)), tuple(2 * rng.random() for _ in range(n)),
-                          activation_bytes=(1.0,) * n, bandwidth=rng.uniform(1, 5), latency=rng.uniform(0, 0.1),
-                          cores=rng.randint(1, p - 1))
+        costs = CostModel(
+            tuple(rng.random() for _ in range(n)),
+            tuple(2 * rng.random() for _ in range(n)),
+            activation_bytes=(1.0,) * n,
+            bandwidth=rng.uniform(1, 5),
+            latency=rng.uniform(0, 0.1),
+            cores=rng.randint(1, p - 1),
+        )
         cuts = sorted(rng.sample(range(1, n), p - 1))
         bounds = tuple(zip([0] + cuts, cuts + [n]))
         timeline = simulate(build_schedule(name, p, m), costs, bounds)

@@ -71,8 +71,15 @@ def test_fit_equals_single_process(tmp_path, schedule, devices, partition, m, dt
     single(ref, steps=6, train=loader(dtype=tdtype), val=loader(dtype=tdtype))
     model = LitSeq(dtype=dtype)
     strategy = AutoPipeStrategy(schedule=schedule, microbatches=m, partition=partition, start_method="spawn")
-    pipelined(model, devices, steps=6, train=loader(dtype=tdtype), val=loader(dtype=tdtype),
-              callbacks=[RecordMetrics(tmp_path)], strategy=strategy)
+    pipelined(
+        model,
+        devices,
+        steps=6,
+        train=loader(dtype=tdtype),
+        val=loader(dtype=tdtype),
+        callbacks=[RecordMetrics(tmp_path)],
+        strategy=strategy,
+    )
     assert isinstance(model.seq, nn.Sequential), "the trained full model comes back to the launching process"
     tol = 1e-10 if dtype == "float64" else 1e-5
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= tol
@@ -138,8 +145,15 @@ def test_tied_embedding_across_first_and_last_stage(tmp_path, devices, partition
     assert ref.seq[0].emb.weight is ref.seq[-1].weight
     single(ref, train=loader(tied=True), **kw)
     model = LitSeq(tied=True)
-    pipelined(model, devices, train=loader(tied=True), strategy=AutoPipeStrategy(partition=partition, microbatches=3, start_method="spawn"),
-              enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4)], **kw)
+    pipelined(
+        model,
+        devices,
+        train=loader(tied=True),
+        strategy=AutoPipeStrategy(partition=partition, microbatches=3, start_method="spawn"),
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4)],
+        **kw,
+    )
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
     # both stages' copies took the same update: the checkpoint's two keys hold one value
     ckpt = torch.load(glob.glob(str(tmp_path / "*.ckpt"))[0], weights_only=False)["state_dict"]
@@ -151,9 +165,15 @@ def test_checkpoint_loads_in_single_process_and_resume_is_bit_exact(tmp_path):
     # 4 batches an epoch, a checkpoint every 4 steps: Lightning resumes a plain DataLoader exactly there
     data = dict(n=40)
     model = LitSeq()
-    trainer = pipelined(model, 2, steps=8, train=loader(**data), enable_checkpointing=True,
-                        callbacks=[ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4, save_top_k=-1)],
-                        strategy=AutoPipeStrategy(microbatches=3, start_method="spawn"))
+    trainer = pipelined(
+        model,
+        2,
+        steps=8,
+        train=loader(**data),
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4, save_top_k=-1)],
+        strategy=AutoPipeStrategy(microbatches=3, start_method="spawn"),
+    )
     trainer.save_checkpoint(tmp_path / "after_fit.ckpt")  # from the launching process, after the fit
     after = LitSeq.load_from_checkpoint(tmp_path / "after_fit.ckpt")
     assert max_rel_diff(model.state_dict(), after.state_dict()) == 0.0
@@ -191,8 +211,12 @@ class RecordPredictions(Callback):
 def test_validate_test_and_predict_run_forward_only_pipelines(tmp_path):
     ref, model = LitSeq(), LitSeq()
     val_ref = L.Trainer(devices=1, **trainer_kwargs()).validate(ref, loader(batch_size=7), verbose=False)
-    trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(microbatches=3, start_method="spawn"),
-                        callbacks=[RecordPredictions(tmp_path)], **trainer_kwargs())
+    trainer = L.Trainer(
+        devices=2,
+        strategy=AutoPipeStrategy(microbatches=3, start_method="spawn"),
+        callbacks=[RecordPredictions(tmp_path)],
+        **trainer_kwargs(),
+    )
     # batches of 7 and a last one of 4: micro-batch sizes 3/2/2 and 2/1/1
     val = trainer.validate(model, loader(batch_size=7), verbose=False)
     assert val[0]["val_loss"] == pytest.approx(val_ref[0]["val_loss"], rel=1e-12)
@@ -221,8 +245,14 @@ def test_precision_plugins_apply_inside_the_schedule(tmp_path, precision):
     ref = LitSeq(dtype="float32")
     single(ref, train=loader(dtype=torch.float32), precision=precision)
     model = LitSeq(dtype="float32")
-    pipelined(model, 2, train=loader(dtype=torch.float32), precision=precision, callbacks=[RecordDtype(tmp_path)],
-              strategy=AutoPipeStrategy(microbatches=2, start_method="spawn"))
+    pipelined(
+        model,
+        2,
+        train=loader(dtype=torch.float32),
+        precision=precision,
+        callbacks=[RecordDtype(tmp_path)],
+        strategy=AutoPipeStrategy(microbatches=2, start_method="spawn"),
+    )
     dtypes = [torch.load(tmp_path / f"dtype-rank{r}.pt") for r in range(2)]
     err = max_rel_diff(ref.state_dict(), model.state_dict())
     if precision == "64-true":
@@ -275,9 +305,15 @@ def test_resume_reuses_the_checkpoints_partition(tmp_path):
     # a checkpoint written with an explicit uneven partition resumes under partition="autopipe":
     # the stored partition wins over a new plan, so the optimizer states fit
     ckpts = tmp_path / "ckpt"
-    pipelined(LitSeq(), 2, steps=4, train=loader(n=40), enable_checkpointing=True,
-              callbacks=[ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4)],
-              strategy=AutoPipeStrategy(partition=[1, 5], microbatches=3, start_method="spawn"))
+    pipelined(
+        LitSeq(),
+        2,
+        steps=4,
+        train=loader(n=40),
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4)],
+        strategy=AutoPipeStrategy(partition=[1, 5], microbatches=3, start_method="spawn"),
+    )
     ckpt = glob.glob(str(ckpts / "*.ckpt"))[0]
     assert torch.load(ckpt, weights_only=False)["optimizer_states"][0]["autopipe_bounds"] == [[0, 1], [1, 6]]
     resumed = LitSeq()
@@ -297,8 +333,16 @@ def test_auto_resume_keeps_the_checkpoints_schedule(tmp_path):
     profile = str(Profile.synthetic([1e-3] * 6, activation_bytes=1e6).save(tmp_path / "profile.json"))
     ckpts = tmp_path / "ckpt"
     first = AutoPipeStrategy(schedule="auto", microbatches=4, profile=profile, start_method="spawn")
-    pipelined(LitSeq(), 2, steps=4, train=loader(n=40), enable_checkpointing=True, default_root_dir=tmp_path,
-              callbacks=[ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4)], strategy=first)
+    pipelined(
+        LitSeq(),
+        2,
+        steps=4,
+        train=loader(n=40),
+        enable_checkpointing=True,
+        default_root_dir=tmp_path,
+        callbacks=[ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4)],
+        strategy=first,
+    )
     ckpt = glob.glob(str(ckpts / "*.ckpt"))[0]
     state = torch.load(ckpt, weights_only=False)["optimizer_states"][0]
     assert state["autopipe_schedule"] == ["interleaved", {"chunks": 2}] and len(state["autopipe_bounds"]) == 4

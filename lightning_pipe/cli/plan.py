@@ -45,8 +45,9 @@ def _main(cfg: DictConfig) -> None:
             source = f"profile {cfg.plan.profile}"
         else:
             extra = {k: v for k, v in (("bandwidth", config.bandwidth), ("latency", config.latency)) if v is not None}
-            costs, kinds = transformer_costs(cfg.model.model.name, microbatch, int(cfg.data.seq_len),
-                                             device_flops=float(cfg.plan.device_flops), **extra)
+            costs, kinds = transformer_costs(
+                cfg.model.model.name, microbatch, int(cfg.data.seq_len), device_flops=float(cfg.plan.device_flops), **extra
+            )
             source = f"FLOPs of {cfg.model.model.name}, micro-batch {microbatch} x {cfg.data.seq_len} tokens"
         m = config.microbatches
         choice = None
@@ -69,8 +70,13 @@ def _main(cfg: DictConfig) -> None:
     if choice is not None:
         summary["schedule_choice"] = choice.to_dict()
     if slicing is not None:
-        summary["slicer"] = {"sliced": slicing.sliced, "startup": slicing.startup, "baseline_startup": slicing.baseline_startup,
-                             "iteration_time": slicing.iteration_time, "baseline_iteration_time": slicing.baseline_iteration_time}
+        summary["slicer"] = {
+            "sliced": slicing.sliced,
+            "startup": slicing.startup,
+            "baseline_startup": slicing.baseline_startup,
+            "iteration_time": slicing.iteration_time,
+            "baseline_iteration_time": slicing.baseline_iteration_time,
+        }
     (out / "plan.json").write_text(json.dumps(summary, indent=1))
     if options:
         timeline = simulate(cached_schedule(schedule, stages, m, tuple(sorted(options.items()))), costs, result.bounds)
@@ -82,8 +88,10 @@ def _main(cfg: DictConfig) -> None:
         print(choice.table())
     print(result.table())
     if slicing is not None:
-        print(f"slicer: cut {slicing.sliced} warm-up micro-batches in halves: start-up {slicing.baseline_startup * 1e3:.2f} -> "
-              f"{slicing.startup * 1e3:.2f} ms, iteration {slicing.baseline_iteration_time * 1e3:.2f} -> {slicing.iteration_time * 1e3:.2f} ms")
+        print(
+            f"slicer: cut {slicing.sliced} warm-up micro-batches in halves: start-up {slicing.baseline_startup * 1e3:.2f} -> "
+            f"{slicing.startup * 1e3:.2f} ms, iteration {slicing.baseline_iteration_time * 1e3:.2f} -> {slicing.iteration_time * 1e3:.2f} ms"
+        )
     written = [out / "plan.json", out / "plan_timeline.png"]
     if cfg.plan.get("dump_schedule"):
         text = dump(timeline.schedule)

@@ -93,8 +93,10 @@ def build(cfg: DictConfig) -> tuple[L.LightningModule, L.LightningDataModule, L.
         raise named(err, f"trainer.devices x trainer.num_nodes = {world}") from None
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer = L.Trainer(
-        strategy=AutoPipeStrategy.from_config(config), callbacks=_instantiate_all(cfg.get("callbacks")),
-        logger=_instantiate_all(cfg.get("logger")) or False, **trainer_kwargs,
+        strategy=AutoPipeStrategy.from_config(config),
+        callbacks=_instantiate_all(cfg.get("callbacks")),
+        logger=_instantiate_all(cfg.get("logger")) or False,
+        **trainer_kwargs,
     )
     return module, datamodule, trainer
 

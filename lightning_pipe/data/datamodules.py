@@ -195,8 +195,17 @@ class MaskedLMDataModule(_TokenDataModule):
                 f"so the MASK id {ByteTokenizer.MASK} is a valid token"
             )
         super().__init__(
-            path, seq_len, batch_size, val_fraction, max_bytes, num_workers,
-            synthetic, synthetic_vocab, synthetic_samples, seed, max_seq_len,
+            path,
+            seq_len,
+            batch_size,
+            val_fraction,
+            max_bytes,
+            num_workers,
+            synthetic,
+            synthetic_vocab,
+            synthetic_samples,
+            seed,
+            max_seq_len,
         )
         self.mask_prob = mask_prob
 

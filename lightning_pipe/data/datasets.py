@@ -33,9 +33,7 @@ class MaskedLMDataset(Dataset):
     seeded by (seed, stream, index): a sample is masked the same way on every worker, rank and run.
     """
 
-    def __init__(
-        self, windows: Dataset, mask_prob: float, seed: int, stream: int, mask_id: int, num_random: int
-    ) -> None:
+    def __init__(self, windows: Dataset, mask_prob: float, seed: int, stream: int, mask_id: int, num_random: int) -> None:
         self.windows, self.mask_prob = windows, mask_prob
         self.seed, self.stream = seed, stream
         self.mask_id, self.num_random = mask_id, num_random

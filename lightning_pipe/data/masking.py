@@ -17,9 +17,7 @@ def num_predicted(seq_len: int, mask_prob: float) -> int:
     return max(1, round(mask_prob * seq_len))
 
 
-def mask_tokens(
-    ids: Tensor, k: int, generator: torch.Generator, mask_id: int, num_random: int
-) -> tuple[Tensor, Tensor]:
+def mask_tokens(ids: Tensor, k: int, generator: torch.Generator, mask_id: int, num_random: int) -> tuple[Tensor, Tensor]:
     """Choose k positions of the 1-D `ids`; return (inputs, labels).
 
     Of the chosen positions about 80% become `mask_id`, 10% a random id in [0, num_random) and 10%

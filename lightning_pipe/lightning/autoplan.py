@@ -92,8 +92,17 @@ def step_loss(module: Any, pipeline: nn.Sequential, batch: Any) -> Any:
     return loss_fn
 
 
-def profile_pipeline(module: Any, pipeline: nn.Sequential, batch: Any, device: torch.device, rank: int, world: int,
-                     model_name: str, microbatch_size: int, repeats: int = 3) -> Profile:
+def profile_pipeline(
+    module: Any,
+    pipeline: nn.Sequential,
+    batch: Any,
+    device: torch.device,
+    rank: int,
+    world: int,
+    model_name: str,
+    microbatch_size: int,
+    repeats: int = 3,
+) -> Profile:
     blocks = list(pipeline)
     mine = range(*partition_blocks("uniform", len(blocks), world).bounds[rank]) if world > 1 else range(len(blocks))
     buffers = [{n: b.detach().clone() for n, b in blk.named_buffers()} for blk in blocks]
@@ -102,8 +111,17 @@ def profile_pipeline(module: Any, pipeline: nn.Sequential, batch: Any, device: t
         x = pipeline_input(module, pipeline, batch)
         module.log = lambda *a, **k: None  # type: ignore[method-assign]  # the loss step logs nothing here
         try:  # the rank's blocks run together, 2 micro-batches in flight: caches as busy as in training
-            measured = profile_blocks(blocks, x, device, model=model_name, repeats=repeats, warmup=1, indices=list(mine), inflight=2,
-                                      loss_fn=step_loss(module, pipeline, move_data_to_device(batch, device)))
+            measured = profile_blocks(
+                blocks,
+                x,
+                device,
+                model=model_name,
+                repeats=repeats,
+                warmup=1,
+                indices=list(mine),
+                inflight=2,
+                loss_fn=step_loss(module, pipeline, move_data_to_device(batch, device)),
+            )
         finally:
             del module.log
     for blk, saved in zip(blocks, buffers):  # e.g. BatchNorm statistics: as if never run
@@ -117,9 +135,18 @@ def profile_pipeline(module: Any, pipeline: nn.Sequential, batch: Any, device: t
     merged = {i: v for part in parts for i, v in part.items()}
     field = lambda name: [merged[i][name] for i in range(len(blocks))]  # noqa: E731
     dtype = str(next((p.dtype for p in pipeline.parameters()), torch.float32)).replace("torch.", "")
-    return Profile(model_name, microbatch_size, dtype, device.type, field("forward"), field("backward"),
-                   field("activation_bytes"), field("param_bytes"), field("peak_memory"),
-                   [type(b).__name__ for b in blocks])
+    return Profile(
+        model_name,
+        microbatch_size,
+        dtype,
+        device.type,
+        field("forward"),
+        field("backward"),
+        field("activation_bytes"),
+        field("param_bytes"),
+        field("peak_memory"),
+        [type(b).__name__ for b in blocks],
+    )
 
 
 KINDS = {"Embedding": "embedding", "ResidualAttentionBlock": "attention", "ResidualFFNBlock": "ffn", "LMHead": "head", "MLMHead": "head"}
@@ -175,8 +202,7 @@ class AutoPlanner:
             profile = Profile.load(self.profile_path)
             profile.check_blocks(len(pipeline))
         else:
-            profile = profile_pipeline(module, pipeline, sample, strategy.root_device, rank, topo.world_size,
-                                       type(module).__name__, mbs)
+            profile = profile_pipeline(module, pipeline, sample, strategy.root_device, rank, topo.world_size, type(module).__name__, mbs)
         default_bw, default_lat = DEFAULT_LINKS.get(strategy.root_device.type, DEFAULT_LINKS["cuda"])
         costs = profile.costs(self.bandwidth or default_bw, self.latency if self.latency is not None else default_lat)
         kinds = [KINDS.get(type(b).__name__, "block") for b in pipeline]
@@ -186,8 +212,9 @@ class AutoPlanner:
         result: Optional[Plan] = None
         slicing: Optional[SlicePlan] = None
         if self.config.auto:
-            choice = choose_schedule(costs, depth, m, method=method, kinds=kinds_for,
-                                     memory_limit=self.memory_limit(strategy.root_device), slicer=self.slicer)
+            choice = choose_schedule(
+                costs, depth, m, method=method, kinds=kinds_for, memory_limit=self.memory_limit(strategy.root_device), slicer=self.slicer
+            )
             result, schedule, options = choice.plan, choice.chosen.schedule, dict(choice.chosen.options)
             bounds = result.bounds
             if choice.chosen.sliced:
@@ -210,18 +237,39 @@ class AutoPlanner:
             self._report(strategy, profile, costs, bounds, result, slicing, choice, schedule, options, time.perf_counter() - start)
         return PlanResult(bounds, result, sliced, ScheduleSpec.of(schedule, **options), choice)
 
-    def _report(self, strategy: Any, profile: Profile, costs: Any, bounds: Any, result: Optional[Plan],
-                slicing: Optional[SlicePlan], choice: Optional[ScheduleChoice], schedule: str, options: dict,
-                seconds: float) -> None:
+    def _report(
+        self,
+        strategy: Any,
+        profile: Profile,
+        costs: Any,
+        bounds: Any,
+        result: Optional[Plan],
+        slicing: Optional[SlicePlan],
+        choice: Optional[ScheduleChoice],
+        schedule: str,
+        options: dict,
+        seconds: float,
+    ) -> None:
         out = self._out()
         profile.save(out / "profile.json")
-        summary = {"profile": profile.key, "profiled_and_planned_seconds": seconds, "schedule": schedule,
-                   "options": options, "bounds": [list(b) for b in bounds], "plan": result.to_dict() if result else None}
+        summary = {
+            "profile": profile.key,
+            "profiled_and_planned_seconds": seconds,
+            "schedule": schedule,
+            "options": options,
+            "bounds": [list(b) for b in bounds],
+            "plan": result.to_dict() if result else None,
+        }
         if choice is not None:
             summary["schedule_choice"] = choice.to_dict()
         if slicing is not None:
-            summary["slicer"] = {"sliced": slicing.sliced, "startup": slicing.startup, "baseline_startup": slicing.baseline_startup,
-                                 "iteration_time": slicing.iteration_time, "baseline_iteration_time": slicing.baseline_iteration_time}
+            summary["slicer"] = {
+                "sliced": slicing.sliced,
+                "startup": slicing.startup,
+                "baseline_startup": slicing.baseline_startup,
+                "iteration_time": slicing.iteration_time,
+                "baseline_iteration_time": slicing.baseline_iteration_time,
+            }
         (out / "plan.json").write_text(json.dumps(summary, indent=1))
         depth, m = strategy.topology.depth, self.config.microbatches
         if options:
@@ -234,8 +282,10 @@ class AutoPlanner:
         if result is not None:
             rank_zero_info("\n" + result.table())
         if slicing is not None:
-            rank_zero_info(f"slicer: {slicing.sliced} warm-up micro-batches cut in halves; start-up "
-                     f"{slicing.baseline_startup * 1e3:.2f} -> {slicing.startup * 1e3:.2f} ms (simulated)")
+            rank_zero_info(
+                f"slicer: {slicing.sliced} warm-up micro-batches cut in halves; start-up "
+                f"{slicing.baseline_startup * 1e3:.2f} -> {slicing.startup * 1e3:.2f} ms (simulated)"
+            )
         rank_zero_info(f"plan, profile and predicted timeline written to {out}")
 
     def _out(self) -> Path:
@@ -264,5 +314,3 @@ class AutoPlanner:
             chrome_trace(timeline, out / "trace.json")
             gantt(timeline, out / "trace_timeline.png", title=f"measured: {schedule.name}, last training step")
             rank_zero_info(f"measured iteration {timeline.iteration_time * 1e3:.2f} ms; trace written to {out}")
-
-

@@ -55,15 +55,21 @@ def stage_optimizer_state(strategy: Any, optimizer: Any) -> dict[str, Any]:
     if parts is None:
         return {}
     cut, mode = strategy.cut, strategy.mode.state_dict()
-    return {"autopipe_stage_states": parts, "autopipe_depth": strategy.topology.depth,
-            "autopipe_bounds": [list(b) for b in cut.bounds], "autopipe_sliced": mode["sliced"],
-            "autopipe_schedule": mode["schedule"]}
+    return {
+        "autopipe_stage_states": parts,
+        "autopipe_depth": strategy.topology.depth,
+        "autopipe_bounds": [list(b) for b in cut.bounds],
+        "autopipe_sliced": mode["sliced"],
+        "autopipe_schedule": mode["schedule"],
+    }
 
 
 def load_stage_optimizer_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
     for optimizer, state in zip(strategy.optimizers, checkpoint["optimizer_states"]):
         if "autopipe_stage_states" not in state:
-            raise ValueError("this checkpoint's optimizer state was not written by AutoPipeStrategy; resume it with the strategy that wrote it")
+            raise ValueError(
+                "this checkpoint's optimizer state was not written by AutoPipeStrategy; resume it with the strategy that wrote it"
+            )
         if state["autopipe_depth"] != strategy.topology.depth:
             raise ValueError(
                 f"the checkpoint was written by a {state['autopipe_depth']}-stage pipeline and this one has "
@@ -100,5 +106,4 @@ def resumed_layout(strategy: Any, path: Optional[str]) -> Optional[ResumedLayout
     states = strategy.checkpoint_io.load_checkpoint(path).get("optimizer_states") or [{}]
     bounds, chosen = states[0].get("autopipe_bounds"), states[0].get("autopipe_schedule")
     spec = ScheduleSpec.of(chosen[0], **dict(chosen[1])) if chosen is not None else None
-    return ResumedLayout(tuple(tuple(b) for b in bounds) if bounds is not None else None,
-                         int(states[0].get("autopipe_sliced", 0)), spec)
+    return ResumedLayout(tuple(tuple(b) for b in bounds) if bounds is not None else None, int(states[0].get("autopipe_sliced", 0)), spec)

@@ -49,8 +49,16 @@ class Cut:
         """What a training mode (lightning_pipe.modes) is built from."""
         topo, replica, config = strategy.topology, strategy.replica_index, strategy.config
         transport = Transport(lambda r: topo.global_rank(replica, r), strategy.root_device)
-        return dict(spec=self.spec, stages=topo.depth, microbatches=config.microbatches, rank=strategy.stage_index,
-                    transport=transport, prefetch=config.prefetch, trace=config.trace, sliced=self.sliced)
+        return dict(
+            spec=self.spec,
+            stages=topo.depth,
+            microbatches=config.microbatches,
+            rank=strategy.stage_index,
+            transport=transport,
+            prefetch=config.prefetch,
+            trace=config.trace,
+            sliced=self.sliced,
+        )
 
     @property
     def loss_stage(self) -> int:
@@ -88,8 +96,9 @@ def cut_module(strategy: Any, module: Any) -> Cut:
     tied = find_tied_parameters(pipeline, bounds, placement)
     full = pipeline if strategy.global_rank == 0 else None
     set_submodule(module, path, stage)
-    log.info(f"rank {strategy.global_rank}: stage {strategy.stage_index}/{strategy.topology.depth} holds chunks {mine} "
-             "(blocks [start, stop))")
+    log.info(
+        f"rank {strategy.global_rank}: stage {strategy.stage_index}/{strategy.topology.depth} holds chunks {mine} (blocks [start, stop))"
+    )
     return Cut(path, full, stage, spec, tuple(tuple(b) for b in bounds), placement, sliced, plan, choice, tied)
 
 
@@ -98,5 +107,5 @@ def uncut_module(module: Any, cut: Cut, state: dict[str, Any]) -> None:
     full state dict, on global rank 0)."""
     prefix = cut.path + "."
     assert cut.pipeline is not None
-    cut.pipeline.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+    cut.pipeline.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
     set_submodule(module, cut.path, cut.pipeline)

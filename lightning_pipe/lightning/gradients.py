@@ -25,8 +25,15 @@ log = logging.getLogger(__name__)
 
 
 class StageGradients:
-    def __init__(self, stage: PipelineStage, chunk_blocks: dict[int, list[int]], topology: Topology, groups: ProcessGroups,
-                 rank: int, tied: list[TiedParameter]):
+    def __init__(
+        self,
+        stage: PipelineStage,
+        chunk_blocks: dict[int, list[int]],
+        topology: Topology,
+        groups: ProcessGroups,
+        rank: int,
+        tied: list[TiedParameter],
+    ):
         self.stage, self.chunk_blocks, self.topology, self.groups = stage, chunk_blocks, topology, groups
         self.stage_index, self.replica_index = topology.stage_of(rank), topology.replica_of(rank)
         self.tied = tied

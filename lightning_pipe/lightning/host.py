@@ -44,8 +44,15 @@ class LightningHost:
         self.loss: Optional[Tensor] = None
         self.outputs: list[Any] = []
 
-    def begin(self, step_name: str, microbatches: list[Any], weights: list[float], args: tuple, kwargs: dict,
-              scale: Optional[Callable[[Tensor], Tensor]] = None) -> None:
+    def begin(
+        self,
+        step_name: str,
+        microbatches: list[Any],
+        weights: list[float],
+        args: tuple,
+        kwargs: dict,
+        scale: Optional[Callable[[Tensor], Tensor]] = None,
+    ) -> None:
         self.step_name, self.microbatches, self.weights = step_name, microbatches, weights
         self.step_args, self.step_kwargs, self.scale = args, kwargs, scale
         self.loss, self.outputs = None, []

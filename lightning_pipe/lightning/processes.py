@@ -89,4 +89,3 @@ class ProcessGroupStrategy(ParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
-

@@ -24,8 +24,7 @@ def find_pipeline(module: nn.Module) -> tuple[str, nn.Sequential]:
         pipeline = configure()
         if not isinstance(pipeline, nn.Sequential):
             raise PipelineSetupError(
-                f"{type(module).__name__}.configure_pipeline() must return an nn.Sequential of blocks, "
-                f"got {type(pipeline).__name__}"
+                f"{type(module).__name__}.configure_pipeline() must return an nn.Sequential of blocks, got {type(pipeline).__name__}"
             )
         for name, sub in module.named_modules():
             if sub is pipeline and name:

@@ -25,8 +25,20 @@ from .outputs import merge_outputs
 
 
 class PipelineSteps:
-    def __init__(self, module: Any, cut: Cut, mode: TrainingMode, host: LightningHost, planner: AutoPlanner, device: torch.device,
-                 microbatches: int, group: Optional[Any], last: int, is_last: bool, trace: bool = False):
+    def __init__(
+        self,
+        module: Any,
+        cut: Cut,
+        mode: TrainingMode,
+        host: LightningHost,
+        planner: AutoPlanner,
+        device: torch.device,
+        microbatches: int,
+        group: Optional[Any],
+        last: int,
+        is_last: bool,
+        trace: bool = False,
+    ):
         self.module, self.cut, self.mode, self.host = module, cut, mode, host
         self.planner, self.device, self.microbatches = planner, device, microbatches
         self.group, self.last = group, last  # the pipeline's process group (None: one stage); the last chunk's global rank
@@ -40,8 +52,19 @@ class PipelineSteps:
         last = topo.global_rank(strategy.replica_index, cut.loss_stage)
         group = strategy.process_groups.pipeline if topo.depth > 1 else None
         host = LightningHost(module, cut.stage, len(cut.placement) - 1, gradients.reduce_chunk)
-        return cls(module, cut, mode, host, strategy.planner, strategy.root_device, strategy.config.microbatches, group, last,
-                   strategy.global_rank == last, strategy.config.trace)
+        return cls(
+            module,
+            cut,
+            mode,
+            host,
+            strategy.planner,
+            strategy.root_device,
+            strategy.config.microbatches,
+            group,
+            last,
+            strategy.global_rank == last,
+            strategy.config.trace,
+        )
 
     def _run(self, kind: str, step: str, context: Callable, args: tuple, kwargs: dict, m: int, scaler: Any = None) -> float:
         module, host = self.module, self.host

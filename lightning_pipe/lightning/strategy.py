@@ -84,12 +84,31 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        self.config = PipelineConfig(schedule=schedule, microbatches=microbatches, partition=partition, width=width,
-                                     prefetch=prefetch, chunks=chunks, waves=waves, slicer=slicer, memory_limit=memory_limit,
-                                     trace=trace, profile=profile, bandwidth=bandwidth, latency=latency, start_method=start_method)
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout, accelerator=accelerator,
-                         parallel_devices=parallel_devices, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)
+        self.config = PipelineConfig(
+            schedule=schedule,
+            microbatches=microbatches,
+            partition=partition,
+            width=width,
+            prefetch=prefetch,
+            chunks=chunks,
+            waves=waves,
+            slicer=slicer,
+            memory_limit=memory_limit,
+            trace=trace,
+            profile=profile,
+            bandwidth=bandwidth,
+            latency=latency,
+            start_method=start_method,
+        )
+        super().__init__(
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
         self.planner = AutoPlanner(self.config)
         self.resume_path: Optional[str] = None  # fit's ckpt_path, noted by the launcher
         self.topology: Optional[Topology] = None
@@ -109,11 +128,11 @@ class AutoPipeStrategy(ProcessGroupStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("autopipe", cls, description="Pipeline parallelism planned and run by lightning-pipe",
-                                   override=True)
+        strategy_registry.register("autopipe", cls, description="Pipeline parallelism planned and run by lightning-pipe", override=True)
         for name in [*REGISTRY, "auto"]:
-            strategy_registry.register(f"autopipe_{name}", cls, description=f"lightning-pipe with schedule={name!r}",
-                                       override=True, schedule=name)
+            strategy_registry.register(
+                f"autopipe_{name}", cls, description=f"lightning-pipe with schedule={name!r}", override=True, schedule=name
+            )
 
     # ---- what the run is ------------------------------------------------------------------------
     @property
@@ -190,8 +209,9 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         self.planner.prepare(self)
         if self.cut is None or module.get_submodule(self.cut.path) is not self.cut.stage:  # not cut by an earlier fit
             self.cut = cut_module(self, module)
-            self._gradients = StageGradients(self.cut.stage, self.cut.chunk_blocks, topo, self.process_groups,
-                                             self.global_rank, self.cut.tied)
+            self._gradients = StageGradients(
+                self.cut.stage, self.cut.chunk_blocks, topo, self.process_groups, self.global_rank, self.cut.tied
+            )
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._gradients.sync_replicas()

@@ -77,7 +77,11 @@ class SelfAttention(nn.Module):
                 future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
                 bias = bias.masked_fill(future, torch.finfo(q.dtype).min)
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=bias, is_causal=self.causal and bias is None,
+            q,
+            k,
+            v,
+            attn_mask=bias,
+            is_causal=self.causal and bias is None,
             dropout_p=self.dropout if self.training else 0.0,
         )
         return self.proj(y.transpose(1, 2).reshape(B, T, d))

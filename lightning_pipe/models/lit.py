@@ -80,7 +80,9 @@ class _LanguageModel(L.LightningModule):
         groups = [g for g in groups if g["params"]]  # a stage may hold only matrices (the embedding)
         opt = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=tuple(self.hparams.betas))
         factor = functools.partial(
-            warmup_cosine, warmup_steps=self.hparams.warmup_steps, max_steps=self.hparams.max_steps,
+            warmup_cosine,
+            warmup_steps=self.hparams.warmup_steps,
+            max_steps=self.hparams.max_steps,
             min_lr_ratio=self.hparams.min_lr_ratio,
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)

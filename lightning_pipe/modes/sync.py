@@ -15,8 +15,17 @@ from ..schedules import ScheduleSpec, forward_only, validate
 
 
 class SyncMode:
-    def __init__(self, spec: ScheduleSpec, stages: int, microbatches: int, rank: int, transport: Transport,
-                 prefetch: bool = True, trace: bool = False, sliced: int = 0):
+    def __init__(
+        self,
+        spec: ScheduleSpec,
+        stages: int,
+        microbatches: int,
+        rank: int,
+        transport: Transport,
+        prefetch: bool = True,
+        trace: bool = False,
+        sliced: int = 0,
+    ):
         self.spec, self.stages, self.rank, self.transport = spec, stages, rank, transport
         self.prefetch, self.trace, self.sliced = prefetch, trace, sliced
         self.placement = spec.placement(stages, microbatches)  # where each model chunk lives

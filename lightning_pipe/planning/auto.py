@@ -58,9 +58,15 @@ class Candidate:
         return self.plan.stages if self.plan is not None else 0
 
     def to_dict(self) -> dict:
-        return {"schedule": self.schedule, "options": dict(self.options), "iteration_time": self.iteration_time,
-                "peak_memory": self.peak_memory, "sliced": self.sliced, "verdict": self.verdict,
-                "bounds": [list(b) for b in self.plan.bounds] if self.plan else None}
+        return {
+            "schedule": self.schedule,
+            "options": dict(self.options),
+            "iteration_time": self.iteration_time,
+            "peak_memory": self.peak_memory,
+            "sliced": self.sliced,
+            "verdict": self.verdict,
+            "bounds": [list(b) for b in self.plan.bounds] if self.plan else None,
+        }
 
 
 @dataclass(frozen=True)
@@ -91,14 +97,16 @@ class ScheduleChoice:
         rows = []
         for c in self.candidates:
             runs = c.plan is not None
-            rows.append((
-                c.name + (f" (sliced {c.sliced})" if c.sliced else ""),
-                str(c.num_chunks) if runs else "-",
-                f"{c.iteration_time * 1e3:.3f}" if runs else "-",
-                f"{c.iteration_time / self.chosen.iteration_time:.3f}x" if runs else "-",
-                f"{c.peak_memory / 2**20:.1f}" if runs else "-",
-                c.verdict if runs else "cannot run (below)",
-            ))
+            rows.append(
+                (
+                    c.name + (f" (sliced {c.sliced})" if c.sliced else ""),
+                    str(c.num_chunks) if runs else "-",
+                    f"{c.iteration_time * 1e3:.3f}" if runs else "-",
+                    f"{c.iteration_time / self.chosen.iteration_time:.3f}x" if runs else "-",
+                    f"{c.peak_memory / 2**20:.1f}" if runs else "-",
+                    c.verdict if runs else "cannot run (below)",
+                )
+            )
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(columns)]
         lines.append("  ".join(h.ljust(w) for h, w in zip(columns, widths)))
         lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
@@ -106,8 +114,12 @@ class ScheduleChoice:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        return {"chosen": self.chosen.to_dict(), "reason": self.reason, "memory_limit": self.memory_limit,
-                "candidates": [c.to_dict() for c in self.candidates]}
+        return {
+            "chosen": self.chosen.to_dict(),
+            "reason": self.reason,
+            "memory_limit": self.memory_limit,
+            "candidates": [c.to_dict() for c in self.candidates],
+        }
 
 
 def peak_memory(timeline: Timeline, weight_copies: float) -> float:
@@ -143,8 +155,11 @@ def choose_schedule(
             continue
         sliced, time = 0, chosen_plan.iteration_time
         if slicer and not options:
-            slicing = (choose_slicing(costs, chosen_plan.bounds, microbatches, schedule) if slicer is True
-                       else fixed_slicing(costs, chosen_plan.bounds, microbatches, int(slicer), schedule))
+            slicing = (
+                choose_slicing(costs, chosen_plan.bounds, microbatches, schedule)
+                if slicer is True
+                else fixed_slicing(costs, chosen_plan.bounds, microbatches, int(slicer), schedule)
+            )
             sliced, time = slicing.sliced, slicing.iteration_time
             timeline = simulate_sliced(costs, chosen_plan.bounds, microbatches, sliced, schedule)
         else:

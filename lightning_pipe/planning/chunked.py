@@ -37,4 +37,4 @@ class ChunkedEvaluator:
             return None
         f, b = self.costs.forward, self.costs.backward
         mine = [c for c, r in enumerate(self.replay.chunk_rank) if r == rank]
-        return max(mine, key=lambda c: sum(f[bounds[c][0]:bounds[c][1]]) + sum(b[bounds[c][0]:bounds[c][1]]))
+        return max(mine, key=lambda c: sum(f[bounds[c][0] : bounds[c][1]]) + sum(b[bounds[c][0] : bounds[c][1]]))

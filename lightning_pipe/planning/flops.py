@@ -59,9 +59,7 @@ def transformer_costs(
         raise ValueError(f"family={family!r}: allowed values are 'gpt' and 'bert'")
     T = cfg.max_seq_len if seq_len is None else seq_len
     if microbatch_size < 1 or not 1 <= T <= cfg.max_seq_len:
-        raise ValueError(
-            f"microbatch_size={microbatch_size}, seq_len={T}: need microbatch_size >= 1 and 1 <= seq_len <= {cfg.max_seq_len}"
-        )
+        raise ValueError(f"microbatch_size={microbatch_size}, seq_len={T}: need microbatch_size >= 1 and 1 <= seq_len <= {cfg.max_seq_len}")
     if not (device_flops > 0 and memory_bandwidth > 0):
         raise ValueError("device_flops and memory_bandwidth must be > 0")
     bert = family == "bert"

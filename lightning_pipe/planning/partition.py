@@ -33,9 +33,7 @@ def check_partition_spec(spec: PartitionSpec) -> None:
     """Reject a malformed setting before any process starts (the block count comes later)."""
     if isinstance(spec, str):
         if spec not in PARTITION_METHODS:
-            raise ValueError(
-                f"partition={spec!r} is not a known method; allowed: {list(PARTITION_METHODS)} or a list of blocks per stage"
-            )
+            raise ValueError(f"partition={spec!r} is not a known method; allowed: {list(PARTITION_METHODS)} or a list of blocks per stage")
         return
     sizes = list(spec)
     if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):

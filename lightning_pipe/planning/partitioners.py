@@ -35,25 +35,53 @@ def pieces(stages: int, schedule: str, options: Options) -> int:
     return chunk_count(schedule, stages, **(options or {}))
 
 
-def uniform(costs: CostModel, stages: int, microbatches: int, schedule: str = "1f1b", *,
-            kinds: Optional[Sequence[str]] = None, options: Options = None) -> Bounds:
+def uniform(
+    costs: CostModel,
+    stages: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    *,
+    kinds: Optional[Sequence[str]] = None,
+    options: Options = None,
+) -> Bounds:
     return uniform_bounds(costs.num_blocks, pieces(stages, schedule, options), kinds)
 
 
-def parameters(costs: CostModel, stages: int, microbatches: int, schedule: str = "1f1b", *,
-               kinds: Optional[Sequence[str]] = None, options: Options = None) -> Bounds:
+def parameters(
+    costs: CostModel,
+    stages: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    *,
+    kinds: Optional[Sequence[str]] = None,
+    options: Options = None,
+) -> Bounds:
     if not costs.param_bytes:
         raise ValueError("method='parameters' balances parameter bytes, but the cost model has no param_bytes")
     return min_max_bounds(costs.param_bytes, pieces(stages, schedule, options))
 
 
-def dp(costs: CostModel, stages: int, microbatches: int, schedule: str = "1f1b", *,
-       kinds: Optional[Sequence[str]] = None, options: Options = None) -> Bounds:
+def dp(
+    costs: CostModel,
+    stages: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    *,
+    kinds: Optional[Sequence[str]] = None,
+    options: Options = None,
+) -> Bounds:
     return min_max_bounds([f + b for f, b in zip(costs.forward, costs.backward)], pieces(stages, schedule, options))
 
 
-def autopipe(costs: CostModel, stages: int, microbatches: int, schedule: str = "1f1b", *,
-             kinds: Optional[Sequence[str]] = None, options: Options = None) -> Bounds:
+def autopipe(
+    costs: CostModel,
+    stages: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    *,
+    kinds: Optional[Sequence[str]] = None,
+    options: Options = None,
+) -> Bounds:
     evaluator = Evaluator(costs, schedule, stages, microbatches, options)
     n = pieces(stages, schedule, options)
     if n == stages:
@@ -61,8 +89,15 @@ def autopipe(costs: CostModel, stages: int, microbatches: int, schedule: str = "
     return refine(ChunkedEvaluator(evaluator), dp(costs, stages, microbatches, schedule, options=options))
 
 
-def exhaustive(costs: CostModel, stages: int, microbatches: int, schedule: str = "1f1b", *,
-               kinds: Optional[Sequence[str]] = None, options: Options = None) -> Bounds:
+def exhaustive(
+    costs: CostModel,
+    stages: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    *,
+    kinds: Optional[Sequence[str]] = None,
+    options: Options = None,
+) -> Bounds:
     seed = dp(costs, stages, microbatches, schedule, options=options)  # a good first incumbent: the bound prunes more
     evaluator = Evaluator(costs, schedule, stages, microbatches, options)
     return exhaustive_bounds(evaluator, pieces(stages, schedule, options), seed)

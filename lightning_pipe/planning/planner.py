@@ -90,11 +90,21 @@ class Plan:
             f"bubble {self.bubble_ratio:.1%}, balance (std of f+b) {self.balance * 1e3:.3f} ms, "
             f"planned in {self.planning_seconds * 1e3:.1f} ms"
         )
-        columns = (["chunk", "rank"] if chunked else ["stage"]) + ["blocks"] + (["contents"] if self.kinds else []) + ["forward ms", "backward ms", "f+b ms"]
+        columns = (
+            (["chunk", "rank"] if chunked else ["stage"])
+            + ["blocks"]
+            + (["contents"] if self.kinds else [])
+            + ["forward ms", "backward ms", "f+b ms"]
+        )
         columns += ["params MB"] if self.stage_param_bytes else []
         rows = []
         for s, (a, b) in enumerate(self.bounds):
-            row = [str(s)] + ([str(self.chunk_rank[s])] if chunked else []) + [f"{a}..{b - 1} ({b - a})"] + ([self.contents(s)] if self.kinds else [])
+            row = (
+                [str(s)]
+                + ([str(self.chunk_rank[s])] if chunked else [])
+                + [f"{a}..{b - 1} ({b - a})"]
+                + ([self.contents(s)] if self.kinds else [])
+            )
             f, bw = self.stage_forward[s], self.stage_backward[s]
             row += [f"{f * 1e3:.3f}", f"{bw * 1e3:.3f}", f"{(f + bw) * 1e3:.3f}"]
             row += [f"{self.stage_param_bytes[s] / 1e6:.1f}"] if self.stage_param_bytes else []
@@ -105,8 +115,9 @@ class Plan:
         return "\n".join(lines)
 
 
-def check_plan_settings(costs: CostModel, stages: int, microbatches: int, method: str, schedule: str, kinds,
-                        options: Optional[dict] = None) -> None:
+def check_plan_settings(
+    costs: CostModel, stages: int, microbatches: int, method: str, schedule: str, kinds, options: Optional[dict] = None
+) -> None:
     """Every bad setting is a SettingError that names it, before any work."""
     if not isinstance(method, str) or method not in PARTITIONERS:
         raise SettingError(f"method={method!r} is not a known partitioner; allowed values: {sorted(PARTITIONERS)}", "partition")
@@ -118,7 +129,8 @@ def check_plan_settings(costs: CostModel, stages: int, microbatches: int, method
     if stages > costs.num_blocks:
         raise SettingError(
             f"stages={stages} exceeds the {costs.num_blocks} blocks of the cost model: every stage needs at least "
-            f"one block, so use at most {costs.num_blocks} stages", "stages"
+            f"one block, so use at most {costs.num_blocks} stages",
+            "stages",
         )
     if kinds is not None and len(kinds) != costs.num_blocks:
         raise ValueError(f"kinds has {len(kinds)} entries for {costs.num_blocks} blocks: give one kind per block")

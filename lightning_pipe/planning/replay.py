@@ -131,7 +131,10 @@ class Replay:
             depth[k] = 1 + max(depth[previous[k]] if previous[k] < n else -1, depth[sender[k]] if sender[k] < n else -1)
             groups.setdefault(depth[k], []).append(k)
         return [
-            tuple(np.array(v) for v in (g, [previous[k] for k in g], [sender[k] for k in g], [self.boundary[k] for k in g], [self.duration[k] for k in g]))
+            tuple(
+                np.array(v)
+                for v in (g, [previous[k] for k in g], [sender[k] for k in g], [self.boundary[k] for k in g], [self.duration[k] for k in g])
+            )
             for _, g in sorted(groups.items())
         ]
 

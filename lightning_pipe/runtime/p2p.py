@@ -24,8 +24,18 @@ from torch import Tensor
 Activation = Union[Tensor, tuple[Tensor, ...]]
 
 _DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
 ]
 _CODE = {dtype: i for i, dtype in enumerate(_DTYPES)}
 
@@ -47,12 +57,8 @@ class ActivationSpec:
         items = value if isinstance(value, tuple) else (value,)
         for t in items:
             if not isinstance(t, Tensor):
-                raise TypeError(
-                    f"a pipeline stage must output a tensor or a tuple of tensors, got an element of type {type(t).__name__}"
-                )
-        return ActivationSpec(
-            isinstance(value, tuple), tuple(TensorSpec(tuple(t.shape), t.dtype, t.requires_grad) for t in items)
-        )
+                raise TypeError(f"a pipeline stage must output a tensor or a tuple of tensors, got an element of type {type(t).__name__}")
+        return ActivationSpec(isinstance(value, tuple), tuple(TensorSpec(tuple(t.shape), t.dtype, t.requires_grad) for t in items))
 
     def encode(self, device: torch.device) -> Tensor:
         data = [int(self.is_tuple), len(self.tensors)]

@@ -29,9 +29,7 @@ def allreduce_mean(params: Iterable[torch.nn.Parameter], group: Any, size: int) 
             g.copy_(reduced)
 
 
-def clip_grad_norm_global(
-    params: Iterable[Tensor], max_norm: float, group: Optional[Any], skip_in_norm: frozenset = frozenset()
-) -> Tensor:
+def clip_grad_norm_global(params: Iterable[Tensor], max_norm: float, group: Optional[Any], skip_in_norm: frozenset = frozenset()) -> Tensor:
     """`torch.nn.utils.clip_grad_norm_` over all stages of a pipeline: the norm is the 2-norm of the
     gradients of every stage, summed as squares across `group`, so each stage scales by one factor.
     Parameters in `skip_in_norm` (ids; copies of a tied weight held elsewhere too) are scaled but not counted."""

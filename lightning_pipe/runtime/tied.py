@@ -22,8 +22,9 @@ class TiedParameter:
     parameter: nn.Parameter  # this process's copy (valid on the stages in `stages`)
 
 
-def find_tied_parameters(pipeline: nn.Sequential, bounds: tuple[tuple[int, int], ...],
-                         chunk_rank: Optional[tuple[int, ...]] = None) -> list[TiedParameter]:
+def find_tied_parameters(
+    pipeline: nn.Sequential, bounds: tuple[tuple[int, int], ...], chunk_rank: Optional[tuple[int, ...]] = None
+) -> list[TiedParameter]:
     """`bounds[c]` are chunk c's blocks, on rank ``chunk_rank[c]`` (default: chunk c on rank c)."""
     owner = chunk_rank if chunk_rank is not None else tuple(range(len(bounds)))
     stage_of_block = {b: owner[c] for c, (start, stop) in enumerate(bounds) for b in range(start, stop)}

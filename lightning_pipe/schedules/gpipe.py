@@ -21,6 +21,7 @@ def forward_only(stages: int, microbatches: int, chunk_rank: Optional[tuple[int,
     """Evaluation (validate / test / predict): forwards only, nothing stashed for backward. With a
     multi-chunk placement each rank runs its chunks in pipeline order (always deadlock-free)."""
     placement = tuple(range(stages)) if chunk_rank is None else tuple(chunk_rank)
-    compute = [[(Op.FORWARD, c, i) for c in range(len(placement)) if placement[c] == rank for i in range(microbatches)]
-               for rank in range(stages)]
+    compute = [
+        [(Op.FORWARD, c, i) for c in range(len(placement)) if placement[c] == rank for i in range(microbatches)] for rank in range(stages)
+    ]
     return lower("forward", compute, placement, microbatches, backward=False)

@@ -47,5 +47,7 @@ def interleaved_misfit(stages: int, num_blocks: int, chunks: int = 2) -> str:
     """Why v chunks per rank do not fit a model of `num_blocks` blocks, and what fits."""
     most = num_blocks // stages
     hint = f"chunks <= {most}" if most else "fewer ranks"
-    return (f"schedule='interleaved' with chunks={chunks} on {stages} ranks cuts the model into "
-            f"{stages * chunks} chunks, more than its {num_blocks} blocks: use {hint}")
+    return (
+        f"schedule='interleaved' with chunks={chunks} on {stages} ranks cuts the model into "
+        f"{stages * chunks} chunks, more than its {num_blocks} blocks: use {hint}"
+    )

@@ -89,7 +89,7 @@ def _receives_in_send_order(lists: list[list[Action]]) -> list[list[Action]]:
                 rewritten.append(a)
                 continue
             upto = order.index(msg) + 1
-            for earlier in order[posted.get((src, dst), 0):upto]:
+            for earlier in order[posted.get((src, dst), 0) : upto]:
                 rewritten.append(_receive(src, earlier))
             posted[(src, dst)] = max(posted.get((src, dst), 0), upto)
         out.append(rewritten)

@@ -58,8 +58,7 @@ class ScheduleSpec:
         given = dict(self.options)
         unknown = sorted(set(given) - set(kind.options))
         if unknown:
-            raise SettingError(f"schedule={self.name!r} takes no option {unknown}; its options: {list(kind.options) or 'none'}",
-                               unknown[0])
+            raise SettingError(f"schedule={self.name!r} takes no option {unknown}; its options: {list(kind.options) or 'none'}", unknown[0])
         for key, value in given.items():
             check_count(key, value)
         object.__setattr__(self, "options", tuple(sorted({**kind.options, **given}.items())))
@@ -97,8 +96,11 @@ class ScheduleSpec:
             return
         if self.kind.misfit is not None:
             raise SettingError(self.kind.misfit(stages, num_blocks, **self.kwargs), self.options[0][0])
-        raise SettingError(f"the pipeline has {stages} stages but the model only {num_blocks} blocks: use at most {num_blocks} "
-                           "stages (devices x nodes / width) or split the model into more blocks", "width")
+        raise SettingError(
+            f"the pipeline has {stages} stages but the model only {num_blocks} blocks: use at most {num_blocks} "
+            "stages (devices x nodes / width) or split the model into more blocks",
+            "width",
+        )
 
     def build(self, stages: int, microbatches: int, check: bool = True) -> PipelineSchedule:
         """Build and `validate`: an inconsistent schedule is an error here, never a hang at run time.

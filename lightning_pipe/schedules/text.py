@@ -34,8 +34,15 @@ from typing import Optional
 
 from .actions import Action, Op, PipelineSchedule
 
-_PREFIX = {Op.FORWARD: "F", Op.BACKWARD: "B", Op.SEND_ACT: "SF", Op.RECV_ACT: "RF", Op.SEND_GRAD: "SB", Op.RECV_GRAD: "RB",
-           Op.REDUCE_GRAD: "R"}
+_PREFIX = {
+    Op.FORWARD: "F",
+    Op.BACKWARD: "B",
+    Op.SEND_ACT: "SF",
+    Op.RECV_ACT: "RF",
+    Op.SEND_GRAD: "SB",
+    Op.RECV_GRAD: "RB",
+    Op.REDUCE_GRAD: "R",
+}
 _OPS = {prefix: op for op, prefix in _PREFIX.items()}
 _HEADER = "schedule"
 _FIELDS = ("name", "microbatches", "chunk_rank", "backward")
@@ -69,8 +76,10 @@ def dump(schedule: PipelineSchedule) -> str:
     """The schedule as text (ends with a newline); `load` reads it back to an equal schedule."""
     name = schedule.name if _PLAIN_NAME.fullmatch(schedule.name) else json.dumps(schedule.name)
     placement = ",".join(str(_integer(r, "a chunk's rank")) for r in schedule.chunk_rank)
-    header = (f"{_HEADER} name={name} microbatches={_integer(schedule.num_microbatches, 'microbatches')} "
-              f"chunk_rank={placement} backward={'true' if schedule.backward else 'false'}")
+    header = (
+        f"{_HEADER} name={name} microbatches={_integer(schedule.num_microbatches, 'microbatches')} "
+        f"chunk_rank={placement} backward={'true' if schedule.backward else 'false'}"
+    )
     lines = [header]
     for rank, actions in enumerate(schedule.actions):
         try:
@@ -87,14 +96,24 @@ def parse_token(text: str) -> Action:
         head = re.match(r"[A-Z]*", text).group(0)
         if head not in _OPS:
             raise ValueError(f"unknown op {head or text[:1]!r}; ops: {', '.join(_OPS)}")
-        form = f"{head}<chunk>.<micro-batch>{_sigil(_OPS[head])}<peer>" if head in ("SF", "RF", "SB", "RB") else \
-            f"{head}<chunk>.<micro-batch>" if head in ("F", "B") else f"{head}<chunk>"
+        form = (
+            f"{head}<chunk>.<micro-batch>{_sigil(_OPS[head])}<peer>"
+            if head in ("SF", "RF", "SB", "RB")
+            else f"{head}<chunk>.<micro-batch>"
+            if head in ("F", "B")
+            else f"{head}<chunk>"
+        )
         raise ValueError(f"expected {form}, with integers")
     prefix, chunk, mb, sigil, peer = match.groups()
     op = _OPS[prefix]
     if sigil is not None and sigil != _sigil(op):
-        side = "a send names its peer with '>'" if op.is_send else "a receive names its peer with '<'" if op.is_recv else \
-            f"{prefix} names its peer with '@'"
+        side = (
+            "a send names its peer with '>'"
+            if op.is_send
+            else "a receive names its peer with '<'"
+            if op.is_recv
+            else f"{prefix} names its peer with '@'"
+        )
         raise ValueError(f"{side}, not {sigil!r}")
     return Action(op, int(chunk), None if mb is None else int(mb), None if peer is None else int(peer))
 
@@ -105,7 +124,7 @@ def _header(line: str, number: int) -> dict[str, object]:
 
     if line.split(maxsplit=1)[0] != _HEADER:
         raise fail(f"must start with {_HEADER!r} followed by {' '.join(f + '=...' for f in _FIELDS)}; got {line!r}")
-    rest = line[len(_HEADER):]
+    rest = line[len(_HEADER) :]
     fields: dict[str, str] = {}
     position = 0
     while True:
@@ -137,7 +156,7 @@ def _header(line: str, number: int) -> dict[str, object]:
     elif name:
         out["name"] = name
     else:
-        raise fail("name is empty (quote it: name=\"\")")
+        raise fail('name is empty (quote it: name="")')
     try:
         out["microbatches"] = int(fields["microbatches"])
     except ValueError:

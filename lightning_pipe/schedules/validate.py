@@ -53,9 +53,7 @@ def _check_static(s: PipelineSchedule) -> None:
                     raise ScheduleError(f"{_where(rank, index, a)}: chunk {a.chunk} is held by rank {s.chunk_rank[a.chunk]}")
                 neighbour = a.chunk + 1 if a.op in (Op.SEND_ACT, Op.RECV_GRAD) else a.chunk - 1
                 if not 0 <= neighbour <= last or s.chunk_rank[neighbour] != a.peer or a.peer == rank:
-                    raise ScheduleError(
-                        f"{_where(rank, index, a)}: the peer must be the rank holding chunk {neighbour}"
-                    )
+                    raise ScheduleError(f"{_where(rank, index, a)}: the peer must be the rank holding chunk {neighbour}")
     computes = Counter((a.op, a.chunk, a.microbatch) for acts in s.actions for a in acts if a.op.is_compute)
     ops = (Op.FORWARD, Op.BACKWARD) if s.backward else (Op.FORWARD,)
     for op in ops:
@@ -139,7 +137,9 @@ def validate(s: PipelineSchedule) -> None:
                     posted[rank].add(msg)
                 elif a.op.is_compute:
                     if a.op is Op.BACKWARD and (Op.FORWARD, a.chunk, a.microbatch) not in done[rank]:
-                        raise ScheduleError(f"{_where(rank, index, a)}: needs its own forward of micro-batch {a.microbatch}, which no earlier action provides")
+                        raise ScheduleError(
+                            f"{_where(rank, index, a)}: needs its own forward of micro-batch {a.microbatch}, which no earlier action provides"
+                        )
                     local, remote = _needs(s, rank, a)
                     if local is not None and local not in done[rank]:
                         what = "the activation" if a.op is Op.FORWARD else "the gradient"
@@ -147,7 +147,9 @@ def validate(s: PipelineSchedule) -> None:
                     if remote is not None:
                         if remote not in posted[rank]:
                             what = "the activation" if a.op is Op.FORWARD else "the gradient from"
-                            raise ScheduleError(f"{_where(rank, index, a)}: needs {what} of chunk {remote[1]}, which no earlier action provides")
+                            raise ScheduleError(
+                                f"{_where(rank, index, a)}: needs {what} of chunk {remote[1]}, which no earlier action provides"
+                            )
                         if remote not in sent:
                             break  # posted, not yet sent: wait for the peer
                     done[rank].add((a.op, a.chunk, a.microbatch))

@@ -22,7 +22,9 @@ def wave_placement(stages: int, waves: int) -> tuple[int, ...]:
     return tuple(c % p if (c // p) % 2 == 0 else p - 1 - c % p for c in range(2 * p * waves))
 
 
-def greedy_order(chunk_rank: tuple[int, ...], ranks: int, microbatches: int, f: float = 1.0, b: float = 2.0) -> list[list[tuple[Op, int, int]]]:
+def greedy_order(
+    chunk_rank: tuple[int, ...], ranks: int, microbatches: int, f: float = 1.0, b: float = 2.0
+) -> list[list[tuple[Op, int, int]]]:
     """Compute order per rank from an event simulation of ready work (unit communication-free costs)."""
     last = len(chunk_rank) - 1
     ready_at: dict[tuple[Op, int, int], float] = {(Op.FORWARD, 0, i): 0.0 for i in range(microbatches)}
@@ -74,5 +76,7 @@ def wave_misfit(stages: int, num_blocks: int, waves: int = 1) -> str:
     """Why W waves do not fit a model of `num_blocks` blocks, and what fits."""
     most = num_blocks // (2 * stages)
     hint = f"waves <= {most}" if most else f"at most {num_blocks // 2} ranks or another schedule"
-    return (f"schedule='wave' with waves={waves} on {stages} ranks cuts the model into 2 x {stages} x "
-            f"{waves} = {2 * stages * waves} chunks, more than its {num_blocks} blocks: use {hint}")
+    return (
+        f"schedule='wave' with waves={waves} on {stages} ranks cuts the model into 2 x {stages} x "
+        f"{waves} = {2 * stages * waves} chunks, more than its {num_blocks} blocks: use {hint}"
+    )
