@@ -26,7 +26,6 @@ idle CPUs) before every measured segment and repeats disturbed ones.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -84,7 +83,11 @@ def speedup_job(rank: int, world: int, args: Any, log) -> dict:
     link, _ = bs._segment(lambda: bs.ping_pong(rank), rank, world, args, log)
     (profile, loss), profile_load = bs._segment(
         lambda: bs.gather_profile(blocks, x[: args.mbs], y[: args.mbs], rank, world, args.profile_repeats, False, "gpt", args.mbs),
-        rank, world, args, log)
+        rank,
+        world,
+        args,
+        log,
+    )
     box = [None]
     if rank == 0:
         from lightning_pipe.planning import plan
@@ -99,13 +102,21 @@ def speedup_job(rank: int, world: int, args: Any, log) -> dict:
     runs = {m: [] for m in METHODS}
     loads = {m: [] for m in METHODS}
     for rnd in range(args.rounds):
-        for m in (METHODS if rnd % 2 == 0 else METHODS[::-1]):
+        for m in METHODS if rnd % 2 == 0 else METHODS[::-1]:
             out, load = bs._segment(lambda: train_partition(model, plans[m].bounds, rank, world, x, y, args), rank, world, args, log)
             runs[m].append(out)
             loads[m].append(load)
             if rank == 0:
                 log(f"  round {rnd + 1}/{args.rounds} {m:<9} done (foreign load {load:.2f} CPUs)")
-    return {"link": box[0]["link"], "profile": profile, "loss": loss, "profile_load": profile_load, "plans": plans, "runs": runs, "loads": loads}
+    return {
+        "link": box[0]["link"],
+        "profile": profile,
+        "loss": loss,
+        "profile_load": profile_load,
+        "plans": plans,
+        "runs": runs,
+        "loads": loads,
+    }
 
 
 def main() -> None:
@@ -123,17 +134,22 @@ def main() -> None:
     started = time.time()
     batch = args.mbs * args.microbatches
     print(bs.provenance())
-    print(f"gloo, {args.world} processes x 1 thread; GPT {args.layers} layers "
-          f"({2 * args.layers + 2} blocks), hidden {args.hidden}, seq {args.seq}, vocab {args.vocab}, micro-batch {args.mbs}, "
-          f"m = {args.microbatches} (batch {batch})", flush=True)
+    print(
+        f"gloo, {args.world} processes x 1 thread; GPT {args.layers} layers "
+        f"({2 * args.layers + 2} blocks), hidden {args.hidden}, seq {args.seq}, vocab {args.vocab}, micro-batch {args.mbs}, "
+        f"m = {args.microbatches} (batch {batch})",
+        flush=True,
+    )
     bs.wait_for_quiet(args.quiet_wait, args.max_foreign)
     results = bs.launch(speedup_job, args.world, args, args.timeout)
     r0 = results[0]
     link, profile, plans = r0["link"], r0["profile"], r0["plans"]
-    print(f"\nlink: latency {link['latency'] * 1e6:.0f} us, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s; profile (both ranks at once, "
-          f"foreign load {r0['profile_load']:.2f} CPUs): f+b per micro-batch: embedding {1e3 * (profile.forward[0] + profile.backward[0]):.2f} ms, "
-          f"layers {1e3 * sum(profile.forward[1:-1] + profile.backward[1:-1]):.1f} ms, head {1e3 * (profile.forward[-1] + profile.backward[-1]):.1f} ms "
-          f"(of which the loss {1e3 * sum(r0['loss']):.1f} ms)")
+    print(
+        f"\nlink: latency {link['latency'] * 1e6:.0f} us, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s; profile (both ranks at once, "
+        f"foreign load {r0['profile_load']:.2f} CPUs): f+b per micro-batch: embedding {1e3 * (profile.forward[0] + profile.backward[0]):.2f} ms, "
+        f"layers {1e3 * sum(profile.forward[1:-1] + profile.backward[1:-1]):.1f} ms, head {1e3 * (profile.forward[-1] + profile.backward[-1]):.1f} ms "
+        f"(of which the loss {1e3 * sum(r0['loss']):.1f} ms)"
+    )
     rows = {}
     for m in METHODS:
         steps, iters = [], []
@@ -143,19 +159,24 @@ def main() -> None:
                 start = min(t for t, _, _ in spans)
                 iters.append(max(e for _, e, _ in spans) - start)
                 steps.append(max(e for _, _, e in spans) - start)
-        rows[m] = {"step": statistics.median(steps), "iteration": statistics.median(iters), "load": max(r0["loads"][m]),
-                   "n": len(steps)}
-    print("\n| partition | blocks per stage | stage contents | measured step ms | samples/s | pipeline iteration ms | simulated ms | foreign load |")
+        rows[m] = {"step": statistics.median(steps), "iteration": statistics.median(iters), "load": max(r0["loads"][m]), "n": len(steps)}
+    print(
+        "\n| partition | blocks per stage | stage contents | measured step ms | samples/s | pipeline iteration ms | simulated ms | foreign load |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for m in METHODS:
         pl, r = plans[m], rows[m]
-        print(f"| {m} | {list(pl.sizes)} | {' / '.join(pl.contents(s) for s in range(pl.stages))} | {r['step'] * 1e3:.1f} | "
-              f"{batch / r['step']:.1f} | {r['iteration'] * 1e3:.1f} | {pl.iteration_time * 1e3:.1f} | {r['load']:.2f} |")
+        print(
+            f"| {m} | {list(pl.sizes)} | {' / '.join(pl.contents(s) for s in range(pl.stages))} | {r['step'] * 1e3:.1f} | "
+            f"{batch / r['step']:.1f} | {r['iteration'] * 1e3:.1f} | {pl.iteration_time * 1e3:.1f} | {r['load']:.2f} |"
+        )
     measured = rows["uniform"]["step"] / rows["autopipe"]["step"]
     pipeline = rows["uniform"]["iteration"] / rows["autopipe"]["iteration"]
     simulated = plans["uniform"].iteration_time / plans["autopipe"].iteration_time
-    print(f"\nspeed-up of autopipe over uniform: measured {measured:.3f}x (training step: samples/s), {pipeline:.3f}x "
-          f"(pipeline step alone); simulated {simulated:.3f}x")
+    print(
+        f"\nspeed-up of autopipe over uniform: measured {measured:.3f}x (training step: samples/s), {pipeline:.3f}x "
+        f"(pipeline step alone); simulated {simulated:.3f}x"
+    )
     print(f"({rows['autopipe']['n']} timed steps per partition, medians; total {time.time() - started:.0f} s)")
 
 

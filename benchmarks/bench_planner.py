@@ -161,7 +161,11 @@ def target_timing(repeats: int = 5) -> tuple[float, float, float]:
 
 def machine() -> str:
     try:
-        model = next(line.split(":", 1)[1].strip() for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name"))
+        model = next(
+            line.split(":", 1)[1].strip()
+            for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+            if line.startswith("Model name")
+        )
     except (OSError, StopIteration):
         model = platform.processor() or "unknown CPU"
     return f"{model}, {os.cpu_count()} CPU cores (shared), Python {platform.python_version()}"

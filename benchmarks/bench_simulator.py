@@ -129,6 +129,7 @@ def wait_for_quiet(max_wait: float, max_load: float, poll: float = 20.0, log: Ca
 
 def provenance() -> str:
     """Date, CPU model, torch, and the library's git state (uncommitted changes under lightning_pipe/)."""
+
     def run(*cmd: str) -> str:
         try:
             return subprocess.run(cmd, capture_output=True, text=True, timeout=10, cwd=ROOT).stdout.strip()
@@ -137,9 +138,11 @@ def provenance() -> str:
 
     model = next((l.split(":", 1)[1].strip() for l in run("lscpu").splitlines() if l.startswith("Model name")), "?")
     dirty = run("git", "status", "--short", "--", "lightning_pipe").replace("\n", ", ")
-    return (f"{time.strftime('%a %b %d %H:%M:%S %Z %Y')}; {model}, {os.cpu_count()} CPUs; Python {sys.version.split()[0]}, torch "
-            f"{torch.__version__}; commit {run('git', 'rev-parse', '--short', 'HEAD') or '?'}"
-            + (f" with uncommitted library changes: {dirty}" if dirty else ""))
+    return (
+        f"{time.strftime('%a %b %d %H:%M:%S %Z %Y')}; {model}, {os.cpu_count()} CPUs; Python {sys.version.split()[0]}, torch "
+        f"{torch.__version__}; commit {run('git', 'rev-parse', '--short', 'HEAD') or '?'}"
+        + (f" with uncommitted library changes: {dirty}" if dirty else "")
+    )
 
 
 # ---- model, data, link -------------------------------------------------------------------------
@@ -171,8 +174,9 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-def ping_pong(rank: int, sizes: Sequence[int] = (4, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22), repeats: int = 30,
-              warmup: int = 5) -> Optional[dict]:
+def ping_pong(
+    rank: int, sizes: Sequence[int] = (4, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22), repeats: int = 30, warmup: int = 5
+) -> Optional[dict]:
     """Ranks 0 and 1 bounce float32 messages (isend / irecv + wait, as the Transport); the others
     wait. Returns, on rank 0, the one-way times (median round trip / 2) and the fit
     ``time = latency + bytes / bandwidth``: latency is the smallest message's time, bandwidth the
@@ -205,8 +209,18 @@ def ping_pong(rank: int, sizes: Sequence[int] = (4, 1 << 14, 1 << 16, 1 << 18, 1
 
 
 # ---- profiles ----------------------------------------------------------------------------------
-def profile_at_once(blocks: Sequence[nn.Module], sample: Any, target: Any, rank: int, world: int, repeats: int, profilers: int,
-                   inflight: Optional[int], name: str, mbs: int):
+def profile_at_once(
+    blocks: Sequence[nn.Module],
+    sample: Any,
+    target: Any,
+    rank: int,
+    world: int,
+    repeats: int,
+    profilers: int,
+    inflight: Optional[int],
+    name: str,
+    mbs: int,
+):
     """Profile every block, the loss timed with the last one (`loss_fn`); ranks < `profilers` at
     the same time while the others wait. ``inflight``: chain mode (see profile_blocks), None: each
     block alone. Every rank returns the same Profile: per block the median over the ranks that
@@ -217,14 +231,32 @@ def profile_at_once(blocks: Sequence[nn.Module], sample: Any, target: Any, rank:
     measured = None
     if rank < profilers:
         chain = inflight is not None
-        measured = profile_blocks(blocks, sample, torch.device("cpu"), model=name, loss_fn=lambda out: lm_loss(out, target),
-                                  inflight=inflight, repeats=max(1, repeats // inflight) if chain else repeats, warmup=1 if chain else 2)
+        measured = profile_blocks(
+            blocks,
+            sample,
+            torch.device("cpu"),
+            model=name,
+            loss_fn=lambda out: lm_loss(out, target),
+            inflight=inflight,
+            repeats=max(1, repeats // inflight) if chain else repeats,
+            warmup=1 if chain else 2,
+        )
     parts: list = [None] * world
     dist.all_gather_object(parts, measured)
     parts = [p for p in parts if p is not None]
     field = lambda key: [statistics.median(p[i][key] for p in parts) for i in range(len(blocks))]  # noqa: E731
-    return Profile(name, mbs, "float32", "cpu", field("forward"), field("backward"), field("activation_bytes"), field("param_bytes"),
-                   field("peak_memory"), [type(b).__name__ for b in blocks])
+    return Profile(
+        name,
+        mbs,
+        "float32",
+        "cpu",
+        field("forward"),
+        field("backward"),
+        field("activation_bytes"),
+        field("param_bytes"),
+        field("peak_memory"),
+        [type(b).__name__ for b in blocks],
+    )
 
 
 # The loss as an extra block, for bench_autopipe_speedup.py (which also reports the loss's own share).
@@ -240,8 +272,9 @@ class LossBlock(nn.Module):
         return lm_loss(logits, self.target)
 
 
-def gather_profile(blocks: Sequence[nn.Module], sample: Any, target: Any, rank: int, world: int, repeats: int, alone: bool,
-                   name: str, mbs: int):
+def gather_profile(
+    blocks: Sequence[nn.Module], sample: Any, target: Any, rank: int, world: int, repeats: int, alone: bool, name: str, mbs: int
+):
     """Profile every block, and the loss (folded into the last block's times); concurrently on all
     ranks (``alone=False``) or on rank 0 while the others wait. Every rank returns the same Profile
     (per block the median over the ranks that measured) and the loss's forward / backward seconds."""
@@ -250,8 +283,7 @@ def gather_profile(blocks: Sequence[nn.Module], sample: Any, target: Any, rank: 
     dist.barrier()
     measured = None
     if not alone or rank == 0:
-        measured = profile_blocks(list(blocks) + [LossBlock(target)], sample, torch.device("cpu"), model=name,
-                                  repeats=repeats, warmup=2)
+        measured = profile_blocks(list(blocks) + [LossBlock(target)], sample, torch.device("cpu"), model=name, repeats=repeats, warmup=2)
     parts: list = [None] * world
     dist.all_gather_object(parts, measured)
     parts = [p for p in parts if p is not None]
@@ -261,8 +293,18 @@ def gather_profile(blocks: Sequence[nn.Module], sample: Any, target: Any, rank: 
     loss = (forward.pop(), backward.pop())
     forward[-1] += loss[0]
     backward[-1] += loss[1]
-    profile = Profile(name, mbs, "float32", "cpu", forward, backward, field("activation_bytes")[:n], field("param_bytes")[:n],
-                      field("peak_memory")[:n], [type(b).__name__ for b in blocks])
+    profile = Profile(
+        name,
+        mbs,
+        "float32",
+        "cpu",
+        forward,
+        backward,
+        field("activation_bytes")[:n],
+        field("param_bytes")[:n],
+        field("peak_memory")[:n],
+        [type(b).__name__ for b in blocks],
+    )
     return profile, loss
 
 
@@ -339,8 +381,10 @@ def _segment(run: Callable[[], Any], rank: int, world: int, args: Any, log) -> t
         if foreign <= args.max_foreign:
             break
         if rank == 0:
-            log(f"  segment disturbed: other processes used {foreign:.2f} CPUs"
-                f"{'; repeating it' if attempt < args.retries else '; keeping the least disturbed attempt'}")
+            log(
+                f"  segment disturbed: other processes used {foreign:.2f} CPUs"
+                f"{'; repeating it' if attempt < args.retries else '; keeping the least disturbed attempt'}"
+            )
     return best[1], best[0]
 
 
@@ -398,7 +442,11 @@ def simulator_job(rank: int, world: int, args: Any, log) -> dict:
     for key, (profilers, inflight) in kinds_of_profile.items():
         profiles[key], profile_loads[key] = _segment(
             lambda: profile_at_once(blocks, sample, target, rank, world, args.profile_repeats, profilers, inflight, "gpt", args.mbs),
-            rank, world, args, log)
+            rank,
+            world,
+            args,
+            log,
+        )
     box = [None]
     if rank == 0:
         costs = profiles["main"].costs(link["bandwidth"], link["latency"], cores=args.cores)
@@ -406,27 +454,39 @@ def simulator_job(rank: int, world: int, args: Any, log) -> dict:
     dist.broadcast_object_list(box, 0)
     link, partitions = box[0]["link"], box[0]["partitions"]
     if rank == 0:
-        log(f"  link: latency {link['latency'] * 1e6:.0f} us, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s; "
-            f"partitions: {', '.join(f'{l} {sizes_of(b)}' for l, b in partitions)}")
+        log(
+            f"  link: latency {link['latency'] * 1e6:.0f} us, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s; "
+            f"partitions: {', '.join(f'{l} {sizes_of(b)}' for l, b in partitions)}"
+        )
     runs: dict[int, list] = {i: [] for i in range(len(partitions))}
     traces: dict[int, list] = {i: [] for i in range(len(partitions))}
     loads: dict[int, list] = {i: [] for i in range(len(partitions))}
     cpu: dict[int, list] = {i: [] for i in range(len(partitions))}
     for rnd in range(args.rounds):
         order = list(range(len(partitions)))
-        order = order[rnd % len(order):] + order[: rnd % len(order)]  # a different partition first each round
+        order = order[rnd % len(order) :] + order[: rnd % len(order)]  # a different partition first each round
         for i in order:
             label, bounds = partitions[i]
-            out, load = _segment(lambda: run_partition(model, bounds, rank, world, x, y, args, args.steps, args.warmup),
-                                 rank, world, args, log)
+            out, load = _segment(
+                lambda: run_partition(model, bounds, rank, world, x, y, args, args.steps, args.warmup), rank, world, args, log
+            )
             runs[i].append(out["times"])
             traces[i].extend(zip(out["times"], out["traces"]))
             loads[i].append(load)
             cpu[i].append(out["cpu"])
             if rank == 0:
                 log(f"  round {rnd + 1}/{args.rounds} {label:<24} done (foreign load {load:.2f} CPUs)")
-    return {"rank": rank, "link": link, "profiles": profiles, "profile_loads": profile_loads, "partitions": partitions,
-            "runs": runs, "loads": loads, "traces": traces, "cpu": cpu}
+    return {
+        "rank": rank,
+        "link": link,
+        "profiles": profiles,
+        "profile_loads": profile_loads,
+        "partitions": partitions,
+        "runs": runs,
+        "loads": loads,
+        "traces": traces,
+        "cpu": cpu,
+    }
 
 
 # ---- launching ---------------------------------------------------------------------------------
@@ -598,8 +658,10 @@ def analyse(results: list[dict], world: int, args: Any) -> dict:
     r0 = results[0]
     link, partitions, profiles = r0["link"], r0["partitions"], r0["profiles"]
     variants = {k: v for k, v in VARIANTS.items() if v[0] in profiles and (world > min(args.cores, world) or k not in ("no-cores", "all"))}
-    costs = {k: profiles[p].costs(link["bandwidth"], link["latency"], cores=args.cores if shared else None)
-             for k, (p, shared, _) in variants.items()}
+    costs = {
+        k: profiles[p].costs(link["bandwidth"], link["latency"], cores=args.cores if shared else None)
+        for k, (p, shared, _) in variants.items()
+    }
     schedule = build_schedule("1f1b", world, args.microbatches)
     rows = []
     for i, (label, bounds) in enumerate(partitions):
@@ -613,17 +675,42 @@ def analyse(results: list[dict], world: int, args: Any) -> dict:
         cpu, machine = cpu_use(results, i)
         path = measured_path(results, i, schedule)
         sim_path = sum(e.end - e.start for e in main.critical_path)
-        rows.append({"label": label, "bounds": bounds, "sizes": sizes_of(bounds), "measured": measured, "iqr": (q1, q3),
-                     "sim": {k: t.iteration_time for k, t in sims.items()},
-                     "error": {k: t.iteration_time / measured - 1 for k, t in sims.items()},
-                     "master": main.master_stage, "bubble": main.bubble_ratio, "heavy": heavy,
-                     "traced_busy": busy[heavy], "sim_busy": main.busy[heavy], "cpu": cpu, "machine": machine,
-                     "path": path, "sim_path": (sim_path, main.iteration_time - sim_path),
-                     "load": max(r0["loads"][i]), "steps": len(times)})
+        rows.append(
+            {
+                "label": label,
+                "bounds": bounds,
+                "sizes": sizes_of(bounds),
+                "measured": measured,
+                "iqr": (q1, q3),
+                "sim": {k: t.iteration_time for k, t in sims.items()},
+                "error": {k: t.iteration_time / measured - 1 for k, t in sims.items()},
+                "master": main.master_stage,
+                "bubble": main.bubble_ratio,
+                "heavy": heavy,
+                "traced_busy": busy[heavy],
+                "sim_busy": main.busy[heavy],
+                "cpu": cpu,
+                "machine": machine,
+                "path": path,
+                "sim_path": (sim_path, main.iteration_time - sim_path),
+                "load": max(r0["loads"][i]),
+                "steps": len(times),
+            }
+        )
     measured = [r["measured"] for r in rows]
     rho = {k: spearman(measured, [r["sim"][k] for r in rows]) for k in variants}
-    return {"world": world, "rows": rows, "rho": rho, "variants": variants, "link": link, "costs": costs["simulated"],
-            "schedule": schedule, "profiles": profiles, "profile_loads": r0["profile_loads"], "results": results}
+    return {
+        "world": world,
+        "rows": rows,
+        "rho": rho,
+        "variants": variants,
+        "link": link,
+        "costs": costs["simulated"],
+        "schedule": schedule,
+        "profiles": profiles,
+        "profile_loads": r0["profile_loads"],
+        "results": results,
+    }
 
 
 def report(a: dict, args: Any) -> str:
@@ -637,28 +724,42 @@ def report(a: dict, args: Any) -> str:
         + ", ".join(f"{k} {total(k):.1f} ms ({a['profile_loads'][k]:.2f})" for k in profiles),
         f"  main = chain (inflight {args.inflight}) on {cores} ranks at once; hot = per-block on {cores} ranks at once; "
         f"lone = chain on rank 0 alone" + (f"; all = chain on all {world} ranks at once" if "all" in profiles else ""),
-        f"simulated with cores = {args.cores}" + (" (more ranks than cores: processor sharing)" if world > args.cores else " (a core per rank: no sharing)"),
+        f"simulated with cores = {args.cores}"
+        + (" (more ranks than cores: processor sharing)" if world > args.cores else " (a core per rank: no sharing)"),
         "",
         "| partition | blocks per stage | measured ms | simulated ms | error | master stage | busiest rank: traced / simulated compute ms | foreign load |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r['label']} | {r['sizes']} | {r['measured'] * 1e3:.1f} | {r['sim']['simulated'] * 1e3:.1f} | "
-                     f"{r['error']['simulated']:+.1%} | {r['master']} | {r['heavy']}: {r['traced_busy'] * 1e3:.1f} / {r['sim_busy'] * 1e3:.1f} | "
-                     f"{r['load']:.2f} |")
+        lines.append(
+            f"| {r['label']} | {r['sizes']} | {r['measured'] * 1e3:.1f} | {r['sim']['simulated'] * 1e3:.1f} | "
+            f"{r['error']['simulated']:+.1%} | {r['master']} | {r['heavy']}: {r['traced_busy'] * 1e3:.1f} / {r['sim_busy'] * 1e3:.1f} | "
+            f"{r['load']:.2f} |"
+        )
     work = args.microbatches * sum(profiles["main"].forward + profiles["main"].backward)
-    lines += ["", f"Where the time goes (per step, ms; profiled CPU work m x sum(f+b) = {work * 1e3:.1f} ms): CPU time of all ranks and "
-                  "how many CPUs the machine kept busy over the timed steps; the critical path of the traced steps (computes, waits for a "
-                  "message, gaps between a rank's computes) next to the simulated one (computes, waits)", "",
-              "| partition | ranks' CPU per step | machine busy (CPUs) | measured path: compute + message + gaps | simulated path: compute + waits |",
-              "|---|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        f"Where the time goes (per step, ms; profiled CPU work m x sum(f+b) = {work * 1e3:.1f} ms): CPU time of all ranks and "
+        "how many CPUs the machine kept busy over the timed steps; the critical path of the traced steps (computes, waits for a "
+        "message, gaps between a rank's computes) next to the simulated one (computes, waits)",
+        "",
+        "| partition | ranks' CPU per step | machine busy (CPUs) | measured path: compute + message + gaps | simulated path: compute + waits |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for r in rows:
         c, msg, gap = (v * 1e3 for v in r["path"])
         sc, sw = (v * 1e3 for v in r["sim_path"])
-        lines.append(f"| {r['label']} | {r['cpu'] * 1e3:.1f} | {r['machine']:.2f} | {c:.1f} + {msg:.1f} + {gap:.1f} | {sc:.1f} + {sw:.1f} |")
+        lines.append(
+            f"| {r['label']} | {r['cpu'] * 1e3:.1f} | {r['machine']:.2f} | {c:.1f} + {msg:.1f} + {gap:.1f} | {sc:.1f} + {sw:.1f} |"
+        )
     names = list(a["variants"])
-    lines += ["", "Every variant (error per partition, Spearman, largest |error|):", "",
-              "| partition | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    lines += [
+        "",
+        "Every variant (error per partition, Spearman, largest |error|):",
+        "",
+        "| partition | " + " | ".join(names) + " |",
+        "|---|" + "---:|" * len(names),
+    ]
     for r in rows:
         lines.append(f"| {r['label']} | " + " | ".join(f"{r['error'][k]:+.1%}" for k in names) + " |")
     lines.append("| Spearman | " + " | ".join(f"{a['rho'][k]:.3f}" for k in names) + " |")
@@ -685,25 +786,46 @@ def plot_comparison(analyses: list[dict], path: Path, args: Any) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    styles = {"simulated": ("s--", "#DD8452"), "hot": ("v:", "#55A868"), "no-cores": ("D:", "#C44E52"), "all": ("x:", "#8172B3"),
-              "lone": ("^:", "#8C8C8C")}
+    styles = {
+        "simulated": ("s--", "#DD8452"),
+        "hot": ("v:", "#55A868"),
+        "no-cores": ("D:", "#C44E52"),
+        "all": ("x:", "#8172B3"),
+        "lone": ("^:", "#8C8C8C"),
+    }
     fig, axes = plt.subplots(1, len(analyses), figsize=(6.8 * len(analyses), 4.6), squeeze=False)
     for ax, a in zip(axes[0], analyses):
         rows = a["rows"]
         xs = range(len(rows))
         ax.plot(xs, [r["measured"] * 1e3 for r in rows], "o-", label="measured (median step)", color="#4C72B0", lw=2)
-        ax.fill_between(xs, [r["iqr"][0] * 1e3 for r in rows], [r["iqr"][1] * 1e3 for r in rows], color="#4C72B0", alpha=0.2,
-                        label="measured, quartiles")
+        ax.fill_between(
+            xs,
+            [r["iqr"][0] * 1e3 for r in rows],
+            [r["iqr"][1] * 1e3 for r in rows],
+            color="#4C72B0",
+            alpha=0.2,
+            label="measured, quartiles",
+        )
         for k in a["variants"]:
             marker, color = styles[k]
-            ax.plot(xs, [r["sim"][k] * 1e3 for r in rows], marker, color=color, lw=2 if k == "simulated" else 1,
-                    alpha=1.0 if k == "simulated" else 0.7, label=f"{k}: {a['variants'][k][2]}")
+            ax.plot(
+                xs,
+                [r["sim"][k] * 1e3 for r in rows],
+                marker,
+                color=color,
+                lw=2 if k == "simulated" else 1,
+                alpha=1.0 if k == "simulated" else 0.7,
+                label=f"{k}: {a['variants'][k][2]}",
+            )
         ax.set_xticks(list(xs))
         ax.set_xticklabels([f"{r['label'].replace(' = ', '=')}\n{r['sizes']}" for r in rows], fontsize=7, rotation=30, ha="right")
         ax.set_ylabel("iteration time (ms)")
         ax.set_ylim(bottom=0)
-        ax.set_title(f"{a['world']} processes on {args.cores} cores: Spearman {a['rho']['simulated']:.2f}, max |error| "
-                     f"{max(abs(r['error']['simulated']) for r in rows):.1%}", fontsize=9)
+        ax.set_title(
+            f"{a['world']} processes on {args.cores} cores: Spearman {a['rho']['simulated']:.2f}, max |error| "
+            f"{max(abs(r['error']['simulated']) for r in rows):.1%}",
+            fontsize=9,
+        )
         ax.legend(fontsize=6, loc="lower right")
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -731,12 +853,18 @@ def plot_timelines(a: dict, folder: Path, label: str = "autopipe") -> list[Path]
     measured = traced_timeline(a["schedule"], per_step[len(per_step) // 2][2])
     predicted = simulate(a["schedule"], a["costs"], row["bounds"])
     m = a["schedule"].num_microbatches
-    out_m = gantt(measured, folder / "measured_timeline.png",
-                  title=f"measured (traced; gaps = waiting): {label} {row['sizes']}, {a['world']} processes, m={m}: "
-                        f"{measured.iteration_time * 1e3:.1f} ms")
-    out_p = gantt(predicted, folder / "predicted_timeline.png",
-                  title=f"simulated: {label} {row['sizes']}, {a['world']} stages on {a['costs'].cores} cores, 1F1B m={m}: "
-                        f"iteration {predicted.iteration_time * 1e3:.1f} ms, master stage {predicted.master_stage}")
+    out_m = gantt(
+        measured,
+        folder / "measured_timeline.png",
+        title=f"measured (traced; gaps = waiting): {label} {row['sizes']}, {a['world']} processes, m={m}: "
+        f"{measured.iteration_time * 1e3:.1f} ms",
+    )
+    out_p = gantt(
+        predicted,
+        folder / "predicted_timeline.png",
+        title=f"simulated: {label} {row['sizes']}, {a['world']} stages on {a['costs'].cores} cores, 1F1B m={m}: "
+        f"iteration {predicted.iteration_time * 1e3:.1f} ms, master stage {predicted.master_stage}",
+    )
     return [out_m, out_p]
 
 
@@ -773,9 +901,12 @@ def main() -> None:
     args = p.parse_args()
     started = time.time()
     print(provenance() if not args.from_raw else f"re-analysis of {args.from_raw}")
-    print(f"gloo, 1 thread per process; GPT {args.layers} layers "
-          f"({2 * args.layers + 2} blocks), hidden {args.hidden}, heads {args.heads}, seq {args.seq}, vocab {args.vocab}, "
-          f"micro-batch {args.mbs}, m = {args.microbatches}", flush=True)
+    print(
+        f"gloo, 1 thread per process; GPT {args.layers} layers "
+        f"({2 * args.layers + 2} blocks), hidden {args.hidden}, heads {args.heads}, seq {args.seq}, vocab {args.vocab}, "
+        f"micro-batch {args.mbs}, m = {args.microbatches}",
+        flush=True,
+    )
     analyses = []
     saved = torch.load(args.from_raw, weights_only=False) if args.from_raw else {}
     raw = {}

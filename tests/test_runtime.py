@@ -6,14 +6,14 @@ import itertools
 
 import pytest
 import torch
+from _dist import run_distributed
+from models import masked_blocks, max_rel_diff, mlp_blocks
 from torch import nn
 
-from _dist import run_distributed
 from lightning_pipe.planning import partition_blocks
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
 from lightning_pipe.schedules import build_schedule
-from models import masked_blocks, max_rel_diff, mlp_blocks
 
 UNEVEN = {2: [1, 5], 3: [1, 2, 3], 4: [3, 1, 1, 1]}
 
@@ -87,7 +87,6 @@ def test_tuple_activation_with_integer_mask_and_changing_shapes(world):
 
 
 def traced_step(rank: int, world: int) -> list:
-    from lightning_pipe.runtime.executor import Executor
 
     model = build("mlp", torch.float64)
     start, stop = partition_blocks("uniform", len(model), world).bounds[rank]

@@ -22,7 +22,7 @@ from typing import Any, Hashable, Optional, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from ..schedules.actions import Action, Op, PipelineSchedule
+from ..schedules.actions import Op, PipelineSchedule
 from .p2p import Activation, PendingRecv, Transport
 
 
@@ -144,7 +144,9 @@ class Executor:
                 while i < len(actions) and (actions[i].op.is_send or actions[i].op.is_recv):
                     c = actions[i]
                     if c.op is Op.SEND_ACT:
-                        ops += transport.send_activation(c.peer, c.chunk, keys[c.microbatch], outbox.pop(("activation", c.chunk, c.microbatch)))
+                        ops += transport.send_activation(
+                            c.peer, c.chunk, keys[c.microbatch], outbox.pop(("activation", c.chunk, c.microbatch))
+                        )
                     elif c.op is Op.SEND_GRAD:
                         ops += transport.send_gradients(c.peer, outbox.pop(("gradient", c.chunk, c.microbatch)))
                     elif not posted[i]:
