@@ -32,8 +32,12 @@ def main() -> None:
         row.append(bubble("interleaved", p, p, chunks=2))
         row += [bubble("wave", p, p, waves=w) for w in (1, 2, 4)]
         closed = [(2 * p - 2) / (3 * p * w + p - 1) for w in (1, 2, 4)]
-        print(f"{p:>2} " + " ".join(f"{t.bubble_ratio:>{w}.3f}" for t, w in zip(row, (7, 7, 12, 9, 7, 7)))
-              + "   " + " / ".join(f"{c:.3f}" for c in closed))
+        print(
+            f"{p:>2} "
+            + " ".join(f"{t.bubble_ratio:>{w}.3f}" for t, w in zip(row, (7, 7, 12, 9, 7, 7)))
+            + "   "
+            + " / ".join(f"{c:.3f}" for c in closed)
+        )
         if args.pictures and p == 4:
             from lightning_pipe.viz import gantt
 

@@ -24,7 +24,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--pictures", default=None, help="folder for timelines of gpt2-345m at 4 stages, without and with slicing")
     args = parser.parse_args()
-    print(f"{'model':<11} {'p':>3} {'m':>3} {'k':>3} {'start-up ms':>12} {'sliced':>9} {'cut':>6} {'iteration ms':>13} {'sliced':>9} {'gain':>6}")
+    print(
+        f"{'model':<11} {'p':>3} {'m':>3} {'k':>3} {'start-up ms':>12} {'sliced':>9} {'cut':>6} {'iteration ms':>13} {'sliced':>9} {'gain':>6}"
+    )
     worst_cut = 1.0
     for name in args.models:
         seq = min(args.seq_len, 512) if name.startswith("bert") else args.seq_len
@@ -36,8 +38,10 @@ def main() -> None:
             if p >= 4:
                 worst_cut = min(worst_cut, s.startup_cut)
             gain = 1 - s.iteration_time / s.baseline_iteration_time
-            print(f"{name:<11} {p:>3} {m:>3} {s.sliced:>3} {s.baseline_startup * 1e3:>12.2f} {s.startup * 1e3:>9.2f} {s.startup_cut:>6.1%} "
-                  f"{s.baseline_iteration_time * 1e3:>13.2f} {s.iteration_time * 1e3:>9.2f} {gain:>6.1%}")
+            print(
+                f"{name:<11} {p:>3} {m:>3} {s.sliced:>3} {s.baseline_startup * 1e3:>12.2f} {s.startup * 1e3:>9.2f} {s.startup_cut:>6.1%} "
+                f"{s.baseline_iteration_time * 1e3:>13.2f} {s.iteration_time * 1e3:>9.2f} {gain:>6.1%}"
+            )
     print(f"\nsmallest start-up cut at >= 4 stages: {worst_cut:.1%} (target >= 45%)")
     if args.pictures:
         from lightning_pipe.planning.slicer import simulate_sliced
@@ -48,8 +52,12 @@ def main() -> None:
         k = choose_slicing(costs, best.bounds, 8).sliced
         for name, sliced in (("off", 0), ("on", k)):
             t = simulate_sliced(costs, best.bounds, 8, sliced)
-            gantt(t, f"{args.pictures}/slicer_{name}.png", title=f"gpt2-345m, 4 stages, 1F1B, m=8, slicer {name} "
-                  f"(k={sliced}): start-up {t.startup * 1e3:.1f} ms, iteration {t.iteration_time * 1e3:.1f} ms")
+            gantt(
+                t,
+                f"{args.pictures}/slicer_{name}.png",
+                title=f"gpt2-345m, 4 stages, 1F1B, m=8, slicer {name} "
+                f"(k={sliced}): start-up {t.startup * 1e3:.1f} ms, iteration {t.iteration_time * 1e3:.1f} ms",
+            )
         print(f"pictures written to {args.pictures}")
 
 
