@@ -32,15 +32,14 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from lightning_pipe.models import get_model_config  # noqa: E402
-from lightning_pipe.planning import plan, transformer_costs  # noqa: E402
-from lightning_pipe.planning.exhaustive import EXHAUSTIVE_LIMIT, count_splits  # noqa: E402
-from lightning_pipe.planning.heuristic import autopipe_bounds  # noqa: E402
-from lightning_pipe.planning.partitioners import PARTITIONERS  # noqa: E402
-from lightning_pipe.planning.replay import Evaluator, cached_schedule, compiled  # noqa: E402
-from lightning_pipe.simulator import CostModel  # noqa: E402
+from lightning_pipe.launch import cpu_model
+from lightning_pipe.models import get_model_config
+from lightning_pipe.planning import plan, transformer_costs
+from lightning_pipe.planning.exhaustive import EXHAUSTIVE_LIMIT, count_splits
+from lightning_pipe.planning.heuristic import autopipe_bounds
+from lightning_pipe.planning.partitioners import PARTITIONERS
+from lightning_pipe.planning.replay import Evaluator, cached_schedule, compiled
+from lightning_pipe.simulator import CostModel
 
 MODELS = [("gpt2-345m", 4), ("gpt2-762m", 4), ("gpt2-1.3b", 16), ("bert-large", 16)]  # (name, micro-batch size)
 STAGES = (2, 4, 8, 16)
@@ -160,15 +159,7 @@ def target_timing(repeats: int = 5) -> tuple[float, float, float]:
 
 
 def machine() -> str:
-    try:
-        model = next(
-            line.split(":", 1)[1].strip()
-            for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-            if line.startswith("Model name")
-        )
-    except (OSError, StopIteration):
-        model = platform.processor() or "unknown CPU"
-    return f"{model}, {os.cpu_count()} CPU cores (shared), Python {platform.python_version()}"
+    return f"{cpu_model()}, {os.cpu_count()} CPU cores (shared), Python {platform.python_version()}"
 
 
 def main() -> None:

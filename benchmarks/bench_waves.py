@@ -1,8 +1,8 @@
 """Wave (Hanayo) and interleaved 1F1B vs our 1F1B vs torch.distributed.pipelining's multi-chunk schedules.
 
-Every run trains bench_runtime.py's balanced residual MLP (default 16 blocks, hidden 512, float32,
-MSE, SGD) on the same batches of m micro-batches of --rows rows, on 2 gloo processes with one
-thread each:
+Every run trains bench_runtime.py's balanced residual MLP (lightning_pipe.bench.mlp; default 16
+blocks, hidden 512, float32, MSE, SGD) on the same batches of m micro-batches of --rows rows, on 2
+gloo processes with one thread each:
 
 - ``ours-1f1b``          SequentialPipeline over build_schedule("1f1b", 2, m): 8 blocks per rank;
 - ``ours-wave{W}``       build_schedule("wave", 2, m, waves=W): 4W chunks of 16/4W blocks, placed
@@ -19,7 +19,7 @@ forward, backward and SGD step; samples/s = steps x batch / wall time of the tim
 --repeats interleaved runs. Every run's final weights are compared with a one-process run on the
 same data (bench_runtime's ``single``).
 
-Simulated speed-ups: first a 2-process job measures the link (bench_simulator.ping_pong: isend /
+Simulated speed-ups: first a 2-process job measures the link (lightning_pipe.launch.ping_pong: isend /
 irecv as our Transport uses them, 4 B and the one message size of this model, an activation of
 rows x hidden floats) and profiles every block at the micro-batch size on both ranks at once
 (lightning_pipe.profiler.profile_blocks; the MSE loss is profiled as an extra block and folded into
@@ -40,26 +40,29 @@ and simulated those effects explain.
     python benchmarks/bench_waves.py --picture docs/img/waves_speedup.png   # as in docs/schedules.md
     python benchmarks/bench_waves.py --microbatches 4 --modes ours-1f1b,ours-wave4,torch-zbv
 
-Timing hygiene as bench_runtime.py (whose model, data, quiet-gating and launcher this reuses):
-each run waits for a quiet machine, measures the CPU other processes used meanwhile and repeats
-disturbed runs; every run is killed after --timeout seconds.
+Timing hygiene as bench_runtime.py (lightning_pipe.launch.run_undisturbed): each run waits for a
+quiet machine, measures the CPU other processes used meanwhile and repeats disturbed runs; every
+run is killed after --timeout seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 
-import bench_runtime as br  # noqa: E402  (sets the thread variables and the repo path first)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
+
+from lightning_pipe.bench.mlp import (MSEBlock, keep_blocks, loss_fn, make_data, make_model, max_rel_error,  # noqa: E402
+                                      single_job, summarize)
+from lightning_pipe.launch import machine_description, ping_pong, run_undisturbed, timed_steps  # noqa: E402
 
 OURS = {  # mode suffix -> (schedule name, options)
     "1f1b": ("1f1b", {}),
@@ -86,19 +89,12 @@ def our_schedule(name: str, m: int, blocks: int):
 
 
 # ---- workers (run in the spawned processes) ----------------------------------------------------
-def _keep(model: nn.Sequential, blocks: set[int]) -> dict:
-    """The state of the given blocks, keyed as in the whole model (what the reference has)."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items() if int(k.split(".")[0]) in blocks}
-
-
 def _ours_multi(rank: int, cfg: dict, name: str) -> dict:
     from lightning_pipe.runtime.p2p import Transport
     from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
 
-    if name == "profile":
-        return _profile(rank, cfg)
-    model = br.make_model(cfg)
-    data = br.make_data(cfg)
+    model = make_model(cfg)
+    data = make_data(cfg)
     schedule, bounds = our_schedule(name, cfg["microbatches"], cfg["blocks"])
     mine = schedule.chunks_of(rank)
     chunks = {c: model[bounds[c][0] : bounds[c][1]] for c in mine}
@@ -115,7 +111,7 @@ def _ours_multi(rank: int, cfg: dict, name: str) -> dict:
             finally:
                 TimedTransport.issuing += time.perf_counter() - t
 
-    host = SequentialHost(chunks, schedule.num_chunks - 1, br.loss_fn)
+    host = SequentialHost(chunks, schedule.num_chunks - 1, loss_fn)
     pipe = SequentialPipeline(schedule, rank, host, TimedTransport(lambda r: r, torch.device("cpu")))
     pipe.executor.trace = True  # a few perf_counter calls per action: negligible next to ms computes
     actions = pipe.executor.actions
@@ -134,44 +130,35 @@ def _ours_multi(rank: int, cfg: dict, name: str) -> dict:
         t2 = time.perf_counter()
         # absolute perf_counter times (CLOCK_MONOTONIC: one clock for both processes), so a
         # receiver's compute can be matched with the peer's send of its input
-        computes = [
-            (actions[j].op.value, actions[j].chunk, actions[j].microbatch, s, e)
-            for j, s, e in pipe.executor.records
-            if actions[j].op.is_compute
-        ]
-        sends = [
-            (actions[j].op.value, actions[j].chunk, actions[j].microbatch, s) for j, s, _ in pipe.executor.records if actions[j].op.is_send
-        ]
+        computes = [(actions[j].op.value, actions[j].chunk, actions[j].microbatch, s, e) for j, s, e in pipe.executor.records
+                    if actions[j].op.is_compute]
+        sends = [(actions[j].op.value, actions[j].chunk, actions[j].microbatch, s) for j, s, _ in pipe.executor.records
+                 if actions[j].op.is_send]
         steps.append({"t0": t0, "pipe": t1 - t0, "opt": t2 - t1, "issue": TimedTransport.issuing, "computes": computes, "sends": sends})
 
-    timing = br._timed(step, cfg, dist.barrier)
+    timing = timed_steps(step, cfg["steps"], cfg["warmup"], dist.barrier)
     blocks = {i for c in mine for i in range(*bounds[c])}
-    return {"timing": timing, "params": _keep(model, blocks), "trace": steps[cfg["warmup"] :]}
+    return {"timing": timing, "params": keep_blocks(model, blocks), "trace": steps[cfg["warmup"]:]}
 
 
 def _torch_multi(rank: int, cfg: dict, name: str) -> dict:
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 
-    model = br.make_model(cfg)
-    data = br.make_data(cfg)
+    model = make_model(cfg)
+    data = make_data(cfg)
     m, n = cfg["microbatches"], 4
     per = cfg["blocks"] // n
     # loop placement for interleaved (stage s on rank s % 2), V placement for ZBV (0,3 | 1,2)
     mine = [rank, rank + 2] if name == "interleaved" else [rank, n - 1 - rank]
     shape = (cfg["batch"] // m, cfg["hidden"])
     stages = [
-        PipelineStage(
-            model[s * per : (s + 1) * per],
-            s,
-            n,
-            torch.device("cpu"),
-            input_args=(torch.empty(shape, requires_grad=s > 0),),  # static shapes: no inference
-            output_args=(torch.empty(shape, requires_grad=True),),
-        )
+        PipelineStage(model[s * per : (s + 1) * per], s, n, torch.device("cpu"),
+                      input_args=(torch.empty(shape, requires_grad=s > 0),),  # static shapes: no inference
+                      output_args=(torch.empty(shape, requires_grad=True),))
         for s in sorted(mine)
     ]
     cls = ScheduleInterleaved1F1B if name == "interleaved" else ScheduleZBVZeroBubble
-    schedule = cls(stages, m, loss_fn=br.loss_fn)  # scale_grads=True: mean over micro-batches, as ours
+    schedule = cls(stages, m, loss_fn=loss_fn)  # scale_grads=True: mean over micro-batches, as ours
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.SGD(params, lr=cfg["lr"])
 
@@ -183,26 +170,13 @@ def _torch_multi(rank: int, cfg: dict, name: str) -> dict:
         schedule.step(*args, return_outputs=False, **kwargs)
         opt.step()
 
-    timing = br._timed(step, cfg, dist.barrier)
+    timing = timed_steps(step, cfg["steps"], cfg["warmup"], dist.barrier)
     blocks = {i for s in mine for i in range(s * per, (s + 1) * per)}
-    return {"timing": timing, "params": _keep(model, blocks)}
-
-
-class _MSEBlock(nn.Module):
-    """The loss as a block, so the profile times it: the last chunk computes it in its forward."""
-
-    def __init__(self, target: torch.Tensor):
-        super().__init__()
-        self.target = target
-
-    def forward(self, out: torch.Tensor) -> torch.Tensor:
-        return br.loss_fn(out, self.target)
+    return {"timing": timing, "params": keep_blocks(model, blocks)}
 
 
 def _profile(rank: int, cfg: dict) -> dict:
     """Link fit and per-block profile, both ranks profiling at once (as they compute in training)."""
-    from bench_simulator import ping_pong
-
     from lightning_pipe.profiler import profile_blocks
 
     # Every message here is one float32 micro-batch activation: fit the link on exactly that size
@@ -211,20 +185,27 @@ def _profile(rank: int, cfg: dict) -> dict:
     # fastest of three rounds is kept: the simulator gets the link as it is without those stalls.
     rounds = [ping_pong(rank, sizes=(4, cfg["rows"] * cfg["hidden"] * 4), repeats=50) for _ in range(3)]
     link = min(rounds, key=lambda r: r["samples"][-1][1]) if rank == 0 else None
-    model = br.make_model(cfg)
-    x, y = br.make_data(cfg)[0]
+    model = make_model(cfg)
+    x, y = make_data(cfg)[0]
     rows = cfg["rows"]
     dist.barrier()
-    measured = profile_blocks(list(model) + [_MSEBlock(y[:rows])], x[:rows], torch.device("cpu"), repeats=cfg["profile_repeats"], warmup=3)
+    measured = profile_blocks(list(model) + [MSEBlock(y[:rows])], x[:rows], torch.device("cpu"),
+                              repeats=cfg["profile_repeats"], warmup=3)
     parts: list = [None] * 2
     dist.all_gather_object(parts, measured)
     return {"timing": [1.0, 1.0], "params": {}, "link": link, "blocks": parts}
 
 
-# bench_runtime.launch spawns bench_runtime._worker, which runs `_ours` / `_torch` by mode prefix.
-# Point those at the multi-chunk versions here; the spawned processes import this script as their
-# main module, so they see the same binding.
-br._ours, br._torch = _ours_multi, _torch_multi
+def job(rank: int, world: int, mode: str, cfg: dict) -> dict:
+    """What a process of `mode` runs: ``single`` (1 process), ``ours-profile`` (the link fit and
+    the profile), ``ours-*`` / ``torch-*`` (2 processes)."""
+    if mode == "single":
+        return single_job(rank, world, cfg)
+    if mode == "ours-profile":
+        return _profile(rank, cfg)
+    if mode.startswith("ours-"):
+        return _ours_multi(rank, cfg, mode[len("ours-"):])
+    return _torch_multi(rank, cfg, mode[len("torch-"):])
 
 
 # ---- parent: analysis ---------------------------------------------------------------------------
@@ -249,17 +230,9 @@ def trace_summary(results: list[dict], schedule, costs, bounds) -> dict:
 
     t = simulate(schedule, costs, bounds)
     f, b, _ = chunk_costs(costs, bounds)
-    out = {
-        "sim_iter": t.iteration_time,
-        "sim_busy": list(t.busy),
-        "pipe": [],
-        "busy": [],
-        "opt": [],
-        "issue": [],
-        "inflation": {},
-        "messages": [sum(a.op.is_send or a.op.is_recv for a in acts) for acts in schedule.actions],
-        "computes": [sum(a.op.is_compute for a in acts) for acts in schedule.actions],
-    }
+    out = {"sim_iter": t.iteration_time, "sim_busy": list(t.busy), "pipe": [], "busy": [], "opt": [], "issue": [], "inflation": {},
+           "messages": [sum(a.op.is_send or a.op.is_recv for a in acts) for acts in schedule.actions],
+           "computes": [sum(a.op.is_compute for a in acts) for acts in schedule.actions]}
     per_op: dict[tuple[str, int], list[float]] = {}
     for r in results:
         steps = r["trace"]
@@ -342,29 +315,12 @@ def calibrated_iteration(costs, schedule, bounds, k: float, a: float, o: float, 
     return simulate(schedule, adjusted, bounds, critical_path=False).iteration_time
 
 
-def max_rel_error(results: list[dict], reference: dict) -> float:
-    err = 0.0
-    for r in results:
-        for k, v in r["params"].items():
-            ref = reference[k]
-            err = max(err, ((v - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item())
-    return err
-
-
 def run_mode(mode: str, cfg: dict, args: Any, started: float) -> tuple[list[dict], float]:
     """One run, waiting for a quiet machine and repeating a disturbed run (bench_runtime's policy)."""
-    for attempt in range(args.retries + 1):
-        patient = time.monotonic() - started < args.budget
-        if patient:
-            br.wait_until_quiet(args.quiet_wait, args.max_foreign)
-        results, foreign = br.launch(mode, cfg, args.timeout)
-        if foreign <= args.max_foreign or not patient:
-            return results, foreign
-        print(
-            f"  {mode:18s} disturbed: other processes used {foreign:.2f} CPUs{'; retrying' if attempt < args.retries else '; keeping it'}",
-            flush=True,
-        )
-    return results, foreign
+    world = 1 if mode == "single" else 2
+    return run_undisturbed(job, world, mode, cfg, retries=args.retries, max_foreign=args.max_foreign, quiet_wait=args.quiet_wait,
+                           patient=time.monotonic() - started < args.budget, label=f"{mode:18s}", timeout=args.timeout,
+                           backend="gloo" if world > 1 else None, pin=cfg["pin"])
 
 
 def main() -> None:
@@ -400,29 +356,17 @@ def main() -> None:
     ms = [int(v) for v in args.microbatches.split(",")]
     if any(m % 2 for m in ms):
         p.error("--microbatches: interleaved needs a multiple of the 2 ranks")
-    base = dict(
-        hidden=args.hidden,
-        mlp_ratio=args.mlp_ratio,
-        blocks=args.blocks,
-        rows=args.rows,
-        steps=args.steps,
-        warmup=args.warmup,
-        lr=args.lr,
-        pin=args.pin,
-        profile_repeats=args.profile_repeats,
-    )
-    print(f"torch {torch.__version__}, 2 processes x 1 thread, gloo; {base}", flush=True)
+    base = dict(hidden=args.hidden, mlp_ratio=args.mlp_ratio, blocks=args.blocks, rows=args.rows, steps=args.steps,
+                warmup=args.warmup, lr=args.lr, pin=args.pin, profile_repeats=args.profile_repeats)
+    print(f"{machine_description()}; 2 processes x 1 thread, gloo; {base}", flush=True)
     started = time.monotonic()
 
     prof, foreign = run_mode("ours-profile", dict(base, microbatches=1, batch=args.rows), args, started)
     costs, loss = build_costs(prof[0])
     link = prof[0]["link"]
-    print(
-        f"profile (foreign load {foreign:.2f}): per block f {1e3 * statistics.median(costs.forward):.2f} ms, "
-        f"b {1e3 * statistics.median(costs.backward):.2f} ms; loss f+b {1e3 * sum(loss):.2f} ms; "
-        f"link latency {1e6 * link['latency']:.0f} us, {link['bandwidth'] / 1e9:.2f} GB/s",
-        flush=True,
-    )
+    print(f"profile (foreign load {foreign:.2f}): per block f {1e3 * statistics.median(costs.forward):.2f} ms, "
+          f"b {1e3 * statistics.median(costs.backward):.2f} ms; loss f+b {1e3 * sum(loss):.2f} ms; "
+          f"link latency {1e6 * link['latency']:.0f} us, {link['bandwidth'] / 1e9:.2f} GB/s", flush=True)
 
     tables = {}
     for m in ms:
@@ -434,21 +378,18 @@ def main() -> None:
         for rep in range(args.repeats):
             for mode in modes:
                 results, foreign = run_mode(mode, cfg, args, started)
-                stats = br.summarize(mode, results, cfg)
+                stats = summarize(mode, results, cfg)
                 stats["foreign"] = foreign
                 if mode == "single":
                     reference = reference or results[0]["params"]
                 else:
                     errors[mode] = max(errors.get(mode, 0.0), max_rel_error(results, reference))
-                print(
-                    f"  m={m} run {rep + 1}/{args.repeats} {mode:18s} {stats['total']:8.1f} samples/s "
-                    f"({stats['step_ms']:.1f} ms/step, foreign {foreign:.2f})",
-                    flush=True,
-                )
+                print(f"  m={m} run {rep + 1}/{args.repeats} {mode:18s} {stats['total']:8.1f} samples/s "
+                      f"({stats['step_ms']:.1f} ms/step, foreign {foreign:.2f})", flush=True)
                 if mode not in best or stats["total"] > best[mode]["total"]:
                     best[mode] = stats
                     if mode.startswith("ours-"):
-                        schedule, bounds = our_schedule(mode[len("ours-") :], m, args.blocks)
+                        schedule, bounds = our_schedule(mode[len("ours-"):], m, args.blocks)
                         traces[mode] = trace_summary(results, schedule, costs, bounds)
         calibrated = report(m, dict(cfg, repeats=args.repeats), best, errors, traces, costs)
         tables[m] = (best, errors, traces, calibrated)
@@ -465,18 +406,14 @@ def report(m: int, cfg: dict, best: dict, errors: dict, traces: dict, costs) -> 
     k, a, o, h = calibrate(traces)
     calibrated = {}
     for mode in traces:
-        schedule, bounds = our_schedule(mode[len("ours-") :], m, cfg["blocks"])
+        schedule, bounds = our_schedule(mode[len("ours-"):], m, cfg["blocks"])
         calibrated[mode] = calibrated_iteration(costs, schedule, bounds, k, a, o, h) + opt
-    print(
-        f"\nm = {m}, batch {cfg['batch']} ({cfg['rows']}-row micro-batches), {cfg['blocks']} blocks, hidden {cfg['hidden']}; "
-        f"best of {cfg['repeats']} runs; simulated step = simulated iteration + {1e3 * opt:.1f} ms optimizer step; "
-        f"link {1e6 * costs.latency:.0f} us + {costs.bandwidth / 1e9:.2f} GB/s (quiet ping-pong); calibrated on this run's traces: "
-        f"compute x {k:.2f}, {1e6 * a:.0f} us per compute, {1e6 * o:.0f} us per message in isend/irecv, latency {1e6 * h:.0f} us\n"
-    )
-    print(
-        "| schedule | chunks/rank | samples/s | ms/step | vs single | measured speed-up vs our 1F1B | simulated | "
-        "measured gain / simulated gain | simulated, calibrated | weights vs single | other load |"
-    )
+    print(f"\nm = {m}, batch {cfg['batch']} ({cfg['rows']}-row micro-batches), {cfg['blocks']} blocks, hidden {cfg['hidden']}; "
+          f"best of {cfg['repeats']} runs; simulated step = simulated iteration + {1e3 * opt:.1f} ms optimizer step; "
+          f"link {1e6 * costs.latency:.0f} us + {costs.bandwidth / 1e9:.2f} GB/s (quiet ping-pong); calibrated on this run's traces: "
+          f"compute x {k:.2f}, {1e6 * a:.0f} us per compute, {1e6 * o:.0f} us per message in isend/irecv, latency {1e6 * h:.0f} us\n")
+    print("| schedule | chunks/rank | samples/s | ms/step | vs single | measured speed-up vs our 1F1B | simulated | "
+          "measured gain / simulated gain | simulated, calibrated | weights vs single | other load |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode, s in best.items():
         chunks = {"single": "", "torch-interleaved": 2, "torch-zbv": 2}.get(mode)
@@ -485,39 +422,33 @@ def report(m: int, cfg: dict, best: dict, errors: dict, traces: dict, costs) -> 
         if mode in traces:
             cal = f"{calibrated['ours-1f1b'] / calibrated[mode]:.3f}"
             t = traces[mode]
-            sched, _ = our_schedule(mode[len("ours-") :], m, cfg["blocks"])
+            sched, _ = our_schedule(mode[len("ours-"):], m, cfg["blocks"])
             chunks = len(sched.chunks_of(0))
             simulated = sim_one / (t["sim_iter"] + opt)
             sim = f"{simulated:.3f}"
             if mode != "ours-1f1b":
                 gain = f"{(meas - 1) / (simulated - 1):.0%}" if simulated > 1 else ""
         err = f"{errors[mode]:.1e}" if mode in errors else ""
-        print(
-            f"| {mode} | {chunks} | {s['total']:.1f} | {s['step_ms']:.1f} | {s['total'] / best['single']['total']:.2f}x | "
-            f"{'' if mode == 'single' else f'{meas:.3f}'} | {sim} | {gain} | {cal} | {err} | {s['foreign']:.2f} |"
-        )
+        print(f"| {mode} | {chunks} | {s['total']:.1f} | {s['step_ms']:.1f} | {s['total'] / best['single']['total']:.2f}x | "
+              f"{'' if mode == 'single' else f'{meas:.3f}'} | {sim} | {gain} | {cal} | {err} | {s['foreign']:.2f} |")
     ours = max(MULTI_OURS, key=lambda k: best[k]["total"] if k in best else 0)
     theirs = max(MULTI_TORCH, key=lambda k: best[k]["total"] if k in best else 0)
     if ours in best and theirs in best:
         print(f"\nour best multi-chunk ({ours}) / torch's best multi-chunk ({theirs}): {best[ours]['total'] / best[theirs]['total']:.3f}x")
     print("\nper-action trace of the best run (median step, ms; rank 0 / rank 1):\n")
-    print(
-        "| schedule | messages per rank | simulated iteration | measured pipeline step | simulated compute | measured compute | "
-        "simulated idle | measured in isend/irecv | measured waiting + other | compute measured / profiled (F, B) | "
-        "hand-off delay: mean, > 1 ms (share, ms per rank-step) |"
-    )
+    print("| schedule | messages per rank | simulated iteration | measured pipeline step | simulated compute | measured compute | "
+          "simulated idle | measured in isend/irecv | measured waiting + other | compute measured / profiled (F, B) | "
+          "hand-off delay: mean, > 1 ms (share, ms per rank-step) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode, t in traces.items():
         pair = lambda v: " / ".join(f"{1e3 * x:.1f}" for x in v)  # noqa: E731
         idle = [t["sim_iter"] - b for b in t["sim_busy"]]
         rest = [pp - b - i for pp, b, i in zip(t["pipe"], t["busy"], t["issue"])]
         late = [d for d in t["handoff"] if d > 1e-3]
-        print(
-            f"| {mode} | {t['messages'][0]} | {1e3 * t['sim_iter']:.1f} | {pair(t['pipe'])} | {pair(t['sim_busy'])} | "
-            f"{pair(t['busy'])} | {pair(idle)} | {pair(t['issue'])} | {pair(rest)} | "
-            f"{t['inflation']['F']:.2f}, {t['inflation']['B']:.2f} | {1e3 * statistics.mean(t['handoff']):.2f} ms, "
-            f"{len(late) / len(t['handoff']):.0%}, {1e3 * sum(late) / (2 * t['steps']):.1f} ms |"
-        )
+        print(f"| {mode} | {t['messages'][0]} | {1e3 * t['sim_iter']:.1f} | {pair(t['pipe'])} | {pair(t['sim_busy'])} | "
+              f"{pair(t['busy'])} | {pair(idle)} | {pair(t['issue'])} | {pair(rest)} | "
+              f"{t['inflation']['F']:.2f}, {t['inflation']['B']:.2f} | {1e3 * statistics.mean(t['handoff']):.2f} ms, "
+              f"{len(late) / len(t['handoff']):.0%}, {1e3 * sum(late) / (2 * t['steps']):.1f} ms |")
     return {k: calibrated["ours-1f1b"] / v for k, v in calibrated.items()}
 
 
@@ -527,16 +458,8 @@ def picture(tables: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = {
-        "1f1b": "1F1B",
-        "wave1": "wave\nW=1",
-        "wave2": "wave\nW=2",
-        "wave4": "wave\nW=4",
-        "interleaved2": "interl.\nv=2",
-        "interleaved4": "interl.\nv=4",
-        "interleaved": "torch\ninterl.",
-        "zbv": "torch\nZBV",
-    }
+    labels = {"1f1b": "1F1B", "wave1": "wave\nW=1", "wave2": "wave\nW=2", "wave4": "wave\nW=4",
+              "interleaved2": "interl.\nv=2", "interleaved4": "interl.\nv=4", "interleaved": "torch\ninterl.", "zbv": "torch\nZBV"}
     fig, axes = plt.subplots(1, len(tables), figsize=(6.5 * len(tables), 4), squeeze=False)
     for ax, (m, (best, _, traces, costs_m)) in zip(axes[0], tables.items()):
         names = [k for k in best if k != "single"]
@@ -545,11 +468,9 @@ def picture(tables: dict, path: str) -> None:
         sim = {k: (traces["ours-1f1b"]["sim_iter"] + opt) / (t["sim_iter"] + opt) for k, t in traces.items()}
         nan = float("nan")
         xs = list(range(len(names)))
-        series = [
-            ("measured", [best[k]["total"] / one for k in names], "tab:blue"),
-            ("simulated", [sim.get(k, nan) for k in names], "tab:orange"),
-            ("simulated, calibrated on the traces", [costs_m.get(k, nan) for k in names], "tab:gray"),
-        ]
+        series = [("measured", [best[k]["total"] / one for k in names], "tab:blue"),
+                  ("simulated", [sim.get(k, nan) for k in names], "tab:orange"),
+                  ("simulated, calibrated on the traces", [costs_m.get(k, nan) for k in names], "tab:gray")]
         for i, (label, values, color) in enumerate(series):
             ax.bar([x + (i - 1) * 0.27 for x in xs], values, 0.27, label=label, color=color)
         ax.axhline(1.0, color="black", lw=0.6)

@@ -1,0 +1,116 @@
+"""The balanced residual MLP of bench_runtime.py and bench_waves.py, and what both do with it.
+
+``cfg`` is a benchmark's configuration dict: hidden, mlp_ratio, blocks, batch, microbatches,
+steps, warmup, lr (see bench_runtime.py).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..launch import timed_steps
+
+
+class Block(nn.Module):
+    """``x + fc2(gelu(fc1(x)))``."""
+
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, inner)
+        self.fc2 = nn.Linear(inner, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+def make_model(cfg: dict) -> nn.Sequential:
+    torch.manual_seed(0)
+    inner = cfg["hidden"] * cfg["mlp_ratio"]
+    model = nn.Sequential(*[Block(cfg["hidden"], inner) for _ in range(cfg["blocks"])])
+    with torch.no_grad():  # keep the residual stream bounded over many blocks
+        for block in model:
+            block.fc2.weight.mul_(cfg["blocks"] ** -0.5)
+    return model
+
+
+def make_data(cfg: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A few fixed batches, cycled through the steps (made before timing starts)."""
+    g = torch.Generator().manual_seed(1234)
+    return [
+        (torch.randn(cfg["batch"], cfg["hidden"], generator=g), torch.randn(cfg["batch"], cfg["hidden"], generator=g))
+        for _ in range(4)
+    ]
+
+
+def stage_half(model: nn.Sequential, stage: int) -> nn.Sequential:
+    half = len(model) // 2
+    return model[:half] if stage == 0 else model[half:]
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target)
+
+
+class MSEBlock(nn.Module):
+    """The loss as a block, so a profile times it: the last chunk computes it in its forward."""
+
+    def __init__(self, target: torch.Tensor):
+        super().__init__()
+        self.target = target
+
+    def forward(self, out: torch.Tensor) -> torch.Tensor:
+        return loss_fn(out, self.target)
+
+
+def keep_blocks(model: nn.Sequential, blocks: set[int]) -> dict:
+    """The state of the given blocks, keyed as in the whole model (what the reference has)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if int(k.split(".")[0]) in blocks}
+
+
+def single_job(rank: int, world: int, cfg: dict, microbatches: int = 1) -> dict:
+    """One process trains the whole model on the whole batch (``microbatches`` > 1: as that many
+    micro-batches one after the other, gradient accumulation); run alone, or next to others
+    (``pair``: no communication but the barriers around the timed steps)."""
+    model = make_model(cfg)
+    data = make_data(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
+
+    def step(i: int) -> None:
+        x, y = data[i % len(data)]
+        opt.zero_grad(set_to_none=True)
+        if microbatches == 1:
+            loss_fn(model(x), y).backward()
+        else:
+            for xm, ym in zip(x.tensor_split(microbatches), y.tensor_split(microbatches)):
+                (loss_fn(model(xm), ym) / microbatches).backward()
+        opt.step()
+
+    timing = timed_steps(step, cfg["steps"], cfg["warmup"])
+    return {"timing": timing, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def max_rel_error(results: list[dict], reference: dict) -> float:
+    """Largest relative difference of the ranks' final weights (``params``, keyed as in the whole
+    model) from the reference's."""
+    err = 0.0
+    for r in results:
+        for k, v in r["params"].items():
+            ref = reference[k]
+            err = max(err, ((v - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item())
+    return err
+
+
+def summarize(mode: str, results: list[dict], cfg: dict) -> dict:
+    """samples/s of a run (per process for ``pair``), from total and from median step time."""
+    if mode == "pair":
+        totals = [r["timing"][0] for r in results]
+        medians = [statistics.median(r["timing"][1:]) for r in results]
+        total, median = statistics.mean(totals), statistics.mean(medians)
+    else:
+        total = max(r["timing"][0] for r in results)
+        median = max(statistics.median(r["timing"][1:]) for r in results)
+    return {"total": cfg["steps"] * cfg["batch"] / total, "median": cfg["batch"] / median, "step_ms": 1000 * total / cfg["steps"]}
