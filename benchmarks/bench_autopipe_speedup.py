@@ -41,8 +41,16 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from lightning_pipe.bench import provenance  # noqa: E402
-from lightning_pipe.bench.gpt import (add_common_arguments, add_model_arguments, block_kinds, build_model,  # noqa: E402
-                                      describe, lm_loss, make_batch, segment)
+from lightning_pipe.bench.gpt import (  # noqa: E402
+    add_common_arguments,
+    add_model_arguments,
+    block_kinds,
+    build_model,
+    describe,
+    lm_loss,
+    make_batch,
+    segment,
+)
 from lightning_pipe.launch import OTHER_JOBS, ping_pong, rank_zero_log, run_distributed, wait_for_quiet  # noqa: E402
 
 METHODS = ("uniform", "autopipe")
@@ -61,8 +69,9 @@ class LossBlock(nn.Module):
         return lm_loss(logits, self.target)
 
 
-def gather_profile(blocks: Sequence[nn.Module], sample: Any, target: Any, rank: int, world: int, repeats: int, alone: bool,
-                   name: str, mbs: int):
+def gather_profile(
+    blocks: Sequence[nn.Module], sample: Any, target: Any, rank: int, world: int, repeats: int, alone: bool, name: str, mbs: int
+):
     """Profile every block, and the loss (folded into the last block's times); concurrently on all
     ranks (``alone=False``) or on rank 0 while the others wait. Every rank returns the same Profile
     (per block the median over the ranks that measured) and the loss's forward / backward seconds."""
@@ -71,8 +80,7 @@ def gather_profile(blocks: Sequence[nn.Module], sample: Any, target: Any, rank: 
     dist.barrier()
     measured = None
     if not alone or rank == 0:
-        measured = profile_blocks(list(blocks) + [LossBlock(target)], sample, torch.device("cpu"), model=name,
-                                  repeats=repeats, warmup=2)
+        measured = profile_blocks(list(blocks) + [LossBlock(target)], sample, torch.device("cpu"), model=name, repeats=repeats, warmup=2)
     parts: list = [None] * world
     dist.all_gather_object(parts, measured)
     parts = [p for p in parts if p is not None]
@@ -82,8 +90,18 @@ def gather_profile(blocks: Sequence[nn.Module], sample: Any, target: Any, rank: 
     loss = (forward.pop(), backward.pop())
     forward[-1] += loss[0]
     backward[-1] += loss[1]
-    profile = Profile(name, mbs, "float32", "cpu", forward, backward, field("activation_bytes")[:n], field("param_bytes")[:n],
-                      field("peak_memory")[:n], [type(b).__name__ for b in blocks])
+    profile = Profile(
+        name,
+        mbs,
+        "float32",
+        "cpu",
+        forward,
+        backward,
+        field("activation_bytes")[:n],
+        field("param_bytes")[:n],
+        field("peak_memory")[:n],
+        [type(b).__name__ for b in blocks],
+    )
     return profile, loss
 
 
@@ -130,7 +148,11 @@ def speedup_job(rank: int, world: int, args: Any) -> dict:
     link, _ = segment(lambda: ping_pong(rank), rank, world, args, log)
     (profile, loss), profile_load = segment(
         lambda: gather_profile(blocks, x[: args.mbs], y[: args.mbs], rank, world, args.profile_repeats, False, "gpt", args.mbs),
-        rank, world, args, log)
+        rank,
+        world,
+        args,
+        log,
+    )
     box = [None]
     if rank == 0:
         from lightning_pipe.planning import plan
@@ -145,13 +167,21 @@ def speedup_job(rank: int, world: int, args: Any) -> dict:
     runs = {m: [] for m in METHODS}
     loads = {m: [] for m in METHODS}
     for rnd in range(args.rounds):
-        for m in (METHODS if rnd % 2 == 0 else METHODS[::-1]):
+        for m in METHODS if rnd % 2 == 0 else METHODS[::-1]:
             out, load = segment(lambda: train_partition(model, plans[m].bounds, rank, world, x, y, args), rank, world, args, log)
             runs[m].append(out)
             loads[m].append(load)
             if rank == 0:
                 log(f"  round {rnd + 1}/{args.rounds} {m:<9} done (foreign load {load:.2f} CPUs)")
-    return {"link": box[0]["link"], "profile": profile, "loss": loss, "profile_load": profile_load, "plans": plans, "runs": runs, "loads": loads}
+    return {
+        "link": box[0]["link"],
+        "profile": profile,
+        "loss": loss,
+        "profile_load": profile_load,
+        "plans": plans,
+        "runs": runs,
+        "loads": loads,
+    }
 
 
 def main() -> None:
@@ -169,10 +199,12 @@ def main() -> None:
     results = run_distributed(speedup_job, args.world, args, timeout=args.timeout, group_timeout=3600.0)
     r0 = results[0]
     link, profile, plans = r0["link"], r0["profile"], r0["plans"]
-    print(f"\nlink: latency {link['latency'] * 1e6:.0f} us, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s; profile (both ranks at once, "
-          f"foreign load {r0['profile_load']:.2f} CPUs): f+b per micro-batch: embedding {1e3 * (profile.forward[0] + profile.backward[0]):.2f} ms, "
-          f"layers {1e3 * sum(profile.forward[1:-1] + profile.backward[1:-1]):.1f} ms, head {1e3 * (profile.forward[-1] + profile.backward[-1]):.1f} ms "
-          f"(of which the loss {1e3 * sum(r0['loss']):.1f} ms)")
+    print(
+        f"\nlink: latency {link['latency'] * 1e6:.0f} us, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s; profile (both ranks at once, "
+        f"foreign load {r0['profile_load']:.2f} CPUs): f+b per micro-batch: embedding {1e3 * (profile.forward[0] + profile.backward[0]):.2f} ms, "
+        f"layers {1e3 * sum(profile.forward[1:-1] + profile.backward[1:-1]):.1f} ms, head {1e3 * (profile.forward[-1] + profile.backward[-1]):.1f} ms "
+        f"(of which the loss {1e3 * sum(r0['loss']):.1f} ms)"
+    )
     rows = {}
     for m in METHODS:
         steps, iters = [], []
@@ -182,19 +214,24 @@ def main() -> None:
                 start = min(t for t, _, _ in spans)
                 iters.append(max(e for _, e, _ in spans) - start)
                 steps.append(max(e for _, _, e in spans) - start)
-        rows[m] = {"step": statistics.median(steps), "iteration": statistics.median(iters), "load": max(r0["loads"][m]),
-                   "n": len(steps)}
-    print("\n| partition | blocks per stage | stage contents | measured step ms | samples/s | pipeline iteration ms | simulated ms | foreign load |")
+        rows[m] = {"step": statistics.median(steps), "iteration": statistics.median(iters), "load": max(r0["loads"][m]), "n": len(steps)}
+    print(
+        "\n| partition | blocks per stage | stage contents | measured step ms | samples/s | pipeline iteration ms | simulated ms | foreign load |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for m in METHODS:
         pl, r = plans[m], rows[m]
-        print(f"| {m} | {list(pl.sizes)} | {' / '.join(pl.contents(s) for s in range(pl.stages))} | {r['step'] * 1e3:.1f} | "
-              f"{batch / r['step']:.1f} | {r['iteration'] * 1e3:.1f} | {pl.iteration_time * 1e3:.1f} | {r['load']:.2f} |")
+        print(
+            f"| {m} | {list(pl.sizes)} | {' / '.join(pl.contents(s) for s in range(pl.stages))} | {r['step'] * 1e3:.1f} | "
+            f"{batch / r['step']:.1f} | {r['iteration'] * 1e3:.1f} | {pl.iteration_time * 1e3:.1f} | {r['load']:.2f} |"
+        )
     measured = rows["uniform"]["step"] / rows["autopipe"]["step"]
     pipeline = rows["uniform"]["iteration"] / rows["autopipe"]["iteration"]
     simulated = plans["uniform"].iteration_time / plans["autopipe"].iteration_time
-    print(f"\nspeed-up of autopipe over uniform: measured {measured:.3f}x (training step: samples/s), {pipeline:.3f}x "
-          f"(pipeline step alone); simulated {simulated:.3f}x")
+    print(
+        f"\nspeed-up of autopipe over uniform: measured {measured:.3f}x (training step: samples/s), {pipeline:.3f}x "
+        f"(pipeline step alone); simulated {simulated:.3f}x"
+    )
     print(f"({rows['autopipe']['n']} timed steps per partition, medians; total {time.time() - started:.0f} s)")
 
 

@@ -113,8 +113,8 @@ def job(rank: int, world: int, mode: str, cfg: dict) -> dict:
     if mode == "single-mb":
         return single_job(rank, world, cfg, cfg["microbatches"])
     if mode.startswith("ours-"):
-        return _ours(rank, cfg, mode[len("ours-"):])
-    return _torch(rank, cfg, mode[len("torch-"):])
+        return _ours(rank, cfg, mode[len("ours-") :])
+    return _torch(rank, cfg, mode[len("torch-") :])
 
 
 def launch(mode: str, cfg: dict, args: argparse.Namespace, patient: bool, label: str) -> tuple[list[dict], float]:
@@ -122,9 +122,20 @@ def launch(mode: str, cfg: dict, args: argparse.Namespace, patient: bool, label:
     `patient`); the results and the foreign load during the run (CPU cores' worth of work done by
     processes other than the benchmark's, which would distort the timing)."""
     world = 1 if mode.startswith("single") else 2
-    return run_undisturbed(job, world, mode, cfg, retries=args.retries, max_foreign=args.max_foreign, quiet_wait=args.quiet_wait,
-                           patient=patient, label=label, timeout=args.timeout, backend="gloo" if world > 1 else None,
-                           pin=cfg["pin"])
+    return run_undisturbed(
+        job,
+        world,
+        mode,
+        cfg,
+        retries=args.retries,
+        max_foreign=args.max_foreign,
+        quiet_wait=args.quiet_wait,
+        patient=patient,
+        label=label,
+        timeout=args.timeout,
+        backend="gloo" if world > 1 else None,
+        pin=cfg["pin"],
+    )
 
 
 # ---- report ------------------------------------------------------------------------------------
@@ -139,12 +150,15 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before timing")
     p.add_argument("--repeats", type=int, default=2, help="runs per mode (interleaved); the best is reported")
     p.add_argument("--retries", type=int, default=2, help="re-runs of a run disturbed by other processes")
-    p.add_argument("--max-foreign", type=float, default=0.1,
-                   help="a run during which other processes used more CPUs than this is disturbed")
-    p.add_argument("--budget", type=float, default=120.0,
-                   help="seconds after which disturbed runs are kept and nobody is waited for any more")
-    p.add_argument("--quiet-wait", type=float, default=10.0,
-                   help="seconds to wait at most, before each run, for other processes to go quiet")
+    p.add_argument(
+        "--max-foreign", type=float, default=0.1, help="a run during which other processes used more CPUs than this is disturbed"
+    )
+    p.add_argument(
+        "--budget", type=float, default=120.0, help="seconds after which disturbed runs are kept and nobody is waited for any more"
+    )
+    p.add_argument(
+        "--quiet-wait", type=float, default=10.0, help="seconds to wait at most, before each run, for other processes to go quiet"
+    )
     p.add_argument("--pin", action="store_true", help="pin rank r's process to CPU r (every mode alike)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
@@ -159,8 +173,15 @@ def main() -> None:
     if "single" not in modes:
         modes.insert(0, "single")
     cfg = dict(
-        hidden=args.hidden, mlp_ratio=args.mlp_ratio, blocks=args.blocks, batch=args.batch,
-        microbatches=args.microbatches, steps=args.steps, warmup=args.warmup, lr=args.lr, pin=args.pin,
+        hidden=args.hidden,
+        mlp_ratio=args.mlp_ratio,
+        blocks=args.blocks,
+        batch=args.batch,
+        microbatches=args.microbatches,
+        steps=args.steps,
+        warmup=args.warmup,
+        lr=args.lr,
+        pin=args.pin,
     )
     print(f"{machine_description()}; 1 thread per process, gloo; config: {cfg}", flush=True)
 
@@ -176,8 +197,11 @@ def main() -> None:
                 reference = results[0]["params"]
             stats = summarize(mode, results, cfg)
             stats["foreign"] = foreign
-            print(f"  run {rep + 1}/{args.repeats} {mode:12s} {stats['total']:8.1f} samples/s  ({stats['step_ms']:.1f} ms/step,"
-                  f" foreign load {foreign:.2f} CPUs)", flush=True)
+            print(
+                f"  run {rep + 1}/{args.repeats} {mode:12s} {stats['total']:8.1f} samples/s  ({stats['step_ms']:.1f} ms/step,"
+                f" foreign load {foreign:.2f} CPUs)",
+                flush=True,
+            )
             if mode not in best or stats["total"] > best[mode]["total"]:
                 best[mode] = stats
             if mode not in ("single", "pair") and reference is not None:  # single-mb too: same sums, other order
@@ -186,8 +210,10 @@ def main() -> None:
 
     single = best["single"]["total"]
     print()
-    print(f"hidden={args.hidden} mlp_ratio={args.mlp_ratio} blocks={args.blocks} batch={args.batch} "
-          f"microbatches={args.microbatches} steps={args.steps} warmup={args.warmup} repeats={args.repeats} (best run)")
+    print(
+        f"hidden={args.hidden} mlp_ratio={args.mlp_ratio} blocks={args.blocks} batch={args.batch} "
+        f"microbatches={args.microbatches} steps={args.steps} warmup={args.warmup} repeats={args.repeats} (best run)"
+    )
     print()
     print("| mode | samples/s | ms/step | samples/s (median step) | vs single | weights vs single | other load (CPUs) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -195,8 +221,10 @@ def main() -> None:
         s = best[mode]
         note = "per process" if mode == "pair" else ""
         err = f"{errors[mode]:.1e}" if mode in errors else ""
-        print(f"| {mode}{' ' + note if note else ''} | {s['total']:.1f} | {s['step_ms']:.1f} | {s['median']:.1f} | "
-              f"{s['total'] / single:.2f}x | {err} | {s['foreign']:.2f} |")
+        print(
+            f"| {mode}{' ' + note if note else ''} | {s['total']:.1f} | {s['step_ms']:.1f} | {s['median']:.1f} | "
+            f"{s['total'] / single:.2f}x | {err} | {s['foreign']:.2f} |"
+        )
     print()
     for sched in ("gpipe", "1f1b"):
         o, t = best.get(f"ours-{sched}"), best.get(f"torch-{sched}")
@@ -206,8 +234,10 @@ def main() -> None:
         m = args.microbatches
         bubble = 2 * m / (m + 1)
         pair, mb = best["pair"]["total"] / single, best["single-mb"]["total"] / single
-        print(f"ideal 2-stage pipeline at m={m}: {bubble:.2f} (bubble: 2m/(m+1)) x {pair:.2f} (two busy processes,"
-              f" 'pair') x {mb:.2f} (micro-batch GEMM efficiency, 'single-mb') = {bubble * pair * mb:.2f}x single")
+        print(
+            f"ideal 2-stage pipeline at m={m}: {bubble:.2f} (bubble: 2m/(m+1)) x {pair:.2f} (two busy processes,"
+            f" 'pair') x {mb:.2f} (micro-batch GEMM efficiency, 'single-mb') = {bubble * pair * mb:.2f}x single"
+        )
 
 
 if __name__ == "__main__":

@@ -90,8 +90,18 @@ UNBALANCED = (1.25, 1.5, 1.8)  # simulated iteration of the extra splits, relati
 
 
 # ---- profiles ----------------------------------------------------------------------------------
-def profile_at_once(blocks: Sequence[nn.Module], sample: Any, target: Any, rank: int, world: int, repeats: int, profilers: int,
-                   inflight: int | None, name: str, mbs: int):
+def profile_at_once(
+    blocks: Sequence[nn.Module],
+    sample: Any,
+    target: Any,
+    rank: int,
+    world: int,
+    repeats: int,
+    profilers: int,
+    inflight: int | None,
+    name: str,
+    mbs: int,
+):
     """Profile every block, the loss timed with the last one (`loss_fn`); ranks < `profilers` at
     the same time while the others wait. ``inflight``: chain mode (see profile_blocks), None: each
     block alone. Every rank returns the same Profile: per block the median over the ranks that
@@ -102,14 +112,32 @@ def profile_at_once(blocks: Sequence[nn.Module], sample: Any, target: Any, rank:
     measured = None
     if rank < profilers:
         chain = inflight is not None
-        measured = profile_blocks(blocks, sample, torch.device("cpu"), model=name, loss_fn=lambda out: lm_loss(out, target),
-                                  inflight=inflight, repeats=max(1, repeats // inflight) if chain else repeats, warmup=1 if chain else 2)
+        measured = profile_blocks(
+            blocks,
+            sample,
+            torch.device("cpu"),
+            model=name,
+            loss_fn=lambda out: lm_loss(out, target),
+            inflight=inflight,
+            repeats=max(1, repeats // inflight) if chain else repeats,
+            warmup=1 if chain else 2,
+        )
     parts: list = [None] * world
     dist.all_gather_object(parts, measured)
     parts = [p for p in parts if p is not None]
     field = lambda key: [statistics.median(p[i][key] for p in parts) for i in range(len(blocks))]  # noqa: E731
-    return Profile(name, mbs, "float32", "cpu", field("forward"), field("backward"), field("activation_bytes"), field("param_bytes"),
-                   field("peak_memory"), [type(b).__name__ for b in blocks])
+    return Profile(
+        name,
+        mbs,
+        "float32",
+        "cpu",
+        field("forward"),
+        field("backward"),
+        field("activation_bytes"),
+        field("param_bytes"),
+        field("peak_memory"),
+        [type(b).__name__ for b in blocks],
+    )
 
 
 # ---- partitions ----------------------------------------------------------------------------------
@@ -216,7 +244,11 @@ def simulator_job(rank: int, world: int, args: Any) -> dict:
     for key, (profilers, inflight) in kinds_of_profile.items():
         profiles[key], profile_loads[key] = segment(
             lambda: profile_at_once(blocks, sample, target, rank, world, args.profile_repeats, profilers, inflight, "gpt", args.mbs),
-            rank, world, args, log)
+            rank,
+            world,
+            args,
+            log,
+        )
     box = [None]
     if rank == 0:
         costs = profiles["main"].costs(link["bandwidth"], link["latency"], cores=args.cores)
@@ -224,27 +256,39 @@ def simulator_job(rank: int, world: int, args: Any) -> dict:
     dist.broadcast_object_list(box, 0)
     link, partitions = box[0]["link"], box[0]["partitions"]
     if rank == 0:
-        log(f"  link: latency {link['latency'] * 1e6:.0f} us, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s; "
-            f"partitions: {', '.join(f'{l} {sizes_of(b)}' for l, b in partitions)}")
+        log(
+            f"  link: latency {link['latency'] * 1e6:.0f} us, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s; "
+            f"partitions: {', '.join(f'{l} {sizes_of(b)}' for l, b in partitions)}"
+        )
     runs: dict[int, list] = {i: [] for i in range(len(partitions))}
     traces: dict[int, list] = {i: [] for i in range(len(partitions))}
     loads: dict[int, list] = {i: [] for i in range(len(partitions))}
     cpu: dict[int, list] = {i: [] for i in range(len(partitions))}
     for rnd in range(args.rounds):
         order = list(range(len(partitions)))
-        order = order[rnd % len(order):] + order[: rnd % len(order)]  # a different partition first each round
+        order = order[rnd % len(order) :] + order[: rnd % len(order)]  # a different partition first each round
         for i in order:
             label, bounds = partitions[i]
-            out, load = segment(lambda: run_partition(model, bounds, rank, world, x, y, args, args.steps, args.warmup),
-                                 rank, world, args, log)
+            out, load = segment(
+                lambda: run_partition(model, bounds, rank, world, x, y, args, args.steps, args.warmup), rank, world, args, log
+            )
             runs[i].append(out["times"])
             traces[i].extend(zip(out["times"], out["traces"]))
             loads[i].append(load)
             cpu[i].append(out["cpu"])
             if rank == 0:
                 log(f"  round {rnd + 1}/{args.rounds} {label:<24} done (foreign load {load:.2f} CPUs)")
-    return {"rank": rank, "link": link, "profiles": profiles, "profile_loads": profile_loads, "partitions": partitions,
-            "runs": runs, "loads": loads, "traces": traces, "cpu": cpu}
+    return {
+        "rank": rank,
+        "link": link,
+        "profiles": profiles,
+        "profile_loads": profile_loads,
+        "partitions": partitions,
+        "runs": runs,
+        "loads": loads,
+        "traces": traces,
+        "cpu": cpu,
+    }
 
 
 # ---- main --------------------------------------------------------------------------------------
@@ -265,8 +309,11 @@ def main() -> None:
     p.add_argument("--inflight", type=int, default=4, help="micro-batches in flight in the chain-mode profile")
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores the processes share (the simulator's cores model)")
     p.add_argument("--raw", default="", help="save the measurements (torch.save) to this file")
-    p.add_argument("--from-raw", default="", help="analyse measurements saved with --raw instead of measuring (the saved run's "
-                                                  "options, but those given here)")
+    p.add_argument(
+        "--from-raw",
+        default="",
+        help="analyse measurements saved with --raw instead of measuring (the saved run's options, but those given here)",
+    )
     add_common_arguments(p)
     p.set_defaults(profile_repeats=16)  # timed samples per block; chain mode: 16 / inflight rounds
     args = p.parse_args()

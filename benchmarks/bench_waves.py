@@ -60,8 +60,7 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from lightning_pipe.bench.mlp import (MSEBlock, keep_blocks, loss_fn, make_data, make_model, max_rel_error,  # noqa: E402
-                                      single_job, summarize)
+from lightning_pipe.bench.mlp import MSEBlock, keep_blocks, loss_fn, make_data, make_model, max_rel_error, single_job, summarize  # noqa: E402
 from lightning_pipe.launch import machine_description, ping_pong, run_undisturbed, timed_steps  # noqa: E402
 
 OURS = {  # mode suffix -> (schedule name, options)
@@ -130,15 +129,19 @@ def _ours_multi(rank: int, cfg: dict, name: str) -> dict:
         t2 = time.perf_counter()
         # absolute perf_counter times (CLOCK_MONOTONIC: one clock for both processes), so a
         # receiver's compute can be matched with the peer's send of its input
-        computes = [(actions[j].op.value, actions[j].chunk, actions[j].microbatch, s, e) for j, s, e in pipe.executor.records
-                    if actions[j].op.is_compute]
-        sends = [(actions[j].op.value, actions[j].chunk, actions[j].microbatch, s) for j, s, _ in pipe.executor.records
-                 if actions[j].op.is_send]
+        computes = [
+            (actions[j].op.value, actions[j].chunk, actions[j].microbatch, s, e)
+            for j, s, e in pipe.executor.records
+            if actions[j].op.is_compute
+        ]
+        sends = [
+            (actions[j].op.value, actions[j].chunk, actions[j].microbatch, s) for j, s, _ in pipe.executor.records if actions[j].op.is_send
+        ]
         steps.append({"t0": t0, "pipe": t1 - t0, "opt": t2 - t1, "issue": TimedTransport.issuing, "computes": computes, "sends": sends})
 
     timing = timed_steps(step, cfg["steps"], cfg["warmup"], dist.barrier)
     blocks = {i for c in mine for i in range(*bounds[c])}
-    return {"timing": timing, "params": keep_blocks(model, blocks), "trace": steps[cfg["warmup"]:]}
+    return {"timing": timing, "params": keep_blocks(model, blocks), "trace": steps[cfg["warmup"] :]}
 
 
 def _torch_multi(rank: int, cfg: dict, name: str) -> dict:
@@ -152,9 +155,14 @@ def _torch_multi(rank: int, cfg: dict, name: str) -> dict:
     mine = [rank, rank + 2] if name == "interleaved" else [rank, n - 1 - rank]
     shape = (cfg["batch"] // m, cfg["hidden"])
     stages = [
-        PipelineStage(model[s * per : (s + 1) * per], s, n, torch.device("cpu"),
-                      input_args=(torch.empty(shape, requires_grad=s > 0),),  # static shapes: no inference
-                      output_args=(torch.empty(shape, requires_grad=True),))
+        PipelineStage(
+            model[s * per : (s + 1) * per],
+            s,
+            n,
+            torch.device("cpu"),
+            input_args=(torch.empty(shape, requires_grad=s > 0),),  # static shapes: no inference
+            output_args=(torch.empty(shape, requires_grad=True),),
+        )
         for s in sorted(mine)
     ]
     cls = ScheduleInterleaved1F1B if name == "interleaved" else ScheduleZBVZeroBubble
@@ -189,8 +197,7 @@ def _profile(rank: int, cfg: dict) -> dict:
     x, y = make_data(cfg)[0]
     rows = cfg["rows"]
     dist.barrier()
-    measured = profile_blocks(list(model) + [MSEBlock(y[:rows])], x[:rows], torch.device("cpu"),
-                              repeats=cfg["profile_repeats"], warmup=3)
+    measured = profile_blocks(list(model) + [MSEBlock(y[:rows])], x[:rows], torch.device("cpu"), repeats=cfg["profile_repeats"], warmup=3)
     parts: list = [None] * 2
     dist.all_gather_object(parts, measured)
     return {"timing": [1.0, 1.0], "params": {}, "link": link, "blocks": parts}
@@ -204,8 +211,8 @@ def job(rank: int, world: int, mode: str, cfg: dict) -> dict:
     if mode == "ours-profile":
         return _profile(rank, cfg)
     if mode.startswith("ours-"):
-        return _ours_multi(rank, cfg, mode[len("ours-"):])
-    return _torch_multi(rank, cfg, mode[len("torch-"):])
+        return _ours_multi(rank, cfg, mode[len("ours-") :])
+    return _torch_multi(rank, cfg, mode[len("torch-") :])
 
 
 # ---- parent: analysis ---------------------------------------------------------------------------
@@ -230,9 +237,17 @@ def trace_summary(results: list[dict], schedule, costs, bounds) -> dict:
 
     t = simulate(schedule, costs, bounds)
     f, b, _ = chunk_costs(costs, bounds)
-    out = {"sim_iter": t.iteration_time, "sim_busy": list(t.busy), "pipe": [], "busy": [], "opt": [], "issue": [], "inflation": {},
-           "messages": [sum(a.op.is_send or a.op.is_recv for a in acts) for acts in schedule.actions],
-           "computes": [sum(a.op.is_compute for a in acts) for acts in schedule.actions]}
+    out = {
+        "sim_iter": t.iteration_time,
+        "sim_busy": list(t.busy),
+        "pipe": [],
+        "busy": [],
+        "opt": [],
+        "issue": [],
+        "inflation": {},
+        "messages": [sum(a.op.is_send or a.op.is_recv for a in acts) for acts in schedule.actions],
+        "computes": [sum(a.op.is_compute for a in acts) for acts in schedule.actions],
+    }
     per_op: dict[tuple[str, int], list[float]] = {}
     for r in results:
         steps = r["trace"]
@@ -318,9 +333,20 @@ def calibrated_iteration(costs, schedule, bounds, k: float, a: float, o: float, 
 def run_mode(mode: str, cfg: dict, args: Any, started: float) -> tuple[list[dict], float]:
     """One run, waiting for a quiet machine and repeating a disturbed run (bench_runtime's policy)."""
     world = 1 if mode == "single" else 2
-    return run_undisturbed(job, world, mode, cfg, retries=args.retries, max_foreign=args.max_foreign, quiet_wait=args.quiet_wait,
-                           patient=time.monotonic() - started < args.budget, label=f"{mode:18s}", timeout=args.timeout,
-                           backend="gloo" if world > 1 else None, pin=cfg["pin"])
+    return run_undisturbed(
+        job,
+        world,
+        mode,
+        cfg,
+        retries=args.retries,
+        max_foreign=args.max_foreign,
+        quiet_wait=args.quiet_wait,
+        patient=time.monotonic() - started < args.budget,
+        label=f"{mode:18s}",
+        timeout=args.timeout,
+        backend="gloo" if world > 1 else None,
+        pin=cfg["pin"],
+    )
 
 
 def main() -> None:
@@ -356,17 +382,29 @@ def main() -> None:
     ms = [int(v) for v in args.microbatches.split(",")]
     if any(m % 2 for m in ms):
         p.error("--microbatches: interleaved needs a multiple of the 2 ranks")
-    base = dict(hidden=args.hidden, mlp_ratio=args.mlp_ratio, blocks=args.blocks, rows=args.rows, steps=args.steps,
-                warmup=args.warmup, lr=args.lr, pin=args.pin, profile_repeats=args.profile_repeats)
+    base = dict(
+        hidden=args.hidden,
+        mlp_ratio=args.mlp_ratio,
+        blocks=args.blocks,
+        rows=args.rows,
+        steps=args.steps,
+        warmup=args.warmup,
+        lr=args.lr,
+        pin=args.pin,
+        profile_repeats=args.profile_repeats,
+    )
     print(f"{machine_description()}; 2 processes x 1 thread, gloo; {base}", flush=True)
     started = time.monotonic()
 
     prof, foreign = run_mode("ours-profile", dict(base, microbatches=1, batch=args.rows), args, started)
     costs, loss = build_costs(prof[0])
     link = prof[0]["link"]
-    print(f"profile (foreign load {foreign:.2f}): per block f {1e3 * statistics.median(costs.forward):.2f} ms, "
-          f"b {1e3 * statistics.median(costs.backward):.2f} ms; loss f+b {1e3 * sum(loss):.2f} ms; "
-          f"link latency {1e6 * link['latency']:.0f} us, {link['bandwidth'] / 1e9:.2f} GB/s", flush=True)
+    print(
+        f"profile (foreign load {foreign:.2f}): per block f {1e3 * statistics.median(costs.forward):.2f} ms, "
+        f"b {1e3 * statistics.median(costs.backward):.2f} ms; loss f+b {1e3 * sum(loss):.2f} ms; "
+        f"link latency {1e6 * link['latency']:.0f} us, {link['bandwidth'] / 1e9:.2f} GB/s",
+        flush=True,
+    )
 
     tables = {}
     for m in ms:
@@ -384,12 +422,15 @@ def main() -> None:
                     reference = reference or results[0]["params"]
                 else:
                     errors[mode] = max(errors.get(mode, 0.0), max_rel_error(results, reference))
-                print(f"  m={m} run {rep + 1}/{args.repeats} {mode:18s} {stats['total']:8.1f} samples/s "
-                      f"({stats['step_ms']:.1f} ms/step, foreign {foreign:.2f})", flush=True)
+                print(
+                    f"  m={m} run {rep + 1}/{args.repeats} {mode:18s} {stats['total']:8.1f} samples/s "
+                    f"({stats['step_ms']:.1f} ms/step, foreign {foreign:.2f})",
+                    flush=True,
+                )
                 if mode not in best or stats["total"] > best[mode]["total"]:
                     best[mode] = stats
                     if mode.startswith("ours-"):
-                        schedule, bounds = our_schedule(mode[len("ours-"):], m, args.blocks)
+                        schedule, bounds = our_schedule(mode[len("ours-") :], m, args.blocks)
                         traces[mode] = trace_summary(results, schedule, costs, bounds)
         calibrated = report(m, dict(cfg, repeats=args.repeats), best, errors, traces, costs)
         tables[m] = (best, errors, traces, calibrated)
@@ -406,14 +447,18 @@ def report(m: int, cfg: dict, best: dict, errors: dict, traces: dict, costs) -> 
     k, a, o, h = calibrate(traces)
     calibrated = {}
     for mode in traces:
-        schedule, bounds = our_schedule(mode[len("ours-"):], m, cfg["blocks"])
+        schedule, bounds = our_schedule(mode[len("ours-") :], m, cfg["blocks"])
         calibrated[mode] = calibrated_iteration(costs, schedule, bounds, k, a, o, h) + opt
-    print(f"\nm = {m}, batch {cfg['batch']} ({cfg['rows']}-row micro-batches), {cfg['blocks']} blocks, hidden {cfg['hidden']}; "
-          f"best of {cfg['repeats']} runs; simulated step = simulated iteration + {1e3 * opt:.1f} ms optimizer step; "
-          f"link {1e6 * costs.latency:.0f} us + {costs.bandwidth / 1e9:.2f} GB/s (quiet ping-pong); calibrated on this run's traces: "
-          f"compute x {k:.2f}, {1e6 * a:.0f} us per compute, {1e6 * o:.0f} us per message in isend/irecv, latency {1e6 * h:.0f} us\n")
-    print("| schedule | chunks/rank | samples/s | ms/step | vs single | measured speed-up vs our 1F1B | simulated | "
-          "measured gain / simulated gain | simulated, calibrated | weights vs single | other load |")
+    print(
+        f"\nm = {m}, batch {cfg['batch']} ({cfg['rows']}-row micro-batches), {cfg['blocks']} blocks, hidden {cfg['hidden']}; "
+        f"best of {cfg['repeats']} runs; simulated step = simulated iteration + {1e3 * opt:.1f} ms optimizer step; "
+        f"link {1e6 * costs.latency:.0f} us + {costs.bandwidth / 1e9:.2f} GB/s (quiet ping-pong); calibrated on this run's traces: "
+        f"compute x {k:.2f}, {1e6 * a:.0f} us per compute, {1e6 * o:.0f} us per message in isend/irecv, latency {1e6 * h:.0f} us\n"
+    )
+    print(
+        "| schedule | chunks/rank | samples/s | ms/step | vs single | measured speed-up vs our 1F1B | simulated | "
+        "measured gain / simulated gain | simulated, calibrated | weights vs single | other load |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode, s in best.items():
         chunks = {"single": "", "torch-interleaved": 2, "torch-zbv": 2}.get(mode)
@@ -422,33 +467,39 @@ def report(m: int, cfg: dict, best: dict, errors: dict, traces: dict, costs) -> 
         if mode in traces:
             cal = f"{calibrated['ours-1f1b'] / calibrated[mode]:.3f}"
             t = traces[mode]
-            sched, _ = our_schedule(mode[len("ours-"):], m, cfg["blocks"])
+            sched, _ = our_schedule(mode[len("ours-") :], m, cfg["blocks"])
             chunks = len(sched.chunks_of(0))
             simulated = sim_one / (t["sim_iter"] + opt)
             sim = f"{simulated:.3f}"
             if mode != "ours-1f1b":
                 gain = f"{(meas - 1) / (simulated - 1):.0%}" if simulated > 1 else ""
         err = f"{errors[mode]:.1e}" if mode in errors else ""
-        print(f"| {mode} | {chunks} | {s['total']:.1f} | {s['step_ms']:.1f} | {s['total'] / best['single']['total']:.2f}x | "
-              f"{'' if mode == 'single' else f'{meas:.3f}'} | {sim} | {gain} | {cal} | {err} | {s['foreign']:.2f} |")
+        print(
+            f"| {mode} | {chunks} | {s['total']:.1f} | {s['step_ms']:.1f} | {s['total'] / best['single']['total']:.2f}x | "
+            f"{'' if mode == 'single' else f'{meas:.3f}'} | {sim} | {gain} | {cal} | {err} | {s['foreign']:.2f} |"
+        )
     ours = max(MULTI_OURS, key=lambda k: best[k]["total"] if k in best else 0)
     theirs = max(MULTI_TORCH, key=lambda k: best[k]["total"] if k in best else 0)
     if ours in best and theirs in best:
         print(f"\nour best multi-chunk ({ours}) / torch's best multi-chunk ({theirs}): {best[ours]['total'] / best[theirs]['total']:.3f}x")
     print("\nper-action trace of the best run (median step, ms; rank 0 / rank 1):\n")
-    print("| schedule | messages per rank | simulated iteration | measured pipeline step | simulated compute | measured compute | "
-          "simulated idle | measured in isend/irecv | measured waiting + other | compute measured / profiled (F, B) | "
-          "hand-off delay: mean, > 1 ms (share, ms per rank-step) |")
+    print(
+        "| schedule | messages per rank | simulated iteration | measured pipeline step | simulated compute | measured compute | "
+        "simulated idle | measured in isend/irecv | measured waiting + other | compute measured / profiled (F, B) | "
+        "hand-off delay: mean, > 1 ms (share, ms per rank-step) |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode, t in traces.items():
         pair = lambda v: " / ".join(f"{1e3 * x:.1f}" for x in v)  # noqa: E731
         idle = [t["sim_iter"] - b for b in t["sim_busy"]]
         rest = [pp - b - i for pp, b, i in zip(t["pipe"], t["busy"], t["issue"])]
         late = [d for d in t["handoff"] if d > 1e-3]
-        print(f"| {mode} | {t['messages'][0]} | {1e3 * t['sim_iter']:.1f} | {pair(t['pipe'])} | {pair(t['sim_busy'])} | "
-              f"{pair(t['busy'])} | {pair(idle)} | {pair(t['issue'])} | {pair(rest)} | "
-              f"{t['inflation']['F']:.2f}, {t['inflation']['B']:.2f} | {1e3 * statistics.mean(t['handoff']):.2f} ms, "
-              f"{len(late) / len(t['handoff']):.0%}, {1e3 * sum(late) / (2 * t['steps']):.1f} ms |")
+        print(
+            f"| {mode} | {t['messages'][0]} | {1e3 * t['sim_iter']:.1f} | {pair(t['pipe'])} | {pair(t['sim_busy'])} | "
+            f"{pair(t['busy'])} | {pair(idle)} | {pair(t['issue'])} | {pair(rest)} | "
+            f"{t['inflation']['F']:.2f}, {t['inflation']['B']:.2f} | {1e3 * statistics.mean(t['handoff']):.2f} ms, "
+            f"{len(late) / len(t['handoff']):.0%}, {1e3 * sum(late) / (2 * t['steps']):.1f} ms |"
+        )
     return {k: calibrated["ours-1f1b"] / v for k, v in calibrated.items()}
 
 
@@ -458,8 +509,16 @@ def picture(tables: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = {"1f1b": "1F1B", "wave1": "wave\nW=1", "wave2": "wave\nW=2", "wave4": "wave\nW=4",
-              "interleaved2": "interl.\nv=2", "interleaved4": "interl.\nv=4", "interleaved": "torch\ninterl.", "zbv": "torch\nZBV"}
+    labels = {
+        "1f1b": "1F1B",
+        "wave1": "wave\nW=1",
+        "wave2": "wave\nW=2",
+        "wave4": "wave\nW=4",
+        "interleaved2": "interl.\nv=2",
+        "interleaved4": "interl.\nv=4",
+        "interleaved": "torch\ninterl.",
+        "zbv": "torch\nZBV",
+    }
     fig, axes = plt.subplots(1, len(tables), figsize=(6.5 * len(tables), 4), squeeze=False)
     for ax, (m, (best, _, traces, costs_m)) in zip(axes[0], tables.items()):
         names = [k for k in best if k != "single"]
@@ -468,9 +527,11 @@ def picture(tables: dict, path: str) -> None:
         sim = {k: (traces["ours-1f1b"]["sim_iter"] + opt) / (t["sim_iter"] + opt) for k, t in traces.items()}
         nan = float("nan")
         xs = list(range(len(names)))
-        series = [("measured", [best[k]["total"] / one for k in names], "tab:blue"),
-                  ("simulated", [sim.get(k, nan) for k in names], "tab:orange"),
-                  ("simulated, calibrated on the traces", [costs_m.get(k, nan) for k in names], "tab:gray")]
+        series = [
+            ("measured", [best[k]["total"] / one for k in names], "tab:blue"),
+            ("simulated", [sim.get(k, nan) for k in names], "tab:orange"),
+            ("simulated, calibrated on the traces", [costs_m.get(k, nan) for k in names], "tab:gray"),
+        ]
         for i, (label, values, color) in enumerate(series):
             ax.bar([x + (i - 1) * 0.27 for x in xs], values, 0.27, label=label, color=color)
         ax.axhline(1.0, color="black", lw=0.6)

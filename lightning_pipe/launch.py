@@ -96,8 +96,18 @@ def _save(path: str, record: dict) -> None:
     os.replace(tmp, path)  # the parent never reads half a record
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str, backend: str | None,
-            threads: int | None, pin: bool, group_timeout: float | None) -> None:
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable,
+    args: tuple,
+    out_dir: str,
+    backend: str | None,
+    threads: int | None,
+    pin: bool,
+    group_timeout: float | None,
+) -> None:
     path = os.path.join(out_dir, f"{rank}.pt")
     try:
         if pin and hasattr(os, "sched_setaffinity"):  # rank r (and the threads it starts) on CPU r
@@ -127,8 +137,11 @@ def _read(path: str) -> dict | None:
     try:
         return torch.load(path, weights_only=False)
     except Exception as err:  # noqa: BLE001  (a record that cannot be read is a failure, said so)
-        return {"ok": False, "error": f"its result could not be read back ({type(err).__name__}: {err}); "
-                                      "is it picklable and are its classes importable?", "time": 0.0}
+        return {
+            "ok": False,
+            "error": f"its result could not be read back ({type(err).__name__}: {err}); is it picklable and are its classes importable?",
+            "time": 0.0,
+        }
 
 
 def _raise_first_failure(records: dict[int, dict], procs: list, paths: list[str], world: int, killed: set[int]) -> None:
@@ -139,8 +152,12 @@ def _raise_first_failure(records: dict[int, dict], procs: list, paths: list[str]
         if r not in records:
             record = _read(paths[r])
             if record is None and r not in killed and p.exitcode is not None:
-                record = {"ok": False, "died": True, "time": -1.0,
-                          "error": f"rank {r} of {world} died without a result (exit code {p.exitcode})"}
+                record = {
+                    "ok": False,
+                    "died": True,
+                    "time": -1.0,
+                    "error": f"rank {r} of {world} died without a result (exit code {p.exitcode})",
+                }
             if record is not None:
                 records[r] = record
     failures = sorted((rec.get("time", 0.0), r) for r, rec in records.items() if not rec["ok"])
@@ -154,8 +171,16 @@ def _raise_first_failure(records: dict[int, dict], procs: list, paths: list[str]
     raise WorkerError(first, world, record["error"], others)
 
 
-def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 120.0, backend: str | None = "gloo",
-                    threads: int | None = 1, pin: bool = False, group_timeout: float | None = None) -> list[Any]:
+def run_distributed(
+    fn: Callable,
+    world: int,
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str | None = "gloo",
+    threads: int | None = 1,
+    pin: bool = False,
+    group_timeout: float | None = None,
+) -> list[Any]:
     """Return ``[fn(rank, world, *args) for rank in range(world)]``, each run in its own spawned process.
 
     ``fn`` and ``args`` are pickled to the workers (``fn`` must be importable: a module-level
@@ -177,9 +202,10 @@ def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 120.0
     port = store.port if store is not None else free_port()
     with tempfile.TemporaryDirectory(prefix="lightning_pipe_launch_") as out_dir:
         paths = [os.path.join(out_dir, f"{r}.pt") for r in range(world)]
-        procs = [ctx.Process(target=_worker, name=f"rank {r}",
-                             args=(r, world, port, fn, args, out_dir, backend, threads, pin, group_timeout))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_worker, name=f"rank {r}", args=(r, world, port, fn, args, out_dir, backend, threads, pin, group_timeout))
+            for r in range(world)
+        ]
         records: dict[int, dict] = {}
         killed: set[int] = set()
         try:
@@ -212,8 +238,10 @@ def run_distributed(fn: Callable, world: int, *args: Any, timeout: float = 120.0
         hung = [r for r in range(world) if r not in records]
         if hung:
             done = [r for r in range(world) if r not in hung]
-            raise TimeoutError(f"rank{'s' if len(hung) > 1 else ''} {', '.join(map(str, hung))} of {world} did not finish "
-                               f"within {timeout:g} s (hang?); {'finished: ranks ' + str(done) if done else 'none finished'}")
+            raise TimeoutError(
+                f"rank{'s' if len(hung) > 1 else ''} {', '.join(map(str, hung))} of {world} did not finish "
+                f"within {timeout:g} s (hang?); {'finished: ranks ' + str(done) if done else 'none finished'}"
+            )
         return [records[r]["result"] for r in range(world)]
 
 
@@ -225,8 +253,7 @@ def rank_zero_log(rank: int) -> Callable[[str], None]:
 
 
 # ---- timing ------------------------------------------------------------------------------------
-def timed_steps(step: Callable[[int], Any], steps: int, warmup: int = 0,
-                barrier: Callable[[], Any] | None = None) -> list[float]:
+def timed_steps(step: Callable[[int], Any], steps: int, warmup: int = 0, barrier: Callable[[], Any] | None = None) -> list[float]:
     """Run ``step(i)`` for ``warmup`` untimed then ``steps`` timed steps (i counts on through both),
     with ``barrier`` (default: the process group's, if there is one) before and after the timed
     ones. Returns ``[wall time of the timed steps, then each timed step's time]`` in seconds."""
@@ -320,8 +347,9 @@ def other_jobs(patterns: Sequence[str] = OTHER_JOBS) -> list[str]:
     return found
 
 
-def wait_for_quiet(max_wait: float, max_load: float, poll: float = 1.0, patterns: Sequence[str] = (),
-                   log: Callable[[str], None] | None = None) -> float:
+def wait_for_quiet(
+    max_wait: float, max_load: float, poll: float = 1.0, patterns: Sequence[str] = (), log: Callable[[str], None] | None = None
+) -> float:
     """Wait until no process matching ``patterns`` runs (see `other_jobs`) and other processes use
     less than ``max_load`` CPUs (measured over 1 s), at most ``max_wait`` s, checking every
     ``poll`` s. Returns the foreign load seen last (CPUs); ``log`` hears why it waits."""
@@ -345,9 +373,18 @@ def wait_for_quiet(max_wait: float, max_load: float, poll: float = 1.0, patterns
         time.sleep(poll)
 
 
-def run_undisturbed(fn: Callable, world: int, *args: Any, retries: int = 2, max_foreign: float = 0.1,
-                    quiet_wait: float = 10.0, patient: bool = True, label: str = "run",
-                    log: Callable[[str], None] = lambda msg: print(msg, flush=True), **launch: Any) -> tuple[list[Any], float]:
+def run_undisturbed(
+    fn: Callable,
+    world: int,
+    *args: Any,
+    retries: int = 2,
+    max_foreign: float = 0.1,
+    quiet_wait: float = 10.0,
+    patient: bool = True,
+    label: str = "run",
+    log: Callable[[str], None] = lambda msg: print(msg, flush=True),
+    **launch: Any,
+) -> tuple[list[Any], float]:
     """`run_distributed` after waiting (at most ``quiet_wait`` s) for a quiet machine; a run during
     which other processes used more than ``max_foreign`` CPUs is repeated, at most ``retries``
     times. ``patient=False`` (e.g. a time budget is spent): neither wait nor repeat. Returns the
@@ -365,9 +402,17 @@ def run_undisturbed(fn: Callable, world: int, *args: Any, retries: int = 2, max_
     return results, foreign
 
 
-def quiet_segment(run: Callable[[], Any], rank: int, world: int, retries: int = 2, max_foreign: float = 0.15,
-                  quiet_wait: float = 600.0, log: Callable[[str], None] = lambda msg: None, poll: float = 20.0,
-                  patterns: Sequence[str] = OTHER_JOBS) -> tuple[Any, float]:
+def quiet_segment(
+    run: Callable[[], Any],
+    rank: int,
+    world: int,
+    retries: int = 2,
+    max_foreign: float = 0.15,
+    quiet_wait: float = 600.0,
+    log: Callable[[str], None] = lambda msg: None,
+    poll: float = 20.0,
+    patterns: Sequence[str] = OTHER_JOBS,
+) -> tuple[Any, float]:
     """Inside a job: run ``run()`` on all ranks after rank 0 waited for a quiet machine (no other
     benchmark / test, idle CPUs; `wait_for_quiet`); repeat it (at most ``retries`` times) if other
     processes used more than ``max_foreign`` CPUs meanwhile. Returns the least disturbed attempt's
@@ -387,14 +432,17 @@ def quiet_segment(run: Callable[[], Any], rank: int, world: int, retries: int = 
             best = (foreign, out)
         if foreign <= max_foreign:
             break
-        log(f"  segment disturbed: other processes used {foreign:.2f} CPUs"
-            f"{'; repeating it' if attempt < retries else '; keeping the least disturbed attempt'}")
+        log(
+            f"  segment disturbed: other processes used {foreign:.2f} CPUs"
+            f"{'; repeating it' if attempt < retries else '; keeping the least disturbed attempt'}"
+        )
     return best[1], best[0]
 
 
 # ---- the link ----------------------------------------------------------------------------------
-def ping_pong(rank: int, sizes: Sequence[int] = (4, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22), repeats: int = 30,
-              warmup: int = 5) -> dict | None:
+def ping_pong(
+    rank: int, sizes: Sequence[int] = (4, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22), repeats: int = 30, warmup: int = 5
+) -> dict | None:
     """Ranks 0 and 1 bounce float32 messages of ``sizes`` bytes (isend / irecv + wait, as the
     Transport); the others wait. Returns, on rank 0, ``{"latency", "bandwidth", "samples"}``: the
     one-way times (median round trip / 2) per size and the fit ``time = latency + bytes /

@@ -23,8 +23,14 @@ START = 90.0
 def report(rank: int, world: int, tag: str) -> dict:
     total = torch.tensor([rank + 1.0])
     dist.all_reduce(total)
-    return {"rank": rank, "world": world, "tag": tag, "group": dist.get_world_size(), "sum": total.item(),
-            "threads": torch.get_num_threads()}
+    return {
+        "rank": rank,
+        "world": world,
+        "tag": tag,
+        "group": dist.get_world_size(),
+        "sum": total.item(),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def test_results_of_all_ranks_in_rank_order():
@@ -88,9 +94,11 @@ def test_timed_steps_counts_warmup_and_timed_steps():
 
 def test_launch_module_does_not_import_lightning():
     path = Path(__file__).resolve().parent.parent / "lightning_pipe" / "launch.py"
-    code = ("import importlib.util, sys\n"
-            f"spec = importlib.util.spec_from_file_location('standalone_launch', {str(path)!r})\n"
-            "module = sys.modules['standalone_launch'] = importlib.util.module_from_spec(spec)\n"
-            "spec.loader.exec_module(module)\n"
-            "assert not [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning', 'lightning_pipe')]\n")
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('standalone_launch', {str(path)!r})\n"
+        "module = sys.modules['standalone_launch'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning', 'lightning_pipe')]\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent.parent  # the checkout (the packag
 
 def provenance() -> str:
     """Date, machine, and the library's git state (commit, uncommitted changes under lightning_pipe/)."""
+
     def run(*cmd: str) -> str:
         try:
             return subprocess.run(cmd, capture_output=True, text=True, timeout=10, cwd=REPO, check=False).stdout.strip()
@@ -31,5 +32,7 @@ def provenance() -> str:
             return ""
 
     dirty = run("git", "status", "--short", "--", "lightning_pipe").replace("\n", ", ")
-    return (f"{time.strftime('%a %b %d %H:%M:%S %Z %Y')}; {machine_description()}; commit "
-            f"{run('git', 'rev-parse', '--short', 'HEAD') or '?'}" + (f" with uncommitted library changes: {dirty}" if dirty else ""))
+    return (
+        f"{time.strftime('%a %b %d %H:%M:%S %Z %Y')}; {machine_description()}; commit "
+        f"{run('git', 'rev-parse', '--short', 'HEAD') or '?'}" + (f" with uncommitted library changes: {dirty}" if dirty else "")
+    )

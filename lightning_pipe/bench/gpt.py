@@ -48,8 +48,10 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def describe(args: Any) -> str:
     """The model in one line, for a benchmark's header."""
-    return (f"GPT {args.layers} layers ({2 * args.layers + 2} blocks), hidden {args.hidden}, heads {args.heads}, seq {args.seq}, "
-            f"vocab {args.vocab}, micro-batch {args.mbs}, m = {args.microbatches}")
+    return (
+        f"GPT {args.layers} layers ({2 * args.layers + 2} blocks), hidden {args.hidden}, heads {args.heads}, seq {args.seq}, "
+        f"vocab {args.vocab}, micro-batch {args.mbs}, m = {args.microbatches}"
+    )
 
 
 def add_model_arguments(p: argparse.ArgumentParser, layers: int, vocab: int) -> None:

@@ -41,8 +41,7 @@ def make_data(cfg: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A few fixed batches, cycled through the steps (made before timing starts)."""
     g = torch.Generator().manual_seed(1234)
     return [
-        (torch.randn(cfg["batch"], cfg["hidden"], generator=g), torch.randn(cfg["batch"], cfg["hidden"], generator=g))
-        for _ in range(4)
+        (torch.randn(cfg["batch"], cfg["hidden"], generator=g), torch.randn(cfg["batch"], cfg["hidden"], generator=g)) for _ in range(4)
     ]
 
 

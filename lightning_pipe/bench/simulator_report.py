@@ -166,8 +166,10 @@ def analyse(results: list[dict], world: int, args: Any) -> dict:
     r0 = results[0]
     link, partitions, profiles = r0["link"], r0["partitions"], r0["profiles"]
     variants = {k: v for k, v in VARIANTS.items() if v[0] in profiles and (world > min(args.cores, world) or k not in ("no-cores", "all"))}
-    costs = {k: profiles[p].costs(link["bandwidth"], link["latency"], cores=args.cores if shared else None)
-             for k, (p, shared, _) in variants.items()}
+    costs = {
+        k: profiles[p].costs(link["bandwidth"], link["latency"], cores=args.cores if shared else None)
+        for k, (p, shared, _) in variants.items()
+    }
     schedule = build_schedule("1f1b", world, args.microbatches)
     rows = []
     for i, (label, bounds) in enumerate(partitions):
@@ -181,17 +183,42 @@ def analyse(results: list[dict], world: int, args: Any) -> dict:
         cpu, machine = cpu_use(results, i)
         path = measured_path(results, i, schedule)
         sim_path = sum(e.end - e.start for e in main.critical_path)
-        rows.append({"label": label, "bounds": bounds, "sizes": sizes_of(bounds), "measured": measured, "iqr": (q1, q3),
-                     "sim": {k: t.iteration_time for k, t in sims.items()},
-                     "error": {k: t.iteration_time / measured - 1 for k, t in sims.items()},
-                     "master": main.master_stage, "bubble": main.bubble_ratio, "heavy": heavy,
-                     "traced_busy": busy[heavy], "sim_busy": main.busy[heavy], "cpu": cpu, "machine": machine,
-                     "path": path, "sim_path": (sim_path, main.iteration_time - sim_path),
-                     "load": max(r0["loads"][i]), "steps": len(times)})
+        rows.append(
+            {
+                "label": label,
+                "bounds": bounds,
+                "sizes": sizes_of(bounds),
+                "measured": measured,
+                "iqr": (q1, q3),
+                "sim": {k: t.iteration_time for k, t in sims.items()},
+                "error": {k: t.iteration_time / measured - 1 for k, t in sims.items()},
+                "master": main.master_stage,
+                "bubble": main.bubble_ratio,
+                "heavy": heavy,
+                "traced_busy": busy[heavy],
+                "sim_busy": main.busy[heavy],
+                "cpu": cpu,
+                "machine": machine,
+                "path": path,
+                "sim_path": (sim_path, main.iteration_time - sim_path),
+                "load": max(r0["loads"][i]),
+                "steps": len(times),
+            }
+        )
     measured = [r["measured"] for r in rows]
     rho = {k: spearman(measured, [r["sim"][k] for r in rows]) for k in variants}
-    return {"world": world, "rows": rows, "rho": rho, "variants": variants, "link": link, "costs": costs["simulated"],
-            "schedule": schedule, "profiles": profiles, "profile_loads": r0["profile_loads"], "results": results}
+    return {
+        "world": world,
+        "rows": rows,
+        "rho": rho,
+        "variants": variants,
+        "link": link,
+        "costs": costs["simulated"],
+        "schedule": schedule,
+        "profiles": profiles,
+        "profile_loads": r0["profile_loads"],
+        "results": results,
+    }
 
 
 def report(a: dict, args: Any) -> str:
@@ -205,28 +232,42 @@ def report(a: dict, args: Any) -> str:
         + ", ".join(f"{k} {total(k):.1f} ms ({a['profile_loads'][k]:.2f})" for k in profiles),
         f"  main = chain (inflight {args.inflight}) on {cores} ranks at once; hot = per-block on {cores} ranks at once; "
         f"lone = chain on rank 0 alone" + (f"; all = chain on all {world} ranks at once" if "all" in profiles else ""),
-        f"simulated with cores = {args.cores}" + (" (more ranks than cores: processor sharing)" if world > args.cores else " (a core per rank: no sharing)"),
+        f"simulated with cores = {args.cores}"
+        + (" (more ranks than cores: processor sharing)" if world > args.cores else " (a core per rank: no sharing)"),
         "",
         "| partition | blocks per stage | measured ms | simulated ms | error | master stage | busiest rank: traced / simulated compute ms | foreign load |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r['label']} | {r['sizes']} | {r['measured'] * 1e3:.1f} | {r['sim']['simulated'] * 1e3:.1f} | "
-                     f"{r['error']['simulated']:+.1%} | {r['master']} | {r['heavy']}: {r['traced_busy'] * 1e3:.1f} / {r['sim_busy'] * 1e3:.1f} | "
-                     f"{r['load']:.2f} |")
+        lines.append(
+            f"| {r['label']} | {r['sizes']} | {r['measured'] * 1e3:.1f} | {r['sim']['simulated'] * 1e3:.1f} | "
+            f"{r['error']['simulated']:+.1%} | {r['master']} | {r['heavy']}: {r['traced_busy'] * 1e3:.1f} / {r['sim_busy'] * 1e3:.1f} | "
+            f"{r['load']:.2f} |"
+        )
     work = args.microbatches * sum(profiles["main"].forward + profiles["main"].backward)
-    lines += ["", f"Where the time goes (per step, ms; profiled CPU work m x sum(f+b) = {work * 1e3:.1f} ms): CPU time of all ranks and "
-                  "how many CPUs the machine kept busy over the timed steps; the critical path of the traced steps (computes, waits for a "
-                  "message, gaps between a rank's computes) next to the simulated one (computes, waits)", "",
-              "| partition | ranks' CPU per step | machine busy (CPUs) | measured path: compute + message + gaps | simulated path: compute + waits |",
-              "|---|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        f"Where the time goes (per step, ms; profiled CPU work m x sum(f+b) = {work * 1e3:.1f} ms): CPU time of all ranks and "
+        "how many CPUs the machine kept busy over the timed steps; the critical path of the traced steps (computes, waits for a "
+        "message, gaps between a rank's computes) next to the simulated one (computes, waits)",
+        "",
+        "| partition | ranks' CPU per step | machine busy (CPUs) | measured path: compute + message + gaps | simulated path: compute + waits |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for r in rows:
         c, msg, gap = (v * 1e3 for v in r["path"])
         sc, sw = (v * 1e3 for v in r["sim_path"])
-        lines.append(f"| {r['label']} | {r['cpu'] * 1e3:.1f} | {r['machine']:.2f} | {c:.1f} + {msg:.1f} + {gap:.1f} | {sc:.1f} + {sw:.1f} |")
+        lines.append(
+            f"| {r['label']} | {r['cpu'] * 1e3:.1f} | {r['machine']:.2f} | {c:.1f} + {msg:.1f} + {gap:.1f} | {sc:.1f} + {sw:.1f} |"
+        )
     names = list(a["variants"])
-    lines += ["", "Every variant (error per partition, Spearman, largest |error|):", "",
-              "| partition | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    lines += [
+        "",
+        "Every variant (error per partition, Spearman, largest |error|):",
+        "",
+        "| partition | " + " | ".join(names) + " |",
+        "|---|" + "---:|" * len(names),
+    ]
     for r in rows:
         lines.append(f"| {r['label']} | " + " | ".join(f"{r['error'][k]:+.1%}" for k in names) + " |")
     lines.append("| Spearman | " + " | ".join(f"{a['rho'][k]:.3f}" for k in names) + " |")
@@ -253,25 +294,46 @@ def plot_comparison(analyses: list[dict], path: Path, args: Any) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    styles = {"simulated": ("s--", "#DD8452"), "hot": ("v:", "#55A868"), "no-cores": ("D:", "#C44E52"), "all": ("x:", "#8172B3"),
-              "lone": ("^:", "#8C8C8C")}
+    styles = {
+        "simulated": ("s--", "#DD8452"),
+        "hot": ("v:", "#55A868"),
+        "no-cores": ("D:", "#C44E52"),
+        "all": ("x:", "#8172B3"),
+        "lone": ("^:", "#8C8C8C"),
+    }
     fig, axes = plt.subplots(1, len(analyses), figsize=(6.8 * len(analyses), 4.6), squeeze=False)
     for ax, a in zip(axes[0], analyses):
         rows = a["rows"]
         xs = range(len(rows))
         ax.plot(xs, [r["measured"] * 1e3 for r in rows], "o-", label="measured (median step)", color="#4C72B0", lw=2)
-        ax.fill_between(xs, [r["iqr"][0] * 1e3 for r in rows], [r["iqr"][1] * 1e3 for r in rows], color="#4C72B0", alpha=0.2,
-                        label="measured, quartiles")
+        ax.fill_between(
+            xs,
+            [r["iqr"][0] * 1e3 for r in rows],
+            [r["iqr"][1] * 1e3 for r in rows],
+            color="#4C72B0",
+            alpha=0.2,
+            label="measured, quartiles",
+        )
         for k in a["variants"]:
             marker, color = styles[k]
-            ax.plot(xs, [r["sim"][k] * 1e3 for r in rows], marker, color=color, lw=2 if k == "simulated" else 1,
-                    alpha=1.0 if k == "simulated" else 0.7, label=f"{k}: {a['variants'][k][2]}")
+            ax.plot(
+                xs,
+                [r["sim"][k] * 1e3 for r in rows],
+                marker,
+                color=color,
+                lw=2 if k == "simulated" else 1,
+                alpha=1.0 if k == "simulated" else 0.7,
+                label=f"{k}: {a['variants'][k][2]}",
+            )
         ax.set_xticks(list(xs))
         ax.set_xticklabels([f"{r['label'].replace(' = ', '=')}\n{r['sizes']}" for r in rows], fontsize=7, rotation=30, ha="right")
         ax.set_ylabel("iteration time (ms)")
         ax.set_ylim(bottom=0)
-        ax.set_title(f"{a['world']} processes on {args.cores} cores: Spearman {a['rho']['simulated']:.2f}, max |error| "
-                     f"{max(abs(r['error']['simulated']) for r in rows):.1%}", fontsize=9)
+        ax.set_title(
+            f"{a['world']} processes on {args.cores} cores: Spearman {a['rho']['simulated']:.2f}, max |error| "
+            f"{max(abs(r['error']['simulated']) for r in rows):.1%}",
+            fontsize=9,
+        )
         ax.legend(fontsize=6, loc="lower right")
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -299,12 +361,18 @@ def plot_timelines(a: dict, folder: Path, label: str = "autopipe") -> list[Path]
     measured = traced_timeline(a["schedule"], per_step[len(per_step) // 2][2])
     predicted = simulate(a["schedule"], a["costs"], row["bounds"])
     m = a["schedule"].num_microbatches
-    out_m = gantt(measured, folder / "measured_timeline.png",
-                  title=f"measured (traced; gaps = waiting): {label} {row['sizes']}, {a['world']} processes, m={m}: "
-                        f"{measured.iteration_time * 1e3:.1f} ms")
-    out_p = gantt(predicted, folder / "predicted_timeline.png",
-                  title=f"simulated: {label} {row['sizes']}, {a['world']} stages on {a['costs'].cores} cores, 1F1B m={m}: "
-                        f"iteration {predicted.iteration_time * 1e3:.1f} ms, master stage {predicted.master_stage}")
+    out_m = gantt(
+        measured,
+        folder / "measured_timeline.png",
+        title=f"measured (traced; gaps = waiting): {label} {row['sizes']}, {a['world']} processes, m={m}: "
+        f"{measured.iteration_time * 1e3:.1f} ms",
+    )
+    out_p = gantt(
+        predicted,
+        folder / "predicted_timeline.png",
+        title=f"simulated: {label} {row['sizes']}, {a['world']} stages on {a['costs'].cores} cores, 1F1B m={m}: "
+        f"iteration {predicted.iteration_time * 1e3:.1f} ms, master stage {predicted.master_stage}",
+    )
     return [out_m, out_p]
 
 
@@ -353,8 +421,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     opts = p.parse_args(argv)
     worlds, stored, origin = load_raw(opts.raw)
     if stored is None:
-        p.error(f"{opts.raw} was saved without the measuring run's options: analyse it with "
-                "python benchmarks/bench_simulator.py --from-raw FILE and that run's options")
+        p.error(
+            f"{opts.raw} was saved without the measuring run's options: analyse it with "
+            "python benchmarks/bench_simulator.py --from-raw FILE and that run's options"
+        )
     args = argparse.Namespace(**stored)
     args.worlds = opts.worlds or [w for w in args.worlds if w in worlds]
     for key in ("pictures", "cores"):
