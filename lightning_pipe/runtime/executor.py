@@ -12,17 +12,21 @@ serves plain PyTorch (tests, benchmarks) and the Lightning strategy.
   neighbours exchanging at once cannot deadlock.
 - Each chunk's boundary is a fresh leaf tensor: backward stops there and the input gradient is
   handed to the previous chunk explicitly, by message or locally when it lives on this rank.
+
+`Executor.run` walks the list and dispatches each action to the handler of its op (`_handlers`);
+what one run accumulates (stashes, posted receives, the group being built, trace records) lives
+in a `_Run`, so nothing of a step outlives it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Hashable, Optional, Protocol, Sequence
+from typing import Any, Callable, Hashable, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
-from ..schedules.actions import Op, PipelineSchedule
+from ..schedules.actions import Action, Op, PipelineSchedule
 from .p2p import Activation, PendingRecv, Transport
 
 
@@ -49,6 +53,26 @@ def _local_leaf(value: Activation) -> Activation:
     return leaves if isinstance(value, tuple) else leaves[0]
 
 
+class _Run:
+    """State of one `Executor.run`, dropped when it returns (no tensor outlives the step)."""
+
+    def __init__(self, host: StageHost, keys: Sequence[Hashable], length: int, trace: bool, sync: bool):
+        self.host, self.keys = host, keys
+        self.stash_in: dict[tuple[int, int], Optional[Activation]] = {}
+        self.stash_out: dict[tuple[int, int], Any] = {}
+        self.outbox: dict[tuple[str, int, int], Any] = {}  # produced, waiting for its SEND action
+        self.local: dict[tuple[Op, int, int], Any] = {}  # hand-over between chunks on this rank
+        self.inbox: dict[tuple[Op, int, int], PendingRecv] = {}  # posted receives by (op, chunk, mb)
+        self.send_works: list = []
+        self.posted = [False] * length
+        self.next_recv = 0  # first receive index not yet posted (receives are posted in list order)
+        # the p2p group being built: ops, and (receive, slice of ops) for each receive in it
+        self.ops: list = []
+        self.pendings: list[tuple[PendingRecv, int, int]] = []
+        self.trace, self.sync = trace, sync
+        self.records: list[tuple[int, float, float]] = []
+
+
 class Executor:
     def __init__(self, schedule: PipelineSchedule, rank: int, transport: Transport, prefetch: bool = True, trace: bool = False):
         self.schedule, self.rank, self.transport, self.prefetch = schedule, rank, transport, prefetch
@@ -59,149 +83,167 @@ class Executor:
         # not compute); on CUDA the device is synchronised around each compute, which costs overlap.
         self.trace = trace
         self.records: list[tuple[int, float, float]] = []
+        # one handler per op (as DeepSpeed's pipe engine maps instructions to methods); a comm
+        # handler only adds its ops to the group being built, `run` issues the group
+        self._handlers: dict[Op, Callable[[_Run, int, Action], None]] = {
+            Op.FORWARD: self._forward,
+            Op.BACKWARD: self._backward,
+            Op.REDUCE_GRAD: self._reduce,
+            Op.SEND_ACT: self._send_activation,
+            Op.SEND_GRAD: self._send_gradients,
+            Op.RECV_ACT: self._recv,
+            Op.RECV_GRAD: self._recv,
+        }
 
     def run(self, host: StageHost, keys: Sequence[Hashable]) -> None:
         """Execute the action list once. ``keys[i]`` is micro-batch i's signature (see p2p)."""
-        actions, transport = self.actions, self.transport
-        stash_in: dict[tuple[int, int], Optional[Activation]] = {}
-        stash_out: dict[tuple[int, int], Any] = {}
-        outbox: dict[tuple[str, int, int], Any] = {}  # produced, waiting for its SEND action
-        local: dict[tuple[str, int, int], Any] = {}  # hand-over between chunks on this rank
-        inbox: dict[tuple[Op, int, int], PendingRecv] = {}  # posted receives by (op, chunk, mb)
-        send_works: list = []
-        posted = [False] * len(actions)
-        next_recv = 0  # first receive index not yet posted (receives are posted in list order)
-
-        def issue(ops: list, pendings: list[tuple[PendingRecv, int, int]]) -> None:
-            works = transport.issue(ops)
-            if len(works) == len(ops):  # one work per op: each receive waits for its own ops only
-                taken = set()
-                for pending, lo, hi in pendings:
-                    pending.works = works[lo:hi]
-                    taken.update(range(lo, hi))
-                send_works.extend(w for k, w in enumerate(works) if k not in taken)
-            else:  # coalesced (NCCL group): one work stands for the whole group
-                for pending, _, _ in pendings:
-                    pending.works = list(works)
-                send_works.extend(works)
-
-        def post(index: int, ops: list, pendings: list) -> None:
-            nonlocal next_recv
-            a = actions[index]
-            if a.op is Op.RECV_ACT:
-                pending, recv_ops = transport.recv_activation(a.peer, a.chunk, keys[a.microbatch])
-            else:
-                pending, recv_ops = transport.recv_gradients(a.peer, _needs_grad(stash_out[(a.chunk, a.microbatch)]))
-            pendings.append((pending, len(ops), len(ops) + len(recv_ops)))
-            ops += recv_ops
-            inbox[(a.op, a.chunk, a.microbatch)] = pending
-            posted[index] = True
-            next_recv = index + 1
-            while next_recv < len(actions) and not actions[next_recv].op.is_recv:
-                next_recv += 1
-
-        def prefetch() -> None:
-            """Post the next receive early, unless it would block (header) or lacks its buffers yet."""
-            j = next_recv
-            if j >= len(actions) or posted[j]:
-                return
-            a = actions[j]
-            if a.op is Op.RECV_ACT and transport.needs_header(a.peer, a.chunk, keys[a.microbatch]):
-                return
-            if a.op is Op.RECV_GRAD and (a.chunk, a.microbatch) not in stash_out:
-                return
-            ops: list = []
-            pendings: list = []
-            post(j, ops, pendings)
-            issue(ops, pendings)
-
-        def take(op: Op, chunk: int, mb: int) -> Any:
-            """The activation (or gradients) a compute consumes, waiting if still in flight."""
-            key = (op, chunk, mb)
-            if key in local:
-                return local.pop(key)
-            pending = inbox.pop(key)
-            return pending.activation() if op is Op.RECV_ACT else pending.value()
-
-        while next_recv < len(actions) and not actions[next_recv].op.is_recv:
-            next_recv += 1
-        records = self.records = []
-        sync = self.trace and transport.device.type == "cuda"
-
-        def start_clock() -> float:
-            # called once the compute's input is taken: waiting for it is not compute time
-            if sync:
-                torch.cuda.synchronize(transport.device)
-            return time.perf_counter()
-
+        actions, handlers = self.actions, self._handlers
+        trace = self.trace  # read once: a caller may switch tracing on between runs
+        st = _Run(host, keys, len(actions), trace, trace and self.transport.device.type == "cuda")
+        self.records = st.records
+        self._skip_to_recv(st, 0)
         i = 0
         while i < len(actions):
             a = actions[i]
             if a.op.is_send or a.op.is_recv:
-                ops: list = []
-                pendings: list = []
+                # consecutive comm actions go out as one group, so two neighbours exchanging at
+                # once cannot deadlock on NCCL's in-order streams
                 first = i
                 while i < len(actions) and (actions[i].op.is_send or actions[i].op.is_recv):
-                    c = actions[i]
-                    if c.op is Op.SEND_ACT:
-                        ops += transport.send_activation(
-                            c.peer, c.chunk, keys[c.microbatch], outbox.pop(("activation", c.chunk, c.microbatch))
-                        )
-                    elif c.op is Op.SEND_GRAD:
-                        ops += transport.send_gradients(c.peer, outbox.pop(("gradient", c.chunk, c.microbatch)))
-                    elif not posted[i]:
-                        if c.op is Op.RECV_ACT and transport.needs_header(c.peer, c.chunk, keys[c.microbatch]):
-                            # the header is read blocking: first issue what this group holds, or a
-                            # peer waiting for one of these sends could never send the header
-                            issue(ops, pendings)
-                            ops, pendings = [], []
-                        post(i, ops, pendings)
+                    handlers[actions[i].op](st, i, actions[i])
                     i += 1
-                if self.trace:  # a send is issued (not completed) here: a point in time
+                if trace:  # a send is issued (not completed) here: a point in time
                     now = time.perf_counter()
-                    records.extend((j, now, now) for j in range(first, i) if actions[j].op.is_send)
-                issue(ops, pendings)
+                    st.records.extend((j, now, now) for j in range(first, i) if actions[j].op.is_send)
+                self._flush(st)
                 continue
             if a.op.is_compute and self.prefetch:
-                prefetch()
-            c, mb = a.chunk, a.microbatch
-            if a.op is Op.FORWARD:
-                inputs = take(Op.RECV_ACT, c, mb) if c > 0 else None
-                if self.trace:
-                    started = start_clock()
-                with torch.set_grad_enabled(self.schedule.backward):
-                    out = host.forward(c, mb, inputs)
-                if self.schedule.backward:
-                    stash_in[(c, mb)], stash_out[(c, mb)] = inputs, out
-                if c < self.last_chunk:
-                    if self.schedule.chunk_rank[c + 1] == self.rank:
-                        local[(Op.RECV_ACT, c + 1, mb)] = _local_leaf(out)
-                    else:
-                        outbox[("activation", c, mb)] = out
-            elif a.op is Op.BACKWARD:
-                out, inputs = stash_out.pop((c, mb)), stash_in.pop((c, mb))
-                received = take(Op.RECV_GRAD, c, mb) if c != self.last_chunk else None
-                if self.trace:
-                    started = start_clock()
-                if c == self.last_chunk:
-                    if out is not None and out.requires_grad:
-                        torch.autograd.backward(out)
-                else:
-                    torch.autograd.backward(_needs_grad(out), received)
-                if c > 0:
-                    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in _needs_grad(inputs)]
-                    if self.schedule.chunk_rank[c - 1] == self.rank:
-                        local[(Op.RECV_GRAD, c - 1, mb)] = grads
-                    else:
-                        outbox[("gradient", c, mb)] = grads
-            elif a.op is Op.REDUCE_GRAD:
-                host.reduce_gradients(c)
-            if self.trace and a.op.is_compute:
-                if sync:
-                    torch.cuda.synchronize(transport.device)
-                records.append((i, started, time.perf_counter()))
+                self._prefetch(st)
+            handlers[a.op](st, i, a)
             i += 1
-
-        for work in send_works:
+        for work in st.send_works:
             work.wait()
-        transport.release_headers()
+        self.transport.release_headers()
+
+    # ---- communication ---------------------------------------------------------------------
+    def _send_activation(self, st: _Run, index: int, a: Action) -> None:
+        value = st.outbox.pop(("activation", a.chunk, a.microbatch))
+        st.ops += self.transport.send_activation(a.peer, a.chunk, st.keys[a.microbatch], value)
+
+    def _send_gradients(self, st: _Run, index: int, a: Action) -> None:
+        st.ops += self.transport.send_gradients(a.peer, st.outbox.pop(("gradient", a.chunk, a.microbatch)))
+
+    def _recv(self, st: _Run, index: int, a: Action) -> None:
+        if st.posted[index]:  # prefetched
+            return
+        if a.op is Op.RECV_ACT and self.transport.needs_header(a.peer, a.chunk, st.keys[a.microbatch]):
+            # the header is read blocking: first issue what this group holds, or a peer waiting for
+            # one of these sends could never send the header
+            self._flush(st)
+        self._post(st, index)
+
+    def _post(self, st: _Run, index: int) -> None:
+        """Add receive `index` to the group being built (its buffers, and its ops)."""
+        a = self.actions[index]
+        if a.op is Op.RECV_ACT:
+            pending, recv_ops = self.transport.recv_activation(a.peer, a.chunk, st.keys[a.microbatch])
+        else:
+            pending, recv_ops = self.transport.recv_gradients(a.peer, _needs_grad(st.stash_out[(a.chunk, a.microbatch)]))
+        st.pendings.append((pending, len(st.ops), len(st.ops) + len(recv_ops)))
+        st.ops += recv_ops
+        st.inbox[(a.op, a.chunk, a.microbatch)] = pending
+        st.posted[index] = True
+        self._skip_to_recv(st, index + 1)
+
+    def _skip_to_recv(self, st: _Run, start: int) -> None:
+        j, actions = start, self.actions
+        while j < len(actions) and not actions[j].op.is_recv:
+            j += 1
+        st.next_recv = j
+
+    def _flush(self, st: _Run) -> None:
+        """Issue the group being built and start a new one."""
+        ops, pendings = st.ops, st.pendings
+        st.ops, st.pendings = [], []
+        works = self.transport.issue(ops)
+        if len(works) == len(ops):  # one work per op: each receive waits for its own ops only
+            taken = set()
+            for pending, lo, hi in pendings:
+                pending.works = works[lo:hi]
+                taken.update(range(lo, hi))
+            st.send_works.extend(w for k, w in enumerate(works) if k not in taken)
+        else:  # coalesced (NCCL group): one work stands for the whole group
+            for pending, _, _ in pendings:
+                pending.works = list(works)
+            st.send_works.extend(works)
+
+    def _prefetch(self, st: _Run) -> None:
+        """Post the next receive early, unless it would block (header) or lacks its buffers yet."""
+        j = st.next_recv
+        if j >= len(self.actions) or st.posted[j]:
+            return
+        a = self.actions[j]
+        if a.op is Op.RECV_ACT and self.transport.needs_header(a.peer, a.chunk, st.keys[a.microbatch]):
+            return
+        if a.op is Op.RECV_GRAD and (a.chunk, a.microbatch) not in st.stash_out:
+            return
+        self._post(st, j)  # called between groups only: the group is empty here
+        self._flush(st)
+
+    def _take(self, st: _Run, op: Op, chunk: int, mb: int) -> Any:
+        """The activation (or gradients) a compute consumes, waiting if still in flight."""
+        key = (op, chunk, mb)
+        if key in st.local:
+            return st.local.pop(key)
+        pending = st.inbox.pop(key)
+        return pending.activation() if op is Op.RECV_ACT else pending.value()
+
+    # ---- computation -----------------------------------------------------------------------
+    def _clock(self, st: _Run) -> float:
+        # called once the compute's input is taken: waiting for it is not compute time
+        if st.sync:
+            torch.cuda.synchronize(self.transport.device)
+        return time.perf_counter()
+
+    def _record(self, st: _Run, index: int, started: float) -> None:
+        if st.sync:
+            torch.cuda.synchronize(self.transport.device)
+        st.records.append((index, started, time.perf_counter()))
+
+    def _forward(self, st: _Run, index: int, a: Action) -> None:
+        c, mb = a.chunk, a.microbatch
+        inputs = self._take(st, Op.RECV_ACT, c, mb) if c > 0 else None
+        started = self._clock(st) if st.trace else 0.0
+        with torch.set_grad_enabled(self.schedule.backward):
+            out = st.host.forward(c, mb, inputs)
+        if self.schedule.backward:
+            st.stash_in[(c, mb)], st.stash_out[(c, mb)] = inputs, out
+        if c < self.last_chunk:
+            if self.schedule.chunk_rank[c + 1] == self.rank:
+                st.local[(Op.RECV_ACT, c + 1, mb)] = _local_leaf(out)
+            else:
+                st.outbox[("activation", c, mb)] = out
+        if st.trace:
+            self._record(st, index, started)
+
+    def _backward(self, st: _Run, index: int, a: Action) -> None:
+        c, mb = a.chunk, a.microbatch
+        out, inputs = st.stash_out.pop((c, mb)), st.stash_in.pop((c, mb))
+        received = self._take(st, Op.RECV_GRAD, c, mb) if c != self.last_chunk else None
+        started = self._clock(st) if st.trace else 0.0
+        if c == self.last_chunk:
+            if out is not None and out.requires_grad:
+                torch.autograd.backward(out)
+        else:
+            torch.autograd.backward(_needs_grad(out), received)
+        if c > 0:
+            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in _needs_grad(inputs)]
+            if self.schedule.chunk_rank[c - 1] == self.rank:
+                st.local[(Op.RECV_GRAD, c - 1, mb)] = grads
+            else:
+                st.outbox[("gradient", c, mb)] = grads
+        if st.trace:
+            self._record(st, index, started)
+
+    def _reduce(self, st: _Run, index: int, a: Action) -> None:
+        st.host.reduce_gradients(a.chunk)
