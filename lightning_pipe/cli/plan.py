@@ -70,13 +70,7 @@ def _main(cfg: DictConfig) -> None:
     if choice is not None:
         summary["schedule_choice"] = choice.to_dict()
     if slicing is not None:
-        summary["slicer"] = {
-            "sliced": slicing.sliced,
-            "startup": slicing.startup,
-            "baseline_startup": slicing.baseline_startup,
-            "iteration_time": slicing.iteration_time,
-            "baseline_iteration_time": slicing.baseline_iteration_time,
-        }
+        summary["slicer"] = slicing.summary()
     (out / "plan.json").write_text(json.dumps(summary, indent=1))
     if options:
         timeline = simulate(cached_schedule(schedule, stages, m, tuple(sorted(options.items()))), costs, result.bounds)

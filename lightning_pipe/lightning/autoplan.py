@@ -263,13 +263,7 @@ class AutoPlanner:
         if choice is not None:
             summary["schedule_choice"] = choice.to_dict()
         if slicing is not None:
-            summary["slicer"] = {
-                "sliced": slicing.sliced,
-                "startup": slicing.startup,
-                "baseline_startup": slicing.baseline_startup,
-                "iteration_time": slicing.iteration_time,
-                "baseline_iteration_time": slicing.baseline_iteration_time,
-            }
+            summary["slicer"] = slicing.summary()
         (out / "plan.json").write_text(json.dumps(summary, indent=1))
         depth, m = strategy.topology.depth, self.config.microbatches
         if options:

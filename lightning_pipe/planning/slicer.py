@@ -27,6 +27,16 @@ class SlicePlan:
     baseline_iteration_time: float
     candidates: tuple[tuple[int, float, float], ...]  # (k, start-up, iteration time)
 
+    def summary(self) -> dict:
+        """What plan.json records of the slicing (the plan command and the strategy write it)."""
+        return {
+            "sliced": self.sliced,
+            "startup": self.startup,
+            "baseline_startup": self.baseline_startup,
+            "iteration_time": self.iteration_time,
+            "baseline_iteration_time": self.baseline_iteration_time,
+        }
+
     @property
     def startup_cut(self) -> float:
         return 1.0 - self.startup / self.baseline_startup if self.baseline_startup > 0 else 0.0
