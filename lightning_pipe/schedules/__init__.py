@@ -13,6 +13,7 @@ from .gpipe import forward_only, gpipe
 from .interleaved import interleaved_1f1b
 from .one_f_one_b import one_f_one_b
 from .spec import AUTO, REGISTRY, ScheduleKind, ScheduleSpec, schedule_kind
+from .text import dump, load
 from .validate import ScheduleError, validate
 from .wave import wave, wave_placement
 
@@ -52,6 +53,8 @@ __all__ = [
     "ScheduleSpec",
     "build_schedule",
     "check_chunks",
+    "dump",
+    "load",
     "chunk_count",
     "forward_only",
     "get_schedule",
