@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -76,26 +77,49 @@ def test_tiny_recipe_trains_5_steps_on_2_processes(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.multiprocess
 def test_multirun_puts_each_job_in_its_own_folder(tmp_path):
-    sweep = tmp_path / "sweep"
-    proc = cli(
-        [
-            "-m",
-            "pipeline.schedule=gpipe,1f1b",
-            *FAST,
-            "trainer.max_steps=3",
-            f"hydra.sweep.dir={sweep}",
-            "hydra.sweep.subdir=${hydra.job.num}",
-        ],
-        tmp_path,
-        timeout=280,
-    )
+    # the README's command as typed (no hydra.sweep.dir override: its default must resolve)
+    proc = cli(["-m", "pipeline.schedule=gpipe,1f1b", *FAST, "trainer.max_steps=3"], tmp_path, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for job, schedule in [("0", "gpipe"), ("1", "1f1b")]:
-        assert f"schedule: {schedule}" in (sweep / job / "config_resolved.yaml").read_text()
-        assert (sweep / job / "logs" / "version_0" / "metrics.csv").exists()
+    (sweep,) = (tmp_path / "multirun" / "gpt-tiny-cpu").iterdir()
+    for schedule in ["gpipe", "1f1b"]:
+        (job,) = sweep.glob(f"*pipeline.schedule={schedule}*")
+        assert f"schedule: {schedule}" in (job / "config_resolved.yaml").read_text()
+        assert (job / "logs" / "version_0" / "metrics.csv").exists()
     # the same math: both schedules report the same loss
     losses = [line.split("train_loss=")[1].split()[0].rstrip(",") for line in proc.stdout.splitlines() if "[lightning-pipe]" in line]
     assert len(losses) == 2 and losses[0] == losses[1]
+
+
+RESUME = [
+    "trainer.max_steps=12",
+    "model.max_steps=12",
+    "trainer.val_check_interval=3",
+    "trainer.limit_val_batches=2",
+    "pipeline.partition=uniform",
+    "data.synthetic=true",
+    "data.synthetic_samples=96",  # 6 batches of 16: step 6 ends epoch 0, step 9 is inside epoch 1
+    "callbacks.checkpoint.save_top_k=-1",
+]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.multiprocess
+def test_cli_resume_is_bit_for_bit_mid_epoch_and_at_epoch_boundaries(tmp_path):
+    whole = tmp_path / "whole"
+    proc = cli([*RESUME, f"hydra.run.dir={whole}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = torch.load(whole / "checkpoints" / "last.ckpt", weights_only=False)
+    assert final["global_step"] == 12  # last.ckpt is the newest state, whether val_loss improved or not
+    for step in (6, 9):
+        (ckpt,) = (whole / "checkpoints").glob(f"*step={step}.ckpt")
+        resumed = tmp_path / f"from{step}"
+        proc = cli([*RESUME, f"hydra.run.dir={resumed}", f"ckpt_path='{ckpt}'"], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "not resumable" not in proc.stderr
+        again = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=False)
+        assert again["global_step"] == 12
+        for key, value in final["state_dict"].items():
+            assert torch.equal(value, again["state_dict"][key]), f"resumed at step {step}: {key} differs"
 
 
 def bad(tmp_path, *args):
@@ -232,3 +256,36 @@ def test_plan_command_dumps_the_schedule_it_planned(tmp_path):
     saved = (tmp_path / "p" / "schedule.txt").read_text()
     assert saved in proc.stdout
     assert load(saved) == build_schedule("wave", 2, 4, waves=1)
+
+
+class _WorseEveryTime(L.LightningModule):
+    """val_loss rises with every validation: ModelCheckpoint(monitor=val_loss) keeps the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.lin(batch[0]).sum()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", float(self.global_step))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_last_ckpt_is_the_newest_state_when_validation_does_not_improve(tmp_path):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["callbacks=default"], return_hydra_config=False)
+    entries = {k: v for k, v in cfg.callbacks.items() if k in ("checkpoint", "last")}
+    assert set(entries) == {"checkpoint", "last"}
+    callbacks = [instantiate(v, dirpath=str(tmp_path)) for v in entries.values()]
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 2)), batch_size=1)
+    trainer = L.Trainer(
+        max_steps=7, val_check_interval=3, limit_val_batches=1, callbacks=callbacks, logger=False, enable_progress_bar=False
+    )
+    trainer.fit(_WorseEveryTime(), data, data)
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 7  # after the last step, not the best one
+    (best,) = [p for p in tmp_path.glob("*.ckpt") if p.name != "last.ckpt"]
+    assert torch.load(best, weights_only=False)["global_step"] == 3

@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 
 
@@ -40,3 +41,19 @@ class SpeedMonitor(L.Callback):
                 # every rank logs its own measure: same key everywhere, no collective
                 pl_module.log("samples_per_s", self._samples / elapsed, prog_bar=True, on_step=True, on_epoch=False)
             self._samples = 0
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """`last.ckpt` always holds the newest state: written after every validation and at the end
+    of training. (Lightning's `save_last=True` rewrites it only when a top-k checkpoint was saved,
+    so a run whose last validations did not improve left a stale `last.ckpt`.)"""
+
+    def __init__(self, dirpath: str, filename: str = "last") -> None:
+        super().__init__(
+            dirpath=dirpath, filename=filename, monitor=None, save_top_k=1, save_on_train_epoch_end=False, enable_version_counter=False
+        )
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step and not trainer.fast_dev_run:
+            trainer.save_checkpoint(self.format_checkpoint_name({}))
+            self._last_global_step_saved = trainer.global_step

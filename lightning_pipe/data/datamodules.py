@@ -7,21 +7,27 @@ that the path exists) run in `__init__` to fail before anything is launched.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Optional, Union
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from . import seeding
 from .checks import check_fraction, check_positive, check_seq_len
 from .corpus import DEFAULT_MAX_BYTES, PathLike, read_corpus, split_corpus
 from .datasets import CausalLMDataset, MaskedLMDataset
+from .sampling import ResumableSampler
 from .tokenizer import ByteTokenizer
 from .windows import RandomWindows, StreamWindows
 
 DEFAULT_SYNTHETIC_SAMPLES = 1024
+
+# torchdata 0.11 calls a deprecated torch function on every StatefulDataLoader: not the user's business.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 
 class _TokenDataModule(L.LightningDataModule):
@@ -129,14 +135,19 @@ class _TokenDataModule(L.LightningDataModule):
 
     # ---- loaders --------------------------------------------------------------------------------
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
-        return DataLoader(
+        if not train:
+            return DataLoader(dataset, batch_size=self.batch_size, num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        # Resumable bit for bit: torchdata's StatefulDataLoader puts the epoch and the position within
+        # it into Lightning's checkpoints. Every stage of a pipeline draws the same batches; replicas
+        # (width > 1) draw their own shard.
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        shard = strategy.distributed_sampler_kwargs if strategy is not None and strategy.is_distributed else {}
+        return StatefulDataLoader(
             dataset,
             batch_size=self.batch_size,
-            shuffle=train,
-            # A fixed-seed generator: every rank of a pipeline draws the same batches in the same order.
-            generator=torch.Generator().manual_seed(self.seed) if train else None,
+            sampler=ResumableSampler(dataset, self.seed, **shard),
             # Pipelines split each batch into micro-batches; a short last batch could hold too few.
-            drop_last=train,
+            drop_last=True,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
