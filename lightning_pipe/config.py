@@ -27,6 +27,7 @@ from .schedules import AUTO, REGISTRY, ScheduleSpec
 from .topology import Topology
 
 START_METHODS = ["popen", "spawn", "fork", "forkserver"]
+CHECKPOINT_LAYOUTS = ["full", "sharded"]
 MULTI_CHUNK = tuple(name for name, kind in REGISTRY.items() if kind.chunks is not None)
 
 
@@ -69,6 +70,9 @@ class PipelineConfig:
     """Record each action's real start and end; writes trace.json and trace_timeline.png."""
     start_method: str = "popen"
     """How Lightning starts the processes: popen (re-run the command), spawn, fork or forkserver."""
+    checkpoint: str = "full"
+    """full: one file in single-process layout, gathered on rank 0; sharded: a directory where every
+    rank writes its own stage (torch.distributed.checkpoint). Either resumes at any depth."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, str) or (self.schedule.lower() not in REGISTRY and self.schedule.lower() != AUTO):
@@ -105,6 +109,7 @@ class PipelineConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
                 raise SettingError(f"{name}={value!r}: a number >= 0, or None for the device type's default", name)
         self.start_method = check_choice("start_method", self.start_method, START_METHODS)
+        self.checkpoint = check_choice("checkpoint", self.checkpoint, CHECKPOINT_LAYOUTS)
 
     # ---- what the settings mean ----------------------------------------------------------------
     @property

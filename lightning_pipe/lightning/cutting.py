@@ -1,8 +1,9 @@
 """Cutting the user's module down to this rank's stage.
 
-The partition comes from, in this order: the checkpoint being resumed (its partition and
-schedule, exactly, not a new and noisy plan), the planner (a named partitioner, the slicer or
-schedule="auto": profile first), or the fixed setting (listed sizes, else equal block counts).
+The partition comes from, in this order: the checkpoint being resumed at its depth unless a
+partition is listed (its partition and schedule, exactly, not a new and noisy plan), the planner
+(a named partitioner, the slicer or schedule="auto": profile first), or the fixed setting (listed
+sizes, else equal block counts).
 The pipeline's `nn.Sequential` is then replaced by a `PipelineStage` holding this rank's blocks
 under their original indices, so state-dict keys stay the full model's.
 """
@@ -77,7 +78,7 @@ def choose_layout(strategy: Any, module: Any, pipeline: nn.Sequential) -> tuple[
             spec = resumed.schedule
         if resumed.bounds is not None and len(resumed.bounds) == spec.chunk_count(depth):
             return spec, resumed.bounds, resumed.sliced, None, None
-        # else: load_optimizer_state_dict explains the mismatch of depth
+        # else (another schedule asked for): plan anew; optimizer states follow the parameters' names
     if config.needs_profile:
         result = strategy.planner.run(strategy, module, pipeline, spec)
         return result.spec, tuple(map(tuple, result.bounds)), result.sliced, result.plan, result.choice

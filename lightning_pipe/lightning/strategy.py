@@ -26,7 +26,7 @@ from ..modes import TrainingMode, make_mode
 from ..planning.partition import PartitionSpec
 from ..schedules import REGISTRY
 from ..topology import ProcessGroups, Topology
-from . import checkpoints
+from . import checkpoint_sharded, checkpoints
 from .autoplan import AutoPlanner
 from .cutting import Cut, cut_module, uncut_module
 from .gradients import StageGradients
@@ -52,6 +52,7 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         trace: record each action's real times; writes trace.json and a timeline picture.
         profile: a saved profile.json to plan from. bandwidth, latency: the link model for planning.
         start_method: ``"popen"`` (Lightning re-runs the command), ``"spawn"``, ``"fork"``, ``"forkserver"``.
+        checkpoint: ``"full"`` (one file, single-process layout) or ``"sharded"`` (a directory, each rank its stage).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout: as for Lightning's DDPStrategy.
 
@@ -83,6 +84,7 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        checkpoint: Literal["full", "sharded"] = "full",
     ) -> None:
         self.config = PipelineConfig(
             schedule=schedule,
@@ -99,6 +101,7 @@ class AutoPipeStrategy(ProcessGroupStrategy):
             bandwidth=bandwidth,
             latency=latency,
             start_method=start_method,
+            checkpoint=checkpoint,
         )
         super().__init__(
             process_group_backend=process_group_backend,
@@ -255,23 +258,43 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         output = self._steps.evaluate("predict_step", self.precision_plugin.predict_step_context, args, kwargs, self.stage_index)
         return self._steps.from_last_stage(output)  # the trainer returns rank 0's predictions
 
-    # ---- checkpoints (checkpoints.py) --------------------------------------------------------------
+    # ---- checkpoints (checkpoints.py, checkpoint_sharded.py) --------------------------------------
+    @property
+    def _sharded(self) -> bool:
+        return self._active and self.config.checkpoint == "sharded"
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if not self._active:  # after fit: rank 0 holds the full model again (or this is the spawn parent)
             return super().lightning_module_state_dict()
         self.mode.drain()
-        return checkpoints.full_state_dict(self)
+        return self.lightning_module.state_dict() if self._sharded else checkpoints.full_state_dict(self)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         if not self._active:
             return super().optimizer_state(optimizer)
-        return checkpoints.stage_optimizer_state(self, optimizer)
+        if self._sharded:
+            return checkpoints.stage_named_state(self, optimizer)
+        return checkpoints.full_optimizer_state(self, optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if not self._sharded:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError("checkpoint='sharded' writes with torch.distributed.checkpoint, not the CheckpointIO: no storage_options")
+        checkpoint_sharded.save(self, checkpoint, filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if checkpoint_sharded.is_sharded(checkpoint_path):  # a directory of checkpoint="sharded" (either setting reads it)
+            return checkpoint_sharded.load(self, checkpoint_path, weights_only)
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        checkpoints.load_stage_optimizer_states(self, checkpoint)
+        checkpoints.load_optimizer_states(self, checkpoint)
         _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
@@ -287,7 +310,7 @@ class AutoPipeStrategy(ProcessGroupStrategy):
             self.mode.drain()
             if self.config.trace:
                 self.planner.write_trace(self)  # collective: every rank's last traced step to rank 0
-            state = self.lightning_module_state_dict()  # collective: all ranks, only on success
+            state = checkpoints.full_state_dict(self)  # collective: all ranks, only on success
             if self.global_rank == 0 and self.cut.pipeline is not None:
                 uncut_module(module, self.cut, state)
                 self.cut = None
