@@ -4,7 +4,8 @@ For each block: forward and backward time (median of repeats after warm-up, on t
 the micro-batch size training uses), output activation bytes, parameter bytes and peak memory.
 Saved as JSON keyed by model, micro-batch size, dtype and device, so a profile is measured once
 and reused; `Profile.synthetic` builds one from given costs. `Profile.costs()` turns it into the
-simulator's `CostModel`. Nothing here knows about Lightning.
+simulator's `CostModel`. `check_activation` is the runtime's rule for what passes between blocks,
+applied by the profiler and by the stage alike. Nothing here knows about Lightning.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -20,6 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from .runtime.p2p import _DTYPES
 from .simulator import CostModel
 
 
@@ -108,25 +111,78 @@ class Profile:
         )
 
 
-def _nbytes(value: Any) -> int:
+# ---- what passes between blocks ---------------------------------------------------------------
+ALLOWED_ACTIVATIONS = (
+    "a tensor or a tuple of tensors (integer and bool tensors travel without gradients; dtypes: "
+    + ", ".join(str(d).replace("torch.", "") for d in _DTYPES)
+    + ")"
+)
+
+
+def check_activation(value: Any, index: int, block: nn.Module) -> None:
+    """Refuse an output of pipeline block `index` that the runtime cannot pass to the next block.
+
+    Between two stages the runtime (`runtime.p2p`) sends a tensor or a plain tuple of tensors of
+    a sendable dtype. Anything else (a dict, a list, a None, a namedtuple, which would arrive as a
+    plain tuple) would pass between two blocks of one stage and fail between two stages, so it
+    would train with one partition and not with another. The stage (each block it runs) and the
+    profiler call this on every block output but the pipeline's last (which goes to the user's
+    step, not to a block), so every partition refuses the same model with the same message.
+    """
+    problem = _activation_problem(value)
+    if problem is not None:
+        raise TypeError(
+            f"pipeline block {index} ({type(block).__name__}) returned {problem}; an activation passed between "
+            f"pipeline blocks must be {ALLOWED_ACTIVATIONS}. Return a tuple of tensors instead (e.g. "
+            "tuple(d.values()) for a dict, tuple(l) for a list), whatever the partition"
+        )
+
+
+def _activation_problem(value: Any) -> Optional[str]:
     if isinstance(value, Tensor):
-        return value.numel() * value.element_size()
+        return None if value.dtype in _DTYPES else f"a tensor of dtype {value.dtype}, which cannot be sent between stages"
+    if not isinstance(value, tuple):
+        return f"a {type(value).__name__}"
+    if type(value) is not tuple:
+        return f"a {type(value).__name__} (a tuple subclass: the next stage would receive a plain tuple)"
+    for i, item in enumerate(value):
+        if not isinstance(item, Tensor):
+            return f"a tuple holding a {type(item).__name__} at position {i}"
+        if item.dtype not in _DTYPES:
+            return f"a tuple holding a tensor of dtype {item.dtype} at position {i}, which cannot be sent between stages"
+    return None
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    """The tensors in `value`, in order (the last block's output may be any structure: it goes to the step)."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        value = list(value.values())
     if isinstance(value, (tuple, list)):
-        return sum(_nbytes(v) for v in value)
-    return 0
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _nbytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
 
 
 def _float_outputs(value: Any) -> list[Tensor]:
-    items = value if isinstance(value, (tuple, list)) else (value,)
-    return [t for t in items if isinstance(t, Tensor) and t.requires_grad]
+    return [t for t in _tensors(value) if t.requires_grad]
 
 
-def _leaf(value: Any) -> Any:
+def _leaf(value: Any, copy: bool = False) -> Any:
+    """A block's input as the runtime makes it (`executor._local_leaf`, `p2p`): fresh leaves that
+    require grad where the tensor they come from did, so an integer mask or a float tensor made
+    without a gradient gets none, as in training. ``copy``: for an input used again (by the next
+    repeat or micro-batch in flight), its own memory, as each received micro-batch has, so a block
+    that changes its input in place does not change another run's."""
     if isinstance(value, Tensor):
-        return value.detach().requires_grad_(value.is_floating_point())
-    if isinstance(value, tuple):
-        return tuple(_leaf(v) for v in value)
-    return value
+        return (value.detach().clone() if copy else value.detach()).requires_grad_(value.requires_grad)
+    if type(value) is tuple:
+        return tuple(_leaf(v, copy) for v in value)
+    return value  # the pipeline's own input (block 0's) may be anything the step passes
 
 
 def _sync(device: torch.device) -> None:
@@ -163,6 +219,10 @@ def profile_blocks(
     A block alone, its backward right after its forward on the same input, runs with hot caches
     and comes out several percent faster than inside a stage (3-11% on a small GPT on CPU); the
     chain keeps the caches as busy as training does. The chain's blocks are on `device` together.
+
+    What passes from a block to the next is what the runtime passes (`check_activation`: a tensor
+    or a tuple of tensors, else a TypeError naming the block), as fresh leaves requiring grad
+    where training's would.
     """
     wanted = set(range(len(blocks)) if indices is None else indices)
     if inflight is not None:
@@ -180,10 +240,19 @@ def profile_blocks(
         if i in wanted:
             with context():
                 results[i] = _measure(block, x, device, repeats, warmup, loss_fn if i == len(blocks) - 1 else None)
-        with torch.no_grad(), context():
-            x = block(x)
+        x = _forward(blocks, i, x, context)
         block.to(home)
     return results
+
+
+def _forward(blocks: Sequence[nn.Module], i: int, x: Any, context: Callable[[], Any]) -> Any:
+    """Block i's output as the next block's input: checked as the runtime would take it, and cut
+    from the graph (run with grad, so its tensors require grad exactly where training's would)."""
+    with context():
+        out = blocks[i](x)
+    if i < len(blocks) - 1:
+        check_activation(out, i, blocks[i])
+    return _leaf(out)
 
 
 def _profile_chain(
@@ -201,11 +270,10 @@ def _profile_chain(
         return {}
     first, last = min(wanted), max(wanted)
     x = sample
-    for block in blocks[:first]:  # forward only, to make the first measured block's input
+    for i, block in enumerate(blocks[:first]):  # forward only, to make the first measured block's input
         home = next((p.device for p in block.parameters()), device)
         block.to(device)
-        with torch.no_grad(), context():
-            x = block(_to(x, device))
+        x = _forward(blocks, i, _to(x, device), context)
         block.to(home)
     x = _to(x, device)
     chain = list(blocks[first : last + 1])
@@ -236,13 +304,15 @@ def _profile_chain(
             for _ in range(inflight):
                 h, saved = x, []
                 for j, block in enumerate(chain):
-                    inp = _leaf(h)  # a fresh leaf per block: backward is timed block by block
+                    inp = _leaf(h, copy=j == 0)  # a fresh leaf per block: backward is timed block by block
 
                     def run(block=block, inp=inp, j=j):
                         out = block(inp)
                         return out, (loss_fn(out) if loss_fn is not None and ends_model and j == n - 1 else None)
 
                     (out, loss), t = timed(run, j)
+                    if first + j < len(blocks) - 1:
+                        check_activation(out, first + j, block)
                     out_bytes[j] = _nbytes(out)
                     if r >= warmup:
                         fwd[j].append(t)
@@ -280,8 +350,8 @@ def _profile_chain(
 def _input_grads(out: Any, leaf: Any) -> list[Tensor]:
     """Gradients for the outputs of the block before (those requiring grad, in order) from the
     next block's input leaves: position by position, zeros where the next block did not use one."""
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    leaves = leaf if isinstance(leaf, (tuple, list)) else (leaf,)
+    outs = out if isinstance(out, tuple) else (out,)
+    leaves = leaf if isinstance(leaf, tuple) else (leaf,)
     return [
         lf.grad if isinstance(lf, Tensor) and lf.grad is not None else torch.zeros_like(o)
         for o, lf in zip(outs, leaves)
@@ -292,8 +362,10 @@ def _input_grads(out: Any, leaf: Any) -> list[Tensor]:
 def _to(value: Any, device: torch.device) -> Any:
     if isinstance(value, Tensor):
         return value.to(device)
-    if isinstance(value, tuple):
-        return tuple(_to(v, device) for v in value)
+    if type(value) is tuple or isinstance(value, list):
+        return type(value)(_to(v, device) for v in value)
+    if isinstance(value, dict):  # block 0's input: whatever the step passes
+        return {k: _to(v, device) for k, v in value.items()}
     return value
 
 
@@ -305,7 +377,7 @@ def _measure(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for r in range(warmup + repeats):
-        inp = _leaf(x)
+        inp = _leaf(x, copy=True)
         _sync(device)
         t0 = time.perf_counter()
         out = block(inp)

@@ -98,6 +98,99 @@ def test_profile_blocks_chain_mode_runs_the_blocks_as_a_stage():
         profile_blocks(blocks, x, torch.device("cpu"), inflight=0)
 
 
+class _Out(torch.nn.Module):
+    """Returns `kind`: "dict", "list", "tuple+None", "namedtuple" or "tuple" (of tensors, allowed)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.lin = kind, torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        return {
+            "dict": lambda: {"h": h, "x": x},
+            "list": lambda: [h, x],
+            "tuple+None": lambda: (h, None),
+            "namedtuple": lambda: torch.return_types.max((h, x)),
+            "tuple": lambda: (h, x),
+        }[self.kind]()
+
+
+class _In(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, inputs):
+        h, x = (inputs["h"], inputs["x"]) if isinstance(inputs, dict) else (inputs[0], inputs[1])
+        return self.lin(h) + (x if x is not None else 0)
+
+
+@pytest.mark.parametrize(
+    "kind,what",
+    [("dict", "a dict"), ("list", "a list"), ("tuple+None", "a tuple holding a NoneType at position 1"), ("namedtuple", "a max")],
+)
+@pytest.mark.parametrize("inflight,indices", [(None, None), (2, None), (2, [1]), (None, [2])])
+def test_profile_blocks_refuses_what_the_runtime_cannot_pass_between_blocks(kind, what, inflight, indices):
+    # a dict or a list between blocks used to end in "Trying to backward through the graph a second
+    # time" (chain mode) while the runtime fails on it between stages only: now the same TypeError
+    # naming the block, whichever blocks a rank profiles
+    blocks = [_Out(kind), _In(), torch.nn.Linear(8, 3)]
+    x = torch.randn(4, 8)
+    with pytest.raises(
+        TypeError,
+        match=rf"pipeline block 0 \(_Out\) returned {what}.*; an activation passed between pipeline blocks "
+        r"must be a tensor or a tuple of tensors \(integer and bool tensors travel without gradients",
+    ):
+        profile_blocks(blocks, x, torch.device("cpu"), repeats=1, warmup=0, inflight=inflight, indices=indices, loss_fn=torch.sum)
+
+
+def test_profile_blocks_takes_what_the_runtime_takes():
+    x = torch.randn(4, 8)
+    # a tuple of tensors passes; the last block's output goes to the step, so it may be a dict
+    blocks = [_Out("tuple"), _In(), _Out("dict")]
+    for inflight in (None, 2):
+        res = profile_blocks(blocks, x, torch.device("cpu"), repeats=1, warmup=0, inflight=inflight, loss_fn=lambda d: d["h"].sum())
+        assert sorted(res) == [0, 1, 2] and res[0]["activation_bytes"] == 2 * 4 * 8 * 4 and res[2]["backward"] > 0
+    # the pipeline's own input comes from the step, never from another stage: any structure
+    for inflight in (None, 2):
+        res = profile_blocks([_In(), torch.nn.Linear(8, 3)], {"h": x, "x": x}, torch.device("cpu"), repeats=1, warmup=0, inflight=inflight)
+        assert sorted(res) == [0, 1]
+
+
+class _FloatMask(torch.nn.Module):
+    """(hidden, mask): a float mask made without a gradient, as the runtime passes it: no grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x), (x > 0).to(x.dtype)
+
+
+class _ScaleMaskInPlace(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, inputs):
+        h, mask = inputs
+        mask.mul_(0.5)  # in place on its input: fine on a tensor that needs no gradient
+        return self.lin(h) * mask
+
+
+def test_profile_blocks_passes_gradients_only_where_training_does():
+    # The runtime hands a stage tensors requiring grad exactly where the producer's did (p2p sends
+    # the flag); the profiler made every float tensor require one, so this in-place use of a float
+    # mask failed in profiling ("a leaf Variable that requires grad ...") and worked in training.
+    blocks = [_FloatMask(), _ScaleMaskInPlace(), torch.nn.Linear(8, 3)]
+    x = torch.randn(4, 8)
+    for inflight, indices in [(None, None), (2, None), (2, [1, 2]), (None, [1])]:
+        res = profile_blocks(blocks, x, torch.device("cpu"), repeats=1, warmup=0, inflight=inflight, indices=indices, loss_fn=torch.sum)
+        assert all(r["backward"] > 0 for r in res.values())
+
+
 def test_synthetic_profile_and_bad_profiles(tmp_path):
     p = Profile.synthetic([1.0, 2.0, 3.0])
     assert p.backward == [2.0, 4.0, 6.0]

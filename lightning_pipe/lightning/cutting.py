@@ -93,7 +93,7 @@ def cut_module(strategy: Any, module: Any) -> Cut:
     placement = spec.placement(strategy.topology.depth, strategy.config.microbatches)
     mine = {c: bounds[c] for c in range(len(placement)) if placement[c] == strategy.stage_index}
     blocks = {i: pipeline[i] for start, stop in mine.values() for i in range(start, stop)}
-    stage = PipelineStage(blocks, mine)
+    stage = PipelineStage(blocks, mine, len(pipeline))
     tied = find_tied_parameters(pipeline, bounds, placement)
     full = pipeline if strategy.global_rank == 0 else None
     set_submodule(module, path, stage)

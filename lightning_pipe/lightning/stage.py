@@ -12,6 +12,8 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
+from ..profiler import check_activation
+
 
 class PipelineSetupError(ValueError):
     pass
@@ -49,13 +51,16 @@ def find_pipeline(module: nn.Module) -> tuple[str, nn.Sequential]:
 
 
 def check_no_outside_parameters(module: nn.Module, path: str) -> None:
-    """Parameters outside the pipeline would exist on every rank but train on one: refuse them."""
-    outside = [n for n, _ in module.named_parameters() if not (n == path or n.startswith(path + "."))]
+    """Trainable parameters outside the pipeline would exist on every rank but train on one: refuse
+    them. Frozen ones (requires_grad=False) are harmless: nothing trains them, every rank holds the
+    same copy, and the gathered state dict holds them once, as a single process would."""
+    outside = [n for n, p in module.named_parameters() if p.requires_grad and not (n == path or n.startswith(path + "."))]
     if outside:
         shown = ", ".join(outside[:5]) + (" ..." if len(outside) > 5 else "")
         raise PipelineSetupError(
             f"{type(module).__name__} has trainable parameters outside its pipeline '{path}': {shown}. "
-            "Move them into the nn.Sequential as blocks (a first or last block), so exactly one stage owns them"
+            "Move them into the nn.Sequential as blocks (a first or last block), so exactly one stage owns them, "
+            "or freeze them (requires_grad=False) if they are not meant to train"
         )
 
 
@@ -75,19 +80,28 @@ class _Handoff(BaseException):
 
 
 class PipelineStage(nn.Module):
-    """This rank's blocks of the pipeline; called by the user's steps in place of the Sequential."""
+    """This rank's blocks of the pipeline; called by the user's steps in place of the Sequential.
 
-    def __init__(self, blocks: dict[int, nn.Module], chunk_bounds: dict[int, tuple[int, int]]):
+    Every block's output but the pipeline's last (block ``num_blocks - 1``, whose output goes to
+    the step) must be what the runtime can send to another stage (`check_activation`), also between
+    two blocks of this stage: a model is refused alike under every partition, never trained under
+    one and failing under another."""
+
+    def __init__(self, blocks: dict[int, nn.Module], chunk_bounds: dict[int, tuple[int, int]], num_blocks: int):
         super().__init__()
         for index, block in blocks.items():
             self.add_module(str(index), block)
         self.chunk_bounds = chunk_bounds
+        self.num_blocks = num_blocks
         self._runner: Optional[Callable[[Any], Any]] = None
 
     def run_chunk(self, chunk: int, x: Any) -> Any:
         start, stop = self.chunk_bounds[chunk]
         for index in range(start, stop):
-            x = self._modules[str(index)](x)
+            block = self._modules[str(index)]
+            x = block(x)
+            if index < self.num_blocks - 1:
+                check_activation(x, index, block)
         return x
 
     def forward(self, x: Any) -> Any:
