@@ -146,3 +146,46 @@ def test_saved_profile_must_match_the_model(tmp_path):
 
     path = Profile.synthetic([1.0] * 4).save(tmp_path / "profile.json")
     fails_before_spawn(LitSeq(), 2, r"the profile synthetic-mbs1-synthetic-synthetic has 4 blocks but the model has 6", profile=str(path))
+
+
+# ---- issue 10: the interleaved schedule's micro-batch error names pipeline.microbatches ---------
+def _cli(module, args, cwd):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    env.pop("LOCAL_RANK", None)
+    run = [sys.executable, "-m", module, *args, f"hydra.run.dir={cwd / 'run'}"]
+    return subprocess.run(run, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_interleaved_microbatch_error_names_the_microbatches_setting():
+    from lightning_pipe.config import PipelineConfig
+    from lightning_pipe.errors import SettingError
+    from lightning_pipe.planning import plan
+    from lightning_pipe.profiler import Profile
+
+    for m, world in [(3, 2), (1, 2), (6, 4)]:
+        with pytest.raises(SettingError, match=rf"microbatches={m}: interleaved 1F1B needs a multiple of the {world} stages") as err:
+            PipelineConfig(schedule="interleaved", microbatches=m).check_model(world, 10)
+        assert err.value.setting == "microbatches"
+        # the planner builds the schedule itself (the plan command): the same setting
+        with pytest.raises(SettingError, match=rf"microbatches={m}: interleaved") as err:
+            plan(Profile.synthetic([1.0] * 10).costs(), world, m, schedule="interleaved", options={"chunks": 2})
+        assert err.value.setting == "microbatches"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("module", ["lightning_pipe.train", "lightning_pipe.plan"])
+@pytest.mark.parametrize("m,devices", [(3, 2), (6, 4)])
+def test_interleaved_microbatch_error_in_the_cli_names_pipeline_microbatches(tmp_path, module, m, devices):
+    args = ["pipeline.schedule=interleaved", f"pipeline.microbatches={m}", f"trainer.devices={devices}", "trainer.max_steps=1"]
+    proc = _cli(module, args, tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: microbatches={m}: interleaved 1F1B needs a multiple of the {devices} stages"), line
+    assert "(pipeline.microbatches" in line and "pipeline.partition" not in line, line

@@ -8,6 +8,7 @@ order, backwards in reverse), with (p - rank - 1) * 2 + (v - 1) * p warm-up forw
 
 from __future__ import annotations
 
+from ..errors import SettingError
 from .actions import Op, PipelineSchedule
 from .lowering import lower
 
@@ -17,7 +18,9 @@ def interleaved_1f1b(stages: int, microbatches: int, chunks: int = 2) -> Pipelin
     if v < 1:
         raise ValueError(f"chunks={v}: the number of model chunks per rank must be >= 1")
     if m % p:
-        raise ValueError(f"microbatches={m}: interleaved 1F1B needs a multiple of the {p} stages (e.g. {p * max(1, m // p + 1)})")
+        raise SettingError(
+            f"microbatches={m}: interleaved 1F1B needs a multiple of the {p} stages (e.g. {p * max(1, m // p + 1)})", "microbatches"
+        )
     total = m * v
 
     def forward(k: int, rank: int) -> tuple[Op, int, int]:
