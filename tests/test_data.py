@@ -124,6 +124,34 @@ def test_missing_path_and_empty_corpus(tmp_path):
         MaskedLMDataModule(path=empty).setup()
 
 
+def test_binary_file_refused_alike_alone_or_in_a_folder(tmp_path):
+    # A binary file (a NUL byte in its first 8 KiB, as git and grep decide) is not read: given as
+    # data.path it used to be read and trained on silently while a folder holding it was refused.
+    blob = tmp_path / "weights.bin"
+    blob.write_bytes(b"PK\x03\x04" + bytes(range(256)) * 4)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / blob.name).write_bytes(blob.read_bytes())
+    messages = []
+    for path, inside in ((blob, blob), (folder, folder / blob.name)):
+        assert corpus_files(path) == []
+        for call in (lambda p=path: read_corpus(p), lambda p=path: CausalLMDataModule(path=p).setup()):
+            with pytest.raises(ValueError) as err:
+                call()
+            assert str(err.value) == (
+                f"data.path={str(path)!r}: the corpus is empty: {inside} is a binary file (a NUL byte in the first 8192 "
+                "bytes, as git and grep decide), and binary files are not read; give a text file or a folder of text files"
+            )
+            messages.append(str(err.value).split(": ", 1)[1].replace(str(inside), "<file>"))
+    assert len(set(messages)) == 1, messages  # the same message whichever way the file is given
+    # a NUL after the first 8 KiB: text, both ways; text next to a binary file in a folder: read
+    late = tmp_path / "late.txt"
+    late.write_bytes(b"a" * 8192 + b"\0")
+    assert read_corpus(late) == late.read_bytes()
+    (folder / "notes.txt").write_text("text\n")
+    assert corpus_files(folder) == [folder / "notes.txt"] and read_corpus(folder) == b"text\n"
+
+
 def test_setting_errors(tmp_path):
     with pytest.raises(ValueError, match=r"data.seq_len=512.*max_seq_len=256"):
         CausalLMDataModule(seq_len=512, max_seq_len=256)

@@ -45,34 +45,46 @@ def stdlib_files() -> list[Path]:
 
 
 def _is_text(path: Path) -> bool:
-    # The same heuristic as git and grep: binary files hold NUL bytes near their start.
-    try:
-        with open(path, "rb") as f:
-            return b"\0" not in f.read(_SNIFF_BYTES)
-    except OSError:
-        return False
+    """The same heuristic as git and grep: a binary file holds a NUL byte in its first 8 KiB."""
+    with open(path, "rb") as f:
+        return b"\0" not in f.read(_SNIFF_BYTES)
 
 
-def corpus_files(path: Optional[PathLike] = None) -> list[Path]:
-    """The files a corpus reads, in order: the stdlib for ``None``, a file, or a folder's text files."""
+def _listing(path: Optional[PathLike]) -> tuple[list[Path], list[Path]]:
+    """(text files, binary files) of the corpus at `path`, in order. A file given alone is judged as
+    a folder's files are: a binary one is not read either way."""
     if path is None:
-        return stdlib_files()
+        return stdlib_files(), []
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"data.path={str(path)!r}: no such file or directory")
-    if p.is_dir():
-        return [f for f in _sorted_files(p, _USER_SKIP_DIRS) if _is_text(f)]
-    return [p]
+    texts, binaries = [], []
+    for f in _sorted_files(p, _USER_SKIP_DIRS) if p.is_dir() else [p]:
+        try:
+            (texts if _is_text(f) else binaries).append(f)
+        except OSError:
+            if not p.is_dir():
+                raise  # the file asked for: its own error (permission, ...)
+            # in a folder: an unreadable file is skipped, as it always was
+    return texts, binaries
+
+
+def corpus_files(path: Optional[PathLike] = None) -> list[Path]:
+    """The files a corpus reads, in order: the stdlib for ``None``, a text file, or a folder's
+    text files (binary files, found as git and grep find them, are not read)."""
+    return _listing(path)[0]
 
 
 def read_corpus(path: Optional[PathLike] = None, max_bytes: Optional[int] = DEFAULT_MAX_BYTES) -> bytes:
     """All bytes of the corpus at `path` (``None``: the standard library), concatenated in order.
 
-    Reading stops after `max_bytes` (``None``: no cap); the last file may be cut.
+    Reading stops after `max_bytes` (``None``: no cap); the last file may be cut. A corpus with no
+    text is refused; when binary files are all there is (a binary file given alone, or a folder of
+    them), the message names them, the same either way.
     """
     if max_bytes is not None and max_bytes < 1:
         raise ValueError(f"data.max_bytes={max_bytes}: must be >= 1 (or None for no cap)")
-    files = corpus_files(path)
+    files, binaries = _listing(path)
     chunks: list[bytes] = []
     left = max_bytes
     for f in files:
@@ -86,6 +98,13 @@ def read_corpus(path: Optional[PathLike] = None, max_bytes: Optional[int] = DEFA
     corpus = b"".join(chunks)
     if not corpus:
         where = f"the standard library at {stdlib_root()}" if path is None else repr(str(path))
+        if binaries:
+            shown = ", ".join(str(b) for b in binaries[:3]) + (f" and {len(binaries) - 3} more" if len(binaries) > 3 else "")
+            raise ValueError(
+                f"data.path={where}: the corpus is empty: {shown} {'is a binary file' if len(binaries) == 1 else 'are binary files'} "
+                f"(a NUL byte in the first {_SNIFF_BYTES} bytes, as git and grep decide), and binary files are not read; "
+                "give a text file or a folder of text files"
+            )
         raise ValueError(f"data.path={where}: the corpus is empty (no text files or no bytes to train on)")
     return corpus
 
