@@ -3,8 +3,12 @@
     python examples/train_sequential.py                      # 2 CPU processes, 1F1B, 4 micro-batches
     python examples/train_sequential.py --devices 4 --schedule gpipe --check
 
-With --check, the script also trains the same model in one process and prints how far the
-pipeline's weights are from it (float64: ~1e-16).
+With --check, the script also trains the same model in one process and prints the largest
+relative weight difference to it. In float64 on CPU it prints 3.90e-08 for the defaults (3 epochs
+of 64 AdamW steps, 4 micro-batches; the same with --devices 4 and with --schedule gpipe),
+1.45e-11 with --epochs 1, and 0.00e+00 with --microbatches 1: the micro-batch gradients are summed
+in another order than the full batch's, and Adam's normalisation amplifies that rounding step
+after step. (The tests hold the pipeline to <= 1e-10 over a few steps.)
 """
 
 from __future__ import annotations
