@@ -139,14 +139,15 @@ def test_frozen_parameters_outside_the_pipeline_are_accepted_trainable_ones_refu
 
 
 @pytest.mark.multiprocess
-@pytest.mark.timeout(240)
-def test_frozen_parameters_outside_the_pipeline_train_and_checkpoint_as_one_process(tmp_path):
+@pytest.mark.timeout(300)
+def test_frozen_parameters_outside_the_pipeline_train_checkpoint_and_resume_as_one_process(tmp_path):
+    data = dict(n=40)  # 4 batches an epoch: the checkpoint after 4 steps is where a plain DataLoader resumes
     ref = FrozenOutside()
-    single(ref)
+    single(ref, train=loader(**data))
     model = FrozenOutside()
     frozen = {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("seq.")}
     assert sorted(frozen) == ["proj.bias", "proj.weight", "shift", "temperature"]
-    pipelined(model, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4)])
+    pipelined(model, train=loader(**data), enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4)])
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
     for k, v in frozen.items():
         assert torch.equal(model.state_dict()[k], v), f"{k} must not change"
@@ -156,3 +157,10 @@ def test_frozen_parameters_outside_the_pipeline_train_and_checkpoint_as_one_proc
     loaded = FrozenOutside.load_from_checkpoint(path)
     assert max_rel_diff(model.state_dict(), loaded.state_dict()) == 0.0
     assert not loaded.proj.weight.requires_grad and not loaded.temperature.requires_grad
+    # and the pipeline resumes from it (optimizer states included) as one process trains on
+    ref6 = FrozenOutside()
+    single(ref6, steps=6, train=loader(**data))
+    resumed = FrozenOutside()
+    strategy = AutoPipeStrategy(microbatches=2, start_method="spawn")
+    L.Trainer(devices=2, strategy=strategy, **trainer_kwargs(max_steps=6)).fit(resumed, loader(**data), ckpt_path=path)
+    assert max_rel_diff(ref6.state_dict(), resumed.state_dict()) <= 1e-10
