@@ -73,6 +73,9 @@ class PipelineConfig:
     checkpoint: str = "full"
     """full: one file in single-process layout, gathered on rank 0; sharded: a directory where every
     rank writes its own stage (torch.distributed.checkpoint). Either resumes at any depth."""
+    timeout: float = 300.0
+    """Seconds a peer may stay silent (dead, stopped, unreachable) or a collective may wait before
+    the job ends with an error naming the rank: the heartbeat's limit and the process groups' timeout."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, str) or (self.schedule.lower() not in REGISTRY and self.schedule.lower() != AUTO):
@@ -110,6 +113,9 @@ class PipelineConfig:
                 raise SettingError(f"{name}={value!r}: a number >= 0, or None for the device type's default", name)
         self.start_method = check_choice("start_method", self.start_method, START_METHODS)
         self.checkpoint = check_choice("checkpoint", self.checkpoint, CHECKPOINT_LAYOUTS)
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
+            raise SettingError(f"timeout={self.timeout!r}: seconds, a number > 0", "timeout")
+        self.timeout = float(self.timeout)
 
     # ---- what the settings mean ----------------------------------------------------------------
     @property
@@ -172,8 +178,8 @@ class PipelineConfig:
         if self.profile is not None:
             try:
                 Profile.load(self.profile).check_blocks(num_blocks)
-            except ValueError as err:  # a missing file stays a FileNotFoundError
-                raise SettingError(str(err), "profile") from None
+            except (OSError, ValueError, TypeError) as err:  # missing, unreadable, not a profile, another model's
+                raise SettingError(f"profile={self.profile!r}: {str(err).splitlines()[0]}", "profile") from None
 
     def check_batch_size(self, batch_size: Optional[int], what: str = "the training DataLoader's batch_size") -> None:
         if isinstance(batch_size, int) and batch_size < self.microbatches:

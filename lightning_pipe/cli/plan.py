@@ -26,11 +26,13 @@ from ..schedules import ScheduleSpec
 from ..schedules.text import dump
 from ..simulator import simulate
 from ..viz import gantt
+from . import errors
 from .paths import CONFIG_DIR
 from .train import named, pipeline_config
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
+@errors.reported
 def _main(cfg: DictConfig) -> None:
     try:
         config = pipeline_config(cfg)
@@ -99,7 +101,7 @@ def main() -> None:
     """`--dump-schedule` is `plan.dump_schedule=true` (Hydra takes no flags of its own kind)."""
     if "--dump-schedule" in sys.argv:
         sys.argv = [a for a in sys.argv if a != "--dump-schedule"] + ["plan.dump_schedule=true"]
-    _main()
+    errors.run(_main)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,12 +20,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 
+from .. import faults
 from ..config import PipelineConfig
 from ..errors import SettingError
 from ..lightning import AutoPipeStrategy
-from ..lightning.stage import PipelineSetupError, find_pipeline
+from ..lightning.stage import find_pipeline
+from . import errors
 from .paths import CONFIG_DIR
 
 
@@ -84,41 +86,62 @@ def build(cfg: DictConfig) -> tuple[L.LightningModule, L.LightningDataModule, L.
     max_seq_len = getattr(getattr(module, "config", None), "max_seq_len", None)
     datamodule = instantiate(cfg.data, max_seq_len=max_seq_len) if max_seq_len else instantiate(cfg.data)
     datamodule.setup("fit")  # reads the corpus now: a missing or empty one is an error before any process starts
-    world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
+    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    try:
+        trainer = L.Trainer(
+            strategy=AutoPipeStrategy.from_config(config),
+            callbacks=_instantiate_all(cfg.get("callbacks")),
+            logger=_instantiate_all(cfg.get("logger")) or False,
+            **trainer_kwargs,
+        )
+    except SettingError as err:
+        raise named(err, "trainer.devices", "trainer.num_nodes") from None
+    except (MisconfigurationException, TypeError, ValueError, RuntimeError) as err:  # Lightning's checks of trainer.*
+        where = ", ".join(f"trainer.{k}={cfg.trainer.get(k)}" for k in ("accelerator", "devices", "num_nodes"))
+        raise SettingError(f"trainer: {str(err).splitlines()[0]} ({where})") from None
+    world = trainer.num_devices * trainer.num_nodes
     _, blocks = find_pipeline(module)
     try:
         config.check_model(world, len(blocks))
         config.check_batch_size(cfg.data.batch_size, "data.batch_size")
     except SettingError as err:
         raise named(err, f"trainer.devices x trainer.num_nodes = {world}") from None
-    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-    trainer = L.Trainer(
-        strategy=AutoPipeStrategy.from_config(config),
-        callbacks=_instantiate_all(cfg.get("callbacks")),
-        logger=_instantiate_all(cfg.get("logger")) or False,
-        **trainer_kwargs,
-    )
     return module, datamodule, trainer
 
 
-def _fail(message: str, run_dir: Optional[Path], created: bool) -> None:
-    if created and run_dir is not None and run_dir.exists() and os.environ.get("LOCAL_RANK", "0") == "0":
-        shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-written from a run that never started
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+class RunFolder:
+    """The Hydra run folder of this job: removed again if the job fails before training a step
+    (nothing half-written is left of a run that never trained). Only the first process does it."""
+
+    def __init__(self, path: Path, multirun: bool) -> None:
+        self.path, self.multirun = path, multirun
+        # Hydra has just made it for this job (its .hydra/ and the job's .log) unless it holds more
+        self.created = path.exists() and all(p.name == ".hydra" or p.suffix == ".log" for p in path.iterdir())
+        self.trainer: Optional[L.Trainer] = None
+
+    def remove_if_untrained(self) -> None:
+        first = os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+        if not (first and self.created and self.path.exists()) or (self.trainer is not None and self.trainer.global_step > 0):
+            return
+        shutil.rmtree(self.path, ignore_errors=True)
+        # and the folders above it that held only this run (outputs/<recipe>/, a sweep's multirun.yaml)
+        parent, cwd = self.path.parent, Path.cwd().resolve()
+        while parent.exists() and parent.resolve() != cwd and cwd in parent.resolve().parents:
+            if any(p.name != "multirun.yaml" for p in parent.iterdir()):
+                break
+            shutil.rmtree(parent, ignore_errors=True)
+            parent = parent.parent
 
 
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> Optional[float]:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    # Hydra has just made this folder for this run (its .hydra/ and the job's .log) unless it holds more
-    created = run_dir.exists() and all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir())
-    try:
-        module, datamodule, trainer = build(cfg)
-    except (ValueError, FileNotFoundError, PipelineSetupError, InstantiationException) as err:
-        if isinstance(err, InstantiationException) and err.__cause__ is not None:
-            err = err.__cause__  # the model's or data module's own message, not Hydra's wrapper
-        _fail(str(err).splitlines()[0] if str(err) else type(err).__name__, run_dir, created)
+@errors.reported
+def _main(cfg: DictConfig) -> Optional[float]:
+    hydra_cfg = HydraConfig.get()
+    folder = RunFolder(Path(hydra_cfg.runtime.output_dir), hydra_cfg.mode == RunMode.MULTIRUN)
+    faults.on_end(folder.remove_if_untrained)
+    run_dir = folder.path
+    module, datamodule, trainer = build(cfg)
+    folder.trainer = trainer
     if trainer.is_global_zero:
         (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
@@ -127,8 +150,13 @@ def main(cfg: DictConfig) -> Optional[float]:
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if trainer.is_global_zero:
         shown = ", ".join(f"{k}={metrics[k]:.4f}" for k in ("train_loss", "val_loss", "val_ppl") if k in metrics)
-        print(f"[lightning-pipe] {HydraConfig.get().runtime.choices.get('recipe')}: {shown}  (outputs: {run_dir})")
+        print(f"[lightning-pipe] {hydra_cfg.runtime.choices.get('recipe')}: {shown}  (outputs: {run_dir})")
     return metrics.get("val_loss")
+
+
+def main() -> Optional[float]:
+    """`python -m lightning_pipe.train` and `lightning-pipe-train`: one `error: ...` line per failure."""
+    return errors.run(_main)
 
 
 if __name__ == "__main__":

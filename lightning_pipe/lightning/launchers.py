@@ -6,14 +6,15 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
+from lightning.fabric.strategies.launchers.subprocess_script import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import TrainerFn
-from torch import nn
 
-from .stage import check_no_outside_parameters, find_pipeline
+from .. import faults
+from .preflight import validate_inputs
 
 
 def close_process_groups() -> None:
@@ -24,23 +25,6 @@ def close_process_groups() -> None:
         dist.destroy_process_group()
 
 
-def validate_inputs(strategy: Any, args: tuple, trainer: Optional[Any]) -> None:
-    """Refuse what cannot be pipelined before any process starts: the model against the settings,
-    and a training batch size visible up front (every trainer function passes the model, then its
-    dataloaders)."""
-    config = strategy.config
-    model = args[0] if args else None
-    if isinstance(model, nn.Module):
-        path, pipeline = find_pipeline(model)
-        check_no_outside_parameters(model, path)
-        config.check_model(strategy.num_nodes * strategy.num_processes, len(pipeline))
-    fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-    # fit(model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, ...)
-    strategy.resume_path = str(args[4]) if fitting and len(args) > 4 and args[4] is not None else None
-    if fitting and len(args) > 1:
-        config.check_batch_size(getattr(args[1], "batch_size", None))
-
-
 class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
     def __init__(self, strategy: Any, *args: Any):
         super().__init__(*args)
@@ -48,7 +32,26 @@ class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
 
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
         validate_inputs(self._strategy, args, trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        # As Lightning's launch, with our watcher of the children instead of Lightning's (which
+        # looks every 5 s and then SIGKILLs this process too, so its exit code says nothing).
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            faults.add_children(self.procs)
+            threading.Thread(target=_watch_children, name="lightning-pipe child watcher", daemon=True).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+
+def _watch_children(period: float = 0.2) -> None:
+    """A worker that fails ends the job: it printed its own error (exit code 2 or 1), a killed one
+    could not, so that is said here."""
+    while (failed := faults.failed_child(wait=period)) is None:
+        pass
+    local_rank, code = failed
+    silent = code < 0 or code not in (1, 2)  # killed, or died without our one-line report
+    line = f"error: local rank {local_rank} {faults.describe_exit(code)}; the job stops" if silent else None
+    faults.end(code if code > 0 else 1, line)
 
 
 class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):

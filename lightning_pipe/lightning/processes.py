@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
+from .heartbeat import Heartbeat, start_heartbeat
 from .launchers import close_process_groups
 
 
@@ -31,6 +32,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self._heartbeat: Optional[Heartbeat] = None
 
     @property
     @override
@@ -63,6 +65,18 @@ class ProcessGroupStrategy(ParallelStrategy):
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
         atexit.register(close_process_groups)
+        if self._timeout is not None:
+            env = self.cluster_environment
+            self._heartbeat = start_heartbeat(
+                env.main_address, env.main_port, self.global_rank, self.world_size, self._timeout.total_seconds()
+            )
+
+    @override
+    def teardown(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        super().teardown()
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:

@@ -18,7 +18,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import Tensor
-from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from ..config import PipelineConfig
@@ -54,7 +53,9 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         start_method: ``"popen"`` (Lightning re-runs the command), ``"spawn"``, ``"fork"``, ``"forkserver"``.
         checkpoint: ``"full"`` (one file, single-process layout) or ``"sharded"`` (a directory, each rank its stage).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-        process_group_backend, timeout: as for Lightning's DDPStrategy.
+        timeout: seconds (or a timedelta) a silent peer or a waiting collective is given before the job
+            ends naming the rank: the heartbeat's limit and the process groups' timeout (default 300 s).
+        process_group_backend: as for Lightning's DDPStrategy.
 
     ``AutoPipeStrategy.from_config(config)`` takes a `PipelineConfig` instead of the keywords.
     """
@@ -82,7 +83,7 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         checkpoint_io: Optional[Any] = None,
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[Union[float, timedelta]] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         checkpoint: Literal["full", "sharded"] = "full",
     ) -> None:
@@ -102,10 +103,11 @@ class AutoPipeStrategy(ProcessGroupStrategy):
             latency=latency,
             start_method=start_method,
             checkpoint=checkpoint,
+            **({} if timeout is None else {"timeout": timeout.total_seconds() if isinstance(timeout, timedelta) else timeout}),
         )
         super().__init__(
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=timedelta(seconds=self.config.timeout),
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
