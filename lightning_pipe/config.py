@@ -74,8 +74,8 @@ class PipelineConfig:
     """full: one file in single-process layout, gathered on rank 0; sharded: a directory where every
     rank writes its own stage (torch.distributed.checkpoint). Either resumes at any depth."""
     timeout: float = 300.0
-    """Seconds a peer may stay silent (dead, stopped, unreachable) or a collective may wait before
-    the job ends with an error naming the rank: the heartbeat's limit and the process groups' timeout."""
+    """Seconds a peer may stay silent (dead, stopped, unreachable) before the job ends with an error
+    naming the rank (a heartbeat); collectives and p2p give up after twice this."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, str) or (self.schedule.lower() not in REGISTRY and self.schedule.lower() != AUTO):

@@ -71,6 +71,13 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def end_for_child(local_rank: int, code: int) -> None:
+    """A started worker failed: it printed its own one-line error (exit code 1 or 2); a killed one
+    could not, so that is said here. Never returns."""
+    silent = code < 0 or code not in (1, 2)
+    end(code if code > 0 else 1, f"error: local rank {local_rank} {describe_exit(code)}; the job stops" if silent else None)
+
+
 def end(code: int, line: Optional[str] = None) -> None:
     """Print `line` (if any), stop the workers, clean up, exit with `code`. Never returns; if
     another thread is already ending the process, wait for it."""

@@ -123,18 +123,19 @@ def test_cli_resume_is_bit_for_bit_mid_epoch_and_at_epoch_boundaries(tmp_path):
 
 
 def bad(tmp_path, *args):
-    run = tmp_path / "run"
-    proc = cli([*args, f"hydra.run.dir={run}"], tmp_path, timeout=120)
-    assert proc.returncode != 0
-    assert not run.exists() or not any(p for p in run.iterdir()), "nothing half-written may be left behind"
+    """The run fails with one `error:` line, exit 2, no traceback and no run folder (the default
+    run folder, outputs/, as a user gets it)."""
+    proc = cli(list(args), tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and sum(line.startswith("error:") for line in proc.stderr.splitlines()) == 1
+    assert not (tmp_path / "outputs").exists(), "nothing half-written may be left behind"
     return proc.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.multiprocess
 def test_unknown_recipe(tmp_path):
-    proc = cli(["recipe=gpt-huge", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, timeout=120)
-    assert proc.returncode != 0 and "Could not find 'recipe/gpt-huge'" in proc.stderr
-    assert "gpt-tiny-cpu" in proc.stderr  # Hydra lists the available recipes
+    line = bad(tmp_path, "recipe=gpt-huge")
+    assert line.startswith("error: Could not find 'recipe/gpt-huge' (available: ") and "gpt-tiny-cpu" in line  # the recipes there are
 
 
 @pytest.mark.multiprocess
@@ -289,3 +290,44 @@ def test_last_ckpt_is_the_newest_state_when_validation_does_not_improve(tmp_path
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 7  # after the last step, not the best one
     (best,) = [p for p in tmp_path.glob("*.ckpt") if p.name != "last.ckpt"]
     assert torch.load(best, weights_only=False)["global_step"] == 3
+
+
+def _checkpoints(tmp_path):
+    good = tmp_path / "good.ckpt"
+    torch.save({"state_dict": {"model.0.weight": torch.zeros(2)}}, good)  # another model's
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(good.read_bytes()[:100])
+    garbage = tmp_path / "garbage.ckpt"
+    garbage.write_bytes(b"not a checkpoint at all")
+    return {
+        "missing": (tmp_path / "nowhere.ckpt", "no such file"),
+        "other": (good, "does not fit this model"),
+        "truncated": (truncated, "not a readable checkpoint"),
+        "garbage": (garbage, "not a readable checkpoint"),
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("which", ["missing", "other", "truncated", "garbage"])
+def test_bad_ckpt_path_is_one_line(tmp_path, which):
+    path, words = _checkpoints(tmp_path)[which]
+    line = bad(tmp_path, f"ckpt_path='{path}'", "trainer.max_steps=1")
+    assert line.startswith("error: ckpt_path=") and words in line
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "override,words",
+    [
+        ("trainer.devices=0", "trainer: `Trainer(devices=0)`"),
+        ("trainer.devices=-1", "should be an int > 0"),
+        ("trainer.num_nodes=0", "`num_nodes` must be a positive integer"),
+        ("trainer.accumulate_grad_batches=0", "accumulate_grad_batches=0: must be an integer >= 1"),
+        ("pipeline.latency=abc", "pipeline.latency=abc"),
+        ("pipeline.timeout=0", "(pipeline.timeout)"),
+        ("pipeline.profile=/nowhere/profile.json", "profile='/nowhere/profile.json'"),
+        ("recipe=gpt2-345m", "trainer.accelerator=gpu"),  # a paper-size recipe on a machine without GPUs
+    ],
+)
+def test_late_errors_are_one_line_exit_2(tmp_path, override, words):
+    assert words in bad(tmp_path, override, "trainer.max_steps=1")

@@ -80,14 +80,17 @@ def describe(err: BaseException) -> str:
 
 def report(err: BaseException) -> None:
     """End this process for `err` (never returns)."""
-    prefix = f"rank {rank}: " if rank is not None else ""
+    # After the launch every process has LOCAL_RANK (Lightning sets it); before, this is the only one.
+    me = rank if rank is not None else (int(os.environ["LOCAL_RANK"]) if os.environ.get("LOCAL_RANK", "").isdigit() else None)
+    node = os.environ.get("NODE_RANK", "0")
+    prefix = "" if me is None else (f"rank {me}: " if node in ("", "0") else f"node {node}, local rank {me}: ")
     if _is_peer_lost(err):
         # Most often the consequence of another rank's failure, which that rank reports: give the
         # watcher of the workers (rank 0) a moment to see it; a child waits to be stopped by rank 0.
         found = faults.failed_child(wait=3.0)
         if found is not None:
-            faults.end(found[1] if found[1] > 0 else FAULT)
-        if rank not in (None, 0):
+            faults.end_for_child(*found)
+        if me not in (None, 0):
             time.sleep(3.0)
         faults.end(FAULT, f"error: {prefix}lost contact with a peer ({describe(err)}); the job stops")
     faults.end(USER_ERROR, f"error: {prefix}{describe(err)}")

@@ -33,10 +33,10 @@ class Heartbeat(threading.Thread):
         self.watched = list(range(1, world_size)) if rank == 0 else [0]
         # A client of its own: the process group's store connection stays free for the process group.
         self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def run(self) -> None:
         seen: dict[int, int] = {}
@@ -44,16 +44,20 @@ class Heartbeat(threading.Thread):
         where = f"{socket.gethostname()}:{os.getpid()}"
         self.store.set(f"{_PREFIX}pid/{self.rank}", where)
         self._pids: dict[int, str] = {}
-        while not self._stop.wait(self.interval):
+        while not self._halt.wait(self.interval):
             try:
                 if len(self._pids) < len(self.watched):  # where the watched ranks live, once they said
                     self._pids = {r: self.store.get(f"{_PREFIX}pid/{r}").decode() for r in self.watched}
                 self.store.add(_PREFIX + str(self.rank), 1)
                 counts = {r: self.store.add(_PREFIX + str(r), 0) for r in self.watched}
-            except Exception as err:  # the store lives in rank 0's process: it is gone or frozen
-                if self._stop.is_set():
+            except Exception:  # the store lives in rank 0's process: it is gone or frozen (or a rank never said where it is)
+                if self._halt.is_set():
                     return
-                self._lost(0, f"is gone or frozen (its store: {str(err).splitlines()[0] if str(err) else type(err).__name__})")
+                missing = [r for r in self.watched if r not in self._pids]
+                if self.rank == 0 and missing:
+                    self._lost(missing[0], f"did not start its heartbeat within {self.timeout:g} s")
+                else:
+                    self._lost(0, "is gone or frozen (its store does not answer)")
                 return
             now = time.monotonic()
             for r, count in counts.items():

@@ -44,14 +44,9 @@ class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
 
 
 def _watch_children(period: float = 0.2) -> None:
-    """A worker that fails ends the job: it printed its own error (exit code 2 or 1), a killed one
-    could not, so that is said here."""
     while (failed := faults.failed_child(wait=period)) is None:
         pass
-    local_rank, code = failed
-    silent = code < 0 or code not in (1, 2)  # killed, or died without our one-line report
-    line = f"error: local rank {local_rank} {faults.describe_exit(code)}; the job stops" if silent else None
-    faults.end(code if code > 0 else 1, line)
+    faults.end_for_child(*failed)
 
 
 class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):

@@ -27,11 +27,18 @@ from .launchers import close_process_groups
 
 
 class ProcessGroupStrategy(ParallelStrategy):
-    def __init__(self, process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = None,
+        heartbeat_timeout: Optional[float] = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        self._heartbeat_timeout = heartbeat_timeout  # seconds of silence before a peer counts as lost (None: no heartbeat)
         self._heartbeat: Optional[Heartbeat] = None
 
     @property
@@ -65,11 +72,9 @@ class ProcessGroupStrategy(ParallelStrategy):
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
         atexit.register(close_process_groups)
-        if self._timeout is not None:
+        if self._heartbeat_timeout is not None:
             env = self.cluster_environment
-            self._heartbeat = start_heartbeat(
-                env.main_address, env.main_port, self.global_rank, self.world_size, self._timeout.total_seconds()
-            )
+            self._heartbeat = start_heartbeat(env.main_address, env.main_port, self.global_rank, self.world_size, self._heartbeat_timeout)
 
     @override
     def teardown(self) -> None:

@@ -54,7 +54,7 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         checkpoint: ``"full"`` (one file, single-process layout) or ``"sharded"`` (a directory, each rank its stage).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         timeout: seconds (or a timedelta) a silent peer or a waiting collective is given before the job
-            ends naming the rank: the heartbeat's limit and the process groups' timeout (default 300 s).
+            ends naming the rank (a heartbeat; collectives give up after twice this). Default 300 s.
         process_group_backend: as for Lightning's DDPStrategy.
 
     ``AutoPipeStrategy.from_config(config)`` takes a `PipelineConfig` instead of the keywords.
@@ -107,7 +107,9 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         )
         super().__init__(
             process_group_backend=process_group_backend,
-            timeout=timedelta(seconds=self.config.timeout),
+            # Twice the heartbeat's limit: a silent peer is named by the heartbeat before a collective gives up.
+            timeout=timedelta(seconds=2 * self.config.timeout),
+            heartbeat_timeout=self.config.timeout,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,

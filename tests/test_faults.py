@@ -1,0 +1,62 @@
+"""The fault matrix (docs/faults.md): each fault injected into a real 2-process training job
+(tests/fault_job.py, pipeline timeout 6 s) ends it with at most one `error:` line, no traceback,
+the documented exit code and within a bounded time."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+JOB = Path(__file__).resolve().parent / "fault_job.py"
+
+
+def run_job(tmp_path, fault, rank, phase, limit=90):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(JOB.parents[1]))
+    env.pop("LOCAL_RANK", None)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(JOB), fault, str(rank), phase, str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=limit
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc.returncode, errors, time.monotonic() - start, proc
+
+
+@pytest.mark.timeout(120)
+def test_no_fault_trains(tmp_path):
+    code, errors, _, proc = run_job(tmp_path, "none", 0, "train")
+    assert code == 0 and not errors and "finished" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_block_raising_is_one_line_exit_2(tmp_path, rank):
+    code, errors, _, _ = run_job(tmp_path, "raise", rank, "train")
+    assert code == 2 and errors == [f"error: rank {rank}: RuntimeError: injected failure in train"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("phase", ["train", "save"])
+def test_a_killed_worker_ends_the_job(tmp_path, phase):
+    code, errors, _, _ = run_job(tmp_path, "kill", 1, phase)
+    assert code == 1 and errors == ["error: local rank 1 was killed by SIGKILL; the job stops"]
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_worker_is_named_after_the_timeout(tmp_path):
+    code, errors, seconds, _ = run_job(tmp_path, "stop", 1, "train")
+    assert code == 1 and len(errors) == 1 and errors[0].startswith("error: rank 1 has not answered for")
+    assert "pipeline.timeout=6 s" in errors[0] and seconds < 60
+
+
+@pytest.mark.timeout(120)
+def test_disk_full_on_checkpoint_names_the_file(tmp_path):
+    code, errors, _, _ = run_job(tmp_path, "diskfull", 0, "save")
+    assert code == 2 and len(errors) == 1 and "No space left on device" in errors[0] and "step=4.ckpt" in errors[0]
+    assert not list((tmp_path / "out").rglob("*.ckpt")), "no half-written checkpoint"
