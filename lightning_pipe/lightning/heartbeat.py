@@ -34,6 +34,7 @@ class Heartbeat(threading.Thread):
         # A client of its own: the process group's store connection stays free for the process group.
         self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
         self._halt = threading.Event()
+        self._answered = time.monotonic()  # when the store last answered this thread
 
     def stop(self) -> None:
         self._halt.set()
@@ -59,7 +60,7 @@ class Heartbeat(threading.Thread):
                 else:
                     self._lost(0, "is gone or frozen (its store does not answer)")
                 return
-            now = time.monotonic()
+            now = self._answered = time.monotonic()
             for r, count in counts.items():
                 if seen.get(r) != count:
                     seen[r], changed[r] = count, now
@@ -81,9 +82,19 @@ class Heartbeat(threading.Thread):
         faults.end(1, line)
 
 
+def _guard(beat: Heartbeat) -> None:
+    """A frozen (SIGSTOP) rank 0 freezes its store too, and a store call may then block without
+    end instead of failing: watch the heartbeat thread itself."""
+    while not beat._halt.wait(beat.interval):
+        if time.monotonic() - beat._answered > beat.timeout:
+            beat._lost(0, "is frozen (its store has not answered for {:.0f} s)".format(time.monotonic() - beat._answered))
+
+
 def start_heartbeat(host: str, port: int, rank: int, world_size: int, timeout: float) -> Optional[Heartbeat]:
     if world_size < 2:
         return None
     beat = Heartbeat(host, port, rank, world_size, timeout)
     beat.start()
+    if rank != 0:
+        threading.Thread(target=_guard, args=(beat,), name="lightning-pipe heartbeat guard", daemon=True).start()
     return beat
