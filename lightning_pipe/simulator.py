@@ -446,7 +446,8 @@ def _memory(t: Timeline, costs: CostModel, bounds: Sequence[tuple[int, int]]) ->
                 live, live_bytes = live - 1, live_bytes - per_chunk[a.chunk]
             peak, peak_bytes = max(peak, live), max(peak_bytes, live_bytes)
         t.peak_activations[r], t.peak_activation_bytes[r] = peak, peak_bytes
-    t.weight_bytes = [
-        sum(sum(costs.param_bytes[a:b]) if costs.param_bytes else 0.0 for c, (a, b) in enumerate(bounds) if t.schedule.chunk_rank[c] == r)
+    t.weight_bytes = [  # every version a rank holds at once (2BW stashes the previous one)
+        t.schedule.weight_versions
+        * sum(sum(costs.param_bytes[a:b]) if costs.param_bytes else 0.0 for c, (a, b) in enumerate(bounds) if t.schedule.chunk_rank[c] == r)
         for r in range(ranks)
     ]

@@ -15,7 +15,9 @@ serves plain PyTorch (tests, benchmarks) and the Lightning strategy.
 
 `Executor.run` walks the list and dispatches each action to the handler of its op (`_handlers`);
 what one run accumulates (stashes, posted receives, the group being built, trace records) lives
-in a `_Run`, so nothing of a step outlives it.
+in a `_Run`, so nothing of a step outlives it — unless the schedule spans several runs
+(PipeDream-2BW): then a `Carry` hands the stashes of micro-batches still in flight, and the sends
+whose receive is in the peer's next run, from one run to the next.
 """
 
 from __future__ import annotations
@@ -53,21 +55,43 @@ def _local_leaf(value: Activation) -> Activation:
     return leaves if isinstance(value, tuple) else leaves[0]
 
 
-class _Run:
-    """State of one `Executor.run`, dropped when it returns (no tensor outlives the step)."""
+class Carry:
+    """What a schedule spanning several runs keeps between them: the inputs and outputs of
+    micro-batches forwarded but not yet backwarded, and sends the peer receives in its next run
+    (waited at the end of that run). Micro-batch i of a run is i - m in the next one."""
 
-    def __init__(self, host: StageHost, keys: Sequence[Hashable], length: int, trace: bool, sync: bool):
-        self.host, self.keys = host, keys
+    def __init__(self) -> None:
         self.stash_in: dict[tuple[int, int], Optional[Activation]] = {}
         self.stash_out: dict[tuple[int, int], Any] = {}
+        self.send_works: list = []
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.stash_out)
+
+    def shift(self, microbatches: int) -> None:
+        self.stash_in = {(c, mb - microbatches): v for (c, mb), v in self.stash_in.items()}
+        self.stash_out = {(c, mb - microbatches): v for (c, mb), v in self.stash_out.items()}
+
+
+class _Run:
+    """State of one `Executor.run`, dropped when it returns (no tensor outlives the step but those
+    a `Carry` takes on)."""
+
+    def __init__(self, host: StageHost, keys: Sequence[Hashable], length: int, trace: bool, sync: bool, carry: Optional[Carry]):
+        self.host, self.keys = host, keys
+        self.stash_in: dict[tuple[int, int], Optional[Activation]] = carry.stash_in if carry is not None else {}
+        self.stash_out: dict[tuple[int, int], Any] = carry.stash_out if carry is not None else {}
         self.outbox: dict[tuple[str, int, int], Any] = {}  # produced, waiting for its SEND action
         self.local: dict[tuple[Op, int, int], Any] = {}  # hand-over between chunks on this rank
         self.inbox: dict[tuple[Op, int, int], PendingRecv] = {}  # posted receives by (op, chunk, mb)
         self.send_works: list = []
+        self.crossing_works: list = []  # sends received in the peer's next run: not waited in this one
         self.posted = [False] * length
         self.next_recv = 0  # first receive index not yet posted (receives are posted in list order)
         # the p2p group being built: ops, and (receive, slice of ops) for each receive in it
         self.ops: list = []
+        self.op_actions: list[int] = []  # the action index of each op in `ops`
         self.pendings: list[tuple[PendingRecv, int, int]] = []
         self.trace, self.sync = trace, sync
         self.records: list[tuple[int, float, float]] = []
@@ -78,6 +102,7 @@ class Executor:
         self.schedule, self.rank, self.transport, self.prefetch = schedule, rank, transport, prefetch
         self.actions = schedule.actions[rank]
         self.last_chunk = schedule.num_chunks - 1
+        self.crossing = _crossing_sends(schedule, rank)
         # trace: (action index, start, end) of each compute and send of the last run, perf_counter
         # seconds. A compute starts once its input is taken (the wait for a receive is idle time,
         # not compute); on CUDA the device is synchronised around each compute, which costs overlap.
@@ -95,11 +120,14 @@ class Executor:
             Op.RECV_GRAD: self._recv,
         }
 
-    def run(self, host: StageHost, keys: Sequence[Hashable]) -> None:
-        """Execute the action list once. ``keys[i]`` is micro-batch i's signature (see p2p)."""
+    def run(self, host: StageHost, keys: Sequence[Hashable], carry: Optional[Carry] = None) -> None:
+        """Execute the action list once. ``keys[i]`` is micro-batch i's signature (see p2p).
+        With a `carry`, start from its stashes and leave in it what is still in flight."""
+        if self.crossing and carry is None:
+            raise ValueError(f"{self.schedule.name}: sends received in a later run need a Carry to outlive this one")
         actions, handlers = self.actions, self._handlers
         trace = self.trace  # read once: a caller may switch tracing on between runs
-        st = _Run(host, keys, len(actions), trace, trace and self.transport.device.type == "cuda")
+        st = _Run(host, keys, len(actions), trace, trace and self.transport.device.type == "cuda", carry)
         self.records = st.records
         self._skip_to_recv(st, 0)
         i = 0
@@ -124,14 +152,23 @@ class Executor:
         for work in st.send_works:
             work.wait()
         self.transport.release_headers()
+        if carry is not None:
+            for work in carry.send_works:  # the previous run's crossing sends: received in this run
+                work.wait()
+            carry.send_works = st.crossing_works
+            carry.shift(len(keys))
 
     # ---- communication ---------------------------------------------------------------------
     def _send_activation(self, st: _Run, index: int, a: Action) -> None:
         value = st.outbox.pop(("activation", a.chunk, a.microbatch))
-        st.ops += self.transport.send_activation(a.peer, a.chunk, st.keys[a.microbatch], value)
+        self._add(st, index, self.transport.send_activation(a.peer, a.chunk, st.keys[a.microbatch], value))
 
     def _send_gradients(self, st: _Run, index: int, a: Action) -> None:
-        st.ops += self.transport.send_gradients(a.peer, st.outbox.pop(("gradient", a.chunk, a.microbatch)))
+        self._add(st, index, self.transport.send_gradients(a.peer, st.outbox.pop(("gradient", a.chunk, a.microbatch))))
+
+    def _add(self, st: _Run, index: int, ops: list) -> None:
+        st.ops += ops
+        st.op_actions += [index] * len(ops)
 
     def _recv(self, st: _Run, index: int, a: Action) -> None:
         if st.posted[index]:  # prefetched
@@ -150,7 +187,7 @@ class Executor:
         else:
             pending, recv_ops = self.transport.recv_gradients(a.peer, _needs_grad(st.stash_out[(a.chunk, a.microbatch)]))
         st.pendings.append((pending, len(st.ops), len(st.ops) + len(recv_ops)))
-        st.ops += recv_ops
+        self._add(st, index, recv_ops)
         st.inbox[(a.op, a.chunk, a.microbatch)] = pending
         st.posted[index] = True
         self._skip_to_recv(st, index + 1)
@@ -163,19 +200,21 @@ class Executor:
 
     def _flush(self, st: _Run) -> None:
         """Issue the group being built and start a new one."""
-        ops, pendings = st.ops, st.pendings
-        st.ops, st.pendings = [], []
+        ops, pendings, owners = st.ops, st.pendings, st.op_actions
+        st.ops, st.pendings, st.op_actions = [], [], []
         works = self.transport.issue(ops)
         if len(works) == len(ops):  # one work per op: each receive waits for its own ops only
             taken = set()
             for pending, lo, hi in pendings:
                 pending.works = works[lo:hi]
                 taken.update(range(lo, hi))
-            st.send_works.extend(w for k, w in enumerate(works) if k not in taken)
+            for k, w in enumerate(works):
+                if k not in taken:
+                    (st.crossing_works if owners[k] in self.crossing else st.send_works).append(w)
         else:  # coalesced (NCCL group): one work stands for the whole group
             for pending, _, _ in pendings:
                 pending.works = list(works)
-            st.send_works.extend(works)
+            (st.crossing_works if any(k in self.crossing for k in owners) else st.send_works).extend(works)
 
     def _prefetch(self, st: _Run) -> None:
         """Post the next receive early, unless it would block (header) or lacks its buffers yet."""
@@ -247,3 +286,22 @@ class Executor:
 
     def _reduce(self, st: _Run, index: int, a: Action) -> None:
         st.host.reduce_gradients(a.chunk)
+
+
+def _crossing_sends(schedule: PipelineSchedule, rank: int) -> frozenset[int]:
+    """Indices of this rank's sends that no receive in the peer's list matches: a schedule run one
+    step at a time (2BW) hands them to the peer's next run."""
+    received: set[tuple] = set()
+    for peer_actions in schedule.actions:
+        for a in peer_actions:
+            if a.op is Op.RECV_ACT and a.peer == rank:
+                received.add(("act", a.chunk - 1, a.microbatch))
+            elif a.op is Op.RECV_GRAD and a.peer == rank:
+                received.add(("grad", a.chunk + 1, a.microbatch))
+    out = set()
+    for i, a in enumerate(schedule.actions[rank]):
+        if a.op is Op.SEND_ACT and ("act", a.chunk, a.microbatch) not in received:
+            out.add(i)
+        elif a.op is Op.SEND_GRAD and ("grad", a.chunk, a.microbatch) not in received:
+            out.add(i)
+    return frozenset(out)

@@ -26,6 +26,7 @@ class Op(str, Enum):
     SEND_GRAD = "SEND_B"  # send the input gradient of chunk `chunk` to `peer`
     RECV_GRAD = "RECV_B"  # receive the output gradient chunk `chunk` needs, from `peer`
     REDUCE_GRAD = "REDUCE"  # gradients of chunk `chunk` are final: reduce across pipeline replicas
+    # (a REDUCE with a micro-batch closes the batch ending at it: 2BW applies one update per batch)
 
     @property
     def is_compute(self) -> bool:
@@ -65,6 +66,7 @@ class PipelineSchedule:
     chunk_rank: tuple[int, ...]  # chunk index -> pipeline rank holding it
     actions: list[list[Action]] = field(default_factory=list)  # pipeline rank -> its actions
     backward: bool = True  # False for forward-only (evaluation) schedules
+    weight_versions: int = 1  # weight versions a rank holds at once (2 for PipeDream-2BW's stashing)
 
     @property
     def num_ranks(self) -> int:

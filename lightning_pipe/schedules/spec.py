@@ -17,6 +17,7 @@ from .actions import PipelineSchedule
 from .gpipe import gpipe
 from .interleaved import interleaved_1f1b, interleaved_chunks, interleaved_misfit
 from .one_f_one_b import one_f_one_b
+from .two_bw import pipedream_2bw
 from .validate import validate
 from .wave import wave, wave_chunks, wave_misfit
 
@@ -27,6 +28,7 @@ class ScheduleKind:
     options: Mapping[str, int] = field(default_factory=dict)  # option -> default
     chunks: Optional[Callable[..., int]] = None  # (stages, **options) -> model chunks; None: one per rank
     misfit: Optional[Callable[..., str]] = None  # (stages, num_blocks, **options) -> why it does not fit
+    mode: str = "sync"  # the training mode that runs it (lightning_pipe.modes)
 
 
 REGISTRY: dict[str, ScheduleKind] = {
@@ -34,14 +36,23 @@ REGISTRY: dict[str, ScheduleKind] = {
     "1f1b": ScheduleKind(one_f_one_b),
     "interleaved": ScheduleKind(interleaved_1f1b, {"chunks": 2}, interleaved_chunks, interleaved_misfit),
     "wave": ScheduleKind(wave, {"waves": 1}, wave_chunks, wave_misfit),
+    # PipeDream-2BW: no flush, one update per batch from the previous version; runs as its own mode
+    "2bw": ScheduleKind(pipedream_2bw, mode="2bw"),
 }
+ALIASES = {"flush": "1f1b"}  # PipeDream-Flush is our 1F1B (PipeDream-2BW paper, §3.2)
 AUTO = "auto"  # not a schedule: the strategy and the plan command choose one of REGISTRY
 
 
-def schedule_kind(name: Any) -> ScheduleKind:
+def canonical(name: Any) -> Any:
+    """The registry's name for `name` (lower case; "flush" is "1f1b")."""
     key = name.lower() if isinstance(name, str) else name
+    return ALIASES.get(key, key)
+
+
+def schedule_kind(name: Any) -> ScheduleKind:
+    key = canonical(name)
     if key not in REGISTRY:
-        raise SettingError(f"schedule={name!r} is not a known schedule; allowed values: {sorted(REGISTRY)}", "schedule")
+        raise SettingError(f"schedule={name!r} is not a known schedule; allowed values: {sorted(REGISTRY) + sorted(ALIASES)}", "schedule")
     return REGISTRY[key]
 
 
@@ -54,7 +65,7 @@ class ScheduleSpec:
 
     def __post_init__(self) -> None:
         kind = schedule_kind(self.name)
-        object.__setattr__(self, "name", self.name.lower())
+        object.__setattr__(self, "name", canonical(self.name))
         given = dict(self.options)
         unknown = sorted(set(given) - set(kind.options))
         if unknown:

@@ -8,7 +8,7 @@ schedule name=1f1b microbatches=2 chunk_rank=0,1 backward=true
 
 The header carries every field of `PipelineSchedule` besides the lists: ``name`` (written as a
 JSON string when it is not a plain word), ``microbatches``, ``chunk_rank`` (chunk c -> rank, comma
-separated) and ``backward`` (false for forward-only schedules). Each rank line starts with the
+separated), ``backward`` (false for forward-only schedules) and, when not 1, ``weight_versions``. Each rank line starts with the
 rank, ``<rank>:``, ranks 0, 1, ... in order. A token is ``<op><chunk>[.<microbatch>][<sigil><peer>]``:
 
     F<c>.<mb>          forward of chunk c on micro-batch mb
@@ -17,7 +17,8 @@ rank, ``<rank>:``, ranks 0, 1, ... in order. A token is ``<op><chunk>[.<microbat
     RF<c>.<mb><<peer>  receive the activation chunk c consumes from peer  (Op.RECV_ACT)
     SB<c>.<mb>><peer>  send the input gradient of chunk c to peer         (Op.SEND_GRAD)
     RB<c>.<mb><<peer>  receive the output gradient chunk c needs          (Op.RECV_GRAD)
-    R<c>               chunk c's gradients are final: reduce them         (Op.REDUCE_GRAD)
+    R<c>[.<mb>]        chunk c's gradients are final: reduce them         (Op.REDUCE_GRAD)
+                       (with .<mb>: those of the batch ending at mb, as 2BW does per batch)
 
 A field the action leaves as None is left out of its token (the peer of a compute is written
 ``@<peer>`` in the odd case that it is set), so the text mirrors the data exactly and
@@ -46,6 +47,7 @@ _PREFIX = {
 _OPS = {prefix: op for op, prefix in _PREFIX.items()}
 _HEADER = "schedule"
 _FIELDS = ("name", "microbatches", "chunk_rank", "backward")
+_OPTIONAL = ("weight_versions",)
 _INT = r"-?[0-9]+"
 _TOKEN = re.compile(rf"(SF|RF|SB|RB|F|B|R)({_INT})(?:\.({_INT}))?(?:([<>@])({_INT}))?")
 _PAIR = re.compile(r'([A-Za-z_]+)=("(?:[^"\\]|\\.)*"|\S*)')
@@ -80,6 +82,8 @@ def dump(schedule: PipelineSchedule) -> str:
         f"{_HEADER} name={name} microbatches={_integer(schedule.num_microbatches, 'microbatches')} "
         f"chunk_rank={placement} backward={'true' if schedule.backward else 'false'}"
     )
+    if schedule.weight_versions != 1:
+        header += f" weight_versions={_integer(schedule.weight_versions, 'weight_versions')}"
     lines = [header]
     for rank, actions in enumerate(schedule.actions):
         try:
@@ -137,8 +141,8 @@ def _header(line: str, number: int) -> dict[str, object]:
             bad = rest[position:].split(maxsplit=1)[0]
             raise fail(f"token {bad!r} is not key=value")
         key, value = match.groups()
-        if key not in _FIELDS:
-            raise fail(f"unknown field {key!r}; fields: {', '.join(_FIELDS)}")
+        if key not in _FIELDS + _OPTIONAL:
+            raise fail(f"unknown field {key!r}; fields: {', '.join(_FIELDS + _OPTIONAL)}")
         if key in fields:
             raise fail(f"field {key!r} given twice")
         fields[key] = value
@@ -168,6 +172,10 @@ def _header(line: str, number: int) -> dict[str, object]:
     if fields["backward"] not in ("true", "false"):
         raise fail(f"backward={fields['backward']!r}: must be true or false")
     out["backward"] = fields["backward"] == "true"
+    try:
+        out["weight_versions"] = int(fields.get("weight_versions", "1"))
+    except ValueError:
+        raise fail(f"weight_versions={fields['weight_versions']!r} is not an integer") from None
     return out
 
 
@@ -195,7 +203,9 @@ def load(text: str) -> PipelineSchedule:
         actions.append(parsed)
     if header is None:
         raise ValueError(f"no schedule: the text holds no header line ({_HEADER} {' '.join(f + '=...' for f in _FIELDS)})")
-    return PipelineSchedule(header["name"], header["microbatches"], header["chunk_rank"], actions, header["backward"])  # type: ignore[arg-type]
+    return PipelineSchedule(
+        header["name"], header["microbatches"], header["chunk_rank"], actions, header["backward"], header["weight_versions"]  # type: ignore[arg-type]
+    )
 
 
 __all__ = ["dump", "load", "parse_token", "token"]

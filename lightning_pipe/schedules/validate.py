@@ -154,7 +154,8 @@ def validate(s: PipelineSchedule) -> None:
                             break  # posted, not yet sent: wait for the peer
                     done[rank].add((a.op, a.chunk, a.microbatch))
                 elif a.op is Op.REDUCE_GRAD:
-                    pending = [mb for mb in range(s.num_microbatches) if (Op.BACKWARD, a.chunk, mb) not in done[rank]]
+                    upto = s.num_microbatches if a.microbatch is None else a.microbatch + 1  # a batch's REDUCE: up to its end
+                    pending = [mb for mb in range(upto) if (Op.BACKWARD, a.chunk, mb) not in done[rank]]
                     if pending:
                         raise ScheduleError(f"{_where(rank, index, a)}: runs before the backward of micro-batches {pending}")
                 pointer[rank] += 1
