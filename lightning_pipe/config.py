@@ -24,6 +24,7 @@ from .planning.partition import PartitionSpec, partition_blocks
 from .planning.partitioners import PARTITIONERS
 from .profiler import Profile
 from .schedules import AUTO, REGISTRY, ScheduleSpec
+from .schedules.spec import ALIASES, canonical
 from .topology import Topology
 
 START_METHODS = ["popen", "spawn", "fork", "forkserver"]
@@ -37,7 +38,8 @@ class PipelineConfig:
 
     # ---- schedule ----------------------------------------------------------------------------
     schedule: str = "1f1b"
-    """gpipe | 1f1b | interleaved | wave, or auto (the simulator's fastest within memory_limit)."""
+    """gpipe | 1f1b (alias flush: PipeDream-Flush) | interleaved | wave | 2bw (PipeDream-2BW: no flush,
+    1-stale updates), or auto (the simulator's fastest synchronous schedule within memory_limit)."""
     chunks: int = 2
     """interleaved: model chunks per rank (v)."""
     waves: int = 1
@@ -78,11 +80,12 @@ class PipelineConfig:
     naming the rank (a heartbeat); collectives and p2p give up after twice this."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.schedule, str) or (self.schedule.lower() not in REGISTRY and self.schedule.lower() != AUTO):
+        if not isinstance(self.schedule, str) or (canonical(self.schedule) not in REGISTRY and self.schedule.lower() != AUTO):
             raise SettingError(
-                f"schedule={self.schedule!r} is not a known schedule; allowed values: {sorted(REGISTRY) + [AUTO]}", "schedule"
+                f"schedule={self.schedule!r} is not a known schedule; allowed values: {sorted(REGISTRY) + sorted(ALIASES) + [AUTO]}",
+                "schedule",
             )
-        self.schedule = self.schedule.lower()
+        self.schedule = canonical(self.schedule)
         for name in ("microbatches", "width", "chunks", "waves"):
             check_count(name, getattr(self, name))
         if self.stages is not None:
@@ -92,7 +95,7 @@ class PipelineConfig:
             raise SettingError(
                 f"slicer={self.slicer!r}: True (the simulator chooses), False, or a count 0..microbatches={self.microbatches}", "slicer"
             )
-        if self.slicer and self.schedule in MULTI_CHUNK:
+        if self.slicer and (self.schedule in MULTI_CHUNK or self.schedule == "2bw"):
             raise SettingError(f"slicer={self.slicer!r} works with schedule='gpipe' or '1f1b', not {self.schedule!r}", "slicer")
         if self.memory_limit is not None and (
             isinstance(self.memory_limit, bool) or not isinstance(self.memory_limit, (int, float)) or self.memory_limit <= 0
@@ -143,8 +146,8 @@ class PipelineConfig:
 
     @property
     def mode(self) -> str:
-        """The training mode that runs a step (lightning_pipe.modes): every schedule today is synchronous."""
-        return "sync"
+        """The training mode that runs a step (lightning_pipe.modes): "2bw" for schedule="2bw", else "sync"."""
+        return self.schedule_spec.kind.mode
 
     def replace(self, **changes: Any) -> "PipelineConfig":
         values = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -101,6 +101,11 @@ def stage_named_state(strategy: Any, optimizer: Any) -> dict[str, Any]:
         state.update({stored[id(p)]: raw["state"][i] for p, i in zip(group["params"], saved["params"]) if i in raw["state"]})
         groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": members})
     aliases = {n: stored[pid] for pid, ns in names.items() for n in ns if n != stored[pid]}
+    if strategy.config.mode == "2bw":  # the stashed previous version travels with each parameter's state
+        from .two_bw import stash_state
+
+        for name, extra in stash_state(strategy, stored).items():
+            state[name] = {**state.get(name, {}), **extra}
     return {"state": state, "param_groups": groups, ALIASES: aliases}
 
 
@@ -123,12 +128,15 @@ def merge_named(parts: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
 
 def layout(strategy: Any) -> dict[str, Any]:
     mode = strategy.mode.state_dict()
-    return {
+    out = {
         "autopipe_depth": strategy.topology.depth,
         "autopipe_bounds": [list(b) for b in strategy.cut.bounds],
         "autopipe_sliced": mode["sliced"],
         "autopipe_schedule": mode["schedule"],
     }
+    if "applied" in mode:  # 2BW: updates the weights hold (the stash is W(applied - 1))
+        out["autopipe_2bw_applied"] = mode["applied"]
+    return out
 
 
 def full_optimizer_state(strategy: Any, optimizer: Any) -> dict[str, Any]:
@@ -140,9 +148,11 @@ def full_optimizer_state(strategy: Any, optimizer: Any) -> dict[str, Any]:
 
 
 # ---- loading -----------------------------------------------------------------------------------
-def load_named_state(optimizer: Any, named: dict[str, Any], module: Any) -> None:
+def load_named_state(optimizer: Any, named: dict[str, Any], module: Any) -> dict[int, dict[str, Any]]:
     """Load a name-keyed state into `optimizer` over (some of) `module`'s parameters: a stage's
-    optimizer, or a plain one over the whole model. Hyper-parameters come from the checkpoint."""
+    optimizer, or a plain one over the whole model. Hyper-parameters come from the checkpoint.
+    Returns the entries that are the strategy's, not the optimizer's (``autopipe_*``, e.g. 2BW's
+    stashed weights) by id(parameter)."""
     optimizer = getattr(optimizer, "_optimizer", optimizer)
     aliases, names = named.get(ALIASES, {}), parameter_names(module)
     if len(named["param_groups"]) != len(optimizer.param_groups):
@@ -151,6 +161,7 @@ def load_named_state(optimizer: Any, named: dict[str, Any], module: Any) -> None
         )
     home = {n: g for g, group in enumerate(named["param_groups"]) for n in group["params"]}
     state, groups, index = {}, [], 0
+    extras: dict[int, dict[str, Any]] = {}
     for g, (group, saved) in enumerate(zip(optimizer.param_groups, named["param_groups"])):
         ids = []
         for p in group["params"]:
@@ -159,20 +170,28 @@ def load_named_state(optimizer: Any, named: dict[str, Any], module: Any) -> None
                 where = f"in param group {home[name]}" if name in home else "not"
                 raise ValueError(f"parameter {name!r} is in param group {g} of the optimizer but {where} in the checkpoint")
             if name in named["state"]:
-                state[index] = named["state"][name]
+                own = {k: v for k, v in named["state"][name].items() if not str(k).startswith("autopipe_")}
+                extra = {k: v for k, v in named["state"][name].items() if str(k).startswith("autopipe_")}
+                if own:
+                    state[index] = own
+                if extra:
+                    extras[id(p)] = extra
             ids.append(index)
             index += 1
         groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return extras
 
 
-def load_optimizer_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
+def load_optimizer_states(strategy: Any, checkpoint: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Every optimizer's state; returns the strategy's own per-parameter entries (see load_named_state)."""
     states = checkpoint["optimizer_states"]
+    extras: dict[int, dict[str, Any]] = {}
     if len(states) != len(strategy.optimizers):
         raise ValueError(f"the checkpoint holds {len(states)} optimizer states and the module configures {len(strategy.optimizers)}")
     for optimizer, state in zip(strategy.optimizers, states):
         if ALIASES in state:
-            load_named_state(optimizer, state, strategy.lightning_module)
+            extras.update(load_named_state(optimizer, state, strategy.lightning_module))
         elif OLD_STATES in state:  # written before names: index states of the same depth and partition
             if state["autopipe_depth"] != strategy.topology.depth or [list(b) for b in strategy.cut.bounds] != state["autopipe_bounds"]:
                 raise ValueError(
@@ -184,6 +203,7 @@ def load_optimizer_states(strategy: Any, checkpoint: dict[str, Any]) -> None:
             raise ValueError(
                 "this checkpoint's optimizer state was not written by AutoPipeStrategy; resume it with the strategy that wrote it"
             )
+    return extras
 
 
 def load_stage_state(module: Any, checkpoint: dict[str, Any], strict: bool = True) -> None:

@@ -34,6 +34,10 @@ def validate_inputs(strategy: Any, args: tuple, trainer: Optional[Any]) -> None:
     accumulate = getattr(trainer, "accumulate_grad_batches", 1)
     if fitting and (isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1):
         raise SettingError(f"accumulate_grad_batches={accumulate!r}: must be an integer >= 1 (Trainer / trainer.accumulate_grad_batches)")
+    if fitting and config.mode == "2bw":
+        from .two_bw import check_trainer
+
+        check_trainer(trainer, model)
 
 
 def check_checkpoint(path: str, model: nn.Module) -> None:

@@ -25,7 +25,7 @@ from ..modes import TrainingMode, make_mode
 from ..planning.partition import PartitionSpec
 from ..schedules import REGISTRY
 from ..topology import ProcessGroups, Topology
-from . import checkpoint_sharded, checkpoints
+from . import checkpoint_sharded, checkpoints, two_bw
 from .autoplan import AutoPlanner
 from .cutting import Cut, cut_module, uncut_module
 from .gradients import StageGradients
@@ -39,7 +39,7 @@ class AutoPipeStrategy(ProcessGroupStrategy):
     """Pipeline parallelism, planned and run by lightning-pipe: ``Trainer(strategy="autopipe")``.
 
     Arguments (the pipeline's are `PipelineConfig`'s fields, documented there):
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"wave"`` or ``"auto"``.
+        schedule: ``"gpipe"``, ``"1f1b"`` (alias ``"flush"``), ``"interleaved"``, ``"wave"``, ``"2bw"`` or ``"auto"``.
         microbatches: micro-batches per optimizer step.
         partition: a partitioner name (``"autopipe"``, ``"dp"``, ``"parameters"``, ``"exhaustive"``,
             ``"uniform"``) or blocks per stage, e.g. ``[4, 6]``.
@@ -228,7 +228,12 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         self.precision_plugin.pipeline = self._gradients
-        self.mode = make_mode(self.config.mode, **self.cut.mode_settings(self))
+        extras = {}
+        if self.config.mode == "2bw":  # weight versions of the stage; a drain's update is Lightning's optimizer step
+            extras = {"module": self.cut.stage, "apply": lambda: (two_bw.apply_update(self), two_bw.after_update(self))}
+        self.mode = make_mode(self.config.mode, **self.cut.mode_settings(self), **extras)
+        if self.config.mode == "2bw":
+            two_bw.defer_schedulers(self)
         self._steps = PipelineSteps.build(self, module, self.mode, self._gradients)
         self._active = True
 
@@ -298,7 +303,9 @@ class AutoPipeStrategy(ProcessGroupStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        checkpoints.load_optimizer_states(self, checkpoint)
+        extras = checkpoints.load_optimizer_states(self, checkpoint)
+        if self.config.mode == "2bw":
+            two_bw.load_mode_state(self, checkpoint, extras)
         _optimizers_to_device(self.optimizers, self.root_device)
 
     @override

@@ -1,10 +1,10 @@
 """Training modes: what one optimizer step runs on a rank's stage, behind one interface.
 
 The strategy calls its mode once per step and at the edges (drain before validation, a
-checkpoint or the end of fit; state for checkpoints; resume). Today every schedule is
-synchronous (`SyncMode`: the pipeline fills and drains inside a step); PipeDream-2BW, AvgPipe's
-elastic averaging and adaptive re-partitioning come as modes of their own, not as branches in
-the strategy. Modes know the runtime, never Lightning.
+checkpoint or the end of fit; state for checkpoints; resume). `SyncMode` runs the synchronous
+schedules (the pipeline fills and drains inside a step); `TwoBWMode` keeps PipeDream-2BW's pipeline
+full across steps. AvgPipe's elastic averaging and adaptive re-partitioning come as modes of their
+own, not as branches in the strategy. Modes know the runtime, never Lightning.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from ..runtime.executor import Executor, StageHost
 from .sync import SyncMode
+from .two_bw import TwoBWMode
 
 
 class TrainingMode(Protocol):
@@ -30,7 +31,7 @@ class TrainingMode(Protocol):
         ...
 
 
-MODES: dict[str, Callable[..., TrainingMode]] = {"sync": SyncMode}
+MODES: dict[str, Callable[..., TrainingMode]] = {"sync": SyncMode, "2bw": TwoBWMode}
 
 
 def make_mode(name: str, **kwargs: Any) -> TrainingMode:
@@ -39,4 +40,4 @@ def make_mode(name: str, **kwargs: Any) -> TrainingMode:
     return MODES[name](**kwargs)
 
 
-__all__ = ["MODES", "SyncMode", "TrainingMode", "make_mode"]
+__all__ = ["MODES", "SyncMode", "TrainingMode", "TwoBWMode", "make_mode"]

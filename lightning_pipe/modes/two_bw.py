@@ -146,8 +146,8 @@ class TwoBWMode:
         self._executor("drain", last.microbatches).run(_VersionedHost(self._host, self.versions, None, last), [], self.carry)
         self.in_flight.clear()
         self.stashed = self.versions.snapshot()  # W(applied): the version the next batch reads
-        self.apply()
         self.applied += 1
+        self.apply()
 
     def versions_held(self) -> int:
         """Distinct weight buffers this stage holds now (live, stash, in-flight batches' versions)."""
