@@ -46,6 +46,8 @@ def test_schedule_group_selects_a_schedule_with_its_options():
     # every registered schedule (and auto) has its yaml
     for name in [*REGISTRY, "auto"]:
         assert composed(f"schedule={name}").pipeline.schedule == name
+    assert pipeline_config(composed("schedule=flush")).schedule == "1f1b"  # PipeDream-Flush's name
+    assert pipeline_config(composed("recipe=gpt-tiny-2bw")).mode == "2bw"
 
 
 def test_hydra_schema_refuses_unknown_keys_and_wrong_types():

@@ -29,6 +29,8 @@ def cases(draw):
     elif name == "wave":
         options["waves"] = draw(st.integers(1, 2))
         m = draw(st.integers(1, 6))
+    elif name == "2bw":
+        m = draw(st.integers(p, 8))  # PipeDream-2BW needs m >= stages
     else:
         m = draw(st.integers(1, 8))
     chunks = chunk_count(name, p, **options)

@@ -98,7 +98,9 @@ def load_mode_state(strategy: Any, checkpoint: dict[str, Any], extras: dict[int,
     state = (checkpoint.get("optimizer_states") or [{}])[0]
     applied = int(state.get(APPLIED_KEY, 0))
     live = {id(p): p for p in strategy.mode.versions.live}
-    stashed = {pid: extra[STASH_KEY].to(live[pid].device, live[pid].dtype) for pid, extra in extras.items() if STASH_KEY in extra and pid in live}
+    stashed = {
+        pid: extra[STASH_KEY].to(live[pid].device, live[pid].dtype) for pid, extra in extras.items() if STASH_KEY in extra and pid in live
+    }
     if applied and len(stashed) != len(live):
         raise ValueError(f"the checkpoint's 2BW state holds {len(stashed)} of this stage's {len(live)} stashed weights")
     strategy.mode.load_state(applied, stashed if applied else None)
@@ -122,7 +124,6 @@ def check_trainer(trainer: Any, model: Any) -> None:
         )
     if model is not None and not getattr(model, "automatic_optimization", True):
         raise SettingError(
-            "automatic_optimization=False: schedule='2bw' runs the backward and the optimizer step itself; "
-            "use automatic optimization",
+            "automatic_optimization=False: schedule='2bw' runs the backward and the optimizer step itself; use automatic optimization",
             "schedule",
         )

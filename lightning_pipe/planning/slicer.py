@@ -45,7 +45,8 @@ class SlicePlan:
 def simulate_sliced(costs: CostModel, bounds: Sequence[tuple[int, int]], microbatches: int, sliced: int, schedule: str = "1f1b"):
     # profiled micro-batches have 2 units; a half has 1 (sizes only matter relative to each other)
     sizes = sliced_sizes([2] * microbatches, sliced)
-    return simulate(build_schedule(schedule, len(bounds), len(sizes)), costs, bounds, critical_path=False, scale=[s / 2 for s in sizes])
+    scale = [s / 2 for s in sizes] if sliced else None  # None: all whole (and a schedule may unroll several steps, as 2BW)
+    return simulate(build_schedule(schedule, len(bounds), len(sizes)), costs, bounds, critical_path=False, scale=scale)
 
 
 def choose_slicing(costs: CostModel, bounds: Sequence[tuple[int, int]], microbatches: int, schedule: str = "1f1b") -> SlicePlan:

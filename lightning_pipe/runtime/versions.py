@@ -33,10 +33,7 @@ class WeightVersions:
     def __init__(self, module: nn.Module):
         # every place a trainable parameter is registered (a tied weight has several)
         self.slots = [
-            (owner, name, p)
-            for owner in module.modules()
-            for name, p in owner._parameters.items()
-            if p is not None and p.requires_grad
+            (owner, name, p) for owner in module.modules() for name, p in owner._parameters.items() if p is not None and p.requires_grad
         ]
         self.live = list({id(p): p for _, _, p in self.slots}.values())
 

@@ -204,7 +204,12 @@ def load(text: str) -> PipelineSchedule:
     if header is None:
         raise ValueError(f"no schedule: the text holds no header line ({_HEADER} {' '.join(f + '=...' for f in _FIELDS)})")
     return PipelineSchedule(
-        header["name"], header["microbatches"], header["chunk_rank"], actions, header["backward"], header["weight_versions"]  # type: ignore[arg-type]
+        header["name"],
+        header["microbatches"],
+        header["chunk_rank"],
+        actions,
+        header["backward"],
+        header["weight_versions"],  # type: ignore[arg-type]
     )
 
 
