@@ -90,8 +90,9 @@ def pipedream_2bw(stages: int, microbatches: int, batches: int = SHOWN_BATCHES) 
             out.append(a)
             closing = i + 1 == len(actions) or steps[rank][i + 1] != steps[rank][i]
             step = steps[rank][i]
-            if closing and step >= 1:  # the end of step `step`: the batch before it is complete
+            if closing and 1 <= step < batches:  # the end of step `step`: the batch before it is complete
                 out.append(Action(Op.REDUCE_GRAD, rank, ends[step - 1]))
+        out.append(Action(Op.REDUCE_GRAD, rank, ends[-1]))  # the drain (which may hold no compute here)
         schedule.actions[rank] = out
     schedule.weight_versions = 2
     return schedule

@@ -167,5 +167,9 @@ def validate(s: PipelineSchedule) -> None:
     if s.backward:
         for rank in range(s.num_ranks):
             for c in s.chunks_of(rank):
-                if not any(a.op is Op.REDUCE_GRAD and a.chunk == c for a in s.actions[rank]):
+                reduces = [a for a in s.actions[rank] if a.op is Op.REDUCE_GRAD and a.chunk == c]
+                if not reduces:
                     raise ScheduleError(f"rank {rank}: chunk {c} never reduces its gradients (no REDUCE action)")
+                closed = [a.microbatch for a in reduces if a.microbatch is not None]  # per-batch REDUCEs (2BW)
+                if closed and s.num_microbatches - 1 not in closed:
+                    raise ScheduleError(f"rank {rank}: chunk {c} never reduces the gradients of its last batch")
