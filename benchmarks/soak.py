@@ -74,14 +74,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--keep", help="a folder to keep the runs and their per-rank series (<config>.jsonl) in")
     args = parser.parse_args()
     from lightning_pipe.launch import machine_description
 
     print(f"soak, {date.today()}, {machine_description()}, {args.steps} steps per configuration")
-    with tempfile.TemporaryDirectory() as folder:
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = args.keep or scratch
+        os.makedirs(folder, exist_ok=True)
         for name in args.configs:
-            for line in summary(name, run(name, args.steps, folder)):
+            rows = run(name, args.steps, folder)
+            for line in summary(name, rows):
                 print(line, flush=True)
+            series = sorted((r for r in rows if r["rank"] == 0), key=lambda r: r["step"])[1:]
+            print(f"{name:7s} rank 0 step ms every {series[1]['step'] - series[0]['step']} steps: {[r['step_ms'] for r in series]}")
 
 
 if __name__ == "__main__":
