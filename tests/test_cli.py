@@ -327,7 +327,9 @@ def test_bad_ckpt_path_is_one_line(tmp_path, which):
         ("pipeline.timeout=0", "(pipeline.timeout)"),
         ("pipeline.profile=/nowhere/profile.json", "profile='/nowhere/profile.json'"),
         ("recipe=gpt2-345m", "trainer.accelerator=gpu"),  # a paper-size recipe on a machine without GPUs
+        ("recipe=gpt-tiny-2bw trainer.accumulate_grad_batches=2", "schedule='2bw' applies one update per batch"),
+        ("recipe=gpt-tiny-2bw pipeline.microbatches=1", "PipeDream-2BW needs m >= stages"),
     ],
 )
 def test_late_errors_are_one_line_exit_2(tmp_path, override, words):
-    assert words in bad(tmp_path, override, "trainer.max_steps=1")
+    assert words in bad(tmp_path, *override.split(), "trainer.max_steps=1")
