@@ -192,9 +192,7 @@ def check_case(case: Case, schedule: PipelineSchedule, results: list[Any]) -> No
             assert ran == predicted, (
                 f"replica {w} rank {r}: the executor ran {list(map(str, ran))}, the simulator {list(map(str, predicted))}"
             )
-        errors = order_errors(schedule, timed(real), "producer")
-        if not reads_headers(case):  # the sends' stamps are right only then (see test_trace_stamps_sends_when_issued)
-            errors += order_errors(schedule, timed(real), "issue")
+        errors = order_errors(schedule, timed(real), "producer") + order_errors(schedule, timed(real), "issue")
         assert not errors, f"replica {w}: the real run breaks the schedule's dependencies:\n" + "\n".join(errors[:10])
         # (c) the weights
         got = {k: torch.from_numpy(v) for part in parts for k, v in part["weights"].items()}
@@ -254,13 +252,6 @@ class TestOnProcesses:
         results = pool.run(train_stage, case, what=f"training {case.describe()}")
         check_case(case, schedule, results)
 
-    @pytest.mark.xfail(
-        strict=True,
-        raises=AssertionError,
-        reason="bug in Executor.run: the sends of a comm group are stamped after the whole group was handled, but a RECV_F "
-        "in the group that must read a shape header first issues the group's sends (_recv -> _flush) and then blocks on the "
-        "header, so the trace stamps those sends when the header arrived, after the peer has consumed them",
-    )
     def test_trace_stamps_sends_when_issued(self, pool):
         # wave, 2 ranks, 1 micro-batch: rank 0 runs F0 [SEND_F(0) RECV_F(3)] F3 ...; the new sequence length of
         # the second step makes RECV_F(3) read a header, which rank 1 sends only after F1 (consuming SEND_F(0)) and F2

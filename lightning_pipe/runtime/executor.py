@@ -136,13 +136,9 @@ class Executor:
             if a.op.is_send or a.op.is_recv:
                 # consecutive comm actions go out as one group, so two neighbours exchanging at
                 # once cannot deadlock on NCCL's in-order streams
-                first = i
                 while i < len(actions) and (actions[i].op.is_send or actions[i].op.is_recv):
                     handlers[actions[i].op](st, i, actions[i])
                     i += 1
-                if trace:  # a send is issued (not completed) here: a point in time
-                    now = time.perf_counter()
-                    st.records.extend((j, now, now) for j in range(first, i) if actions[j].op.is_send)
                 self._flush(st)
                 continue
             if a.op.is_compute and self.prefetch:
@@ -202,6 +198,10 @@ class Executor:
         """Issue the group being built and start a new one."""
         ops, pendings, owners = st.ops, st.pendings, st.op_actions
         st.ops, st.pendings, st.op_actions = [], [], []
+        if st.trace:  # a send is issued (not completed) here: a point in time. Stamped per group, since
+            # a receive that must read a header first issues the group's sends before it blocks.
+            now = time.perf_counter()
+            st.records.extend((j, now, now) for j in dict.fromkeys(owners) if self.actions[j].op.is_send)
         works = self.transport.issue(ops)
         if len(works) == len(ops):  # one work per op: each receive waits for its own ops only
             taken = set()
