@@ -7,6 +7,7 @@ it to the current weights with the same optimizer: W(b + 1) = W(b) - lr * grad f
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from models import mlp_blocks
 from torch import nn
 
 from lightning_pipe.launch import run_distributed
-from lightning_pipe.modes.two_bw import TwoBWMode
+from lightning_pipe.modes.two_bw import TwoBWMode, _Batch
 from lightning_pipe.runtime.microbatch import signature, split_microbatches
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sequential import SequentialHost
@@ -78,6 +79,30 @@ def train_2bw(rank, world, batches, dtype, optimizer, m, drain_every):
 
     mode = TwoBWMode(ScheduleSpec.of("2bw"), world, m, rank, Transport(lambda r: r, torch.device("cpu")), stage, apply)
     held = 0
+    peaks = []  # weight buffers alive right after each new one is made (the moments of a peak)
+    first = next(stage.parameters())
+
+    def buffers():
+        """Distinct buffers of the first weight held by anything alive: the live parameter, the
+        stash, any batch's version (a finished batch kept alive by a stray reference counts)."""
+        ptrs = {first.untyped_storage().data_ptr()}
+        if mode.stashed is not None:
+            ptrs.add(mode.stashed[id(first)].untyped_storage().data_ptr())
+        for obj in gc.get_objects():
+            if isinstance(obj, _Batch):
+                ptrs.add(obj.version[id(first)].untyped_storage().data_ptr())
+        return len(ptrs)
+
+    def counted(make):
+        def wrapper(*args):
+            out = make(*args)
+            peaks.append(buffers() + (make.__name__ == "snapshot"))  # the snapshot is not the stash yet
+            return out
+
+        return wrapper
+
+    mode.versions.detach_live = counted(mode.versions.detach_live)
+    mode.versions.snapshot = counted(mode.versions.snapshot)
     for step, (x, y) in enumerate(batches):
         for p in stage.parameters():
             p.grad = None
@@ -90,6 +115,8 @@ def train_2bw(rank, world, batches, dtype, optimizer, m, drain_every):
         if drain_every and (step + 1) % drain_every == 0:
             mode.drain()
     mode.drain()
+    assert peaks, "no new weight buffer was ever made"
+    held = max(held, *peaks)
     return {f"{a + int(k.split('.', 1)[0])}.{k.split('.', 1)[1]}": v for k, v in stage.state_dict().items()}, held
 
 

@@ -126,25 +126,28 @@ class TwoBWMode:
         self.in_flight.append(batch)
         if previous is not None:  # its gradient is on the live parameters; the caller applies it next
             self.in_flight.popleft()
+            del previous  # its version's buffer goes before the live weights get a new one
             self._before_update()
         return executor
 
     def _before_update(self) -> None:
-        """The live weights are about to become W(applied + 1): a batch still reading them keeps the
-        old buffer; the stash goes once no batch in flight reads it."""
-        if any(self.versions.aliases_live(b.version) for b in self.in_flight):
-            self.versions.detach_live()
+        """The live weights are about to become W(applied + 1): the stash goes once no batch in
+        flight reads it, then a batch still reading the live weights keeps their buffer (two
+        buffers at any time: release first, then copy)."""
         self.applied += 1
         if not any(b.stashed for b in self.in_flight):
             self.stashed = None
+        if any(self.versions.aliases_live(b.version) for b in self.in_flight):
+            self.versions.detach_live()
 
     def drain(self) -> None:
         """Finish the batch in flight and apply its update; keep W(before) for the next batch."""
         if not self.in_flight:
             return
-        last = self.in_flight[-1]
-        self._executor("drain", last.microbatches).run(_VersionedHost(self._host, self.versions, None, last), [], self.carry)
-        self.in_flight.clear()
+        microbatches = self.in_flight[-1].microbatches
+        self._executor("drain", microbatches).run(_VersionedHost(self._host, self.versions, None, self.in_flight[-1]), [], self.carry)
+        self.in_flight.clear()  # the drained batch's version (and the stash it may have read) go first
+        self.stashed = None
         self.stashed = self.versions.snapshot()  # W(applied): the version the next batch reads
         self.applied += 1
         self.apply()
