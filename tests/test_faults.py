@@ -60,3 +60,26 @@ def test_disk_full_on_checkpoint_names_the_file(tmp_path):
     code, errors, _, _ = run_job(tmp_path, "diskfull", 0, "save")
     assert code == 2 and len(errors) == 1 and "No space left on device" in errors[0] and "step=4.ckpt" in errors[0]
     assert not list((tmp_path / "out").rglob("*.ckpt")), "no half-written checkpoint"
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_launcher_is_killed_by_rank_1(tmp_path):
+    # Rank 0 is the launching process and hosts the store: rank 1 notices the silence, names it and
+    # SIGKILLs it, so the command returns instead of staying stopped.
+    code, errors, seconds, _ = run_job(tmp_path, "stop", 0, "val")
+    assert code == -9, code
+    assert errors == ["error: rank 0 is frozen (its store has not answered for 6 s); the job stops (pipeline.timeout=6 s)"]
+    assert seconds < 60
+
+
+@pytest.mark.timeout(120)
+def test_a_block_raising_in_validation_on_rank_1_is_one_line(tmp_path):
+    code, errors, _, _ = run_job(tmp_path, "raise", 1, "val")
+    assert code == 2 and errors == ["error: rank 1: RuntimeError: injected failure in val"]
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_stopped_while_saving_is_named(tmp_path):
+    code, errors, seconds, _ = run_job(tmp_path, "stop", 1, "save")
+    assert code == 1 and len(errors) == 1 and errors[0].startswith("error: rank 1 has not answered for"), errors
+    assert not list((tmp_path / "out").rglob("*.ckpt.tmp*")) and seconds < 60

@@ -35,6 +35,15 @@ class Heartbeat(threading.Thread):
         self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
         self._halt = threading.Event()
         self._answered = time.monotonic()  # when the store last answered this thread
+        # Where each rank lives, said before training starts: a rank 0 frozen within the first
+        # beat would otherwise freeze the store before the others learnt which process to kill.
+        self.store.set(f"{_PREFIX}pid/{rank}", f"{socket.gethostname()}:{os.getpid()}")
+        self._pids: dict[int, str] = {}
+        if rank != 0:
+            try:
+                self._pids = {0: self.store.get(f"{_PREFIX}pid/0").decode()}
+            except Exception:  # rank 0 never said (gone already): the loop notices and ends the job
+                pass
 
     def stop(self) -> None:
         self._halt.set()
@@ -42,9 +51,6 @@ class Heartbeat(threading.Thread):
     def run(self) -> None:
         seen: dict[int, int] = {}
         changed = {r: time.monotonic() for r in self.watched}
-        where = f"{socket.gethostname()}:{os.getpid()}"
-        self.store.set(f"{_PREFIX}pid/{self.rank}", where)
-        self._pids: dict[int, str] = {}
         while not self._halt.wait(self.interval):
             try:
                 if len(self._pids) < len(self.watched):  # where the watched ranks live, once they said
