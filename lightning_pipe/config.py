@@ -48,6 +48,13 @@ class PipelineConfig:
     """Micro-batches per optimizer step (m)."""
     width: int = 1
     """Pipeline replicas (data parallel); stages = devices x nodes / width."""
+    pipelines: Optional[int] = None
+    """AvgPipe: N parallel pipelines, each training its own model on its own data, joined by elastic
+    averaging with reference processes (None: off); stages = devices x nodes / N."""
+    alpha: Optional[float] = None
+    """AvgPipe: the pull towards the reference, in [0, 1] (None: 1 / pipelines, as the paper)."""
+    staleness: int = 0
+    """AvgPipe: the pull at iteration t uses the reference after iterations up to t - 1 - staleness."""
 
     # ---- planning ----------------------------------------------------------------------------
     partition: Any = "autopipe"
@@ -88,6 +95,7 @@ class PipelineConfig:
         self.schedule = canonical(self.schedule)
         for name in ("microbatches", "width", "chunks", "waves"):
             check_count(name, getattr(self, name))
+        self._check_avgpipe()
         if self.stages is not None:
             check_count("stages", self.stages)
         self.partition = _partition(self.partition)
@@ -120,7 +128,40 @@ class PipelineConfig:
             raise SettingError(f"timeout={self.timeout!r}: seconds, a number > 0", "timeout")
         self.timeout = float(self.timeout)
 
+    def _check_avgpipe(self) -> None:
+        if self.pipelines is None:
+            for name in ("alpha", "staleness"):
+                if getattr(self, name) not in (None, 0):
+                    raise SettingError(f"{name}={getattr(self, name)!r} is an AvgPipe setting: set pipelines=N too (N >= 1)", name)
+            return
+        check_count("pipelines", self.pipelines)
+        if self.width != 1:
+            raise SettingError(
+                f"pipelines={self.pipelines} and width={self.width}: AvgPipe's parallel pipelines replace the replicas; set width=1",
+                "width",
+            )
+        if self.schedule == "2bw" or self.auto:
+            raise SettingError(
+                f"pipelines={self.pipelines}: AvgPipe runs a synchronous schedule (gpipe, 1f1b, interleaved, wave), not {self.schedule!r}",
+                "schedule",
+            )
+        if self.alpha is not None and (
+            isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 <= self.alpha <= 1
+        ):
+            raise SettingError(f"alpha={self.alpha!r}: a number in [0, 1], or None for 1 / pipelines", "alpha")
+        if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
+            raise SettingError(f"staleness={self.staleness!r}: an integer >= 0 (0: synchronous and deterministic)", "staleness")
+
     # ---- what the settings mean ----------------------------------------------------------------
+    @property
+    def replicas(self) -> int:
+        """Pipelines side by side: AvgPipe's N, else the width."""
+        return self.pipelines if self.pipelines is not None else self.width
+
+    @property
+    def elastic_alpha(self) -> float:
+        return float(self.alpha) if self.alpha is not None else 1.0 / (self.pipelines or 1)
+
     @property
     def auto(self) -> bool:
         return self.schedule == AUTO
@@ -146,8 +187,8 @@ class PipelineConfig:
 
     @property
     def mode(self) -> str:
-        """The training mode that runs a step (lightning_pipe.modes): "2bw" for schedule="2bw", else "sync"."""
-        return self.schedule_spec.kind.mode
+        """The training mode that runs a step (lightning_pipe.modes): "avgpipe" when pipelines is set, "2bw" for schedule="2bw", else "sync"."""
+        return "avgpipe" if self.pipelines is not None else self.schedule_spec.kind.mode
 
     def replace(self, **changes: Any) -> "PipelineConfig":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -157,9 +198,12 @@ class PipelineConfig:
     # ---- checks once more is known -------------------------------------------------------------
     def topology(self, world_size: int) -> Topology:
         try:
-            return Topology(world_size, self.width)
+            return Topology(world_size, self.replicas)
         except ValueError as err:
-            raise SettingError(str(err), "width") from None
+            if self.pipelines is None:
+                raise SettingError(str(err), "width") from None
+            message = str(err).replace("width=", "pipelines=", 1).replace("allowed widths", "allowed values")
+            raise SettingError(message, "pipelines") from None
 
     def check_world(self, world_size: int) -> Topology:
         """The devices are known: the width must divide them and the schedule must take the

@@ -106,6 +106,11 @@ def stage_named_state(strategy: Any, optimizer: Any) -> dict[str, Any]:
 
         for name, extra in stash_state(strategy, stored).items():
             state[name] = {**state.get(name, {}), **extra}
+    if strategy.config.mode == "avgpipe":  # every pipeline's weights and state, the pending references
+        from .avgpipe import stash_state as avg_state
+
+        for name, extra in avg_state(strategy, stored, state).items():
+            state[name] = {**state.get(name, {}), **extra}
     return {"state": state, "param_groups": groups, ALIASES: aliases}
 
 
@@ -136,6 +141,8 @@ def layout(strategy: Any) -> dict[str, Any]:
     }
     if "applied" in mode:  # 2BW: updates the weights hold (the stash is W(applied - 1))
         out["autopipe_2bw_applied"] = mode["applied"]
+    if "iteration" in mode:  # AvgPipe: iterations applied (the reference is W_ref(iteration))
+        out["autopipe_avg_iteration"] = mode["iteration"]
     return out
 
 

@@ -33,8 +33,10 @@ class StageGradients:
         groups: ProcessGroups,
         rank: int,
         tied: list[TiedParameter],
+        average_replicas: bool = True,
     ):
         self.stage, self.chunk_blocks, self.topology, self.groups = stage, chunk_blocks, topology, groups
+        self.average_replicas = average_replicas  # False for AvgPipe: each pipeline keeps its own gradients
         self.stage_index, self.replica_index = topology.stage_of(rank), topology.replica_of(rank)
         self.tied = tied
         self._tied_groups = self._tie(rank)
@@ -67,8 +69,9 @@ class StageGradients:
 
     def reduce_chunk(self, chunk: int) -> None:
         """The schedule's REDUCE(chunk)."""
-        params = {id(p): p for i in self.chunk_blocks[chunk] for p in self.stage._modules[str(i)].parameters()}
-        allreduce_mean(params.values(), self.groups.stage, self.topology.width)
+        if self.average_replicas:
+            params = {id(p): p for i in self.chunk_blocks[chunk] for p in self.stage._modules[str(i)].parameters()}
+            allreduce_mean(params.values(), self.groups.stage, self.topology.width)
         self._reduced.add(chunk)
         if self._reduced >= set(self.chunk_blocks):
             allreduce_tied(self.tied, self._tied_groups, self.stage_index)

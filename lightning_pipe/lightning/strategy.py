@@ -8,6 +8,7 @@ mode (`lightning_pipe.modes`), gradients are handled by `gradients` and the prec
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import fields
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -25,7 +26,7 @@ from ..modes import TrainingMode, make_mode
 from ..planning.partition import PartitionSpec
 from ..schedules import REGISTRY
 from ..topology import ProcessGroups, Topology
-from . import checkpoint_sharded, checkpoints, two_bw
+from . import avgpipe, checkpoint_sharded, checkpoints, two_bw
 from .autoplan import AutoPlanner
 from .cutting import Cut, cut_module, uncut_module
 from .gradients import StageGradients
@@ -44,6 +45,8 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         partition: a partitioner name (``"autopipe"``, ``"dp"``, ``"parameters"``, ``"exhaustive"``,
             ``"uniform"``) or blocks per stage, e.g. ``[4, 6]``.
         width: pipeline replicas (data parallel); stages = devices x nodes / width.
+        pipelines, alpha, staleness: AvgPipe's N parallel pipelines joined by elastic averaging with
+            one reference process per stage (None: off), the pull α (None: 1/N), the staleness bound s.
         prefetch: post receives before the compute that needs them.
         chunks: interleaved's model chunks per rank. waves: wave's Hanayo waves.
         slicer: AutoPipe slicer: True, False or a count of warm-up micro-batches to halve.
@@ -68,6 +71,9 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         microbatches: int = 4,
         partition: PartitionSpec = "autopipe",
         width: int = 1,
+        pipelines: Optional[int] = None,
+        alpha: Optional[float] = None,
+        staleness: int = 0,
         prefetch: bool = True,
         chunks: int = 2,
         waves: int = 1,
@@ -92,6 +98,9 @@ class AutoPipeStrategy(ProcessGroupStrategy):
             microbatches=microbatches,
             partition=partition,
             width=width,
+            pipelines=pipelines,
+            alpha=alpha,
+            staleness=staleness,
             prefetch=prefetch,
             chunks=chunks,
             waves=waves,
@@ -152,7 +161,7 @@ class AutoPipeStrategy(ProcessGroupStrategy):
 
     @property
     def depth(self) -> int:
-        return (self.num_nodes * self.num_processes) // self.config.width
+        return (self.num_nodes * self.num_processes) // self.config.replicas
 
     @property
     def stage_index(self) -> int:
@@ -180,13 +189,13 @@ class AutoPipeStrategy(ProcessGroupStrategy):
     def is_distributed(self) -> bool:
         # Width 1: every rank reads the user's DataLoader in its own order, as one process would, and
         # logged values are equal on all ranks. Replicas: shard by replica and reduce metrics.
-        return self.config.width > 1
+        return self.config.replicas > 1
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every stage of one pipeline must see the same batch: shard data by replica, not by rank.
-        return {"num_replicas": self.config.width, "rank": self.replica_index}
+        return {"num_replicas": self.config.replicas, "rank": self.replica_index}
 
     @property
     @override
@@ -210,14 +219,20 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         module = self.lightning_module
         if not module.automatic_optimization:
             raise ValueError("AutoPipeStrategy needs automatic optimization (automatic_optimization=True): the schedule runs the backward")
-        self.topology = topo = Topology(self.world_size, self.config.width)
+        self.topology = topo = Topology(self.world_size, self.config.replicas)
         if self.process_groups is None:
             self.process_groups = ProcessGroups(topo, self.global_rank)
         self.planner.prepare(self)
         if self.cut is None or module.get_submodule(self.cut.path) is not self.cut.stage:  # not cut by an earlier fit
             self.cut = cut_module(self, module)
             self._gradients = StageGradients(
-                self.cut.stage, self.cut.chunk_blocks, topo, self.process_groups, self.global_rank, self.cut.tied
+                self.cut.stage,
+                self.cut.chunk_blocks,
+                topo,
+                self.process_groups,
+                self.global_rank,
+                self.cut.tied,
+                average_replicas=self.config.mode != "avgpipe",
             )
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -231,6 +246,8 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         extras = {}
         if self.config.mode == "2bw":  # weight versions of the stage; a drain's update is Lightning's optimizer step
             extras = {"module": self.cut.stage, "apply": lambda: (two_bw.apply_update(self), two_bw.after_update(self))}
+        elif self.config.mode == "avgpipe":  # the elastic update around Lightning's optimizer step
+            extras = avgpipe.mode_extras(self)
         self.mode = make_mode(self.config.mode, **self.cut.mode_settings(self), **extras)
         if self.config.mode == "2bw":
             two_bw.defer_schedulers(self)
@@ -267,6 +284,11 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         output = self._steps.evaluate("predict_step", self.precision_plugin.predict_step_context, args, kwargs, self.stage_index)
         return self._steps.from_last_stage(output)  # the trainer returns rank 0's predictions
 
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        step = lambda: super(AutoPipeStrategy, self).optimizer_step(optimizer, closure, model, **kwargs)  # noqa: E731
+        return avgpipe.optimizer_step(self, step) if self.config.mode == "avgpipe" else step()
+
     # ---- checkpoints (checkpoints.py, checkpoint_sharded.py) --------------------------------------
     @property
     def _sharded(self) -> bool:
@@ -277,7 +299,11 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         if not self._active:  # after fit: rank 0 holds the full model again (or this is the spawn parent)
             return super().lightning_module_state_dict()
         self.mode.drain()
-        return self.lightning_module.state_dict() if self._sharded else checkpoints.full_state_dict(self)
+        with self._showing_reference():  # AvgPipe: the reference model is the model
+            return self.lightning_module.state_dict() if self._sharded else checkpoints.full_state_dict(self)
+
+    def _showing_reference(self) -> Any:
+        return self.mode.showing_reference() if self.config.mode == "avgpipe" else contextlib.nullcontext()
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -306,6 +332,8 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         extras = checkpoints.load_optimizer_states(self, checkpoint)
         if self.config.mode == "2bw":
             two_bw.load_mode_state(self, checkpoint, extras)
+        elif self.config.mode == "avgpipe":
+            avgpipe.load_mode_state(self, checkpoint)
         _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
@@ -321,9 +349,12 @@ class AutoPipeStrategy(ProcessGroupStrategy):
             self.mode.drain()
             if self.config.trace:
                 self.planner.write_trace(self)  # collective: every rank's last traced step to rank 0
-            state = checkpoints.full_state_dict(self)  # collective: all ranks, only on success
+            with self._showing_reference():
+                state = checkpoints.full_state_dict(self)  # collective: all ranks, only on success
             if self.global_rank == 0 and self.cut.pipeline is not None:
                 uncut_module(module, self.cut, state)
                 self.cut = None
+        if self.mode is not None and hasattr(self.mode, "close"):
+            self.mode.close(graceful=finished)  # AvgPipe: the reference processes stop (killed after a failure)
         self._active = False
         super().teardown()

@@ -3,8 +3,8 @@
 The strategy calls its mode once per step and at the edges (drain before validation, a
 checkpoint or the end of fit; state for checkpoints; resume). `SyncMode` runs the synchronous
 schedules (the pipeline fills and drains inside a step); `TwoBWMode` keeps PipeDream-2BW's pipeline
-full across steps. AvgPipe's elastic averaging and adaptive re-partitioning come as modes of their
-own, not as branches in the strategy. Modes know the runtime, never Lightning.
+full across steps; `AvgPipeMode` runs one of AvgPipe's parallel pipelines and its elastic pull.
+Adaptive re-partitioning comes as a mode of its own, not as branches in the strategy. Modes know the runtime, never Lightning.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol, Sequence
 
 from ..runtime.executor import Executor, StageHost
+from .avgpipe import AvgPipeMode
 from .sync import SyncMode
 from .two_bw import TwoBWMode
 
@@ -31,7 +32,7 @@ class TrainingMode(Protocol):
         ...
 
 
-MODES: dict[str, Callable[..., TrainingMode]] = {"sync": SyncMode, "2bw": TwoBWMode}
+MODES: dict[str, Callable[..., TrainingMode]] = {"sync": SyncMode, "2bw": TwoBWMode, "avgpipe": AvgPipeMode}
 
 
 def make_mode(name: str, **kwargs: Any) -> TrainingMode:
@@ -40,4 +41,4 @@ def make_mode(name: str, **kwargs: Any) -> TrainingMode:
     return MODES[name](**kwargs)
 
 
-__all__ = ["MODES", "SyncMode", "TrainingMode", "TwoBWMode", "make_mode"]
+__all__ = ["MODES", "AvgPipeMode", "SyncMode", "TrainingMode", "TwoBWMode", "make_mode"]

@@ -1,0 +1,159 @@
+"""AvgPipe's elastic averaging (Chen et al., PPoPP'23, §3.2), a pipeline's side of it.
+
+Per stage k there is one reference process (`lightning_pipe.runtime.reference`) and N workers,
+stage k of each parallel pipeline. They form a gloo process group of their own (members 0..N-1 the
+workers by pipeline index, member N the reference), rendezvousing through the job's TCPStore, so
+the design holds across nodes. After pipeline n's optimizer step at iteration t (0-based):
+
+    Δ_n(t)     = W_n after the user's optimizer step - W_n(t)             (the local update)
+    W_n(t + 1) = (1 - α) · W_n(t) + α · W_ref(max(t - s, 0)) + Δ_n(t)      (the pull, on the weights *before* Δ)
+    W_ref(t + 1) = W_ref(t) + (Δ_0(t) + ... + Δ_{N-1}(t)) / N             (in the reference process)
+
+W_ref(j) is the reference after the updates of iterations 0..j-1; s is the staleness bound. With
+s = 0 and equal starts the mean of the parallel models stays W_ref exactly (up to rounding): the
+pull keeps the mean where it is and the Δ's move both alike. Messages: Δ(t) goes out right after
+the step (an isend the pipeline never waits for); the receive of W_ref(t + 1) is posted at once and
+waited for only at the pull that needs it, one iteration later when s = 0.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import deque
+from datetime import timedelta
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .. import faults
+
+TAG_INIT, TAG_DELTA, TAG_REF = 11, 12, 13
+UPDATE, STOP = 0.0, 1.0  # the first element of a Δ message
+
+
+class ReferenceLost(RuntimeError):
+    """The reference process of a stage died, stopped answering or was never reached."""
+
+
+def flat(params: Iterable[nn.Parameter]) -> Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+@torch.no_grad()
+def write_flat(params: Iterable[nn.Parameter], values: Tensor) -> None:
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.copy_(values[offset : offset + n].view_as(p))
+        offset += n
+
+
+def elastic_pull(before: Tensor, after: Tensor, reference: Tensor, alpha: float) -> Tensor:
+    """(1 - α) · before + α · reference + (after - before), computed as after + α · (reference -
+    before): the same value, and with α = 0 exactly the optimizer's weights (no rounding added)."""
+    return after + alpha * (reference - before)
+
+
+class ReferenceLink:
+    """Pipeline `index`'s end of stage `stage`'s reference process; pipeline 0 starts the process."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        prefix: str,
+        stage: int,
+        index: int,
+        pipelines: int,
+        numel: int,
+        dtype: torch.dtype,
+        timeout: float,
+    ):
+        self.stage, self.index, self.pipelines, self.numel, self.dtype = stage, index, pipelines, numel, dtype
+        self.timeout = timeout
+        self.proc: Optional[subprocess.Popen] = None
+        if index == 0:
+            env = dict(os.environ, OMP_NUM_THREADS="1")  # it only adds vectors
+            cmd = [sys.executable, "-m", "lightning_pipe.runtime.reference", host, str(port), prefix, str(pipelines), str(numel)]
+            self.proc = subprocess.Popen([*cmd, str(dtype).removeprefix("torch."), str(timeout)], env=env)
+            proc = self.proc
+            faults.on_end(lambda: proc.poll() is None and proc.kill())  # a job ending on an error takes it along
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        try:
+            self.group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), index, pipelines + 1, timedelta(seconds=timeout))
+        except Exception as err:
+            self.close(kill=True)
+            raise ReferenceLost(f"{self._who()} could not be reached within {timeout:g} s ({_first_line(err)})") from None
+        self._sends: deque[tuple[dist.Work, Tensor]] = deque()
+        self.max_sends = 2  # outstanding updates kept; the mode sets staleness + 2
+        self.pending: deque[tuple[dist.Work, Tensor]] = deque()  # posted receives of W_ref(j), in order
+
+    def _who(self) -> str:
+        pid = f" (pid {self.proc.pid})" if self.proc is not None else ""
+        return f"the AvgPipe reference process of stage {self.stage}{pid}"
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        # Gloo's p2p work completes only in wait(); a dead peer fails it at once (its socket closes),
+        # a silent one after the timeout.
+        try:
+            work.wait(timedelta(seconds=self.timeout))
+        except Exception as err:
+            if self.proc is not None:
+                try:
+                    self.proc.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    pass
+                if self.proc.returncode is not None:
+                    raise ReferenceLost(f"{self._who()} exited with code {self.proc.returncode} ({what})") from None
+            raise ReferenceLost(f"{self._who()} is gone or did not answer within {self.timeout:g} s ({what}: {_first_line(err)})") from None
+
+    def send_init(self, reference: Tensor) -> None:
+        """Pipeline 0: the reference's starting weights W_ref(t) (the initial model, or a checkpoint's)."""
+        self._wait(self.group.send([reference.detach().to("cpu", self.dtype).clone()], self.pipelines, TAG_INIT), "sending the start")
+
+    def send_delta(self, delta: Tensor) -> None:
+        """Δ_n(t), asynchronously; only sends older than the pulls since are waited for (already done)."""
+        message = torch.cat([torch.tensor([UPDATE], dtype=self.dtype), delta.detach().to("cpu", self.dtype)])
+        self._sends.append((self.group.send([message], self.pipelines, TAG_DELTA), message))
+        while len(self._sends) > self.max_sends:  # done long ago: the reference took them before the pulls since
+            self._wait(self._sends.popleft()[0], "sending an update")
+
+    def post_reference(self) -> None:
+        """Post the receive of the next W_ref (its index is one more than the last posted)."""
+        buffer = torch.empty(self.numel, dtype=self.dtype)
+        self.pending.append((self.group.recv([buffer], self.pipelines, TAG_REF), buffer))
+
+    def take_reference(self) -> Tensor:
+        """The oldest posted W_ref, waited for."""
+        work, buffer = self.pending.popleft()
+        self._wait(work, "receiving the reference weights")
+        return buffer
+
+    def stop(self) -> None:
+        """End of training: every pipeline says stop; pipeline 0 waits for the process to exit."""
+        try:
+            while self._sends:
+                self._wait(self._sends.popleft()[0], "sending an update")
+            while self.pending:
+                self.take_reference()
+            stop = torch.zeros(self.numel + 1, dtype=self.dtype)
+            stop[0] = STOP
+            self._wait(self.group.send([stop], self.pipelines, TAG_DELTA), "stopping it")
+            if self.proc is not None:
+                self.proc.wait(timeout=self.timeout)
+        finally:
+            self.close(kill=True)
+
+    def close(self, kill: bool = False) -> None:
+        if self.proc is not None and self.proc.poll() is None and kill:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__

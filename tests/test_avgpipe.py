@@ -1,0 +1,209 @@
+"""AvgPipe (elastic averaging of parallel pipelines, with reference processes) on real processes.
+
+The single-process simulation here is written from the paper's §3.2, not from the code: N models
+with their own optimizers and LR schedulers, pipeline n reading shard n of the data (torch's
+DistributedSampler, as Lightning shards it), and after each step t
+
+    Δ_n = the optimizer's change,  W_n <- (1 - α) W_n(t) + α W_ref(max(t - s, 0)) + Δ_n,
+    W_ref(t + 1) = W_ref(t) + mean_n Δ_n.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from models import LitSeq, dataset, max_rel_diff, trainer_kwargs
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from lightning_pipe import AutoPipeStrategy
+from lightning_pipe.errors import SettingError
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.multiprocess]
+JOB = Path(__file__).resolve().parent / "avgpipe_fault_job.py"
+
+
+def shard_batches(n, pipelines, steps, dtype):
+    """Pipeline n's batches: Lightning shards a training loader over the pipelines with torch's
+    DistributedSampler (shuffled with PL_GLOBAL_SEED, re-seeded per epoch), as for DDP."""
+    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    sampler = DistributedSampler(dataset(dtype=dtype), num_replicas=pipelines, rank=n, shuffle=True, seed=seed)
+    out, epoch = [], 0
+    while len(out) < steps:
+        sampler.set_epoch(epoch)
+        out += list(DataLoader(dataset(dtype=dtype), batch_size=10, sampler=sampler))
+        epoch += 1
+    return out[:steps]
+
+
+def simulate(steps, pipelines, alpha, staleness, dtype="float64"):
+    """(parallel models' state dicts, the reference's state dict) after `steps` iterations."""
+    models = [LitSeq(dtype=dtype) for _ in range(pipelines)]  # one seed: the same start
+    confs = [m.configure_optimizers() for m in models]
+    data = [shard_batches(n, pipelines, steps, getattr(torch, dtype)) for n in range(pipelines)]
+    names = [k for k, _ in models[0].named_parameters()]
+    refs = [{k: v.detach().clone() for k, v in models[0].named_parameters()}]  # refs[j] = W_ref(j)
+    for t in range(steps):
+        deltas = []
+        for n, (model, conf) in enumerate(zip(models, confs)):
+            before = {k: v.detach().clone() for k, v in model.named_parameters()}
+            x, y = data[n][t]
+            model.zero_grad()
+            nn.functional.cross_entropy(model.seq(x), y).backward()
+            conf["optimizer"].step()
+            conf["lr_scheduler"]["scheduler"].step()
+            delta = {k: v.detach() - before[k] for k, v in model.named_parameters()}
+            pull = refs[max(t - staleness, 0)]
+            with torch.no_grad():
+                for k, p in model.named_parameters():
+                    p.copy_((1 - alpha) * before[k] + alpha * pull[k] + delta[k])
+            deltas.append(delta)
+        refs.append({k: refs[t][k] + sum(d[k] for d in deltas) / pipelines for k in names})
+    return [m.state_dict() for m in models], {k: v for k, v in refs[steps].items()}
+
+
+def fit(model, steps, pipelines=2, devices=4, alpha=None, staleness=0, ckpt_path=None, callbacks=(), train=None, **kw):
+    strategy = AutoPipeStrategy(
+        schedule="1f1b", microbatches=2, partition="uniform", start_method="spawn", pipelines=pipelines, alpha=alpha, staleness=staleness
+    )
+    trainer = L.Trainer(devices=devices, strategy=strategy, callbacks=list(callbacks), **trainer_kwargs(max_steps=steps, **kw))
+    trainer.fit(model, train or DataLoader(dataset(dtype=next(model.parameters()).dtype), batch_size=10), ckpt_path=ckpt_path)
+    return trainer
+
+
+def saved(tmp_path, steps):
+    return ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=steps, save_top_k=-1)
+
+
+def parallel_models(path):
+    """Each pipeline's weights from a checkpoint (the entries AvgPipe adds per parameter)."""
+    state = torch.load(path, weights_only=False)
+    named = state["optimizer_states"][0]
+    aliases = named["autopipe_aliases"]
+    out = None
+    for key in state["state_dict"]:
+        name = aliases.get(key, key)
+        pipelines = named["state"][name]["autopipe_avg_pipelines"]
+        out = out or [{} for _ in pipelines]
+        for n, entry in enumerate(pipelines):
+            out[n][key] = entry["weight"]
+    return state["state_dict"], out
+
+
+@pytest.mark.parametrize("alpha,staleness", [(None, 0), (0.3, 1)])
+def test_parallel_and_reference_weights_follow_the_rule(tmp_path, alpha, staleness):
+    # 2 pipelines x 2 stages, 7 iterations over 23-sample shards (batches 10, 10, 3: not divisible by m)
+    model = LitSeq()
+    fit(model, 7, alpha=alpha, staleness=staleness, callbacks=[saved(tmp_path, 7)], enable_checkpointing=True)
+    want_parallel, want_ref = simulate(7, 2, 0.5 if alpha is None else alpha, staleness)
+    (path,) = glob.glob(os.path.join(tmp_path, "*step=7.ckpt"))
+    reference, parallel = parallel_models(path)
+    assert max_rel_diff(want_ref, reference) <= 1e-10
+    assert max_rel_diff(want_ref, model.state_dict()) <= 1e-10  # fit hands back the reference model
+    for n in range(2):
+        assert max_rel_diff(want_parallel[n], parallel[n]) <= 1e-10
+    assert max_rel_diff(parallel[0], parallel[1]) > 1e-4  # the pipelines trained on different data
+
+
+def test_the_reference_stays_the_mean_of_the_parallel_models(tmp_path):
+    # s = 0 and a common start: the pull keeps the mean, the Δ's move mean and reference alike
+    fit(LitSeq(), 5, callbacks=[saved(tmp_path, 5)], enable_checkpointing=True)
+    reference, parallel = parallel_models(glob.glob(os.path.join(tmp_path, "*step=5.ckpt"))[0])
+    mean = {k: (parallel[0][k] + parallel[1][k]) / 2 for k in reference}
+    assert max_rel_diff(mean, reference) <= 1e-12
+    assert max_rel_diff(parallel[0], reference) > 1e-4
+
+
+def test_one_pipeline_without_pull_is_plain_pipeline_training(tmp_path):
+    plain = LitSeq()
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, partition="uniform", start_method="spawn")
+    L.Trainer(devices=2, strategy=strategy, **trainer_kwargs(max_steps=6)).fit(plain, DataLoader(dataset(), batch_size=10))
+    elastic = LitSeq()
+    fit(elastic, 6, pipelines=1, devices=2, alpha=0.0, callbacks=[saved(tmp_path, 6)], enable_checkpointing=True)
+    reference, (parallel,) = parallel_models(glob.glob(os.path.join(tmp_path, "*step=6.ckpt"))[0])
+    for k, v in plain.state_dict().items():
+        assert torch.equal(v, parallel[k]), k  # the one parallel model is the plain pipeline's, bit for bit
+    # the reference sums the same updates (W_ref + Δ), so it equals them up to rounding
+    assert max_rel_diff(plain.state_dict(), reference) <= 1e-12
+    assert max_rel_diff(plain.state_dict(), elastic.state_dict()) <= 1e-12
+
+
+def test_resume_continues_every_parallel_model(tmp_path):
+    def resumable():
+        return StatefulDataLoader(dataset(), batch_size=10)
+
+    whole = LitSeq()
+    fit(whole, 7, staleness=1, callbacks=[saved(tmp_path / "whole", 7)], enable_checkpointing=True, train=resumable())
+    # step 2 is mid-epoch (3 batches per pipeline and epoch): Lightning resumes the shard where it stopped
+    fit(LitSeq(), 2, staleness=1, callbacks=[saved(tmp_path / "first", 2)], enable_checkpointing=True, train=resumable())
+    (path,) = glob.glob(os.path.join(tmp_path, "first", "*step=2.ckpt"))
+    resumed = LitSeq(seed=5)
+    fit(resumed, 7, staleness=1, ckpt_path=path, callbacks=[saved(tmp_path / "resumed", 7)], enable_checkpointing=True, train=resumable())
+    for k, v in whole.state_dict().items():
+        assert torch.equal(v, resumed.state_dict()[k]), k
+    (a,) = glob.glob(os.path.join(tmp_path, "whole", "*step=7.ckpt"))
+    (b,) = glob.glob(os.path.join(tmp_path, "resumed", "*step=7.ckpt"))
+    for x, y in zip(parallel_models(a)[1], parallel_models(b)[1]):
+        for k in x:
+            assert torch.equal(x[k], y[k]), k
+    _, want = simulate(7, 2, 0.5, 1)
+    assert max_rel_diff(want, resumed.state_dict()) <= 1e-10
+
+
+def test_the_checkpoint_loads_into_the_plain_module(tmp_path):
+    fit(LitSeq(), 3, callbacks=[saved(tmp_path, 3)], enable_checkpointing=True)
+    (path,) = glob.glob(os.path.join(tmp_path, "*step=3.ckpt"))
+    plain = LitSeq.load_from_checkpoint(path)
+    _, want = simulate(3, 2, 0.5, 0)
+    assert max_rel_diff(want, {k: v for k, v in plain.state_dict().items()}) <= 1e-10
+
+
+@pytest.mark.parametrize(
+    "settings,name",
+    [
+        (dict(pipelines=0), "pipelines"),
+        (dict(pipelines=2, width=2), "width"),
+        (dict(pipelines=2, alpha=1.5), "alpha"),
+        (dict(pipelines=2, staleness=-1), "staleness"),
+        (dict(pipelines=2, schedule="2bw"), "schedule"),
+        (dict(alpha=0.5), "alpha"),
+    ],
+)
+def test_bad_settings_are_named(settings, name):
+    with pytest.raises(SettingError) as info:
+        AutoPipeStrategy(**settings)
+    assert info.value.setting == name and name in str(info.value)
+
+
+def test_pipelines_must_divide_the_devices_before_anything_starts():
+    start = time.monotonic()
+    with pytest.raises(SettingError, match=r"pipelines=3 does not divide the world size 4 .*allowed values: \[1, 2, 4\]"):
+        trainer = L.Trainer(devices=4, strategy=AutoPipeStrategy(pipelines=3, start_method="spawn"), **trainer_kwargs(max_steps=1))
+        trainer.fit(LitSeq(), DataLoader(dataset(), batch_size=10))
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_killed_reference_process_ends_the_job_with_its_name(tmp_path, stage):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(JOB.parents[1]))
+    env.pop("LOCAL_RANK", None)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(JOB), str(stage), str(tmp_path)], env=env, capture_output=True, text=True, timeout=100)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    # the owner sees its child exit (code -9); the other pipeline's worker sees the connection fail
+    assert f"ReferenceLost: the AvgPipe reference process of stage {stage}" in errors[0], errors
+    assert time.monotonic() - start < 90
+    assert "finished" not in proc.stdout
