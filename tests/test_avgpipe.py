@@ -72,12 +72,32 @@ def simulate(steps, pipelines, alpha, staleness, dtype="float64"):
     return [m.state_dict() for m in models], {k: v for k, v in refs[steps].items()}
 
 
-def fit(model, steps, pipelines=2, devices=4, alpha=None, staleness=0, ckpt_path=None, callbacks=(), train=None, **kw):
+def fit(
+    model,
+    steps,
+    pipelines=2,
+    devices=4,
+    alpha=None,
+    staleness=0,
+    ckpt_path=None,
+    callbacks=(),
+    train=None,
+    val=None,
+    checkpoint="full",
+    **kw,
+):
     strategy = AutoPipeStrategy(
-        schedule="1f1b", microbatches=2, partition="uniform", start_method="spawn", pipelines=pipelines, alpha=alpha, staleness=staleness
+        schedule="1f1b",
+        microbatches=2,
+        partition="uniform",
+        start_method="spawn",
+        pipelines=pipelines,
+        alpha=alpha,
+        staleness=staleness,
+        checkpoint=checkpoint,
     )
     trainer = L.Trainer(devices=devices, strategy=strategy, callbacks=list(callbacks), **trainer_kwargs(max_steps=steps, **kw))
-    trainer.fit(model, train or DataLoader(dataset(dtype=next(model.parameters()).dtype), batch_size=10), ckpt_path=ckpt_path)
+    trainer.fit(model, train or DataLoader(dataset(dtype=next(model.parameters()).dtype), batch_size=10), val, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -103,8 +123,12 @@ def parallel_models(path):
 @pytest.mark.parametrize("alpha,staleness", [(None, 0), (0.3, 1)])
 def test_parallel_and_reference_weights_follow_the_rule(tmp_path, alpha, staleness):
     # 2 pipelines x 2 stages, 7 iterations over 23-sample shards (batches 10, 10, 3: not divisible by m)
+    # validation every 3 steps evaluates the reference and must leave every trajectory unchanged
     model = LitSeq()
-    fit(model, 7, alpha=alpha, staleness=staleness, callbacks=[saved(tmp_path, 7)], enable_checkpointing=True)
+    val = DataLoader(dataset(seed=3), batch_size=10)
+    fit(
+        model, 7, alpha=alpha, staleness=staleness, callbacks=[saved(tmp_path, 7)], enable_checkpointing=True, val=val, val_check_interval=3
+    )
     want_parallel, want_ref = simulate(7, 2, 0.5 if alpha is None else alpha, staleness)
     (path,) = glob.glob(os.path.join(tmp_path, "*step=7.ckpt"))
     reference, parallel = parallel_models(path)
@@ -138,17 +162,20 @@ def test_one_pipeline_without_pull_is_plain_pipeline_training(tmp_path):
     assert max_rel_diff(plain.state_dict(), elastic.state_dict()) <= 1e-12
 
 
-def test_resume_continues_every_parallel_model(tmp_path):
+@pytest.mark.parametrize("layout", ["full", "sharded"])
+def test_resume_continues_every_parallel_model(tmp_path, layout):
     def resumable():
         return StatefulDataLoader(dataset(), batch_size=10)
 
     whole = LitSeq()
     fit(whole, 7, staleness=1, callbacks=[saved(tmp_path / "whole", 7)], enable_checkpointing=True, train=resumable())
     # step 2 is mid-epoch (3 batches per pipeline and epoch): Lightning resumes the shard where it stopped
-    fit(LitSeq(), 2, staleness=1, callbacks=[saved(tmp_path / "first", 2)], enable_checkpointing=True, train=resumable())
+    first = [saved(tmp_path / "first", 2)]
+    fit(LitSeq(), 2, staleness=1, callbacks=first, enable_checkpointing=True, train=resumable(), checkpoint=layout)
     (path,) = glob.glob(os.path.join(tmp_path, "first", "*step=2.ckpt"))
     resumed = LitSeq(seed=5)
-    fit(resumed, 7, staleness=1, ckpt_path=path, callbacks=[saved(tmp_path / "resumed", 7)], enable_checkpointing=True, train=resumable())
+    last = [saved(tmp_path / "resumed", 7)]
+    fit(resumed, 7, staleness=1, ckpt_path=path, callbacks=last, enable_checkpointing=True, train=resumable())  # reads either layout
     for k, v in whole.state_dict().items():
         assert torch.equal(v, resumed.state_dict()[k]), k
     (a,) = glob.glob(os.path.join(tmp_path, "whole", "*step=7.ckpt"))

@@ -300,10 +300,14 @@ class AutoPipeStrategy(ProcessGroupStrategy):
             return super().lightning_module_state_dict()
         self.mode.drain()
         with self._showing_reference():  # AvgPipe: the reference model is the model
-            return self.lightning_module.state_dict() if self._sharded else checkpoints.full_state_dict(self)
+            return self._kept(self.lightning_module.state_dict() if self._sharded else checkpoints.full_state_dict(self))
 
     def _showing_reference(self) -> Any:
         return self.mode.showing_reference() if self.config.mode == "avgpipe" else contextlib.nullcontext()
+
+    def _kept(self, state: dict[str, Any]) -> dict[str, Any]:
+        """AvgPipe: copies, since the stage's tensors get the pipeline's own weights back after the block."""
+        return {k: v.detach().clone() for k, v in state.items()} if self.config.mode == "avgpipe" else state
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -350,7 +354,7 @@ class AutoPipeStrategy(ProcessGroupStrategy):
             if self.config.trace:
                 self.planner.write_trace(self)  # collective: every rank's last traced step to rank 0
             with self._showing_reference():
-                state = checkpoints.full_state_dict(self)  # collective: all ranks, only on success
+                state = self._kept(checkpoints.full_state_dict(self))  # collective: all ranks, only on success
             if self.global_rank == 0 and self.cut.pipeline is not None:
                 uncut_module(module, self.cut, state)
                 self.cut = None
