@@ -2,7 +2,7 @@
 matrix: `python tests/fault_job.py <fault> <rank> <phase> <out_dir>`.
 
 fault: raise (a block raises), kill (SIGKILL itself), stop (SIGSTOP itself), diskfull (the
-checkpoint write fails with ENOSPC), none. phase: train, val, save. The job runs through the CLI's
+checkpoint write fails with ENOSPC), slowexit (a finished rank that tears down slowly), none. phase: train, val, save. The job runs through the CLI's
 one-line error handling (`lightning_pipe.cli.errors.run`) with pipeline timeout 6 s.
 """
 
@@ -12,6 +12,7 @@ import errno
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -51,6 +52,12 @@ class Faulty(LitSeq):
 
     def on_save_checkpoint(self, checkpoint):
         hit("save")
+
+    def on_train_end(self):
+        # slowexit: this rank's mode takes 4.5 s to close after the last collective of the teardown (as
+        # AvgPipe's does when its reference process is slow to exit), while rank 0 is done
+        if FAULT == "slowexit" and int(os.environ.get("LOCAL_RANK", "0")) == RANK:
+            self.trainer.strategy.mode.close = lambda graceful=True: time.sleep(4.5)
 
 
 class FullDisk(TorchCheckpointIO):

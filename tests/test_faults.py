@@ -83,3 +83,10 @@ def test_a_worker_stopped_while_saving_is_named(tmp_path):
     code, errors, seconds, _ = run_job(tmp_path, "stop", 1, "save")
     assert code == 1 and len(errors) == 1 and errors[0].startswith("error: rank 1 has not answered for"), errors
     assert not list((tmp_path / "out").rglob("*.ckpt.tmp*")) and seconds < 60
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_tearing_down_after_rank_0_does_not_fail_a_finished_run(tmp_path):
+    # rank 0 hosts the store; it waits for every rank to leave the heartbeat before it exits
+    code, errors, _, proc = run_job(tmp_path, "slowexit", 1, "end")
+    assert code == 0 and not errors and "finished" in proc.stdout, proc.stderr[-2000:]

@@ -48,6 +48,19 @@ class Heartbeat(threading.Thread):
     def stop(self) -> None:
         self._halt.set()
 
+    def leave(self, wait: bool) -> None:
+        """Stop beating and say so. Rank 0 hosts the store: after a finished run it waits (bounded)
+        until every rank has left, so a rank still tearing down does not take the closed store for a
+        lost rank 0 and end a finished job."""
+        self.stop()
+        try:
+            self.store.set(f"{_PREFIX}left/{self.rank}", "1")
+            if wait and self.rank == 0:
+                others = [f"{_PREFIX}left/{r}" for r in self.watched]
+                self.store.wait(others, timedelta(seconds=self.timeout))
+        except Exception:  # a rank that never leaves was lost: its own error ends the job
+            pass
+
     def run(self) -> None:
         seen: dict[int, int] = {}
         changed = {r: time.monotonic() for r in self.watched}

@@ -40,6 +40,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         self._timeout = timeout
         self._heartbeat_timeout = heartbeat_timeout  # seconds of silence before a peer counts as lost (None: no heartbeat)
         self._heartbeat: Optional[Heartbeat] = None
+        self._finished = False  # set by the subclass before teardown: the run ended without an error
 
     @property
     @override
@@ -79,7 +80,7 @@ class ProcessGroupStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         if self._heartbeat is not None:
-            self._heartbeat.stop()
+            self._heartbeat.leave(wait=self._finished)
             self._heartbeat = None
         super().teardown()
 

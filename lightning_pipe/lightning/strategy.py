@@ -361,4 +361,5 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         if self.mode is not None and hasattr(self.mode, "close"):
             self.mode.close(graceful=finished)  # AvgPipe: the reference processes stop (killed after a failure)
         self._active = False
+        self._finished = finished
         super().teardown()
