@@ -234,3 +234,16 @@ def test_a_killed_reference_process_ends_the_job_with_its_name(tmp_path, stage):
     assert f"ReferenceLost: the AvgPipe reference process of stage {stage}" in errors[0], errors
     assert time.monotonic() - start < 90
     assert "finished" not in proc.stdout
+
+
+def test_validation_reports_the_reference_over_all_pipelines_shards():
+    # each pipeline validates its shard (20 of 40 samples, batches of 10) on the reference; the logged
+    # val_loss is the mean over the pipelines, i.e. the reference's loss on the whole set
+    model = LitSeq()
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, partition="uniform", start_method="spawn", pipelines=2)
+    trainer = L.Trainer(devices=4, strategy=strategy, **trainer_kwargs())
+    val = DataLoader(dataset(n=40, seed=3), batch_size=10)
+    (metrics,) = trainer.validate(model, val)
+    x, y = dataset(n=40, seed=3).tensors
+    want = nn.functional.cross_entropy(LitSeq().seq(x), y).item()
+    assert metrics["val_loss"] == pytest.approx(want, rel=1e-12)

@@ -86,6 +86,10 @@ class LogBroadcaster:
         return numbers[0], [(n, v, kw, dt) for (n, kw, dt), v in zip(self._schema, numbers[1:])]
 
 
-def replay(module: Any, entries: list[tuple[str, float, dict, Optional[torch.dtype]]], device: torch.device) -> None:
+def replay(module: Any, entries: list[tuple[str, float, dict, Optional[torch.dtype]]], device: torch.device, sync: bool = False) -> None:
+    """`sync`: evaluation with several pipelines, each over its shard of the data: the logged value is
+    the mean over the pipelines (``sync_dist=True`` unless the user chose otherwise)."""
     for name, value, options, dtype in entries:
+        if sync:
+            options = {"sync_dist": True, **options}
         module.log(name, torch.tensor(value, dtype=dtype, device=device) if dtype is not None else value, **options)

@@ -45,6 +45,7 @@ class PipelineSteps:
         self.logs = LogBroadcaster(group, last, device, is_last)
         self.trace_group = group if trace else None
         self.stash = GradientStash()
+        self.replicas = 1  # pipelines side by side, each evaluating its shard
 
     @classmethod
     def build(cls, strategy: Any, module: Any, mode: TrainingMode, gradients: StageGradients) -> "PipelineSteps":
@@ -52,7 +53,7 @@ class PipelineSteps:
         last = topo.global_rank(strategy.replica_index, cut.loss_stage)
         group = strategy.process_groups.pipeline if topo.depth > 1 else None
         host = LightningHost(module, cut.stage, len(cut.placement) - 1, gradients.reduce_chunk)
-        return cls(
+        steps = cls(
             module,
             cut,
             mode,
@@ -65,6 +66,8 @@ class PipelineSteps:
             strategy.global_rank == last,
             strategy.config.trace,
         )
+        steps.replicas = topo.width
+        return steps
 
     def _run(self, kind: str, step: str, context: Callable, args: tuple, kwargs: dict, m: int, scaler: Any = None) -> float:
         module, host = self.module, self.host
@@ -82,7 +85,7 @@ class PipelineSteps:
         if self.trace_group is not None and kind == "train":
             self.planner.keep_trace(executor)
         loss, entries = self.logs.exchange(host.recorder, host.loss if host.loss is not None else 0.0)
-        replay(module, entries, self.device)
+        replay(module, entries, self.device, sync=kind == "eval" and self.replicas > 1)
         return loss
 
     def train(self, context: Callable, args: tuple, kwargs: dict, scaler: Any) -> Tensor:
