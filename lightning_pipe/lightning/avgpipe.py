@@ -65,7 +65,7 @@ def stash_state(strategy: Any, stored: dict[int, str], state: dict[str, Any]) ->
     """Per stored name: every pipeline's weight and optimizer state, and the pending references.
     Collective over the stage's pipelines (each sends its own to pipeline 0)."""
     mode = strategy.mode
-    own = {stored[id(p)]: {"weight": p.detach().cpu(), "state": _cpu(state.get(stored[id(p)], {}))} for p in mode.params}
+    own = {stored[id(p)]: {"weight": p.detach().cpu().clone(), "state": _cpu(state.get(stored[id(p)], {}))} for p in mode.params}
     parts: list[Any] = [None] * strategy.topology.width
     if strategy.topology.width > 1:
         dist.all_gather_object(parts, own, group=strategy.process_groups.stage)
@@ -132,4 +132,5 @@ def load_mode_state(strategy: Any, checkpoint: dict[str, Any]) -> None:
         name = named0.get(ALIASES, {}).get(name, name)
         for j, value in named0["state"][name].get(REFS_KEY, {}).items():
             pending.setdefault(int(j), []).append(value.reshape(-1))
-    mode.load_state(iteration, torch.cat([r.reshape(-1) for r in reference]), {j: torch.cat(v) for j, v in pending.items()})
+    whole = lambda parts: torch.cat(parts) if parts else torch.zeros(0)  # noqa: E731  (a stage may hold no trained parameter)
+    mode.load_state(iteration, whole([r.reshape(-1) for r in reference]), {j: whole(v) for j, v in pending.items()})

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..runtime.elastic import ReferenceLink, elastic_pull, flat, write_flat
+from ..runtime.elastic import ReferenceLink, elastic_pull_, flat_into, flat_size, write_flat
 from ..runtime.executor import Executor, StageHost
 from ..runtime.p2p import Transport
 from ..schedules import ScheduleSpec
@@ -52,7 +52,10 @@ class AvgPipeMode:
         self.iteration = 0  # t: iterations applied
         self.refs: dict[int, Tensor] = {}  # W_ref(j) held; j of the next posted receive is max(refs) + 1 + len(pending)
         self._next_posted = 0
-        self._before: Optional[Tensor] = None
+        self.numel = flat_size(self.params)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        # flat buffers kept for the whole run: the weights before the step, the update, the own weights
+        self._before, self._delta, self._own = (torch.zeros(self.numel, dtype=self.dtype, device=device) for _ in range(3))
 
     @property
     def placement(self) -> list[int]:
@@ -63,9 +66,9 @@ class AvgPipeMode:
         if self.link is not None:
             return
         if not self.refs:  # a fresh start: the parallel models and the reference are the same weights
-            self.refs = {self.iteration: flat(self.params).clone()}
+            self.refs = {self.iteration: flat_into(self.params, torch.zeros_like(self._before))}
         self._next_posted = max(self.refs) + 1
-        self.link = self._make_link(sum(p.numel() for p in self.params), self.dtype)
+        self.link = self._make_link(self.numel, self.dtype)
         self.link.max_sends = self.staleness + 2  # Δ(t - s - 1) was taken before the pull of t could be served
         if self.pipeline == 0:
             self.link.send_init(self.refs[self.iteration])  # W_ref(t): what the reference holds now
@@ -73,7 +76,10 @@ class AvgPipeMode:
     def _reference(self, j: int) -> Tensor:
         while j not in self.refs:
             got = self.link.take_reference()
-            self.refs[self._next_posted - len(self.link.pending) - 1] = got.to(self.params[0].device if self.params else "cpu")
+            here = got.to(self._before.device)
+            if here is not got:  # an accelerator: the host buffer can take the next receive
+                self.link.release(got)
+            self.refs[self._next_posted - len(self.link.pending) - 1] = here
         return self.refs[j]
 
     # ---- a step --------------------------------------------------------------------------------
@@ -85,21 +91,19 @@ class AvgPipeMode:
 
     def before_update(self) -> None:
         self._start()
-        self._before = flat(self.params).clone()
+        flat_into(self.params, self._before)
 
     def after_update(self) -> None:
         """Δ_n(t) to the reference, then W_n(t + 1) = (1 - α) W_n(t) + α W_ref(max(t - s, 0)) + Δ_n(t)."""
-        before, self._before = self._before, None
-        after = flat(self.params)
         t = self.iteration
-        self.link.send_delta(after - before)
+        self.link.send_delta(flat_into(self.params, self._delta).sub_(self._before))  # Δ = after - before
         self.link.post_reference()  # W_ref(t + 1)
         self._next_posted += 1
-        pulled = elastic_pull(before, after, self._reference(max(t - self.staleness, 0)), self.alpha)
-        write_flat(self.params, pulled)
+        elastic_pull_(self.params, self._before, self._reference(max(t - self.staleness, 0)), self.alpha)
         self.iteration = t + 1
         oldest = max(self.iteration - self.staleness, 0)  # the next pull's reference; older ones are done with
-        self.refs = {j: v for j, v in self.refs.items() if j >= oldest}
+        for j in [j for j in self.refs if j < oldest]:
+            self.link.release(self.refs.pop(j))
 
     # ---- edges ---------------------------------------------------------------------------------
     def drain(self) -> None:
@@ -112,12 +116,12 @@ class AvgPipeMode:
         """The stage holds W_ref(t) (the reference after every applied iteration) inside the block."""
         self._start()
         self.drain()
-        own = flat(self.params).clone()
+        flat_into(self.params, self._own)
         write_flat(self.params, self.refs[self.iteration])
         try:
             yield
         finally:
-            write_flat(self.params, own)
+            write_flat(self.params, self._own)
 
     def pending_references(self) -> dict[int, Tensor]:
         """W_ref(j) the coming pulls still need, besides W_ref(t) itself: j = t - s .. t - 1."""
@@ -126,9 +130,14 @@ class AvgPipeMode:
 
     def load_state(self, iteration: int, reference: Tensor, pending: dict[int, Tensor]) -> None:
         """Resume: t, W_ref(t) and the older references the next pulls need."""
-        device = self.params[0].device if self.params else torch.device("cpu")
+
+        def buffer(values: Tensor) -> Tensor:
+            out = torch.zeros_like(self._before)  # the flat size (padded to one element for an empty stage)
+            out[: values.numel()].copy_(values.reshape(-1))
+            return out
+
         self.iteration = iteration
-        self.refs = {**{int(j): v.to(device, self.dtype) for j, v in pending.items()}, iteration: reference.to(device, self.dtype)}
+        self.refs = {**{int(j): buffer(v) for j, v in pending.items()}, iteration: buffer(reference)}
 
     def close(self, graceful: bool = True) -> None:
         """Stop the reference process: by message after a finished run, by SIGKILL after a failure."""

@@ -26,6 +26,7 @@ def serve(group: dist.ProcessGroup, pipelines: int, numel: int, dtype: torch.dty
     reference = torch.empty(numel, dtype=dtype)
     group.recv([reference], 0, TAG_INIT).wait()
     messages = [torch.empty(numel + 1, dtype=dtype) for _ in range(pipelines)]
+    total, out = torch.empty(numel, dtype=dtype), torch.empty(numel, dtype=dtype)  # reused: no fresh pages per step
     sends: list[dist.Work] = []
     iterations = 0
     while True:
@@ -33,13 +34,13 @@ def serve(group: dist.ProcessGroup, pipelines: int, numel: int, dtype: torch.dty
             work.wait()
         if any(m[0].item() == STOP for m in messages):
             return iterations
-        total = messages[0][1:].clone()
+        total.copy_(messages[0][1:])
         for m in messages[1:]:
             total += m[1:]
-        reference += total / pipelines
-        for work in sends:  # the previous W_ref went out before this one is written
+        reference += total.div_(pipelines)
+        for work in sends:  # the previous W_ref went out before `out` is written again
             work.wait()
-        out = reference.clone()
+        out.copy_(reference)
         sends = [group.send([out], n, TAG_REF) for n in range(pipelines)]
         iterations += 1
 
