@@ -94,7 +94,7 @@ def make_batches(cfg: dict, pipeline: int, rows: int) -> list[tuple[torch.Tensor
 def _train(rank: int, world: int, cfg: dict) -> dict:
     from lightning_pipe.modes.avgpipe import AvgPipeMode
     from lightning_pipe.modes.sync import SyncMode
-    from lightning_pipe.runtime.elastic import ReferenceLink, flat
+    from lightning_pipe.runtime.elastic import ReferenceLink, flat_into, flat_size
     from lightning_pipe.runtime.executor import Executor
     from lightning_pipe.runtime.microbatch import signature, split_microbatches
     from lightning_pipe.runtime.p2p import Transport
@@ -207,7 +207,7 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
     out = {"timing": timing, "trace": trace[cfg["warmup"] :], "ref_cpu": ref_cpu, "pipeline": pipeline, "stage": stage}
     if n:
         mode.drain()
-        out["own"] = flat(mode.params).clone()
+        out["own"] = flat_into(mode.params, torch.empty(flat_size(mode.params)))
         out["reference"] = mode.refs[mode.iteration].clone()
         mode.close()
     return out
@@ -240,8 +240,8 @@ def _profile(rank: int, world: int, cfg: dict) -> dict:
 
 class StubLink:
     """A ReferenceLink without the reference: the mode's own work on a Δ and a W_ref, no messages
-    (the Δ message is built as the real link builds it; a received W_ref is a fresh buffer filled
-    by a copy, as gloo fills the posted buffer)."""
+    (the Δ message is filled as the real link fills its reused buffer; a received W_ref is a reused
+    buffer filled by a copy, as gloo fills the posted buffer)."""
 
     def __init__(self, numel: int, dtype: torch.dtype, reference: torch.Tensor):
         from collections import deque
@@ -249,15 +249,21 @@ class StubLink:
         self.numel, self.dtype, self.reference = numel, dtype, reference
         self.pending: deque = deque()
         self.max_sends = 2
+        self.message = torch.empty(numel + 1, dtype=dtype)
+        self.free: list = []
 
     def send_init(self, reference: torch.Tensor) -> None:
         pass
 
     def send_delta(self, delta: torch.Tensor) -> None:
-        torch.cat([torch.tensor([0.0], dtype=self.dtype), delta.detach().to("cpu", self.dtype)])
+        self.message[0] = 0.0
+        self.message[1:].copy_(delta.detach())
 
     def post_reference(self) -> None:
-        self.pending.append(torch.empty(self.numel, dtype=self.dtype))
+        self.pending.append(self.free.pop() if self.free else torch.empty(self.numel, dtype=self.dtype))
+
+    def release(self, buffer: torch.Tensor) -> None:
+        self.free.append(buffer)
 
     def take_reference(self) -> torch.Tensor:
         return self.pending.popleft().copy_(self.reference)
@@ -270,7 +276,7 @@ def local_update(cfg: dict, stage: int, repeats: int = 30) -> dict:
     import resource
 
     from lightning_pipe.modes.avgpipe import AvgPipeMode
-    from lightning_pipe.runtime.elastic import flat
+    from lightning_pipe.runtime.elastic import flat_into, flat_size
     from lightning_pipe.runtime.p2p import Transport
     from lightning_pipe.schedules import ScheduleSpec
 
@@ -278,7 +284,7 @@ def local_update(cfg: dict, stage: int, repeats: int = 30) -> dict:
     chunk = stage_half(make_model(cfg), stage)
     params = list(chunk.parameters())
     numel = sum(p.numel() for p in params)
-    ref = flat(params).clone()
+    ref = flat_into(params, torch.empty(flat_size(params)))
     mode = AvgPipeMode(
         ScheduleSpec.of("1f1b"),
         K,
