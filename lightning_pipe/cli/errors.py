@@ -84,6 +84,16 @@ def report(err: BaseException) -> None:
     me = rank if rank is not None else (int(os.environ["LOCAL_RANK"]) if os.environ.get("LOCAL_RANK", "").isdigit() else None)
     node = os.environ.get("NODE_RANK", "0")
     prefix = "" if me is None else (f"rank {me}: " if node in ("", "0") else f"node {node}, local rank {me}: ")
+    from ..runtime.elastic import ReferenceLost
+
+    if isinstance(err, ReferenceLost):  # AvgPipe's reference process: a lost peer, named
+        if not err.first_hand:  # its starter (which knows the exit code) or rank 0's watcher speaks first
+            found = faults.failed_child(wait=3.0)
+            if found is not None:
+                faults.end_for_child(*found)
+            if me not in (None, 0):
+                time.sleep(3.0)
+        faults.end(FAULT, f"error: {prefix}{describe(err)}")
     if _is_peer_lost(err):
         # Most often the consequence of another rank's failure, which that rank reports: give the
         # watcher of the workers (rank 0) a moment to see it; a child waits to be stopped by rank 0.

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from collections import deque
 from datetime import timedelta
-from typing import Iterable, Optional
+from typing import Any, Iterable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,12 @@ UPDATE, STOP = 0.0, 1.0  # the first element of a Δ message
 
 
 class ReferenceLost(RuntimeError):
-    """The reference process of a stage died, stopped answering or was never reached."""
+    """The reference process of a stage died, stopped answering or was never reached.
+    `first_hand`: seen by the worker that started it (its exit code), not through a connection."""
+
+    def __init__(self, message: str, first_hand: bool = False):
+        super().__init__(message)
+        self.first_hand = first_hand
 
 
 def flat_size(params: Iterable[nn.Parameter]) -> int:
@@ -119,31 +124,42 @@ class ReferenceLink:
         pid = f" (pid {self.proc.pid})" if self.proc is not None else ""
         return f"the AvgPipe reference process of stage {self.stage}{pid}"
 
+    def _post(self, op: Any, tensor: Tensor, tag: int, what: str) -> dist.Work:
+        """Start a send or receive; gloo refuses at once when the peer's connection is already closed."""
+        try:
+            return op([tensor], self.pipelines, tag)
+        except Exception as err:
+            self._lost(err, what)
+
+    def _lost(self, err: Exception, what: str) -> NoReturn:
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+            if self.proc.returncode is not None:
+                raise ReferenceLost(f"{self._who()} exited with code {self.proc.returncode} ({what})", first_hand=True) from None
+        raise ReferenceLost(f"{self._who()} is gone or did not answer within {self.timeout:g} s ({what}: {_first_line(err)})") from None
+
     def _wait(self, work: dist.Work, what: str) -> None:
         # Gloo's p2p work completes only in wait(); a dead peer fails it at once (its socket closes),
         # a silent one after the timeout.
         try:
             work.wait(timedelta(seconds=self.timeout))
         except Exception as err:
-            if self.proc is not None:
-                try:
-                    self.proc.wait(timeout=1.0)
-                except subprocess.TimeoutExpired:
-                    pass
-                if self.proc.returncode is not None:
-                    raise ReferenceLost(f"{self._who()} exited with code {self.proc.returncode} ({what})") from None
-            raise ReferenceLost(f"{self._who()} is gone or did not answer within {self.timeout:g} s ({what}: {_first_line(err)})") from None
+            self._lost(err, what)
 
     def send_init(self, reference: Tensor) -> None:
         """Pipeline 0: the reference's starting weights W_ref(t) (the initial model, or a checkpoint's)."""
-        self._wait(self.group.send([reference.detach().to("cpu", self.dtype).clone()], self.pipelines, TAG_INIT), "sending the start")
+        start = reference.detach().to("cpu", self.dtype).clone()
+        self._wait(self._post(self.group.send, start, TAG_INIT, "sending the start"), "sending the start")
 
     def send_delta(self, delta: Tensor) -> None:
         """Δ_n(t), asynchronously; only sends older than the pulls since are waited for (already done)."""
         message = self._free_messages.pop() if self._free_messages else torch.empty(self.numel + 1, dtype=self.dtype)
         message[0] = UPDATE
         message[1:].copy_(delta.detach())
-        self._sends.append((self.group.send([message], self.pipelines, TAG_DELTA), message))
+        self._sends.append((self._post(self.group.send, message, TAG_DELTA, "sending an update"), message))
         while len(self._sends) > self.max_sends:  # done long ago: the reference took them before the pulls since
             work, done = self._sends.popleft()
             self._wait(work, "sending an update")
@@ -152,7 +168,7 @@ class ReferenceLink:
     def post_reference(self) -> None:
         """Post the receive of the next W_ref (its index is one more than the last posted)."""
         buffer = self._free_references.pop() if self._free_references else torch.empty(self.numel, dtype=self.dtype)
-        self.pending.append((self.group.recv([buffer], self.pipelines, TAG_REF), buffer))
+        self.pending.append((self._post(self.group.recv, buffer, TAG_REF, "receiving the reference weights"), buffer))
 
     def take_reference(self) -> Tensor:
         """The oldest posted W_ref, waited for."""
@@ -174,7 +190,7 @@ class ReferenceLink:
                 self.take_reference()
             stop = torch.zeros(self.numel + 1, dtype=self.dtype)
             stop[0] = STOP
-            self._wait(self.group.send([stop], self.pipelines, TAG_DELTA), "stopping it")
+            self._wait(self._post(self.group.send, stop, TAG_DELTA, "stopping it"), "stopping it")
             if self.proc is not None:
                 self.proc.wait(timeout=self.timeout)
         finally:
