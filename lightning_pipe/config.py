@@ -24,6 +24,7 @@ from .planning.partition import PartitionSpec, partition_blocks
 from .planning.partitioners import PARTITIONERS
 from .profiler import Profile
 from .schedules import AUTO, REGISTRY, ScheduleSpec
+from .schedules.advance import advance_bounds
 from .schedules.spec import ALIASES, canonical
 from .topology import Topology
 
@@ -44,6 +45,10 @@ class PipelineConfig:
     """interleaved: model chunks per rank (v)."""
     waves: int = 1
     """wave: Hanayo waves (W); each rank holds 2W chunks."""
+    advance_num: Optional[int] = None
+    """advance: forwards the first stage runs before its first backward, in [K - 1, M] (K - 1: 1F1B,
+    M: all forwards first); None: AvgPipe's Algorithm 1 (start at K - 1, raise by one after a step
+    while steps get faster and the predicted peak memory stays under memory_limit)."""
     microbatches: int = 4
     """Micro-batches per optimizer step (m)."""
     width: int = 1
@@ -62,7 +67,17 @@ class PipelineConfig:
     slicer: Any = False
     """AutoPipe slicer: True (the simulator picks how many warm-up micro-batches to halve), False, or a count."""
     memory_limit: Optional[float] = None
-    """schedule=auto: bytes per device a candidate may use (None: a GPU's memory; no limit on CPU)."""
+    """Bytes per device: what schedule=auto's candidates, the advance rule's advance_num and the tuner's
+    (M, N) may use (None: a GPU's memory; no limit on CPU)."""
+    tune: bool = False
+    """AvgPipe's tuner (§5.2): profile one setting (tune_microbatches' largest M, N = 1) for tune_batches
+    steps, predict every (M, N) of the grid, train with the fastest within memory_limit (the CLI)."""
+    tune_batches: int = 20
+    """Tuner: training steps profiled (the paper: twenty)."""
+    tune_microbatches: Optional[list[int]] = None
+    """Tuner: the micro-batch counts M to consider (None: powers of two from 1 to the batch size, at most 64)."""
+    tune_pipelines: Optional[list[int]] = None
+    """Tuner: the parallel pipeline counts N to consider (None: 1, 2, 4)."""
     profile: Optional[str] = None
     """A saved profile.json to plan from instead of profiling on the ranks."""
     bandwidth: Optional[float] = None
@@ -96,6 +111,7 @@ class PipelineConfig:
         for name in ("microbatches", "width", "chunks", "waves"):
             check_count(name, getattr(self, name))
         self._check_avgpipe()
+        self._check_advance()
         if self.stages is not None:
             check_count("stages", self.stages)
         self.partition = _partition(self.partition)
@@ -103,7 +119,7 @@ class PipelineConfig:
             raise SettingError(
                 f"slicer={self.slicer!r}: True (the simulator chooses), False, or a count 0..microbatches={self.microbatches}", "slicer"
             )
-        if self.slicer and (self.schedule in MULTI_CHUNK or self.schedule == "2bw"):
+        if self.slicer and (self.schedule in MULTI_CHUNK or self.schedule in ("2bw", "advance")):
             raise SettingError(f"slicer={self.slicer!r} works with schedule='gpipe' or '1f1b', not {self.schedule!r}", "slicer")
         if self.memory_limit is not None and (
             isinstance(self.memory_limit, bool) or not isinstance(self.memory_limit, (int, float)) or self.memory_limit <= 0
@@ -152,6 +168,45 @@ class PipelineConfig:
         if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
             raise SettingError(f"staleness={self.staleness!r}: an integer >= 0 (0: synchronous and deterministic)", "staleness")
 
+    def _check_advance(self) -> None:
+        if self.advance_num is not None:
+            if self.schedule != "advance":
+                raise SettingError(
+                    f"advance_num={self.advance_num!r} is a setting of schedule='advance', not {self.schedule!r}", "advance_num"
+                )
+            if isinstance(self.advance_num, bool) or not isinstance(self.advance_num, int) or self.advance_num < 0:
+                raise SettingError(
+                    f"advance_num={self.advance_num!r}: an integer in [K - 1, M], or None for the adaptive rule", "advance_num"
+                )
+        if not isinstance(self.tune, bool):
+            raise SettingError(f"tune={self.tune!r}: true or false", "tune")
+        check_count("tune_batches", self.tune_batches)
+        for name in ("tune_microbatches", "tune_pipelines"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                values = sorted(set(value))
+            except TypeError:
+                raise SettingError(f"{name}={value!r}: a list of integers >= 1", name) from None
+            if not values:
+                raise SettingError(f"{name}=[]: list at least one value (integers >= 1), or null for the default grid", name)
+            for v in values:
+                check_count(name, v)
+            setattr(self, name, values)
+
+    def check_advance(self, stages: int) -> None:
+        """A fixed advance_num must lie in [K - 1, M] on this depth."""
+        if self.schedule != "advance" or self.advance_num is None:
+            return
+        low, high = advance_bounds(stages, self.microbatches)
+        if not low <= self.advance_num <= high:
+            raise SettingError(
+                f"advance_num={self.advance_num} is outside [K - 1, M] = [{low}, {high}] for K={stages} stages and "
+                f"microbatches={self.microbatches} ({low}: 1F1B, {high}: all forwards first)",
+                "advance_num",
+            )
+
     # ---- what the settings mean ----------------------------------------------------------------
     @property
     def replicas(self) -> int:
@@ -169,7 +224,8 @@ class PipelineConfig:
     @property
     def schedule_spec(self) -> ScheduleSpec:
         """The schedule to run; schedule="auto" runs 1F1B until the planner has chosen."""
-        return ScheduleSpec.from_settings("1f1b" if self.auto else self.schedule, {"chunks": self.chunks, "waves": self.waves})
+        settings = {"chunks": self.chunks, "waves": self.waves, "advance_num": self.advance_num or 0}
+        return ScheduleSpec.from_settings("1f1b" if self.auto else self.schedule, settings)
 
     @property
     def planner(self) -> Optional[str]:
@@ -209,6 +265,7 @@ class PipelineConfig:
         """The devices are known: the width must divide them and the schedule must take the
         micro-batch count on that depth (e.g. interleaved needs a multiple of the stages)."""
         topology = self.topology(world_size)
+        self.check_advance(topology.depth)
         self.schedule_spec.placement(topology.depth, self.microbatches)
         return topology
 

@@ -141,6 +141,8 @@ def layout(strategy: Any) -> dict[str, Any]:
     }
     if "applied" in mode:  # 2BW: updates the weights hold (the stash is W(applied - 1))
         out["autopipe_2bw_applied"] = mode["applied"]
+    if "advance" in mode:  # AvgPipe's advance rule: where Algorithm 1 stands (resumed, not re-explored)
+        out["autopipe_advance"] = mode["advance"]
     if "iteration" in mode:  # AvgPipe: iterations applied (the reference is W_ref(iteration))
         out["autopipe_avg_iteration"] = mode["iteration"]
     return out

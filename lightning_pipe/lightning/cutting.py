@@ -14,9 +14,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from ..modes.advance import AdvanceRule
 from ..planning.partition import partition_blocks
 from ..runtime.p2p import Transport
 from ..runtime.tied import TiedParameter, find_tied_parameters
@@ -50,7 +52,13 @@ class Cut:
         """What a training mode (lightning_pipe.modes) is built from."""
         topo, replica, config = strategy.topology, strategy.replica_index, strategy.config
         transport = Transport(lambda r: topo.global_rank(replica, r), strategy.root_device)
+        extra: dict[str, Any] = {}
+        if config.schedule == "advance" and config.advance_num is None:  # AvgPipe's Algorithm 1 chooses it
+            extra["advance"] = AdvanceRule(
+                topo.depth, config.microbatches, strategy.stage_index, config.memory_limit, lambda: held_bytes(strategy)
+            )
         return dict(
+            **extra,
             spec=self.spec,
             stages=topo.depth,
             microbatches=config.microbatches,
@@ -65,6 +73,16 @@ class Cut:
     def loss_stage(self) -> int:
         """The rank holding the last chunk computes the loss (the last stage, or rank 0 in a wave)."""
         return self.placement[-1]
+
+
+def held_bytes(strategy: Any) -> float:
+    """What the stage holds whatever the schedule: its parameters, their gradients and the optimizers' state."""
+    params = [p for p in strategy.model.parameters()] if strategy.model is not None else []
+    total = sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1) for p in params)
+    for optimizer in getattr(strategy, "optimizers", []) or []:
+        for state in getattr(optimizer, "state", {}).values():
+            total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    return float(total)
 
 
 def choose_layout(strategy: Any, module: Any, pipeline: nn.Sequential) -> tuple[ScheduleSpec, Bounds, int, Any, Any]:

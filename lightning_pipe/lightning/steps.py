@@ -46,6 +46,7 @@ class PipelineSteps:
         self.trace_group = group if trace else None
         self.stash = GradientStash()
         self.replicas = 1  # pipelines side by side, each evaluating its shard
+        self.recording: Optional[Any] = None  # the tuner's profile run (tune_record.TuneRecording)
 
     @classmethod
     def build(cls, strategy: Any, module: Any, mode: TrainingMode, gradients: StageGradients) -> "PipelineSteps":
@@ -79,7 +80,10 @@ class PipelineSteps:
             dist.barrier(group=self.trace_group)  # a common start, so the ranks' traces line up
         try:
             with context():
-                executor = self.mode.run(kind, host, keys)
+                if self.recording is not None and kind == "train":
+                    executor = self.recording.around(lambda: self.mode.run(kind, host, keys), len(keys), args[0])
+                else:
+                    executor = self.mode.run(kind, host, keys)
         finally:
             del module.log
         if self.trace_group is not None and kind == "train":

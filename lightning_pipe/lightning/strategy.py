@@ -22,6 +22,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from ..config import PipelineConfig
+from ..errors import SettingError
 from ..modes import TrainingMode, make_mode
 from ..planning.partition import PartitionSpec
 from ..schedules import REGISTRY
@@ -34,13 +35,14 @@ from .launchers import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher
 from .precision import pipeline_precision
 from .processes import ProcessGroupStrategy
 from .steps import PipelineSteps
+from .tune_record import TuneRecording
 
 
 class AutoPipeStrategy(ProcessGroupStrategy):
     """Pipeline parallelism, planned and run by lightning-pipe: ``Trainer(strategy="autopipe")``.
 
     Arguments (the pipeline's are `PipelineConfig`'s fields, documented there):
-        schedule: ``"gpipe"``, ``"1f1b"`` (alias ``"flush"``), ``"interleaved"``, ``"wave"``, ``"2bw"`` or ``"auto"``.
+        schedule: ``"gpipe"``, ``"1f1b"`` (alias ``"flush"``), ``"interleaved"``, ``"wave"``, ``"advance"``, ``"2bw"`` or ``"auto"``.
         microbatches: micro-batches per optimizer step.
         partition: a partitioner name (``"autopipe"``, ``"dp"``, ``"parameters"``, ``"exhaustive"``,
             ``"uniform"``) or blocks per stage, e.g. ``[4, 6]``.
@@ -50,7 +52,11 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         prefetch: post receives before the compute that needs them.
         chunks: interleaved's model chunks per rank. waves: wave's Hanayo waves.
         slicer: AutoPipe slicer: True, False or a count of warm-up micro-batches to halve.
-        memory_limit: schedule="auto": bytes per device (None: a GPU's memory).
+        memory_limit: bytes per device for schedule="auto", the advance rule and the tuner (None: a GPU's memory).
+        advance_num: schedule="advance": forwards in advance on the first stage, K - 1 .. M (None: AvgPipe's
+            Algorithm 1 raises it from K - 1 while steps get faster and memory fits).
+        tune, tune_batches, tune_microbatches, tune_pipelines: AvgPipe's M x N tuner; it runs from the CLI
+            (it chooses the process count), so tune=True is refused here with the commands to use.
         trace: record each action's real times; writes trace.json and a timeline picture.
         profile: a saved profile.json to plan from. bandwidth, latency: the link model for planning.
         start_method: ``"popen"`` (Lightning re-runs the command), ``"spawn"``, ``"fork"``, ``"forkserver"``.
@@ -79,6 +85,11 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         waves: int = 1,
         slicer: Union[bool, int] = False,
         memory_limit: Optional[float] = None,
+        advance_num: Optional[int] = None,
+        tune: bool = False,
+        tune_batches: int = 20,
+        tune_microbatches: Optional[list[int]] = None,
+        tune_pipelines: Optional[list[int]] = None,
         trace: bool = False,
         profile: Optional[str] = None,
         bandwidth: Optional[float] = None,
@@ -106,6 +117,11 @@ class AutoPipeStrategy(ProcessGroupStrategy):
             waves=waves,
             slicer=slicer,
             memory_limit=memory_limit,
+            advance_num=advance_num,
+            tune=tune,
+            tune_batches=tune_batches,
+            tune_microbatches=tune_microbatches,
+            tune_pipelines=tune_pipelines,
             trace=trace,
             profile=profile,
             bandwidth=bandwidth,
@@ -114,6 +130,14 @@ class AutoPipeStrategy(ProcessGroupStrategy):
             checkpoint=checkpoint,
             **({} if timeout is None else {"timeout": timeout.total_seconds() if isinstance(timeout, timedelta) else timeout}),
         )
+        if self.config.tune:
+            raise SettingError(
+                "tune=True: AvgPipe's tuner chooses how many processes run (pipelines x stages) before they start, which a "
+                "Trainer's fixed devices cannot follow; run `python -m lightning_pipe.train ... pipeline.tune=true` (it profiles, "
+                "then trains with the choice), or `python -m lightning_pipe.plan ... pipeline.tune=true` and pass the chosen "
+                "pipelines= and microbatches= here",
+                "tune",
+            )
         super().__init__(
             process_group_backend=process_group_backend,
             # Twice the heartbeat's limit: a silent peer is named by the heartbeat before a collective gives up.
@@ -252,7 +276,15 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         if self.config.mode == "2bw":
             two_bw.defer_schedulers(self)
         self._steps = PipelineSteps.build(self, module, self.mode, self._gradients)
+        self._steps.recording = TuneRecording.from_env(self) if trainer.state.fn == TrainerFn.FITTING else None
         self._active = True
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self._steps is not None and self._steps.recording is not None:  # the tuner's profile run: the link, then the files
+            self._steps.recording.finish()
+            self._steps.recording = None
 
     # ---- steps (steps.py) ------------------------------------------------------------------------
     @override
@@ -338,6 +370,10 @@ class AutoPipeStrategy(ProcessGroupStrategy):
             two_bw.load_mode_state(self, checkpoint, extras)
         elif self.config.mode == "avgpipe":
             avgpipe.load_mode_state(self, checkpoint)
+        rule = getattr(getattr(self.mode, "sync", self.mode), "advance", None)
+        saved = next((s.get("autopipe_advance") for s in checkpoint.get("optimizer_states", []) if isinstance(s, dict)), None)
+        if rule is not None and saved is not None:
+            rule.load_state_dict(saved)
         _optimizers_to_device(self.optimizers, self.root_device)
 
     @override

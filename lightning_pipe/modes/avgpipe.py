@@ -20,6 +20,7 @@ from ..runtime.elastic import ReferenceLink, elastic_pull_, flat_into, flat_size
 from ..runtime.executor import Executor, StageHost
 from ..runtime.p2p import Transport
 from ..schedules import ScheduleSpec
+from .advance import AdvanceRule
 from .sync import SyncMode
 
 
@@ -39,8 +40,9 @@ class AvgPipeMode:
         prefetch: bool = True,
         trace: bool = False,
         sliced: int = 0,
+        advance: Optional[AdvanceRule] = None,
     ):
-        self.sync = SyncMode(spec, stages, microbatches, rank, transport, prefetch, trace, sliced)
+        self.sync = SyncMode(spec, stages, microbatches, rank, transport, prefetch, trace, sliced, advance)
         self.spec, self.pipeline, self.alpha, self.staleness = spec, pipeline, alpha, staleness
         self.params = [p for p in module.parameters() if p.requires_grad]
         dtypes = {p.dtype for p in self.params}

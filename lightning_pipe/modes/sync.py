@@ -2,16 +2,21 @@
 
 The pipeline fills and drains inside one step, so one step's gradients equal one process's on
 the same batch; the optimizer step that follows is the user's, unchanged. Executors are built
-once per (kind, micro-batch count): the last batch of an epoch may split into fewer.
+once per (kind, micro-batch count, advance_num): the last batch of an epoch may split into fewer,
+and AvgPipe's advance rule (`AdvanceRule`, schedule "advance" without a fixed advance_num) changes
+the list between steps, the same way on every rank.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import time
+from typing import Any, Optional, Sequence
 
 from ..runtime.executor import Executor, StageHost
 from ..runtime.p2p import Transport
 from ..schedules import ScheduleSpec, forward_only, validate
+from ..schedules.advance import advance_bounds
+from .advance import AdvanceRule
 
 
 class SyncMode:
@@ -25,17 +30,28 @@ class SyncMode:
         prefetch: bool = True,
         trace: bool = False,
         sliced: int = 0,
+        advance: Optional[AdvanceRule] = None,
     ):
         self.spec, self.stages, self.rank, self.transport = spec, stages, rank, transport
         self.prefetch, self.trace, self.sliced = prefetch, trace, sliced
+        self.advance = advance  # the adaptive advance_num (None: the spec's list is fixed)
         self.placement = spec.placement(stages, microbatches)  # where each model chunk lives
-        self._executors: dict[tuple[str, int], Executor] = {}
+        self.spec_microbatches = microbatches
+        self._executors: dict[tuple[str, int, int], Executor] = {}
+
+    def _train_spec(self, microbatches: int) -> ScheduleSpec:
+        if self.spec.name != "advance":
+            return self.spec
+        wanted = self.advance.advance_num if self.advance is not None else self.spec.kwargs["advance_num"] or self.stages - 1
+        low, high = advance_bounds(self.stages, microbatches)  # a short last batch: at most its micro-batches
+        return ScheduleSpec.of("advance", advance_num=min(max(wanted, low), high))
 
     def executor(self, kind: str, microbatches: int) -> Executor:
-        key = (kind, microbatches)
+        spec = self._train_spec(microbatches) if kind == "train" else self.spec
+        key = (kind, microbatches, dict(spec.options).get("advance_num", 0))
         if key not in self._executors:
             if kind == "train":
-                schedule = self.spec.build(self.stages, microbatches)
+                schedule = spec.build(self.stages, microbatches)
             else:  # evaluation: forwards only, over the training placement (the chunks are where they are)
                 schedule = forward_only(self.stages, microbatches, self.placement)
                 validate(schedule)
@@ -44,11 +60,21 @@ class SyncMode:
 
     def run(self, kind: str, host: StageHost, keys: Sequence[Any]) -> Executor:
         executor = self.executor(kind, len(keys))
-        executor.run(host, keys)
+        if kind != "train" or self.advance is None:
+            executor.run(host, keys)
+            return executor
+        started = time.perf_counter()
+        with self.advance.measure_stash(len(keys)):
+            executor.run(host, keys)
+        self.advance.observe(time.perf_counter() - started, self.transport.device)
         return executor
 
     def drain(self) -> None:
         pass  # nothing outlives a step
 
     def state_dict(self) -> dict[str, Any]:
-        return {"schedule": [self.spec.name, dict(self.spec.options)], "sliced": self.sliced}
+        spec = self._train_spec(max(1, self.spec_microbatches)) if self.advance is not None else self.spec
+        out: dict[str, Any] = {"schedule": [spec.name, dict(spec.options)], "sliced": self.sliced}
+        if self.advance is not None:
+            out["advance"] = self.advance.state_dict()
+        return out

@@ -111,6 +111,7 @@ class Transport:
         self._sent: set[Hashable] = set()
         self._specs: dict[Hashable, ActivationSpec] = {}
         self._pinned: list[Tensor] = []  # headers in flight
+        self.moved_bytes, self.messages = 0, 0  # what this rank sent and received (AvgPipe's tuner reads them)
 
     # ---- activations -------------------------------------------------------------------------
     def send_activation(self, peer: int, chunk: int, key: Hashable, value: Activation) -> list[dist.P2POp]:
@@ -157,6 +158,8 @@ class Transport:
     def issue(self, ops: list[dist.P2POp]) -> list[dist.Work]:
         if not ops:
             return []
+        self.messages += len(ops)
+        self.moved_bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
         if self.batch_ops:
             return dist.batch_isend_irecv(ops)
         return [op.op(op.tensor, op.peer) for op in ops]

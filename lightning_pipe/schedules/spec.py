@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 from ..errors import SettingError, check_count
 from .actions import PipelineSchedule
+from .advance import advance
 from .gpipe import gpipe
 from .interleaved import interleaved_1f1b, interleaved_chunks, interleaved_misfit
 from .one_f_one_b import one_f_one_b
@@ -29,6 +30,7 @@ class ScheduleKind:
     chunks: Optional[Callable[..., int]] = None  # (stages, **options) -> model chunks; None: one per rank
     misfit: Optional[Callable[..., str]] = None  # (stages, num_blocks, **options) -> why it does not fit
     mode: str = "sync"  # the training mode that runs it (lightning_pipe.modes)
+    zero_means_default: frozenset[str] = frozenset()  # options whose 0 stands for a depth-dependent default
 
 
 REGISTRY: dict[str, ScheduleKind] = {
@@ -36,6 +38,8 @@ REGISTRY: dict[str, ScheduleKind] = {
     "1f1b": ScheduleKind(one_f_one_b),
     "interleaved": ScheduleKind(interleaved_1f1b, {"chunks": 2}, interleaved_chunks, interleaved_misfit),
     "wave": ScheduleKind(wave, {"waves": 1}, wave_chunks, wave_misfit),
+    # AvgPipe's advance forward propagation: advance_num forwards before the first backward (0: K - 1, i.e. 1F1B)
+    "advance": ScheduleKind(advance, {"advance_num": 0}, zero_means_default=frozenset({"advance_num"})),
     # PipeDream-2BW: no flush, one update per batch from the previous version; runs as its own mode
     "2bw": ScheduleKind(pipedream_2bw, mode="2bw"),
 }
@@ -71,7 +75,8 @@ class ScheduleSpec:
         if unknown:
             raise SettingError(f"schedule={self.name!r} takes no option {unknown}; its options: {list(kind.options) or 'none'}", unknown[0])
         for key, value in given.items():
-            check_count(key, value)
+            if not (value == 0 and key in kind.zero_means_default and not isinstance(value, bool)):
+                check_count(key, value)
         object.__setattr__(self, "options", tuple(sorted({**kind.options, **given}.items())))
 
     @classmethod
