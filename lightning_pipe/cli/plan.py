@@ -26,7 +26,7 @@ from ..schedules import ScheduleSpec
 from ..schedules.text import dump
 from ..simulator import simulate
 from ..viz import gantt
-from . import errors
+from . import errors, tune
 from .paths import CONFIG_DIR
 from .train import named, pipeline_config
 
@@ -34,8 +34,14 @@ from .train import named, pipeline_config
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
 @errors.reported
 def _main(cfg: DictConfig) -> None:
+    out = Path(HydraConfig.get().runtime.output_dir)
     try:
         config = pipeline_config(cfg)
+        if config.tune:  # AvgPipe's tuner: profile one setting, predict the grid, print the table
+            result = tune.tune(cfg, config, out)
+            print(result.table())
+            print(f"chosen: M={result.chosen.microbatches}, N={result.chosen.pipelines}; written: {out / 'tune.json'}")
+            return
         world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
         stages = config.stages or config.topology(world).depth
         method = config.partition if isinstance(config.partition, str) else None
@@ -67,7 +73,6 @@ def _main(cfg: DictConfig) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     schedule, options = spec.name, spec.kwargs
-    out = Path(HydraConfig.get().runtime.output_dir)
     summary = {"costs": source, "plan": result.to_dict()}
     if choice is not None:
         summary["schedule_choice"] = choice.to_dict()

@@ -9,6 +9,7 @@ resolved config) go to the Hydra run directory.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -28,8 +29,10 @@ from ..config import PipelineConfig
 from ..errors import SettingError
 from ..lightning import AutoPipeStrategy
 from ..lightning.stage import find_pipeline
-from . import errors
+from . import errors, tune
 from .paths import CONFIG_DIR
+
+log = logging.getLogger("lightning_pipe.tune")
 
 
 def _instantiate_all(group: Optional[DictConfig]) -> list[Any]:
@@ -109,6 +112,30 @@ def build(cfg: DictConfig) -> tuple[L.LightningModule, L.LightningDataModule, L.
     return module, datamodule, trainer
 
 
+def _tuned(cfg: DictConfig, run_dir: Path) -> None:
+    """pipeline.tune=true: AvgPipe's tuner chooses M and N (once, in the launching process), and the
+    config becomes the chosen job's."""
+    try:
+        config = pipeline_config(cfg)
+        if not config.tune:
+            return
+        tune.check(cfg, config)
+    except SettingError as err:
+        raise named(err) from None
+    stages = tune.depth(cfg, config)
+    chosen = tune.tuned_before(cfg, config)
+    if chosen is None:
+        try:
+            result = tune.tune(cfg, config, run_dir)
+        except SettingError as err:
+            raise named(err) from None
+        log.info(result.table())
+        log.info(f"tuner: M={result.chosen.microbatches}, N={result.chosen.pipelines} ({run_dir / 'tune.json'})")
+        os.environ[tune.TUNED_ENV] = str(run_dir / "tune.json")  # the workers Lightning starts read the choice
+        chosen = (result.chosen.microbatches, result.chosen.pipelines)
+    tune.apply(cfg, stages, *chosen)
+
+
 class RunFolder:
     """The Hydra run folder of this job: removed again if the job fails before training a step
     (nothing half-written is left of a run that never trained). Only the first process does it."""
@@ -140,6 +167,7 @@ def _main(cfg: DictConfig) -> Optional[float]:
     folder = RunFolder(Path(hydra_cfg.runtime.output_dir), hydra_cfg.mode == RunMode.MULTIRUN)
     faults.on_end(folder.remove_if_untrained)
     run_dir = folder.path
+    _tuned(cfg, run_dir)
     module, datamodule, trainer = build(cfg)
     folder.trainer = trainer
     if trainer.is_global_zero:

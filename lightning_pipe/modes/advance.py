@@ -19,6 +19,7 @@ in flight at the stage's peak.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -26,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.advance import advance_bounds, peak_stash
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -90,10 +93,16 @@ class AdvanceRule:
         self.history.append((self.advance_num, seconds))
         faster = self._last is None or seconds < self._last
         self._last = seconds
+        before = self.advance_num
         if faster and fits and self.advance_num < self.high:
             self.advance_num += 1
         else:
             self.settled = True
+        if self.rank == 0 and (not dist.is_initialized() or dist.get_rank() == 0):
+            why = "raised" if not self.settled else "at M" if before >= self.high else "no faster" if not faster else "memory_limit"
+            log.info(
+                f"advance rule: step {self._steps - 1} at advance_num={before} took {seconds * 1e3:.1f} ms -> {self.advance_num} ({why})"
+            )
         return self.advance_num
 
     def state_dict(self) -> dict[str, Any]:

@@ -70,11 +70,13 @@ class StageRecorder:
         self.skip = skip  # the first steps pay one-off costs (headers, allocator): not profiled
         self.steps: list[dict[str, Any]] = []
         self._seen = 0
+        self._starts: list[float] = []  # every recorded step's start: the period between them is a whole iteration
 
     def step(self, executor: Executor, started: float, ended: float, moved_bytes: int, messages: int) -> None:
         self._seen += 1
         if self._seen <= self.skip:
             return
+        self._starts.append(started)
         actions = executor.actions
         compute = sum(e - s for i, s, e in executor.records if actions[i].op.is_compute)
         self.steps.append(
@@ -98,6 +100,8 @@ class StageRecorder:
             "stage": self.stage,
             "steps": n,
             "wall": statistics.fmean(s["wall"] for s in self.steps),
+            # start to start: the schedule plus the optimizer step, AvgPipe's update and Lightning's loop
+            "period": (self._starts[-1] - self._starts[0]) / (n - 1) if n > 1 else None,
             "compute": statistics.fmean(s["compute"] for s in self.steps),
             "messages": statistics.fmean(s["messages"] for s in self.steps),
             "bytes": statistics.fmean(s["bytes"] for s in self.steps),

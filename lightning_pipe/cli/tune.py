@@ -1,0 +1,121 @@
+"""`pipeline.tune=true`: AvgPipe's tuner of M (micro-batches) and N (parallel pipelines), §5.2.
+
+The profile is one real training run of the job itself — same recipe, model, data and schedule —
+at the paper's profiled setting (the largest M of the grid, N = 1) for `tune_batches` steps (plus
+one warm-up step not counted), started as a child `python -m lightning_pipe.train` whose ranks
+record their steps (`lightning_pipe.lightning.tune_record`). From it every (M, N) of the grid is
+predicted (`lightning_pipe.tuning.predict`, Eq. 1-8), and the fastest within memory_limit is
+chosen. `tune.json` in the run folder lists every candidate; `train` then runs N x K processes
+with it (its own workers, started by Lightning, read the choice from that file instead of tuning
+again); `plan` only prints the table.
+
+The depth K of a pipeline stays as configured (devices x nodes / pipelines, or `pipeline.stages`);
+the chosen job runs N x K worker processes (plus AvgPipe's K reference processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
+
+from ..config import PipelineConfig
+from ..errors import SettingError
+from ..lightning.tune_record import RECORD_ENV
+from ..tuning import TuneProfile, TuneResult, choose, default_grid
+
+TUNED_ENV = "LIGHTNING_PIPE_TUNED"  # the tune.json a job's own workers apply instead of tuning again
+_PROFILE_TIMEOUT = 3600.0
+# settings of the profiled run that the tuner fixes itself (a user's value for them is replaced)
+_OWN = ("pipeline.tune", "pipeline.pipelines", "pipeline.microbatches", "trainer.devices", "trainer.num_nodes", "trainer.max_steps")
+_OWN += ("trainer.limit_val_batches", "logger", "callbacks", "ckpt_path", "test_after_fit", "hydra.run.dir", "pipeline.trace")
+
+
+def depth(cfg: DictConfig, config: PipelineConfig) -> int:
+    """K, the depth of one pipeline, as configured: devices x nodes / pipelines (or pipeline.stages)."""
+    world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
+    return config.stages or config.topology(world).depth
+
+
+def check(cfg: DictConfig, config: PipelineConfig) -> tuple[list[int], list[int]]:
+    """The grid, checked before anything runs."""
+    if config.pipelines is None:
+        raise SettingError("tune=true is AvgPipe's tuner of micro-batches and pipelines: use pipeline=avgpipe", "tune")
+    if int(cfg.trainer.get("num_nodes", 1)) != 1:
+        raise SettingError("tune=true profiles on one node: set trainer.num_nodes=1 (multi-node tuning is not built)", "tune")
+    ms, ns = default_grid(int(cfg.data.batch_size), config.tune_microbatches, config.tune_pipelines)
+    stages = depth(cfg, config)
+    for m in ms:
+        try:
+            config.schedule_spec.placement(stages, m)
+        except ValueError as err:
+            raise SettingError(f"tune_microbatches={ms}: M={m} does not run on {stages} stages: {err}", "tune_microbatches") from None
+    return ms, ns
+
+
+def run_profile(cfg: DictConfig, config: PipelineConfig, folder: Path, microbatches: int, stages: int) -> list[dict]:
+    """The profiled run as a child training job; returns every rank's record."""
+    given = [o for o in HydraConfig.get().overrides.task if o.lstrip("+~").split("=", 1)[0] not in _OWN]
+    ranks = folder / "ranks"
+    cmd = [sys.executable, "-m", "lightning_pipe.train", *given]
+    cmd += ["pipeline.tune=false", "pipeline.pipelines=1", f"pipeline.microbatches={microbatches}", "pipeline.trace=false"]
+    cmd += [f"trainer.devices={stages}", "trainer.num_nodes=1", f"trainer.max_steps={config.tune_batches + 1}"]
+    cmd += ["trainer.limit_val_batches=0", "logger=none", "callbacks=none", "ckpt_path=null", "test_after_fit=false"]
+    cmd += [f"hydra.run.dir={folder}"]
+    env = {k: v for k, v in os.environ.items() if k not in (TUNED_ENV, "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
+    env[RECORD_ENV] = str(ranks)
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=_PROFILE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"tuner: the profile run did not finish in {_PROFILE_TIMEOUT:.0f} s (lower pipeline.tune_batches)") from None
+    (folder / "profile_run.log").parent.mkdir(parents=True, exist_ok=True)
+    (folder / "profile_run.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        said = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        why = said[-1].removeprefix("error: ") if said else (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"tuner: the profile run (M={microbatches}, N=1) failed with exit code {done.returncode}: {why}")
+    files = sorted(ranks.glob("rank*.json"))
+    if len(files) != stages:
+        raise RuntimeError(f"tuner: the profile run wrote {len(files)} of {stages} rank records in {ranks}")
+    return [json.loads(f.read_text()) for f in files]
+
+
+def tune(cfg: DictConfig, config: PipelineConfig, out: Path) -> TuneResult:
+    """Profile, predict, choose; writes out/tune.json (and the profile run's folder out/tune_profile)."""
+    ms, ns = check(cfg, config)
+    stages = depth(cfg, config)
+    started = time.perf_counter()
+    ranks = run_profile(cfg, config, out / "tune_profile", max(ms), stages)
+    profiled = time.perf_counter() - started
+    profile = TuneProfile.from_ranks(max(ms), 1, int(cfg.data.batch_size), ranks)
+    t0 = time.perf_counter()
+    result = choose(profile, ms, ns, config.memory_limit)
+    result.seconds = {"profile_run": profiled, "predict": time.perf_counter() - t0}
+    result.write(out / "tune.json")
+    return result
+
+
+def apply(cfg: DictConfig, stages: int, microbatches: int, pipelines: int) -> None:
+    """The job's config with the tuner's choice: N x K devices, M micro-batches, N pipelines."""
+    with open_dict(cfg):
+        cfg.pipeline.tune = False
+        cfg.pipeline.microbatches = microbatches
+        cfg.pipeline.pipelines = pipelines
+        cfg.pipeline.stages = None
+        cfg.trainer.devices = pipelines * stages
+
+
+def tuned_before(cfg: DictConfig, config: PipelineConfig) -> Optional[tuple[int, int]]:
+    """In a worker the launcher started: the (M, N) its launching process chose (no second tuning)."""
+    path = os.environ.get(TUNED_ENV)
+    if not path:
+        return None
+    chosen = json.loads(Path(path).read_text())["chosen"]
+    return int(chosen["microbatches"]), int(chosen["pipelines"])
