@@ -84,10 +84,11 @@ def fit(
     train=None,
     val=None,
     checkpoint="full",
+    schedule="1f1b",
     **kw,
 ):
     strategy = AutoPipeStrategy(
-        schedule="1f1b",
+        schedule=schedule,
         microbatches=2,
         partition="uniform",
         start_method="spawn",
@@ -120,14 +121,23 @@ def parallel_models(path):
     return state["state_dict"], out
 
 
-@pytest.mark.parametrize("alpha,staleness", [(None, 0), (0.3, 1)])
-def test_parallel_and_reference_weights_follow_the_rule(tmp_path, alpha, staleness):
+@pytest.mark.parametrize("alpha,staleness,schedule", [(None, 0, "1f1b"), (0.3, 1, "advance")])
+def test_parallel_and_reference_weights_follow_the_rule(tmp_path, alpha, staleness, schedule):
     # 2 pipelines x 2 stages, 7 iterations over 23-sample shards (batches 10, 10, 3: not divisible by m)
-    # validation every 3 steps evaluates the reference and must leave every trajectory unchanged
+    # validation every 3 steps evaluates the reference and must leave every trajectory unchanged;
+    # "advance": AvgPipe's advance forward propagation with its adaptive rule inside the pipelines
     model = LitSeq()
     val = DataLoader(dataset(seed=3), batch_size=10)
     fit(
-        model, 7, alpha=alpha, staleness=staleness, callbacks=[saved(tmp_path, 7)], enable_checkpointing=True, val=val, val_check_interval=3
+        model,
+        7,
+        alpha=alpha,
+        staleness=staleness,
+        callbacks=[saved(tmp_path, 7)],
+        enable_checkpointing=True,
+        val=val,
+        val_check_interval=3,
+        schedule=schedule,
     )
     want_parallel, want_ref = simulate(7, 2, 0.5 if alpha is None else alpha, staleness)
     (path,) = glob.glob(os.path.join(tmp_path, "*step=7.ckpt"))
@@ -137,6 +147,9 @@ def test_parallel_and_reference_weights_follow_the_rule(tmp_path, alpha, stalene
     for n in range(2):
         assert max_rel_diff(want_parallel[n], parallel[n]) <= 1e-10
     assert max_rel_diff(parallel[0], parallel[1]) > 1e-4  # the pipelines trained on different data
+    if schedule == "advance":  # the rule's state is in the checkpoint, the same for every pipeline (one list)
+        rule = torch.load(path, weights_only=False)["optimizer_states"][0]["autopipe_advance"]
+        assert 1 <= rule["advance_num"] <= 2 and len(rule["history"]) >= 1
 
 
 def test_the_reference_stays_the_mean_of_the_parallel_models(tmp_path):
