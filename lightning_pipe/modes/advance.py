@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedules.advance import advance_bounds, peak_stash
+from ..tuning.record import SavedBytes
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +70,9 @@ class AdvanceRule:
         if not self.measuring:
             yield
             return
-        seen: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with SavedBytes() as saved:
             yield
-        self.stash_bytes = sum(seen.values()) / max(1, microbatches)
+        self.stash_bytes = saved.total / max(1, microbatches)
 
     # ---- Algorithm 1, lines 9-10 -------------------------------------------------------------
     def observe(self, seconds: float, device: Optional[torch.device] = None) -> int:
