@@ -100,7 +100,7 @@ def test_advance_hides_slow_messages_in_the_simulator_and_draws(tmp_path):
 
 # ---- Algorithm 1's rule (one process: no agreement needed) ---------------------------------------
 def test_the_rule_raises_while_faster_then_settles_for_good():
-    rule = AdvanceRule(stages=2, microbatches=6, rank=0)
+    rule = AdvanceRule(stages=2, microbatches=6, rank=0, warmup=1)
     assert rule.advance_num == 1  # starts at 1F1B
     seen = [rule.observe(t) for t in (9.0, 5.0, 4.0, 3.0, 3.5, 1.0, 0.5)]
     # warm-up (9.0) not compared; 5.0: first measure -> 2; 4.0 -> 3; 3.0 -> 4; 3.5 is slower -> settled at 4
@@ -108,14 +108,20 @@ def test_the_rule_raises_while_faster_then_settles_for_good():
     assert rule.settled and rule.history == [(1, 5.0), (2, 4.0), (3, 3.0), (4, 3.5)]
 
 
+def test_warm_up_steps_are_not_compared():
+    rule = AdvanceRule(stages=2, microbatches=6, rank=0)  # the default skips 3 steps getting faster by themselves
+    assert [rule.observe(t) for t in (9.0, 7.0, 5.0, 5.0, 4.0, 6.0)] == [1, 1, 1, 2, 3, 3]
+    assert rule.history == [(1, 5.0), (2, 4.0), (3, 6.0)] and rule.settled
+
+
 def test_the_rule_stops_at_all_forwards_first():
-    rule = AdvanceRule(stages=2, microbatches=3, rank=0)
+    rule = AdvanceRule(stages=2, microbatches=3, rank=0, warmup=1)
     assert [rule.observe(t) for t in (1.0, 0.9, 0.8, 0.7, 0.1)] == [1, 2, 3, 3, 3] and rule.settled
 
 
 def test_the_rule_never_raises_past_the_memory_limit():
     # stage 0 holds 2 micro-batches at 1F1B (K=2), 3 at advance_num=2, 4 at 3: 100 + 10 per micro-batch
-    rule = AdvanceRule(stages=2, microbatches=8, rank=0, memory_limit=135.0, static_bytes=lambda: 100.0)
+    rule = AdvanceRule(stages=2, microbatches=8, rank=0, memory_limit=135.0, static_bytes=lambda: 100.0, warmup=1)
     rule.stash_bytes = 10.0
     assert rule.predicted_peak(2) == 130.0 and rule.predicted_peak(3) == 140.0
     assert [rule.observe(t) for t in (5.0, 4.0, 3.0, 2.0)] == [1, 2, 2, 2]  # 3 would need 140 > 135
@@ -132,7 +138,7 @@ def test_the_rule_measures_what_autograd_keeps_per_microbatch():
 
 
 def _agree_on_rank(rank: int, world: int) -> list[int]:
-    rule = AdvanceRule(stages=world, microbatches=6, rank=rank)
+    rule = AdvanceRule(stages=world, microbatches=6, rank=rank, warmup=1)
     # rank 1 gets faster every step, rank 0 is slow at the 3rd measured step: the agreed (max) time is rank 0's
     mine = [9.0, 5.0, 4.0, 4.5, 3.0] if rank == 0 else [9.0, 5.0, 4.0, 3.0, 2.0]
     return [rule.observe(t) for t in mine]

@@ -4,8 +4,9 @@ After each training step at ``advance_num = a`` the rule compares the step with 
 it. While the step got faster and the predicted peak memory of ``a + 1`` stays under the memory
 limit, it raises ``a`` by one (up to M, all forwards first); the first step that is not faster,
 or a raise that would not fit, settles it and it stays put for the rest of the run (the paper's
-conservative strategy: it never lowers ``a``). The very first step is not compared (it pays the
-one-off costs: headers, allocator warm-up).
+conservative strategy: it never lowers ``a``). The first `warmup` steps (3) are not compared: they
+pay one-off costs (headers, allocator, caches) and got faster by themselves in our runs, which
+would read as "advance helped" (the paper does not say how it skips them; this count is ours).
 
 Every rank must run the same action list, so the inputs of the decision are agreed first: one
 all-reduce (max) of (this rank's step time, "a + 1 does not fit here") over the job's default
@@ -43,6 +44,7 @@ class AdvanceRule:
     settled: bool = False
     stash_bytes: Optional[float] = None  # activations autograd saves per micro-batch on this rank (measured)
     history: list[tuple[int, float]] = field(default_factory=list)  # (advance_num, agreed step seconds)
+    warmup: int = 3  # steps not compared (one-off costs)
     _steps: int = 0
     _last: Optional[float] = None
 
@@ -82,7 +84,7 @@ class AdvanceRule:
             return self.advance_num
         fits = self.memory_limit is None or self.advance_num >= self.high or self.predicted_peak(self.advance_num + 1) <= self.memory_limit
         seconds, fits = _agree(seconds, fits, device)
-        if self._steps == 1:  # warm-up step: its time says nothing about the schedule
+        if self._steps <= self.warmup:  # warm-up: its time says nothing about the schedule
             return self.advance_num
         self.history.append((self.advance_num, seconds))
         faster = self._last is None or seconds < self._last

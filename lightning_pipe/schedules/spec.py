@@ -100,7 +100,8 @@ class ScheduleSpec:
 
     @property
     def label(self) -> str:
-        return self.name + "".join(f" {k}={v}" for k, v in self.options)
+        zero = self.kind.zero_means_default
+        return self.name + "".join(f" {k}={'default' if v == 0 and k in zero else v}" for k, v in self.options)
 
     def chunk_count(self, stages: int) -> int:
         """Model chunks on `stages` ranks, without building the schedule: p, v·p or 2·p·W."""
