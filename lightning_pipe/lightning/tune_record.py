@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from ..tuning.record import SavedBytes, StageRecorder, in_flight_peak, measure_link
+from ..tuning.utilisation import UtilisationSampler
 from .cutting import held_bytes
 
 RECORD_ENV = "LIGHTNING_PIPE_TUNE_RECORD"
@@ -26,7 +27,8 @@ RECORD_ENV = "LIGHTNING_PIPE_TUNE_RECORD"
 class TuneRecording:
     def __init__(self, folder: Path, strategy: Any):
         self.folder, self.strategy = folder, strategy
-        self.recorder = StageRecorder(strategy.stage_index, strategy.topology.depth, strategy.config.microbatches)
+        sampler = UtilisationSampler(device=strategy.root_device).start()
+        self.recorder = StageRecorder(strategy.stage_index, strategy.topology.depth, strategy.config.microbatches, sampler)
         sync = getattr(strategy.mode, "sync", strategy.mode)  # AvgPipe's mode runs a SyncMode
         sync.trace = True  # executors are built on first use: every one records its actions' times
         self.transport = sync.transport
@@ -68,7 +70,13 @@ class TuneRecording:
         seconds = measure_link(st.stage, st.stages, lambda r: topo.global_rank(replica, r), size, self.strategy.root_device)
         data = self.peak * (self.per_microbatch or 0.0) + self.inputs
         out = st.finish(held_bytes(self.strategy), data, seconds)
-        out.update(microbatches=st.microbatches, stages=st.stages, message_bytes=size, stash_per_microbatch=self.per_microbatch)
+        out.update(
+            utilisation_source=st.sampler.source,
+            microbatches=st.microbatches,
+            stages=st.stages,
+            message_bytes=size,
+            stash_per_microbatch=self.per_microbatch,
+        )
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / f"rank{self.strategy.global_rank}.json").write_text(json.dumps(out))
 
