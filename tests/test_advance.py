@@ -55,6 +55,8 @@ def test_every_advance_num_validates_and_holds_what_it_says(stages, m, data):
     ahead = next((i for i, (op, _) in enumerate(first) if op is Op.BACKWARD), len(first))
     # Algorithm 1: advance_num forwards in advance (line 3), then forward, backward, ... (lines 5-7)
     assert ahead == min(m, a + 1)
+    if stages > 1 and a < m:  # the last stage keeps 1F1B's order (Fig. 7(c)): holding it back only delays gradients
+        assert compute_order(schedule, stages - 1) == compute_order(build_schedule("1f1b", stages, m), stages - 1)
     held = peak_stash(stages, m, a or 0)
     for rank in range(stages):
         assert in_flight_peak(schedule.actions[rank]) == held[rank]

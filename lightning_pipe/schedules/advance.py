@@ -5,7 +5,9 @@
 starves, so a message's transfer hides behind compute, as in all-forward-all-backward (AFAB), at
 a fraction of AFAB's stashed activations. Algorithm 1 writes the first stage's order; downstream,
 stage ``k`` keeps the same lead over 1F1B (``advance_num - k`` forwards in advance), so each stage
-has its next forward's input before it asks for it. The ends:
+has its next forward's input before it asks for it — except the last stage, which keeps 1F1B's
+order as in the paper's Fig. 7(c): it feeds no one, and holding its backwards back would only
+delay every gradient upstream (measured: docs/benchmarks_advance.md). The ends:
 
 - ``advance_num = K - 1`` is 1F1B, action for action;
 - ``advance_num = M`` is AFAB (GPipe's order): every stage runs all its forwards first.
@@ -31,7 +33,10 @@ def warmups(stages: int, microbatches: int, advance_num: int) -> list[int]:
     """Forwards each stage runs before its first backward."""
     if advance_num >= microbatches and advance_num > stages - 1:  # AFAB
         return [microbatches] * stages
-    return [min(microbatches, max(advance_num - k, 0)) for k in range(stages)]
+    leads = [min(microbatches, max(advance_num - k, 0)) for k in range(stages)]
+    if stages > 1:
+        leads[-1] = 0  # the last stage answers each forward at once (1F1B's order)
+    return leads
 
 
 def advance(stages: int, microbatches: int, advance_num: int = 0) -> PipelineSchedule:
@@ -54,5 +59,6 @@ def advance(stages: int, microbatches: int, advance_num: int = 0) -> PipelineSch
 
 
 def peak_stash(stages: int, microbatches: int, advance_num: int) -> list[int]:
-    """Micro-batches whose activations each stage holds at its peak (1F1B: K - k; AFAB: M)."""
+    """Micro-batches whose activations each stage holds at its peak (1F1B: K - k; AFAB: M; the last
+    stage 1 below AFAB)."""
     return [w if w >= microbatches else w + 1 for w in warmups(stages, microbatches, advance_num or stages - 1)]
