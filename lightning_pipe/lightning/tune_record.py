@@ -46,7 +46,8 @@ class TuneRecording:
         """One training step of the mode, timed; the second one also counts saved activations."""
         self._steps += 1
         moved, messages = self.transport.moved_bytes, self.transport.messages
-        saved = SavedBytes() if self._steps == 2 else None
+        params = list(self.strategy.model.parameters()) if self._steps == 2 else []
+        saved = SavedBytes(exclude=params) if self._steps == 2 else None
         started = time.perf_counter()
         if saved is not None:
             with saved:
