@@ -90,6 +90,9 @@ def build(cfg: DictConfig) -> tuple[L.LightningModule, L.LightningDataModule, L.
     datamodule = instantiate(cfg.data, max_seq_len=max_seq_len) if max_seq_len else instantiate(cfg.data)
     datamodule.setup("fit")  # reads the corpus now: a missing or empty one is an error before any process starts
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    if HydraConfig.initialized() and not trainer_kwargs.get("default_root_dir"):
+        # without a logger Lightning writes (plan.json, profiles) into the working directory: the run folder instead
+        trainer_kwargs["default_root_dir"] = HydraConfig.get().runtime.output_dir
     try:
         trainer = L.Trainer(
             strategy=AutoPipeStrategy.from_config(config),
