@@ -16,6 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from hypothesis import given
 from hypothesis import strategies as st
+from omegaconf import OmegaConf
 
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.cli.paths import CONFIG_DIR
@@ -193,8 +194,10 @@ def test_train_tunes_then_runs_the_chosen_job(tmp_path):
     chosen = json.loads(path.read_text())["chosen"]
     log = (path.parent / "train.log").read_text()
     assert f"tuner: M={chosen['microbatches']}, N={chosen['pipelines']}" in log
-    resolved = (path.parent / "config_resolved.yaml").read_text()
-    assert f"devices: {2 * chosen['pipelines']}" in resolved and f"microbatches: {chosen['microbatches']}" in resolved
+    resolved = OmegaConf.load(path.parent / "config_resolved.yaml")
+    assert resolved.trainer.devices == 2 * chosen["pipelines"] and resolved.pipeline.microbatches == chosen["microbatches"]
+    partition = json.loads(path.read_text())["partition"]  # the profiled run's plan, reused (not planned again)
+    assert sum(partition) == 10 and list(resolved.pipeline.partition) == partition
     assert len(list(path.parent.glob("tune_profile/ranks/rank*.json"))) == 2  # profiled once, not by every worker
 
 

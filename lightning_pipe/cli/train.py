@@ -135,7 +135,7 @@ def _tuned(cfg: DictConfig, run_dir: Path) -> None:
         log.info(result.table())
         log.info(f"tuner: M={result.chosen.microbatches}, N={result.chosen.pipelines} ({run_dir / 'tune.json'})")
         os.environ[tune.TUNED_ENV] = str(run_dir / "tune.json")  # the workers Lightning starts read the choice
-        chosen = (result.chosen.microbatches, result.chosen.pipelines)
+        chosen = (result.chosen.microbatches, result.chosen.pipelines, result.partition)
     tune.apply(cfg, stages, *chosen)
 
 

@@ -98,13 +98,19 @@ def tune(cfg: DictConfig, config: PipelineConfig, out: Path) -> TuneResult:
     t0 = time.perf_counter()
     result = choose(profile, ms, ns, config.memory_limit)
     result.seconds = {"profile_run": profiled, "predict": time.perf_counter() - t0}
+    planned = out / "tune_profile" / "plan.json"  # the profiled run's partition: the prediction assumed it
+    if planned.exists():
+        result.partition = [stop - start for start, stop in json.loads(planned.read_text())["bounds"]]
     result.write(out / "tune.json")
     return result
 
 
-def apply(cfg: DictConfig, stages: int, microbatches: int, pipelines: int) -> None:
-    """The job's config with the tuner's choice: N x K devices, M micro-batches, N pipelines."""
+def apply(cfg: DictConfig, stages: int, microbatches: int, pipelines: int, partition: Optional[list[int]] = None) -> None:
+    """The job's config with the tuner's choice: N x K devices, M micro-batches, N pipelines, and the
+    profiled run's partition (what the prediction assumed; not planned again)."""
     with open_dict(cfg):
+        if partition:
+            cfg.pipeline.partition = list(partition)
         cfg.pipeline.tune = False
         cfg.pipeline.microbatches = microbatches
         cfg.pipeline.pipelines = pipelines
@@ -112,10 +118,10 @@ def apply(cfg: DictConfig, stages: int, microbatches: int, pipelines: int) -> No
         cfg.trainer.devices = pipelines * stages
 
 
-def tuned_before(cfg: DictConfig, config: PipelineConfig) -> Optional[tuple[int, int]]:
-    """In a worker the launcher started: the (M, N) its launching process chose (no second tuning)."""
+def tuned_before(cfg: DictConfig, config: PipelineConfig) -> Optional[tuple[int, int, Optional[list[int]]]]:
+    """In a worker the launcher started: the (M, N, partition) its launching process chose (no second tuning)."""
     path = os.environ.get(TUNED_ENV)
     if not path:
         return None
-    chosen = json.loads(Path(path).read_text())["chosen"]
-    return int(chosen["microbatches"]), int(chosen["pipelines"])
+    saved = json.loads(Path(path).read_text())
+    return int(saved["chosen"]["microbatches"]), int(saved["chosen"]["pipelines"]), saved.get("partition")

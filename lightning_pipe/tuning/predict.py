@@ -134,6 +134,7 @@ class TuneResult:
     memory_limit: Optional[float]
     chosen: Prediction
     seconds: dict[str, float] = field(default_factory=dict)  # wall time of the profile and of the prediction
+    partition: Optional[list[int]] = None  # blocks per chunk the profiled run planned (the chosen job reuses it)
 
     def table(self) -> str:
         head = f"{'M':>4} {'N':>3} {'micro-batch':>11} {'T/batch ms':>11} {'samples/s':>10} {'memory MiB':>11}  verdict"
@@ -156,6 +157,7 @@ class TuneResult:
             "profile": self.profile.to_dict(),
             "memory_limit": self.memory_limit,
             "chosen": {"microbatches": self.chosen.microbatches, "pipelines": self.chosen.pipelines},
+            "partition": self.partition,
             "candidates": [
                 {
                     "microbatches": c.microbatches,
