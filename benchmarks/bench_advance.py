@@ -117,6 +117,9 @@ def last_stage_1f1b(stages: int, microbatches: int, advance_num: int) -> Pipelin
 
 
 def schedule_of(variant: str, microbatches: int, a: int, stages: int = STAGES) -> PipelineSchedule:
+    # Since 1f812f2 the package's `advance` keeps the last stage in 1F1B's order, i.e. it IS this
+    # variant: re-running prints identical "package" and "last1f1b" columns. The "package" rows in
+    # docs/benchmarks_advance.md were measured on 12d8086 (the first version, last stage leading too).
     if variant == "package":
         return build_schedule("advance", stages, microbatches, advance_num=a)
     return last_stage_1f1b(stages, microbatches, a)
