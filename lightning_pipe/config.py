@@ -87,6 +87,17 @@ class PipelineConfig:
     stages: Optional[int] = None
     """The plan command only: stages to plan for (None: devices x nodes / width)."""
 
+    # ---- adaptive re-partitioning (AutoPipe-RL) -------------------------------------------------
+    adaptive: bool = False
+    """Monitor every rank each iteration and move blocks between two neighbouring workers while training
+    when the simulator, on the measured speeds, predicts at least adaptive_gain over the rest of the run."""
+    adaptive_gain: float = 0.05
+    """Adaptive: the predicted fraction of the remaining run's time a switch must save, after its cost (x)."""
+    adaptive_interval: int = 20
+    """Adaptive: iterations at least between two switches."""
+    adaptive_window: int = 5
+    """Adaptive: iterations of measurements a decision reads (their median); candidates are scored once per window."""
+
     # ---- runtime -----------------------------------------------------------------------------
     prefetch: bool = True
     """Post receives before the compute that needs them (Hanayo §4.2)."""
@@ -138,11 +149,32 @@ class PipelineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
                 raise SettingError(f"{name}={value!r}: a number >= 0, or None for the device type's default", name)
+        self._check_adaptive()
         self.start_method = check_choice("start_method", self.start_method, START_METHODS)
         self.checkpoint = check_choice("checkpoint", self.checkpoint, CHECKPOINT_LAYOUTS)
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise SettingError(f"timeout={self.timeout!r}: seconds, a number > 0", "timeout")
         self.timeout = float(self.timeout)
+
+    def _check_adaptive(self) -> None:
+        if not isinstance(self.adaptive, bool):
+            raise SettingError(f"adaptive={self.adaptive!r}: true or false", "adaptive")
+        if isinstance(self.adaptive_gain, bool) or not isinstance(self.adaptive_gain, (int, float)) or not 0 <= self.adaptive_gain < 1:
+            raise SettingError(f"adaptive_gain={self.adaptive_gain!r}: a fraction in [0, 1), e.g. 0.05 for 5%", "adaptive_gain")
+        for name in ("adaptive_interval", "adaptive_window"):
+            check_count(name, getattr(self, name))
+        if self.adaptive and self.pipelines is not None:
+            raise SettingError(
+                "adaptive=True with pipelines (AvgPipe): re-partitioning moves blocks inside one pipeline; AvgPipe's reference "
+                "processes hold a fixed partition. Use adaptive with width=1 and a synchronous schedule or 2bw",
+                "adaptive",
+            )
+        if self.adaptive and self.width > 1:
+            raise SettingError(
+                f"adaptive=True with width={self.width}: not built yet for replicated pipelines (every replica would have to "
+                "switch alike); use width=1",
+                "adaptive",
+            )
 
     def _check_avgpipe(self) -> None:
         if self.pipelines is None:

@@ -173,6 +173,8 @@ class AutoPlanner:
         self.slicer, self.profile_path, self.bandwidth, self.latency = config.slicer, config.profile, config.bandwidth, config.latency
         self._trace: Optional[tuple[Any, list]] = None
         self.out_dir: Optional[Path] = None
+        self.profile: Optional[Profile] = None  # what the plan was made from (adaptive re-partitioning reads them)
+        self.costs: Optional[Any] = None
 
     def prepare(self, strategy: Any) -> None:
         """On every rank: Lightning's `trainer.log_dir` is a collective (a broadcast from rank 0)."""
@@ -198,13 +200,7 @@ class AutoPlanner:
                 log.warning(f"no map-style dataset to profile with: running {schedule} on a uniform partition, no slicing")
             return PlanResult(partition_blocks(fallback, len(pipeline), spec.chunk_count(depth)).bounds, None, 0, spec)
         start = time.perf_counter()
-        if self.profile_path is not None:
-            profile = Profile.load(self.profile_path)
-            profile.check_blocks(len(pipeline))
-        else:
-            profile = profile_pipeline(module, pipeline, sample, strategy.root_device, rank, topo.world_size, type(module).__name__, mbs)
-        default_bw, default_lat = DEFAULT_LINKS.get(strategy.root_device.type, DEFAULT_LINKS["cuda"])
-        costs = profile.costs(self.bandwidth or default_bw, self.latency if self.latency is not None else default_lat)
+        profile, costs = self._profile(strategy, module, pipeline, sample, mbs)
         kinds = [KINDS.get(type(b).__name__, "block") for b in pipeline]
         method = self.method or "uniform"
         kinds_for = kinds if self.method is not None else None  # "uniform" without kinds: equal block counts
@@ -236,6 +232,30 @@ class AutoPlanner:
         if rank == 0:
             self._report(strategy, profile, costs, bounds, result, slicing, choice, schedule, options, time.perf_counter() - start)
         return PlanResult(bounds, result, sliced, ScheduleSpec.of(schedule, **options), choice)
+
+    def _profile(self, strategy: Any, module: Any, pipeline: nn.Sequential, sample: Any, mbs: int) -> tuple[Profile, Any]:
+        topo = strategy.topology
+        if self.profile_path is not None:
+            profile = Profile.load(self.profile_path)
+            profile.check_blocks(len(pipeline))
+        else:
+            profile = profile_pipeline(
+                module, pipeline, sample, strategy.root_device, strategy.global_rank, topo.world_size, type(module).__name__, mbs
+            )
+        default_bw, default_lat = DEFAULT_LINKS.get(strategy.root_device.type, DEFAULT_LINKS["cuda"])
+        costs = profile.costs(self.bandwidth or default_bw, self.latency if self.latency is not None else default_lat)
+        self.profile, self.costs = profile, costs
+        return profile, costs
+
+    def profile_only(self, strategy: Any, module: Any, pipeline: nn.Sequential) -> None:
+        """A profile without a plan (adaptive on a listed or resumed partition)."""
+        sample, mbs = sample_microbatch(module.trainer, self.config.microbatches)
+        if sample is None and self.profile_path is None:
+            raise RuntimeError(
+                "adaptive=True measures each rank against the blocks' profile, and there is no map-style training dataset "
+                "to profile with: pass profile= (a saved profile.json) or a dataset with __getitem__"
+            )
+        self._profile(strategy, module, pipeline, sample, mbs)
 
     def _report(
         self,

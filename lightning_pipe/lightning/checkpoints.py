@@ -143,6 +143,10 @@ def layout(strategy: Any) -> dict[str, Any]:
         out["autopipe_2bw_applied"] = mode["applied"]
     if "advance" in mode:  # AvgPipe's advance rule: where Algorithm 1 stands (resumed, not re-explored)
         out["autopipe_advance"] = mode["advance"]
+    if strategy.cut.switched:  # the partition changed while training: a resumed run continues on it
+        out["autopipe_switched"] = True
+    if getattr(strategy, "adaptive", None) is not None and strategy.adaptive.enabled:
+        out["autopipe_adaptive"] = strategy.adaptive.state_dict()
     if "iteration" in mode:  # AvgPipe: iterations applied (the reference is W_ref(iteration))
         out["autopipe_avg_iteration"] = mode["iteration"]
     return out
@@ -243,7 +247,7 @@ def resumed_layout(strategy: Any, path: Optional[str]) -> Optional[ResumedLayout
     depth, or a listed partition (the optimizer states follow the parameters' names anywhere)."""
     from .checkpoint_sharded import is_sharded, read_meta
 
-    if path is None or not isinstance(strategy.config.partition, str):
+    if path is None:
         return None
     if is_sharded(path):
         checkpoint = read_meta(path)
@@ -254,6 +258,8 @@ def resumed_layout(strategy: Any, path: Optional[str]) -> Optional[ResumedLayout
     state = (checkpoint.get("optimizer_states") or [{}])[0]
     if state.get("autopipe_depth") != strategy.topology.depth:
         return None
+    if not isinstance(strategy.config.partition, str) and not state.get("autopipe_switched"):
+        return None  # a listed partition wins, unless the checkpoint's run had switched away from it
     bounds, chosen = state.get("autopipe_bounds"), state.get("autopipe_schedule")
     spec = ScheduleSpec.of(chosen[0], **dict(chosen[1])) if chosen is not None else None
     bounds = tuple(tuple(b) for b in bounds) if bounds is not None else None

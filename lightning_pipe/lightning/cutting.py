@@ -18,10 +18,11 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from ..adaptive.switch import skeleton
 from ..modes.advance import AdvanceRule
 from ..planning.partition import partition_blocks
 from ..runtime.p2p import Transport
-from ..runtime.tied import TiedParameter, find_tied_parameters
+from ..runtime.tied import TiedParameter, TieGroup, find_tied_parameters, tie_groups
 from ..schedules import ScheduleSpec
 from .checkpoints import resumed_layout
 from .stage import PipelineStage, check_no_outside_parameters, find_pipeline, set_submodule
@@ -42,6 +43,11 @@ class Cut:
     plan: Optional[Any] = None  # the Plan (planner partitions)
     choice: Optional[Any] = None  # schedule="auto": every candidate and the chosen one
     tied: list[TiedParameter] = field(default_factory=list)
+    # for live switches (adaptive): meta-device copies of the blocks this rank does not hold, and
+    # which blocks share a weight, by name
+    skeletons: dict[int, nn.Module] = field(default_factory=dict)
+    ties: list[TieGroup] = field(default_factory=list)
+    switched: bool = False  # the partition changed while training (checkpoints keep it on resume)
 
     @property
     def chunk_blocks(self) -> dict[int, list[int]]:
@@ -108,17 +114,22 @@ def cut_module(strategy: Any, module: Any) -> Cut:
     path, pipeline = find_pipeline(module)
     check_no_outside_parameters(module, path)
     spec, bounds, sliced, plan, choice = choose_layout(strategy, module, pipeline)
+    if strategy.config.adaptive and strategy.planner.costs is None:  # the monitor's ratios and the scorer's costs
+        strategy.planner.profile_only(strategy, module, pipeline)
     placement = spec.placement(strategy.topology.depth, strategy.config.microbatches)
     mine = {c: bounds[c] for c in range(len(placement)) if placement[c] == strategy.stage_index}
     blocks = {i: pipeline[i] for start, stop in mine.values() for i in range(start, stop)}
     stage = PipelineStage(blocks, mine, len(pipeline))
     tied = find_tied_parameters(pipeline, bounds, placement)
+    skeletons = {i: skeleton(pipeline[i]) for i in range(len(pipeline)) if i not in blocks}
     full = pipeline if strategy.global_rank == 0 else None
     set_submodule(module, path, stage)
     log.info(
         f"rank {strategy.global_rank}: stage {strategy.stage_index}/{strategy.topology.depth} holds chunks {mine} (blocks [start, stop))"
     )
-    return Cut(path, full, stage, spec, tuple(tuple(b) for b in bounds), placement, sliced, plan, choice, tied)
+    cut = Cut(path, full, stage, spec, tuple(tuple(b) for b in bounds), placement, sliced, plan, choice, tied)
+    cut.skeletons, cut.ties = skeletons, tie_groups(pipeline)
+    return cut
 
 
 def uncut_module(module: Any, cut: Cut, state: dict[str, Any]) -> None:

@@ -95,6 +95,17 @@ class PipelineStage(nn.Module):
         self.num_blocks = num_blocks
         self._runner: Optional[Callable[[Any], Any]] = None
 
+    def blocks(self) -> dict[int, nn.Module]:
+        return {int(name): block for name, block in self._modules.items()}
+
+    def reassign(self, blocks: dict[int, nn.Module], chunk_bounds: dict[int, tuple[int, int]]) -> None:
+        """Hold `blocks` now (a live switch moved some in or out), in block order."""
+        for name in list(self._modules):
+            del self._modules[name]
+        for index in sorted(blocks):
+            self.add_module(str(index), blocks[index])
+        self.chunk_bounds = chunk_bounds
+
     def run_chunk(self, chunk: int, x: Any) -> Any:
         start, stop = self.chunk_bounds[chunk]
         for index in range(start, stop):

@@ -47,6 +47,7 @@ class PipelineSteps:
         self.stash = GradientStash()
         self.replicas = 1  # pipelines side by side, each evaluating its shard
         self.recording: Optional[Any] = None  # the tuner's profile run (tune_record.TuneRecording)
+        self.adaptive: Optional[Any] = None  # the monitor and switch rule (adaptive.Adaptive), while fitting
 
     @classmethod
     def build(cls, strategy: Any, module: Any, mode: TrainingMode, gradients: StageGradients) -> "PipelineSteps":
@@ -78,6 +79,9 @@ class PipelineSteps:
         module.log = host.recorder  # type: ignore[method-assign]
         if self.trace_group is not None:
             dist.barrier(group=self.trace_group)  # a common start, so the ranks' traces line up
+        measured = self.adaptive is not None and kind == "train"
+        if measured:
+            self.adaptive.begin_step(self.mode.transport)
         try:
             with context():
                 if self.recording is not None and kind == "train":
@@ -86,6 +90,8 @@ class PipelineSteps:
                     executor = self.mode.run(kind, host, keys)
         finally:
             del module.log
+        if measured:
+            self.adaptive.end_step(executor, len(keys))
         if self.trace_group is not None and kind == "train":
             self.planner.keep_trace(executor)
         loss, entries = self.logs.exchange(host.recorder, host.loss if host.loss is not None else 0.0)

@@ -21,13 +21,16 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import Tensor
 from typing_extensions import override
 
+from ..adaptive.switch import switch_blocks
 from ..config import PipelineConfig
 from ..errors import SettingError
 from ..modes import TrainingMode, make_mode
 from ..planning.partition import PartitionSpec
+from ..runtime.tied import tied_from_groups
 from ..schedules import REGISTRY
 from ..topology import ProcessGroups, Topology
 from . import avgpipe, checkpoint_sharded, checkpoints, two_bw
+from .adaptive import Adaptive
 from .autoplan import AutoPlanner
 from .cutting import Cut, cut_module, uncut_module
 from .gradients import StageGradients
@@ -57,6 +60,9 @@ class AutoPipeStrategy(ProcessGroupStrategy):
             Algorithm 1 raises it from K - 1 while steps get faster and memory fits).
         tune, tune_batches, tune_microbatches, tune_pipelines: AvgPipe's M x N tuner; it runs from the CLI
             (it chooses the process count), so tune=True is refused here with the commands to use.
+        adaptive, adaptive_gain, adaptive_interval, adaptive_window: AutoPipe-RL's re-partitioning while training
+            (monitor every iteration, move blocks between neighbouring workers when the simulator on the measured
+            speeds predicts >= adaptive_gain after the switch's cost); `repartition(bounds)` asks for a switch by hand.
         trace: record each action's real times; writes trace.json and a timeline picture.
         profile: a saved profile.json to plan from. bandwidth, latency: the link model for planning.
         start_method: ``"popen"`` (Lightning re-runs the command), ``"spawn"``, ``"fork"``, ``"forkserver"``.
@@ -90,6 +96,10 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         tune_batches: int = 20,
         tune_microbatches: Optional[list[int]] = None,
         tune_pipelines: Optional[list[int]] = None,
+        adaptive: bool = False,
+        adaptive_gain: float = 0.05,
+        adaptive_interval: int = 20,
+        adaptive_window: int = 5,
         trace: bool = False,
         profile: Optional[str] = None,
         bandwidth: Optional[float] = None,
@@ -122,6 +132,10 @@ class AutoPipeStrategy(ProcessGroupStrategy):
             tune_batches=tune_batches,
             tune_microbatches=tune_microbatches,
             tune_pipelines=tune_pipelines,
+            adaptive=adaptive,
+            adaptive_gain=adaptive_gain,
+            adaptive_interval=adaptive_interval,
+            adaptive_window=adaptive_window,
             trace=trace,
             profile=profile,
             bandwidth=bandwidth,
@@ -157,6 +171,7 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         self.mode: Optional[TrainingMode] = None
         self._gradients: Optional[StageGradients] = None
         self._steps: Optional[PipelineSteps] = None
+        self.adaptive: Optional[Adaptive] = None  # monitor and live switches (AutoPipe-RL), while fitting
         self._active = False  # between setup and teardown: the model is cut and the process groups live
 
     @classmethod
@@ -249,15 +264,7 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         self.planner.prepare(self)
         if self.cut is None or module.get_submodule(self.cut.path) is not self.cut.stage:  # not cut by an earlier fit
             self.cut = cut_module(self, module)
-            self._gradients = StageGradients(
-                self.cut.stage,
-                self.cut.chunk_blocks,
-                topo,
-                self.process_groups,
-                self.global_rank,
-                self.cut.tied,
-                average_replicas=self.config.mode != "avgpipe",
-            )
+            self._gradients = self._stage_gradients()
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._gradients.sync_replicas()
@@ -266,6 +273,29 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+        self._build_runtime()
+        if self.config.mode == "2bw":
+            two_bw.defer_schedulers(self)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self._steps.recording = TuneRecording.from_env(self) if fitting else None
+        self.adaptive = Adaptive(self, self.planner.profile, self.planner.costs) if fitting else None
+        self._steps.adaptive = self.adaptive
+        self._active = True
+
+    def _stage_gradients(self) -> StageGradients:
+        assert self.cut is not None and self.topology is not None and self.process_groups is not None
+        return StageGradients(
+            self.cut.stage,
+            self.cut.chunk_blocks,
+            self.topology,
+            self.process_groups,
+            self.global_rank,
+            self.cut.tied,
+            average_replicas=self.config.mode != "avgpipe",
+        )
+
+    def _build_runtime(self) -> None:
+        """The training mode and the step runner over the current cut (again after a live switch)."""
         self.precision_plugin.pipeline = self._gradients
         extras = {}
         if self.config.mode == "2bw":  # weight versions of the stage; a drain's update is Lightning's optimizer step
@@ -273,11 +303,60 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         elif self.config.mode == "avgpipe":  # the elastic update around Lightning's optimizer step
             extras = avgpipe.mode_extras(self)
         self.mode = make_mode(self.config.mode, **self.cut.mode_settings(self), **extras)
-        if self.config.mode == "2bw":
-            two_bw.defer_schedulers(self)
-        self._steps = PipelineSteps.build(self, module, self.mode, self._gradients)
-        self._steps.recording = TuneRecording.from_env(self) if trainer.state.fn == TrainerFn.FITTING else None
-        self._active = True
+        previous = self._steps
+        self._steps = PipelineSteps.build(self, self.lightning_module, self.mode, self._gradients)
+        if previous is not None:
+            self._steps.recording, self._steps.adaptive = previous.recording, previous.adaptive
+
+    # ---- adaptive re-partitioning (AutoPipe-RL; lightning/adaptive.py) ---------------------------
+    def repartition(self, bounds: Any) -> Any:
+        """Move to partition `bounds` (one [start, stop) block range per model chunk) at the next
+        batch's start, without restarting: call it on every rank (e.g. from a callback). Checked
+        now; a chunk left without a block is refused."""
+        if self.adaptive is None:
+            raise RuntimeError("repartition() works while fitting, after setup")
+        return self.adaptive.request(bounds)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.adaptive is not None:
+            self.adaptive.apply_pending()
+
+    def switch_partition(self, new: Any) -> Any:
+        """The live switch to `new` (collective over the pipeline): blocks, optimizer state, tied
+        weights and 2BW's stash move; gradient groups, schedule and step runner are rebuilt."""
+        cut, topo, replica = self.cut, self.topology, self.replica_index
+        stashed, applied = None, 0
+        if self.config.mode == "2bw":  # drain: the update in flight is applied, the stash is what the next batch reads
+            self.mode.drain()
+            stashed, applied = self.mode.stashed, self.mode.applied
+        blocks = cut.stage.blocks()
+        extras = (lambda p: {"stash": stashed[id(p)]} if id(p) in stashed else {}) if stashed else None
+        result = switch_blocks(
+            blocks,
+            cut.skeletons,
+            cut.bounds,
+            new,
+            cut.placement,
+            self.stage_index,
+            lambda r: topo.global_rank(replica, r),
+            self.optimizers,
+            cut.ties,
+            self.root_device,
+            extras,
+        )
+        cut.bounds, cut.switched = tuple(tuple(b) for b in new), True
+        cut.stage.reassign(blocks, {c: cut.bounds[c] for c, r in enumerate(cut.placement) if r == self.stage_index})
+        cut.tied = tied_from_groups(cut.ties, cut.bounds, cut.placement, self.stage_index, blocks)
+        self._gradients = self._stage_gradients()
+        self._build_runtime()
+        if stashed is not None:
+            live = {id(p) for p in self.mode.versions.live}
+            carried = {pid: t for pid, t in stashed.items() if pid in live}
+            carried.update({pid: e["stash"] for pid, e in result.received_extras.items() if pid in live and "stash" in e})
+            self.mode.load_state(applied, carried)
+        return result
 
     @override
     def on_train_end(self) -> None:
@@ -374,6 +453,9 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         saved = next((s.get("autopipe_advance") for s in checkpoint.get("optimizer_states", []) if isinstance(s, dict)), None)
         if rule is not None and saved is not None:
             rule.load_state_dict(saved)
+        adaptive = next((s.get("autopipe_adaptive") for s in checkpoint.get("optimizer_states", []) if isinstance(s, dict)), None)
+        if self.adaptive is not None and adaptive is not None:
+            self.adaptive.load_state_dict(adaptive)
         _optimizers_to_device(self.optimizers, self.root_device)
 
     @override

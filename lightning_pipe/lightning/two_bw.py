@@ -52,9 +52,8 @@ class DeferredScheduler:
 
 
 def defer_schedulers(strategy: Any) -> list[DeferredScheduler]:
-    mode = strategy.mode
-
     def progress() -> tuple[int, int]:
+        mode = strategy.mode  # read each time: a live switch (adaptive) rebuilds the mode
         return mode.applied + len(mode.in_flight), mode.applied
 
     deferred = []

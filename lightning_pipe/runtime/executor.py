@@ -120,6 +120,11 @@ class Executor:
             Op.RECV_GRAD: self._recv,
         }
 
+    @property
+    def meter(self) -> Optional[Any]:
+        """The adaptive monitor's per-step timings (adaptive.meter.StepMeter) while it measures, else None."""
+        return self.transport.meter
+
     def run(self, host: StageHost, keys: Sequence[Hashable], carry: Optional[Carry] = None) -> None:
         """Execute the action list once. ``keys[i]`` is micro-batch i's signature (see p2p).
         With a `carry`, start from its stashes and leave in it what is still in flight."""
@@ -182,6 +187,7 @@ class Executor:
             pending, recv_ops = self.transport.recv_activation(a.peer, a.chunk, st.keys[a.microbatch])
         else:
             pending, recv_ops = self.transport.recv_gradients(a.peer, _needs_grad(st.stash_out[(a.chunk, a.microbatch)]))
+        pending.action = index  # for the monitor's per-message stamps
         st.pendings.append((pending, len(st.ops), len(st.ops) + len(recv_ops)))
         self._add(st, index, recv_ops)
         st.inbox[(a.op, a.chunk, a.microbatch)] = pending
@@ -202,6 +208,8 @@ class Executor:
             # a receive that must read a header first issues the group's sends before it blocks.
             now = time.perf_counter()
             st.records.extend((j, now, now) for j in dict.fromkeys(owners) if self.actions[j].op.is_send)
+        if self.meter is not None:
+            self.meter.sent(owners, ops)
         works = self.transport.issue(ops)
         if len(works) == len(ops):  # one work per op: each receive waits for its own ops only
             taken = set()
@@ -235,6 +243,8 @@ class Executor:
         if key in st.local:
             return st.local.pop(key)
         pending = st.inbox.pop(key)
+        if self.meter is not None:
+            self.meter.waiting(pending)
         return pending.activation() if op is Op.RECV_ACT else pending.value()
 
     # ---- computation -----------------------------------------------------------------------
@@ -253,8 +263,11 @@ class Executor:
         c, mb = a.chunk, a.microbatch
         inputs = self._take(st, Op.RECV_ACT, c, mb) if c > 0 else None
         started = self._clock(st) if st.trace else 0.0
+        timer = self.meter.start() if self.meter is not None else None
         with torch.set_grad_enabled(self.schedule.backward):
             out = st.host.forward(c, mb, inputs)
+        if timer is not None:
+            self.meter.stop(timer, forward=True)
         if self.schedule.backward:
             st.stash_in[(c, mb)], st.stash_out[(c, mb)] = inputs, out
         if c < self.last_chunk:
@@ -270,11 +283,14 @@ class Executor:
         out, inputs = st.stash_out.pop((c, mb)), st.stash_in.pop((c, mb))
         received = self._take(st, Op.RECV_GRAD, c, mb) if c != self.last_chunk else None
         started = self._clock(st) if st.trace else 0.0
+        timer = self.meter.start() if self.meter is not None else None
         if c == self.last_chunk:
             if out is not None and out.requires_grad:
                 torch.autograd.backward(out)
         else:
             torch.autograd.backward(_needs_grad(out), received)
+        if timer is not None:
+            self.meter.stop(timer, forward=False)
         if c > 0:
             grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in _needs_grad(inputs)]
             if self.schedule.chunk_rank[c - 1] == self.rank:

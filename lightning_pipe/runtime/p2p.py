@@ -15,7 +15,7 @@ negotiated again. Gradients need no header: their shapes are those of the activa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Hashable, Optional, Sequence, Union
+from typing import Any, Callable, Hashable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -84,6 +84,7 @@ class PendingRecv:
 
     def __init__(self, buffers: list[Tensor], spec: Optional[ActivationSpec]):
         self.buffers, self.spec, self.works = buffers, spec, []
+        self.action = -1  # the receive action's index in the rank's list
 
     def value(self) -> list[Tensor]:
         for work in self.works:
@@ -112,6 +113,7 @@ class Transport:
         self._specs: dict[Hashable, ActivationSpec] = {}
         self._pinned: list[Tensor] = []  # headers in flight
         self.moved_bytes, self.messages = 0, 0  # what this rank sent and received (AvgPipe's tuner reads them)
+        self.meter: Optional[Any] = None  # the adaptive monitor's StepMeter while it measures a step
 
     # ---- activations -------------------------------------------------------------------------
     def send_activation(self, peer: int, chunk: int, key: Hashable, value: Activation) -> list[dist.P2POp]:

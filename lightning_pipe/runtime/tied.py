@@ -51,3 +51,34 @@ def allreduce_tied(tied: list[TiedParameter], groups: dict[int, object], stage: 
         if p.grad is None:
             p.grad = p.new_zeros(p.shape)
         dist.all_reduce(p.grad, group=groups[t.index])
+
+
+TieGroup = tuple[tuple[int, str], ...]  # (block index, parameter name inside the block) sharing one weight
+
+
+def tie_groups(pipeline: nn.Sequential) -> list[TieGroup]:
+    """Every parameter reachable from two or more blocks, as the (block, name) pairs naming it, in
+    module order. Unlike object identity, this survives cutting: a rank that never held a block can
+    still tell which of its parameters a received block must share (adaptive re-partitioning)."""
+    members: dict[int, list[tuple[int, str]]] = {}
+    for b, block in enumerate(pipeline):
+        for name, p in block.named_parameters(remove_duplicate=False):
+            members.setdefault(id(p), []).append((b, name))
+    return [tuple(m) for m in members.values() if len({b for b, _ in m}) > 1]
+
+
+def tied_from_groups(
+    groups: list[TieGroup], bounds: tuple[tuple[int, int], ...], chunk_rank: tuple[int, ...], me: int, blocks: dict[int, nn.Module]
+) -> list[TiedParameter]:
+    """`find_tied_parameters` for a cut model: the tie groups spanning several stages under `bounds`,
+    numbered as every rank numbers them, with this rank's copy (`blocks`: the blocks it holds)."""
+    stage_of_block = {b: chunk_rank[c] for c, (start, stop) in enumerate(bounds) for b in range(start, stop)}
+    out: list[TiedParameter] = []
+    for group in groups:
+        stages = tuple(sorted({stage_of_block[b] for b, _ in group}))
+        if len(stages) < 2:
+            continue
+        held = [blocks[b].get_parameter(name) for b, name in group if b in blocks]
+        parameter = held[0] if me in stages else None
+        out.append(TiedParameter(len(out), stages, parameter))  # type: ignore[arg-type]
+    return out

@@ -1,0 +1,185 @@
+"""Adaptive re-partitioning in the strategy (AutoPipe-RL part 1): monitor, decide, switch.
+
+- Every training step (``pipeline.adaptive=true``): the `Monitor` measures the step and gathers
+  every rank's numbers (one all_gather); the metrics are logged and kept in
+  ``trainer.strategy.adaptive.monitor.latest`` for callbacks. Once a window of steps is measured,
+  the candidates (one boundary between neighbouring workers moved) are scored and the `SwitchRule`
+  may decide to switch; every rank decides alike from the same numbers.
+- ``strategy.repartition(bounds)``: a switch requested by the user (or a test), checked at once.
+- A decided or requested switch runs at the next batch's start, before its training_step
+  (`on_train_batch_start`): 2BW is drained first; the blocks move (`adaptive.switch`), then the
+  stage's gradient groups, schedule and step runner are rebuilt. Checkpoints written afterwards
+  hold the new partition, which a resumed run reuses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from ..adaptive.candidates import Scorer, SimulatorScorer, neighbour_candidates
+from ..adaptive.monitor import IterationMetrics, Monitor, StaticMetrics
+from ..adaptive.policy import SwitchRule
+from ..adaptive.switch import Bounds, check_bounds, plan_moves
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SwitchRecord:
+    """One switch, as logged: at which iteration, from which partition to which, why and at what cost."""
+
+    iteration: int
+    old: Bounds
+    new: Bounds
+    predicted_gain: Optional[float]  # None: requested by the user
+    predicted_now_s: Optional[float]
+    predicted_new_s: Optional[float]
+    seconds: float = 0.0  # measured, the slowest rank's
+    moved_bytes: int = 0
+
+    def line(self) -> str:
+        why = "requested" if self.predicted_gain is None else f"predicted gain {self.predicted_gain:.1%} over the rest of the run"
+        sizes = lambda b: [hi - lo for lo, hi in b]  # noqa: E731
+        return (
+            f"adaptive: iteration {self.iteration}: partition {sizes(self.old)} -> {sizes(self.new)} blocks per chunk ({why}); "
+            f"switch took {self.seconds * 1e3:.1f} ms, {self.moved_bytes / 1e6:.2f} MB moved"
+        )
+
+
+class Adaptive:
+    """The strategy's re-partitioning: monitor (when adaptive), policy, and the switch itself."""
+
+    def __init__(self, strategy: Any, profile: Optional[Any], costs: Optional[Any], scorer: Optional[Scorer] = None):
+        config = strategy.config
+        self.strategy = strategy
+        self.enabled = bool(config.adaptive)
+        self.rule = SwitchRule(gain=config.adaptive_gain, interval=config.adaptive_interval, window=config.adaptive_window)
+        self.pending: Optional[tuple[Bounds, Optional[tuple[float, float, float]]]] = None
+        self.switches: list[SwitchRecord] = []
+        self.monitor: Optional[Monitor] = None
+        self.scorer: Optional[Scorer] = None
+        self.decision_seconds = 0.0  # candidates scored, over the run
+        self._considered = -(10**9)  # iteration of the last scoring
+        if self.enabled:
+            if profile is None or costs is None:
+                raise RuntimeError("adaptive=True needs the profile (it plans from one); none was made")
+            topo = strategy.topology
+            static = StaticMetrics.from_profile(profile)
+            group = strategy.process_groups.pipeline if topo.depth > 1 else None
+            replica = strategy.replica_index
+            self.monitor = Monitor(
+                static,
+                strategy.stage_index,
+                topo.depth,
+                group,
+                strategy.root_device,
+                lambda r: topo.global_rank(replica, r),
+                window=config.adaptive_window,
+            )
+            self.scorer = scorer or SimulatorScorer(static, costs)
+
+    # ---- per step -----------------------------------------------------------------------------
+    def begin_step(self, transport: Any) -> None:
+        if self.monitor is not None:
+            self.monitor.begin(transport)
+
+    def end_step(self, executor: Any, microbatches: int) -> None:
+        """After a training step's schedule (collective over the pipeline when monitoring)."""
+        if self.monitor is None:
+            return
+        strategy = self.strategy
+        cut = strategy.cut
+        iteration = self._iteration()
+        metrics = self.monitor.end(executor, iteration, microbatches, cut.bounds, cut.placement)
+        self._log(metrics)
+        if microbatches != strategy.config.microbatches or self.pending is not None:
+            return  # a short last batch is a different schedule: not a basis for decisions
+        # scored once per window of fresh measurements (not every step: the scoring is the costly part)
+        if self.rule.allows(iteration, len(self.monitor.history)) and (iteration - self._considered) >= self.rule.window:
+            self._considered = iteration
+            started = time.perf_counter()
+            self._consider(executor.schedule, iteration)
+            self.decision_seconds += time.perf_counter() - started
+
+    def _consider(self, schedule: Any, iteration: int) -> None:
+        cut, window = self.strategy.cut, list(self.monitor.history)
+        now = self.scorer(window, schedule, cut.bounds)
+        scored = [(self.scorer(window, schedule, c), c) for c in neighbour_candidates(cut.bounds, cut.placement)]
+        if not scored:
+            return
+        best_s, best = min(scored)
+        moved = sum(self.monitor.static.param_bytes[b] for m in plan_moves(cut.bounds, best, cut.placement) for b in m.blocks)
+        bandwidth = self.scorer.current(window).bandwidth if isinstance(self.scorer, SimulatorScorer) else 1e9
+        gain = self.rule.predicted_gain(now, best_s, self._left(), self.rule.cost(3 * moved, bandwidth))
+        if gain >= self.rule.gain:
+            self.pending = (best, (gain, now, best_s))
+
+    def _left(self) -> Optional[float]:
+        trainer = self.strategy.lightning_module.trainer
+        total = trainer.estimated_stepping_batches
+        if not isinstance(total, (int, float)) or total == float("inf"):
+            return None
+        return float(total) * trainer.accumulate_grad_batches - trainer.fit_loop.total_batch_idx
+
+    def _iteration(self) -> int:
+        return int(self.strategy.lightning_module.trainer.fit_loop.total_batch_idx)
+
+    def _log(self, metrics: IterationMetrics) -> None:
+        trainer = self.strategy.lightning_module.trainer
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics.as_log(), step=trainer.global_step)
+
+    # ---- switching ------------------------------------------------------------------------------
+    def request(self, bounds: Sequence[Sequence[int]]) -> Bounds:
+        """Switch to `bounds` (one [start, stop) per model chunk) at the next batch's start. Every
+        rank of the pipeline must request the same (a callback runs on all of them)."""
+        cut = self.strategy.cut
+        new = check_bounds(bounds, sum(hi - lo for lo, hi in cut.bounds), cut.placement)
+        self.pending = (new, None)
+        return new
+
+    def apply_pending(self) -> Optional[SwitchRecord]:
+        """At an iteration boundary (every rank of the pipeline, the same pending switch)."""
+        if self.pending is None:
+            return None
+        new, why = self.pending
+        self.pending = None
+        strategy = self.strategy
+        old = strategy.cut.bounds
+        if new == old:
+            return None
+        started = time.perf_counter()
+        result = strategy.switch_partition(new)
+        seconds = torch.tensor([time.perf_counter() - started, float(result.sent_bytes)], dtype=torch.float64, device=strategy.root_device)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # everyone logs the slowest rank's time and all bytes
+            slowest = seconds.clone()
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            dist.all_reduce(seconds, op=dist.ReduceOp.SUM)
+            seconds[0] = slowest[0]
+        iteration = self._iteration()
+        gain, now, best = why if why is not None else (None, None, None)
+        record = SwitchRecord(iteration, old, new, gain, now, best, float(seconds[0]), int(seconds[1]))
+        self.switches.append(record)
+        self.rule.last_switch = iteration
+        if self.monitor is not None:
+            self.monitor.clear()
+            window = [self.monitor.latest] if self.monitor.latest is not None else []
+            bandwidth = self.scorer.current(window).bandwidth if isinstance(self.scorer, SimulatorScorer) else 1e9
+            if record.moved_bytes:
+                self.rule.measured(record.seconds, record.moved_bytes, bandwidth)
+        rank_zero_info(record.line())
+        return record
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"rule": self.rule.state_dict(), "switches": len(self.switches)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rule.load_state_dict(state["rule"])
