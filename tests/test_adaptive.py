@@ -15,11 +15,14 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from models import max_rel_diff, trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import AutoPipeStrategy
+from lightning_pipe.adaptive.switch import check_bounds
+from lightning_pipe.bench.emulated import EmulatedBlock, set_slowdown
 from lightning_pipe.models import CausalLM, ModelConfig
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.multiprocess]
@@ -118,3 +121,139 @@ def test_forced_switches_keep_single_process_weights(name):
         chunk_rank = list(range(devices)) * (len(expected[0]) // devices)
         for bounds, held in seen:
             assert held == [b for c, (lo, hi) in enumerate(bounds) if chunk_rank[c] == rank for b in range(lo, hi)]
+
+
+# ---- resume after a switch -----------------------------------------------------------------------
+def fit_with_checkpoints(folder, plan, resume=None, steps=8):
+    model = make()
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=4, partition=[3, 3], start_method="spawn")
+    saver = ModelCheckpoint(dirpath=folder, every_n_train_steps=4, save_top_k=-1)
+    trainer = L.Trainer(
+        devices=2, strategy=strategy, callbacks=[saver, SwitchAt(plan)], **trainer_kwargs(max_steps=steps, enable_checkpointing=True)
+    )
+    trainer.fit(model, gpt_data(24), ckpt_path=resume)  # 4 batches an epoch: the checkpoint at step 4 ends one
+    return model.state_dict(), sorted(Path(folder).glob("*.ckpt"))
+
+
+def test_resume_after_a_switch_equals_uninterrupted(tmp_path):
+    weights, ckpts = fit_with_checkpoints(tmp_path / "a", {2: [[0, 2], [2, 6]]})
+    uninterrupted_held = json.loads(Path("held-1.json").read_text())
+    state = torch.load(ckpts[0], weights_only=False)["optimizer_states"][0]
+    assert state["autopipe_bounds"] == [[0, 2], [2, 6]] and state["autopipe_switched"]
+    resumed, _ = fit_with_checkpoints(tmp_path / "b", {}, resume=str(ckpts[0]))
+    for k in weights:  # the partition does not change the arithmetic: bit for bit
+        assert torch.equal(weights[k], resumed[k]), k
+    held = json.loads(Path("held-1.json").read_text())
+    assert [b for b, _ in held] == [[[0, 2], [2, 6]]] * 4, "the resumed run continues on the switched partition"
+    assert held == uninterrupted_held[4:]
+
+
+# ---- refusals ------------------------------------------------------------------------------------
+def test_a_switch_leaving_a_worker_without_blocks_is_refused():
+    with pytest.raises(ValueError, match=r"model chunk\(s\) \[1\] \(on worker\(s\) \[1\]\) with no block"):
+        check_bounds([[0, 6], [6, 6]], 6, (0, 1))
+    with pytest.raises(ValueError, match="must cover blocks 0..6 contiguously"):
+        check_bounds([[0, 2], [3, 6]], 6, (0, 1))
+    with pytest.raises(ValueError, match="has 2 chunks; this schedule runs 4"):
+        check_bounds([[0, 2], [2, 6]], 6, (0, 1, 0, 1))
+    model = make()
+    strategy = AutoPipeStrategy(microbatches=4, partition=[3, 3], start_method="spawn")
+    trainer = L.Trainer(devices=2, strategy=strategy, callbacks=[SwitchAt({1: [[0, 6], [6, 6]]})], **trainer_kwargs(max_steps=3))
+    with pytest.raises(Exception, match="with no block"):  # raised on every rank before anything moves
+        trainer.fit(model, gpt_data())
+
+
+def test_adaptive_settings_are_checked_by_hydra_and_the_config():
+    from hydra import compose, initialize_config_dir
+
+    from lightning_pipe.cli.paths import CONFIG_DIR
+    from lightning_pipe.cli.train import pipeline_config
+    from lightning_pipe.config import PipelineConfig
+    from lightning_pipe.errors import SettingError
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["pipeline.adaptive=true", "pipeline.adaptive_gain=0.1", "pipeline.adaptive_interval=7"])
+    config = pipeline_config(cfg)
+    assert (config.adaptive, config.adaptive_gain, config.adaptive_interval) == (True, 0.1, 7)
+    with pytest.raises(SettingError, match=r"adaptive_gain=1.5: a fraction in \[0, 1\)"):
+        PipelineConfig(adaptive=True, adaptive_gain=1.5)
+    with pytest.raises(SettingError, match="adaptive=True with pipelines"):
+        PipelineConfig(adaptive=True, pipelines=2)
+    with pytest.raises(SettingError, match="adaptive=True with width=2"):
+        PipelineConfig(adaptive=True, width=2)
+
+
+# ---- the monitor and the rule, end to end, with one rank slowed ----------------------------------
+class Emulated(L.LightningModule):
+    """8 emulated blocks (2 ms forward, 4 ms backward each): a rank is slowed by set_slowdown."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.Sequential(*[EmulatedBlock(8, 0.002, 0.004) for _ in range(8)])
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.blocks(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def emulated_data():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8 * 40, 8, generator=g, dtype=torch.float64)
+    return DataLoader(TensorDataset(x, torch.tanh(x.flip(1))), batch_size=8)
+
+
+class SlowRankOne(Callback):
+    """Rank 1's device gets 3x slower from iteration 6; records the monitor's view and the partitions."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.fit_loop.total_batch_idx == 6 and trainer.global_rank == 1:
+            set_slowdown(3.0)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        adaptive = trainer.strategy.adaptive
+        latest = adaptive.monitor.latest
+        self.seen.append(
+            {
+                "bounds": [list(b) for b in trainer.strategy.cut.bounds],
+                "slowdown": list(latest.slowdown(adaptive.monitor.static)),
+                "switches": len(adaptive.switches),
+            }
+        )
+
+    def on_train_end(self, trainer, pl_module):
+        Path(f"monitor-{trainer.global_rank}.json").write_text(json.dumps(self.seen))
+
+
+def test_adaptive_moves_blocks_off_a_slowed_rank_and_stays_exact(tmp_path):
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref = Emulated()
+        L.Trainer(devices=1, **trainer_kwargs(max_steps=30)).fit(ref, emulated_data())
+        model = Emulated()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    strategy = AutoPipeStrategy(
+        microbatches=4, partition="uniform", adaptive=True, adaptive_window=3, adaptive_interval=5, start_method="spawn"
+    )
+    logger = CSVLogger(tmp_path, name="log")
+    trainer = L.Trainer(devices=2, strategy=strategy, callbacks=[SlowRankOne()], **trainer_kwargs(max_steps=30, logger=logger))
+    trainer.fit(model, emulated_data())
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    seen = json.loads(Path("monitor-0.json").read_text())
+    assert seen == json.loads(Path("monitor-1.json").read_text()), "every rank sees the same metrics and partitions"
+    assert seen[0]["bounds"] == [[0, 4], [4, 8]] and seen[3]["switches"] == 0, "nothing to gain while the ranks are equal"
+    assert 0.7 < seen[4]["slowdown"][1] / seen[4]["slowdown"][0] < 1.4
+    assert 2.0 < seen[10]["slowdown"][1] / seen[10]["slowdown"][0] < 4.5, "the monitor sees rank 1 slowed about 3x"
+    final = seen[-1]["bounds"]
+    assert final[0][1] >= 6, f"blocks moved to the fast rank 0 (balanced: 6 | 2), got {final}"
+    metrics = (tmp_path / "log" / "version_0" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"adaptive/stage0_compute_ms", "adaptive/stage1_compute_ms", "adaptive/link0to1_MBps"} <= set(metrics)
