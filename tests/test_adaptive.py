@@ -224,7 +224,9 @@ class SlowRankOne(Callback):
         self.seen.append(
             {
                 "bounds": [list(b) for b in trainer.strategy.cut.bounds],
-                "slowdown": list(latest.slowdown(adaptive.monitor.static)),
+                # the monitor's gather is read a step later: at iteration k, iteration k - 1's metrics
+                "slowdown": list(latest.slowdown(adaptive.monitor.static)) if latest is not None else None,
+                "measured": latest.step if latest is not None else None,
                 "switches": len(adaptive.switches),
             }
         )
@@ -251,8 +253,9 @@ def test_adaptive_moves_blocks_off_a_slowed_rank_and_stays_exact(tmp_path):
     seen = json.loads(Path("monitor-0.json").read_text())
     assert seen == json.loads(Path("monitor-1.json").read_text()), "every rank sees the same metrics and partitions"
     assert seen[0]["bounds"] == [[0, 4], [4, 8]] and seen[3]["switches"] == 0, "nothing to gain while the ranks are equal"
-    assert 0.7 < seen[4]["slowdown"][1] / seen[4]["slowdown"][0] < 1.4
-    assert 2.0 < seen[10]["slowdown"][1] / seen[10]["slowdown"][0] < 4.5, "the monitor sees rank 1 slowed about 3x"
+    assert seen[0]["slowdown"] is None and [s["measured"] for s in seen[1:]] == list(range(29))
+    assert 0.7 < seen[5]["slowdown"][1] / seen[5]["slowdown"][0] < 1.4
+    assert 2.0 < seen[8]["slowdown"][1] / seen[8]["slowdown"][0] < 4.5, "the monitor sees rank 1 slowed about 3x"
     final = seen[-1]["bounds"]
     assert final[0][1] >= 6, f"blocks moved to the fast rank 0 (balanced: 6 | 2), got {final}"
     metrics = (tmp_path / "log" / "version_0" / "metrics.csv").read_text().splitlines()[0].split(",")

@@ -9,8 +9,9 @@ changes); and each link's achieved bandwidth: bytes over transfer time of the me
 receiver was waiting for them (`meter.BLOCKED`), in one clock (ranks on one host share
 CLOCK_MONOTONIC; across hosts an offset to pipeline rank 0 is measured once by ping-pong).
 
-One `all_gather` of a small float64 vector per iteration gives every rank the same numbers, so
-every rank takes the same decisions without another message.
+One asynchronous `all_gather` of a small float64 vector per iteration gives every rank the same
+numbers, so every rank takes the same decisions without another message; it overlaps the next
+step and is read at its end, so decisions act on metrics one iteration old.
 """
 
 from __future__ import annotations
@@ -130,9 +131,8 @@ class _Layout:
                 if key in position[a.peer]:
                     self.matches.append((r, k, a.peer, position[a.peer][key]))
 
-    def vector(self, rank: int, meter: StepMeter, times: tuple[float, float, float], offset: float) -> torch.Tensor:
-        v = torch.full((self.width,), math.nan, dtype=torch.float64)
-        v[:3] = torch.tensor(times, dtype=torch.float64)
+    def vector(self, rank: int, meter: StepMeter, times: tuple[float, float, float], offset: float) -> list[float]:
+        v = [*times] + [math.nan] * (self.width - 3)
         for k, i in enumerate(self.sends[rank]):
             if i in meter.sends:
                 v[3 + k] = meter.sends[i][0] + offset
@@ -140,7 +140,7 @@ class _Layout:
         for k, i in enumerate(self.recvs[rank]):
             if i in meter.recvs:
                 done, blocked, size = meter.recvs[i]
-                v[base + 3 * k : base + 3 * k + 3] = torch.tensor([done + offset, float(blocked), float(size)], dtype=torch.float64)
+                v[base + 3 * k : base + 3 * k + 3] = [done + offset, float(blocked), float(size)]
         return v
 
 
@@ -165,6 +165,7 @@ class Monitor:
         self.seconds = 0.0  # spent gathering and deriving, over the run (the monitor's overhead)
         self.iterations = 0
         self._layouts: dict[int, _Layout] = {}
+        self._inflight: Optional[tuple] = None  # the last step's gather, read at the next step's end
         self.offset = clock_offset(rank, ranks, group, to_global, device)
 
     def begin(self, transport: Any) -> None:
@@ -172,8 +173,10 @@ class Monitor:
         self.meter.reset()
         transport.meter = self.meter
 
-    def end(self, executor: Any, step: int, microbatches: int, bounds: Bounds, chunk_rank: Sequence[int]) -> IterationMetrics:
-        """Collective over the pipeline: the iteration's metrics, the same on every rank."""
+    def end(self, executor: Any, step: int, microbatches: int, bounds: Bounds, chunk_rank: Sequence[int]) -> Optional[IterationMetrics]:
+        """Collective over the pipeline, asynchronous: this step's numbers go out now and are read at
+        the next step's end (the gather overlaps that step), so the metrics returned, the same on every
+        rank, are the previous iteration's (None at the first)."""
         executor.transport.meter = None
         times = self.meter.finish()
         started = time.perf_counter()
@@ -181,33 +184,51 @@ class Monitor:
         layout = self._layouts.get(id(schedule))
         if layout is None:
             layout = self._layouts[id(schedule)] = _Layout(schedule)
-        mine = layout.vector(self.rank, self.meter, times, self.offset).to(self.device)
+        metrics = self._collect()
+        mine = layout.vector(self.rank, self.meter, times, self.offset)
         if self.ranks > 1:
-            parts = [torch.empty_like(mine) for _ in range(self.ranks)]
-            dist.all_gather(parts, mine, group=self.group)
-            rows = [p.cpu() for p in parts]
+            local = torch.tensor(mine, dtype=torch.float64, device=self.device)
+            parts = [torch.empty_like(local) for _ in range(self.ranks)]
+            work = dist.all_gather(parts, local, group=self.group, async_op=True)
+            self._inflight = (work, parts, layout, step, microbatches, tuple(bounds), tuple(chunk_rank))
         else:
-            rows = [mine.cpu()]
-        metrics = _derive(layout, rows, step, microbatches, bounds, tuple(chunk_rank))
-        self.latest = metrics
-        self.history.append(metrics)
+            self._inflight = (None, [mine], layout, step, microbatches, tuple(bounds), tuple(chunk_rank))
         self.seconds += time.perf_counter() - started
         self.iterations += 1
         return metrics
+
+    def _collect(self) -> Optional[IterationMetrics]:
+        if self._inflight is None:
+            return None
+        work, parts, layout, step, microbatches, bounds, chunk_rank = self._inflight
+        self._inflight = None
+        if work is not None:
+            work.wait()
+            rows = torch.stack(parts).cpu().tolist()
+        else:
+            rows = parts
+        metrics = _derive(layout, rows, step, microbatches, bounds, chunk_rank)
+        self.latest = metrics
+        self.history.append(metrics)
+        return metrics
+
+    def flush(self) -> Optional[IterationMetrics]:
+        """Read the gather in flight (before a switch, so no iteration is left unread)."""
+        return self._collect()
 
     def clear(self) -> None:
         """After a switch: measurements of the old partition say little about the new one's links."""
         self.history.clear()
 
 
-def _derive(layout: _Layout, rows: list[torch.Tensor], step: int, m: int, bounds: Bounds, chunk_rank: tuple[int, ...]) -> IterationMetrics:
+def _derive(layout: _Layout, rows: list[list[float]], step: int, m: int, bounds: Bounds, chunk_rank: tuple[int, ...]) -> IterationMetrics:
     base = 3 + max(map(len, layout.sends))
     moved: dict[tuple[int, int], float] = {}
     spent: dict[tuple[int, int], float] = {}
     counted: dict[tuple[int, int], float] = {}
     for r, k, p, j in layout.matches:
-        done, blocked, size = (float(x) for x in rows[r][base + 3 * k : base + 3 * k + 3])
-        issued = float(rows[p][3 + j])
+        done, blocked, size = rows[r][base + 3 * k : base + 3 * k + 3]
+        issued = rows[p][3 + j]
         link = (p, r)
         if math.isfinite(size):
             moved[link] = moved.get(link, 0.0) + size

@@ -98,9 +98,11 @@ class Adaptive:
         cut = strategy.cut
         iteration = self._iteration()
         metrics = self.monitor.end(executor, iteration, microbatches, cut.bounds, cut.placement)
+        if metrics is None:
+            return
         self._log(metrics)
-        if microbatches != strategy.config.microbatches or self.pending is not None:
-            return  # a short last batch is a different schedule: not a basis for decisions
+        if metrics.microbatches != strategy.config.microbatches or metrics.bounds != cut.bounds or self.pending is not None:
+            return  # a short last batch is a different schedule; a switch since: not a basis for decisions
         # scored once per window of fresh measurements (not every step: the scoring is the costly part)
         if self.rule.allows(iteration, len(self.monitor.history)) and (iteration - self._considered) >= self.rule.window:
             self._considered = iteration
@@ -155,6 +157,8 @@ class Adaptive:
         old = strategy.cut.bounds
         if new == old:
             return None
+        if self.monitor is not None:
+            self.monitor.flush()  # the gather in flight, of the old partition: read before anything moves
         started = time.perf_counter()
         result = strategy.switch_partition(new)
         seconds = torch.tensor([time.perf_counter() - started, float(result.sent_bytes)], dtype=torch.float64, device=strategy.root_device)
@@ -176,6 +180,11 @@ class Adaptive:
                 self.rule.measured(record.seconds, record.moved_bytes, bandwidth)
         rank_zero_info(record.line())
         return record
+
+    def close(self) -> None:
+        """At the end of fit: no gather left in flight."""
+        if self.monitor is not None:
+            self.monitor.flush()
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

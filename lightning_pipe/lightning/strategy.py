@@ -361,6 +361,8 @@ class AutoPipeStrategy(ProcessGroupStrategy):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
+        if self.adaptive is not None:
+            self.adaptive.close()
         if self._steps is not None and self._steps.recording is not None:  # the tuner's profile run: the link, then the files
             self._steps.recording.finish()
             self._steps.recording = None
