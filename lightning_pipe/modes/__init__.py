@@ -4,7 +4,8 @@ The strategy calls its mode once per step and at the edges (drain before validat
 checkpoint or the end of fit; state for checkpoints; resume). `SyncMode` runs the synchronous
 schedules (the pipeline fills and drains inside a step); `TwoBWMode` keeps PipeDream-2BW's pipeline
 full across steps; `AvgPipeMode` runs one of AvgPipe's parallel pipelines and its elastic pull.
-Adaptive re-partitioning comes as a mode of its own, not as branches in the strategy. Modes know the runtime, never Lightning.
+Adaptive re-partitioning (lightning_pipe.adaptive) works beside the modes: after a live switch the strategy
+builds the mode again over the new cut. Modes know the runtime, never Lightning.
 """
 
 from __future__ import annotations
