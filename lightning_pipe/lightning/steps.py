@@ -79,7 +79,7 @@ class PipelineSteps:
         module.log = host.recorder  # type: ignore[method-assign]
         if self.trace_group is not None:
             dist.barrier(group=self.trace_group)  # a common start, so the ranks' traces line up
-        measured = self.adaptive is not None and kind == "train"
+        measured = kind == "train" and self.adaptive is not None and self.adaptive.enabled
         if measured:
             self.adaptive.begin_step(self.mode.transport)
         try:

@@ -123,7 +123,7 @@ class Executor:
     @property
     def meter(self) -> Optional[Any]:
         """The adaptive monitor's per-step timings (adaptive.meter.StepMeter) while it measures, else None."""
-        return self.transport.meter
+        return getattr(self.transport, "meter", None)  # a stand-in transport (tests) may have none
 
     def run(self, host: StageHost, keys: Sequence[Hashable], carry: Optional[Carry] = None) -> None:
         """Execute the action list once. ``keys[i]`` is micro-batch i's signature (see p2p).
