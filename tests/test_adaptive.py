@@ -89,6 +89,15 @@ CASES = {
         1,
     ),
     "interleaved-2": (2, 3, dict(schedule="interleaved", chunks=2), [2, 2, 2, 2], {2: [[0, 1], [1, 4], [4, 5], [5, 8]]}, 1),
+    # wave: chunks 0 and 3 (the tied embedding and head) on rank 0, 1 and 2 on rank 1; blocks move both ways
+    "wave-2": (
+        2,
+        3,
+        dict(schedule="wave", waves=1),
+        [2, 2, 2, 2],
+        {2: [[0, 3], [3, 4], [4, 5], [5, 8]], 4: [[0, 1], [1, 4], [4, 7], [7, 8]]},
+        1,
+    ),
     "2bw-2-drain-then-switch": (2, 2, dict(schedule="2bw"), [3, 3], {2: [[0, 2], [2, 6]], 4: [[0, 4], [4, 6]]}, 1),
 }
 
@@ -118,7 +127,7 @@ def test_forced_switches_keep_single_process_weights(name):
     for rank in range(devices):  # the switches happened where asked, and each rank held its part
         seen = json.loads(Path(f"held-{rank}.json").read_text())
         assert [bounds for bounds, _ in seen] == expected
-        chunk_rank = list(range(devices)) * (len(expected[0]) // devices)
+        chunk_rank = [0, 1, 1, 0] if options["schedule"] == "wave" else list(range(devices)) * (len(expected[0]) // devices)
         for bounds, held in seen:
             assert held == [b for c, (lo, hi) in enumerate(bounds) if chunk_rank[c] == rank for b in range(lo, hi)]
 
