@@ -88,15 +88,20 @@ class PipelineConfig:
     """The plan command only: stages to plan for (None: devices x nodes / width)."""
 
     # ---- adaptive re-partitioning (AutoPipe-RL) -------------------------------------------------
-    adaptive: bool = False
-    """Monitor every rank each iteration and move blocks between two neighbouring workers while training
-    when the simulator, on the measured speeds, predicts at least adaptive_gain over the rest of the run."""
+    adaptive: Any = False
+    """AutoPipe-RL: monitor every rank each iteration and move blocks between two neighbouring workers while
+    training. rule (or true): when the simulator on the measured speeds predicts at least adaptive_gain over
+    the rest of the run; learned: the learned speed predictor, adapted online, and the RL arbiter decide;
+    false: off."""
     adaptive_gain: float = 0.05
     """Adaptive: the predicted fraction of the remaining run's time a switch must save, after its cost (x)."""
     adaptive_interval: int = 20
     """Adaptive: iterations at least between two switches."""
     adaptive_window: int = 5
     """Adaptive: iterations of measurements a decision reads (their median); candidates are scored once per window."""
+    adaptive_weights: Optional[str] = None
+    """adaptive=learned: a folder with predictor_d<depth>.pt, arbiter.pt and switch_cost.pt (None: the package's,
+    made by python -m lightning_pipe.adaptive.offline)."""
 
     # ---- runtime -----------------------------------------------------------------------------
     prefetch: bool = True
@@ -157,8 +162,26 @@ class PipelineConfig:
         self.timeout = float(self.timeout)
 
     def _check_adaptive(self) -> None:
-        if not isinstance(self.adaptive, bool):
-            raise SettingError(f"adaptive={self.adaptive!r}: true or false", "adaptive")
+        value = self.adaptive.lower() if isinstance(self.adaptive, str) else self.adaptive
+        normal = {
+            True: "rule",
+            "rule": "rule",
+            "true": "rule",
+            "learned": "learned",
+            False: False,
+            None: False,
+            "false": False,
+            "off": False,
+        }
+        if not isinstance(value, (bool, str, type(None))) or value not in normal:
+            raise SettingError(f"adaptive={self.adaptive!r}: one of rule (or true), learned, false", "adaptive")
+        self.adaptive = normal[value]
+        if self.adaptive == "learned" and canonical(self.schedule) not in ("gpipe", "1f1b"):
+            raise SettingError(
+                f"adaptive=learned with schedule={self.schedule!r}: the learned predictor was trained on gpipe and 1f1b "
+                "iterations only; use one of them, or adaptive=rule (any synchronous schedule or 2bw)",
+                "adaptive",
+            )
         if isinstance(self.adaptive_gain, bool) or not isinstance(self.adaptive_gain, (int, float)) or not 0 <= self.adaptive_gain < 1:
             raise SettingError(f"adaptive_gain={self.adaptive_gain!r}: a fraction in [0, 1), e.g. 0.05 for 5%", "adaptive_gain")
         for name in ("adaptive_interval", "adaptive_window"):
@@ -293,11 +316,25 @@ class PipelineConfig:
             message = str(err).replace("width=", "pipelines=", 1).replace("allowed widths", "allowed values")
             raise SettingError(message, "pipelines") from None
 
+    def check_adaptive_weights(self, depth: int) -> None:
+        """adaptive=learned: the weight files for this depth exist and load (before any process starts)."""
+        if self.adaptive != "learned":
+            return
+        from pathlib import Path
+
+        from .adaptive.learned import load_learned
+
+        try:
+            load_learned(Path(self.adaptive_weights) if self.adaptive_weights else None, depth)
+        except (OSError, ValueError) as error:
+            raise SettingError(str(error), "adaptive_weights") from None
+
     def check_world(self, world_size: int) -> Topology:
         """The devices are known: the width must divide them and the schedule must take the
         micro-batch count on that depth (e.g. interleaved needs a multiple of the stages)."""
         topology = self.topology(world_size)
         self.check_advance(topology.depth)
+        self.check_adaptive_weights(topology.depth)
         self.schedule_spec.placement(topology.depth, self.microbatches)
         return topology
 

@@ -14,9 +14,11 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
@@ -24,6 +26,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ..adaptive.candidates import Scorer, SimulatorScorer, neighbour_candidates
+from ..adaptive.learned import LearnedDecider, load_learned
 from ..adaptive.monitor import IterationMetrics, Monitor, StaticMetrics
 from ..adaptive.policy import SwitchRule
 from ..adaptive.switch import Bounds, check_bounds, plan_moves
@@ -43,9 +46,17 @@ class SwitchRecord:
     predicted_new_s: Optional[float]
     seconds: float = 0.0  # measured, the slowest rank's
     moved_bytes: int = 0
+    by: str = "rule"  # "requested" (repartition), "rule" or "learned" (the arbiter)
 
     def line(self) -> str:
-        why = "requested" if self.predicted_gain is None else f"predicted gain {self.predicted_gain:.1%} over the rest of the run"
+        if self.predicted_gain is None:
+            why = "requested"
+        elif self.by == "learned":
+            why = (
+                f"learned: predictor {self.predicted_now_s * 1e3:.1f} -> {self.predicted_new_s * 1e3:.1f} ms per iteration, arbiter: switch"
+            )
+        else:
+            why = f"predicted gain {self.predicted_gain:.1%} over the rest of the run"
         sizes = lambda b: [hi - lo for lo, hi in b]  # noqa: E731
         return (
             f"adaptive: iteration {self.iteration}: partition {sizes(self.old)} -> {sizes(self.new)} blocks per chunk ({why}); "
@@ -59,7 +70,10 @@ class Adaptive:
     def __init__(self, strategy: Any, profile: Optional[Any], costs: Optional[Any], scorer: Optional[Scorer] = None):
         config = strategy.config
         self.strategy = strategy
-        self.enabled = bool(config.adaptive)
+        self.kind = config.adaptive  # False, "rule" or "learned"
+        self.enabled = bool(self.kind)
+        self.decider: Optional[LearnedDecider] = None  # adaptive=learned: predictor + arbiter (decides on pipeline rank 0)
+        self.evaluations: list[dict[str, Any]] = []  # learned, on pipeline rank 0: every consideration's predictions
         self.rule = SwitchRule(gain=config.adaptive_gain, interval=config.adaptive_interval, window=config.adaptive_window)
         self.pending: Optional[tuple[Bounds, Optional[tuple[float, float, float]]]] = None
         self.switches: list[SwitchRecord] = []
@@ -84,6 +98,12 @@ class Adaptive:
                 window=config.adaptive_window,
             )
             self.scorer = scorer or SimulatorScorer(static, costs)
+            if self.kind == "learned":
+                folder = Path(config.adaptive_weights) if config.adaptive_weights else None
+                self.decider = LearnedDecider(load_learned(folder, topo.depth), static, config.schedule, config.microbatches)
+                self.offline = copy.deepcopy(self.decider.learned.predictor)  # before online adaptation, for evaluation
+                self.scorer = self.decider.scorer
+            self.root = topo.global_rank(replica, 0)  # pipeline rank 0: the learned decision is taken there
 
     # ---- per step -----------------------------------------------------------------------------
     def begin_step(self, transport: Any) -> None:
@@ -103,6 +123,8 @@ class Adaptive:
         self._log(metrics)
         if metrics.microbatches != strategy.config.microbatches or metrics.bounds != cut.bounds or self.pending is not None:
             return  # a short last batch is a different schedule; a switch since: not a basis for decisions
+        if self.decider is not None and strategy.global_rank == self.root:
+            self.decider.observe(list(self.monitor.history))  # the replay buffer of online adaptation
         # scored once per window of fresh measurements (not every step: the scoring is the costly part)
         if self.rule.allows(iteration, len(self.monitor.history)) and (iteration - self._considered) >= self.rule.window:
             self._considered = iteration
@@ -111,6 +133,8 @@ class Adaptive:
             self.decision_seconds += time.perf_counter() - started
 
     def _consider(self, schedule: Any, iteration: int) -> None:
+        if self.decider is not None:
+            return self._consider_learned(iteration)
         cut, window = self.strategy.cut, list(self.monitor.history)
         now = self.scorer(window, schedule, cut.bounds)
         scored = [(self.scorer(window, schedule, c), c) for c in neighbour_candidates(cut.bounds, cut.placement)]
@@ -118,10 +142,51 @@ class Adaptive:
             return
         best_s, best = min(scored)
         moved = sum(self.monitor.static.param_bytes[b] for m in plan_moves(cut.bounds, best, cut.placement) for b in m.blocks)
-        bandwidth = self.scorer.current(window).bandwidth if isinstance(self.scorer, SimulatorScorer) else 1e9
+        bandwidth = self._bandwidth(window)
         gain = self.rule.predicted_gain(now, best_s, self._left(), self.rule.cost(3 * moved, bandwidth))
         if gain >= self.rule.gain:
             self.pending = (best, (gain, now, best_s))
+
+    def _bandwidth(self, window: list[IterationMetrics]) -> float:
+        measured = [m.bandwidth() for m in window if m.bandwidth() == m.bandwidth()]
+        return sorted(measured)[len(measured) // 2] if measured else 1e9
+
+    def _consider_learned(self, iteration: int) -> None:
+        """Pipeline rank 0 adapts the predictor, scores the candidates and asks the arbiter; every rank
+        of the pipeline gets the verdict (one broadcast per window), so all switch alike."""
+        strategy, window = self.strategy, list(self.monitor.history)
+        box: list[Any] = [None]
+        if strategy.global_rank == self.root:
+            verdict = self.decider.decide(window, self._left(), iteration - self.rule.last_switch, self._bandwidth(window))
+            if verdict is not None:
+                box[0] = {"switch": verdict.switch, "best": verdict.best, "now": verdict.now_s, "best_s": verdict.best_s}
+                offline = self.decider.scorer.predictor
+                self.decider.scorer.predictor = self.offline  # the same candidates before online adaptation
+                before = self.decider.scorer.score_many(window, [b for b, _ in verdict.scores], window[-1].chunk_rank)
+                self.decider.scorer.predictor = offline
+                self.evaluations.append(
+                    {
+                        "iteration": iteration,
+                        "switch": verdict.switch,
+                        "probability": verdict.probability,
+                        "cost_s": verdict.cost_s,
+                        "decision_s": verdict.seconds,
+                        "measured_s": max(window[-1].wall_s),
+                        "scores": [[[list(x) for x in b], t, t0] for (b, t), t0 in zip(verdict.scores, before)],
+                    }
+                )
+                self._log_value("adaptive/decision_ms", verdict.seconds * 1e3)
+        if strategy.topology.depth > 1:
+            dist.broadcast_object_list(box, self.root, group=strategy.process_groups.pipeline)
+        verdict = box[0]
+        if verdict is not None and verdict["switch"]:
+            now, best = verdict["now"], verdict["best_s"]
+            self.pending = (tuple(tuple(b) for b in verdict["best"]), ((now - best) / now, now, best))
+
+    def _log_value(self, name: str, value: float) -> None:
+        trainer = self.strategy.lightning_module.trainer
+        for logger in trainer.loggers:
+            logger.log_metrics({name: value}, step=trainer.global_step)
 
     def _left(self) -> Optional[float]:
         trainer = self.strategy.lightning_module.trainer
@@ -169,15 +234,20 @@ class Adaptive:
             seconds[0] = slowest[0]
         iteration = self._iteration()
         gain, now, best = why if why is not None else (None, None, None)
-        record = SwitchRecord(iteration, old, new, gain, now, best, float(seconds[0]), int(seconds[1]))
+        by = "requested" if why is None else ("learned" if self.decider is not None else "rule")
+        record = SwitchRecord(iteration, old, new, gain, now, best, float(seconds[0]), int(seconds[1]), by)
         self.switches.append(record)
         self.rule.last_switch = iteration
         if self.monitor is not None:
             self.monitor.clear()
             window = [self.monitor.latest] if self.monitor.latest is not None else []
-            bandwidth = self.scorer.current(window).bandwidth if isinstance(self.scorer, SimulatorScorer) else 1e9
+            bandwidth = self._bandwidth(window)
             if record.moved_bytes:
                 self.rule.measured(record.seconds, record.moved_bytes, bandwidth)
+            if self.decider is not None:
+                moved = [b for m in plan_moves(old, new, strategy.cut.placement) for b in m.blocks]
+                params = sum(self.monitor.static.param_bytes[b] for b in moved)
+                self.decider.switched(params, bandwidth, len(moved), record.seconds)
         rank_zero_info(record.line())
         return record
 
