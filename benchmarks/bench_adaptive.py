@@ -60,33 +60,39 @@ def pin_process(core: int) -> None:
 
 
 class SharedCluster(Callback):
-    """Pins the ranks, starts / stops the competing job (rank 0 owns it), records rank 0's iteration
-    times and partitions, and applies a scripted partition plan {iteration: bounds}."""
+    """Pins the ranks, starts / stops the competing jobs (rank 0 owns them; `jobs`: (start, stop, core)
+    iterations), records rank 0's iteration times and partitions, applies a scripted partition plan
+    {iteration: bounds}."""
 
-    def __init__(self, start: int, stop: int, plan: dict, out: str):
-        self.start, self.stop, self.plan, self.out = start, stop, plan, out
-        self.job = None
+    def __init__(self, jobs: list, plan: dict, out: str):
+        self.jobs, self.plan, self.out = jobs, plan, out
+        self.procs: dict = {}
         self.times, self.bounds, self.last = [], [], None
         self.slowdown, self.predicted = [], []  # the adaptive run's monitor: per-rank factors, scorer's time of the current partition
 
     def setup(self, trainer, pl_module, stage):
         pin_process(trainer.global_rank % os.cpu_count())
 
-    def _job(self, on: bool) -> None:
-        if on and self.job is None:
-            code = "import os; os.sched_setaffinity(0, {1}); x = 0\nwhile True: x += 1"
-            self.job = subprocess.Popen([sys.executable, "-c", code])
-        elif not on and self.job is not None:
-            self.job.kill()
-            self.job.wait()
-            self.job = None
+    def _job(self, k: int, on: bool) -> None:
+        if on and k not in self.procs:
+            code = f"import os; os.sched_setaffinity(0, {{{self.jobs[k][2]}}}); x = 0\nwhile True: x += 1"
+            self.procs[k] = subprocess.Popen([sys.executable, "-c", code])
+        elif not on and k in self.procs:
+            proc = self.procs.pop(k)
+            proc.kill()
+            proc.wait()
+
+    def _stop_all(self) -> None:
+        for k in list(self.procs):
+            self._job(k, False)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         i = trainer.fit_loop.total_batch_idx
-        if trainer.global_rank == 0 and i == self.start:
-            self._job(True)
-        if trainer.global_rank == 0 and i == self.stop:
-            self._job(False)
+        for k, (start, stop, _) in enumerate(self.jobs):
+            if trainer.global_rank == 0 and i == start:
+                self._job(k, True)
+            if trainer.global_rank == 0 and i == stop:
+                self._job(k, False)
         if i in self.plan:
             trainer.strategy.repartition(self.plan[i])
         if self.last is None:
@@ -109,7 +115,7 @@ class SharedCluster(Callback):
             self.predicted.append(None)
 
     def on_train_end(self, trainer, pl_module):
-        self._job(False)
+        self._stop_all()
         if trainer.global_rank != 0:
             return
         adaptive = trainer.strategy.adaptive
@@ -127,13 +133,17 @@ class SharedCluster(Callback):
                 {"iteration": s.iteration, "old": s.old, "new": s.new, "gain": s.predicted_gain, "seconds": s.seconds}
                 for s in adaptive.switches
             ]
+            report["evaluations"] = adaptive.evaluations
+            report["decision_total_s"] = adaptive.decision_seconds
+            if adaptive.decider is not None:
+                report["adapted_steps"] = adaptive.decider.scorer.adapted
             if adaptive.monitor is not None:
                 report["monitor_s"] = adaptive.monitor.seconds / max(1, adaptive.monitor.iterations)
                 report["decision_s"] = adaptive.decision_seconds / max(1, adaptive.monitor.iterations)
         Path(self.out).write_text(json.dumps(report))
 
     def on_exception(self, trainer, pl_module, exception):
-        self._job(False)
+        self._stop_all()
 
 
 def data(steps: int) -> DataLoader:
@@ -142,11 +152,11 @@ def data(steps: int) -> DataLoader:
     return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=BATCH)
 
 
-def run(name: str, args, plan: dict, adaptive: bool, partition) -> dict:
+def run(name: str, args, plan: dict, adaptive, partition, jobs=None) -> dict:
     torch.manual_seed(0)
     model = CausalLM(model=ModelConfig(**CFG), lr=1e-3, warmup_steps=10, max_steps=args.steps)
     out = Path(args.work) / f"{name}.json"
-    callback = SharedCluster(args.start, args.stop, plan, str(out))
+    callback = SharedCluster(jobs if jobs is not None else [(args.start, args.stop, 1)], plan, str(out))
     strategy = AutoPipeStrategy(schedule="1f1b", microbatches=M, partition=partition, adaptive=adaptive, start_method="spawn")
     trainer = L.Trainer(
         accelerator="cpu",

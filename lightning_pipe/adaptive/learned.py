@@ -53,6 +53,7 @@ class Verdict:
     probability: float
     cost_s: float
     seconds: float  # decision time: adaptation + scoring + arbiter
+    adapt_seconds: float  # of which online adaptation
     scores: list[tuple[Any, float]] = field(default_factory=list)  # every candidate's prediction (evaluation)
 
 
@@ -70,6 +71,7 @@ class LearnedDecider:
     def decide(self, window: Sequence[IterationMetrics], left: Optional[float], since: float, bandwidth: float) -> Optional[Verdict]:
         started = time.perf_counter()
         self.scorer.adapt()
+        adapted = time.perf_counter() - started
         latest = window[-1]
         candidates = neighbour_candidates(latest.bounds, latest.chunk_rank)
         if not candidates:
@@ -85,7 +87,7 @@ class LearnedDecider:
         )
         switch, p = self.learned.arbiter.switch(feats)
         scores = [(latest.bounds, now), *zip(candidates, rest)]
-        return Verdict(switch and rest[k] < now, best, now, rest[k], p, cost, time.perf_counter() - started, scores)
+        return Verdict(switch and rest[k] < now, best, now, rest[k], p, cost, time.perf_counter() - started, adapted, scores)
 
     def switched(self, moved_bytes: float, bandwidth: float, blocks: int, seconds: float) -> None:
         if math.isfinite(bandwidth) and bandwidth > 0:

@@ -4,7 +4,8 @@ fully connected layers with the candidate's static metrics and partition -> log(
 `SpeedPredictor` is the network; `LearnedScorer` is part 1's `Scorer` interface over it (so the
 rule or the arbiter can use it), with the online adaptation the paper describes (transfer
 learning): the running job's measured iterations go into a replay buffer and a few gradient steps
-fine-tune the network between steps. Weight files carry their depth and feature version; a file
+fine-tune the network's output layer between steps (ours: only that layer, since the job only ever
+measures the partitions it runs). Weight files carry their depth and feature version; a file
 that cannot be read or does not match is refused naming it.
 """
 
@@ -89,7 +90,7 @@ class LearnedScorer:
         static: StaticMetrics,
         schedule: str,
         microbatches: int,
-        steps: int = 4,
+        steps: int = 2,
         buffer: int = 256,
         lr: float = 1e-3,
         seed: int = 0,
@@ -98,7 +99,9 @@ class LearnedScorer:
         self.depth = predictor.depth
         self.steps = steps
         self.replay: deque[tuple[list, list, float]] = deque(maxlen=buffer)
-        self.optimizer = torch.optim.Adam(predictor.parameters(), lr=lr)
+        # transfer learning: the job's own iterations fine-tune the output layer only; the features the
+        # offline network learned (how slowdowns, compute and links make an iteration) stay as trained
+        self.optimizer = torch.optim.Adam(predictor.head[-1].parameters(), lr=lr)
         self.random = random.Random(seed)
         self.adapted = 0  # gradient steps taken online
 
@@ -139,7 +142,7 @@ class LearnedScorer:
         latest = window[-1]
         self.replay.append((rows, self._candidate(latest.bounds, latest.chunk_rank, slow, bw), math.log(measured_s / self._t0())))
 
-    def adapt(self, batch: int = 32) -> None:
+    def adapt(self, batch: int = 16) -> None:
         """A few gradient steps on the replay buffer (transfer learning from the offline weights)."""
         if len(self.replay) < 2:
             return

@@ -171,6 +171,7 @@ class Adaptive:
                         "probability": verdict.probability,
                         "cost_s": verdict.cost_s,
                         "decision_s": verdict.seconds,
+                        "adapt_s": verdict.adapt_seconds,
                         "measured_s": max(window[-1].wall_s),
                         "scores": [[[list(x) for x in b], t, t0] for (b, t), t0 in zip(verdict.scores, before)],
                     }
