@@ -76,11 +76,11 @@ class Scenario:
         )
 
 
-def random_model(rng: random.Random) -> tuple[list[float], list[float], list[float], list[float]]:
-    """Per-block forward, backward seconds, output bytes, parameter bytes."""
+def random_model(rng: random.Random, depth: int = 2) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per-block forward, backward seconds, output bytes, parameter bytes; at least 2 blocks per stage."""
     base = 10 ** rng.uniform(-3.7, -1.7)  # 0.2 .. 20 ms per attention half
     if rng.random() < 0.7:  # a transformer of sub-layer blocks
-        layers = rng.randint(2, 10)
+        layers = rng.randint(2, 10) if depth <= 4 else rng.randint(depth, 3 * depth)
         ffn = rng.uniform(1.5, 2.3)
         fwd = [base * rng.uniform(0.05, 0.3)]
         for _ in range(layers):
@@ -93,7 +93,7 @@ def random_model(rng: random.Random) -> tuple[list[float], list[float], list[flo
             + [params_unit * rng.uniform(0.1, 20)]
         )
     else:  # blocks of random cost
-        n = rng.randint(4, 24)
+        n = rng.randint(4, 24) if depth <= 4 else rng.randint(2 * depth, 6 * depth)
         fwd = [base * math.exp(rng.gauss(0, 0.6)) for _ in range(n)]
         params = [10 ** rng.uniform(4, 8) for _ in range(n)]
     bwd = [f * rng.uniform(1.6, 2.5) for f in fwd]
@@ -117,7 +117,7 @@ def balanced(costs: Sequence[float], depth: int) -> tuple[tuple[int, int], ...]:
 
 def scenario(rng: random.Random, depth: int) -> Scenario:
     while True:
-        fwd, bwd, act, params = random_model(rng)
+        fwd, bwd, act, params = random_model(rng, depth)
         if len(fwd) >= 2 * depth:
             break
     m = rng.choice([depth, 2 * depth, 4 * depth])
@@ -319,10 +319,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--scenarios", type=int, default=2000, help="simulated scenarios per depth (each labels ~10-30 partitions)")
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--predictors-only", action="store_true", help="train only the listed depths' predictors (keep arbiter.pt, switch_cost.pt)"
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     out = Path(args.out)
     report: dict = {"scenarios_per_depth": args.scenarios, "epochs": args.epochs, "seed": args.seed, "depths": {}}
+    if args.predictors_only and (out / "report.json").is_file():  # add to what is there
+        report = json.loads((out / "report.json").read_text())
     arbiter_data: list[Decision] = []
     for depth in (int(d) for d in args.depths.split(",")):
         started = time.perf_counter()
@@ -345,7 +350,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             "held_out": scores,
         }
         print(f"depth {depth}: {report['depths'][depth]}", flush=True)
+        if args.predictors_only:
+            continue
         arbiter_data += decisions(model, generate(max(200, args.scenarios // 2), depth, seed=args.seed + 2000 + depth), args.seed + depth)
+    if args.predictors_only:
+        (out / "report.json").write_text(json.dumps(report, indent=1))
+        return
     random.Random(args.seed).shuffle(arbiter_data)
     cut = int(0.8 * len(arbiter_data))
     started = time.perf_counter()
