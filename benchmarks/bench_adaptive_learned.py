@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -73,6 +74,49 @@ def sweep(args) -> dict:
     return {"report": report, "medians": medians}
 
 
+def decision_time(model: str, depth: int, microbatches: int, repeats: int = 20) -> dict:
+    """Seconds of one learned decision (adapt + score every neighbour candidate + arbiter) for a paper-size
+    model from its analytic profile (planning/flops.py), with a synthetic monitor window: no job needed."""
+    import time
+
+    from lightning_pipe.adaptive.learned import LearnedDecider, load_learned
+    from lightning_pipe.adaptive.monitor import IterationMetrics, StaticMetrics
+    from lightning_pipe.adaptive.offline import balanced
+    from lightning_pipe.planning.flops import transformer_costs
+
+    costs, _ = transformer_costs(model, 1)
+    static = StaticMetrics(costs.activation_bytes, (0.0, *costs.activation_bytes[:-1]), costs.param_bytes, costs.forward, costs.backward)
+    bounds = balanced([f + b for f, b in zip(costs.forward, costs.backward)], depth)
+    per_rank = [microbatches * sum(costs.forward[b] + costs.backward[b] for b in range(lo, hi)) for lo, hi in bounds]
+    window = [
+        IterationMetrics(
+            i, microbatches, bounds, tuple(range(depth)),
+            tuple(0.33 * t * (2.0 if r == 1 else 1.0) for r, t in enumerate(per_rank)),
+            tuple(0.67 * t * (2.0 if r == 1 else 1.0) for r, t in enumerate(per_rank)),
+            (max(per_rank) * 2.5,) * depth,
+            {(r, r + 1): 1e10 for r in range(depth - 1)},
+            {(r, r + 1): 1e10 for r in range(depth - 1)},
+        )
+        for i in range(5)
+    ]  # fmt: skip
+    decider = LearnedDecider(load_learned(None, depth), static, "1f1b", microbatches)
+    for w in window:
+        decider.scorer.observe(window[: window.index(w) + 1], max(w.wall_s))
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        verdict = decider.decide(window, 1000, 100, 1e10)
+        seconds.append(time.perf_counter() - started)
+    return {
+        "model": model,
+        "blocks": len(costs.forward),
+        "depth": depth,
+        "candidates": len(verdict.scores) - 1,
+        "median_ms": statistics.median(seconds) * 1e3,
+        "max_ms": max(seconds) * 1e3,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=400)
@@ -84,7 +128,13 @@ def main() -> None:
     p.add_argument("--save", default=None)
     p.add_argument("--load", default=None)
     p.add_argument("--out", default=None)
+    p.add_argument("--decision-time", action="store_true", help="only time a learned decision for paper-size models (the shipped depths)")
     args = p.parse_args()
+    os.environ["LIGHTNING_PIPE_ADAPTIVE_EVALUATE"] = "1"  # the learned run records its predictions (inherited by the workers)
+    if args.decision_time:
+        for model, depth in (("gpt2-1.3b", 4), ("bert-large", 4), ("gpt2-1.3b", 2)):
+            print(decision_time(model, depth, 4 * depth))
+        return
     Path(args.work).mkdir(parents=True, exist_ok=True)
     if args.load:
         results = json.loads(Path(args.load).read_text())

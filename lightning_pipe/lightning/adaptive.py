@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,8 @@ from ..adaptive.policy import SwitchRule
 from ..adaptive.switch import Bounds, check_bounds, plan_moves
 
 log = logging.getLogger(__name__)
+# set to 1: adaptive=learned records every decision's predictions, also by the offline network (benchmarks)
+EVALUATE = "LIGHTNING_PIPE_ADAPTIVE_EVALUATE"
 
 
 @dataclass
@@ -73,7 +76,9 @@ class Adaptive:
         self.kind = config.adaptive  # False, "rule" or "learned"
         self.enabled = bool(self.kind)
         self.decider: Optional[LearnedDecider] = None  # adaptive=learned: predictor + arbiter (decides on pipeline rank 0)
-        self.evaluations: list[dict[str, Any]] = []  # learned, on pipeline rank 0: every consideration's predictions
+        self.evaluations: list[
+            dict[str, Any]
+        ] = []  # learned, rank 0, with LIGHTNING_PIPE_ADAPTIVE_EVALUATE=1: every decision's predictions
         self.rule = SwitchRule(gain=config.adaptive_gain, interval=config.adaptive_interval, window=config.adaptive_window)
         self.pending: Optional[tuple[Bounds, Optional[tuple[float, float, float]]]] = None
         self.switches: list[SwitchRecord] = []
@@ -160,6 +165,8 @@ class Adaptive:
             verdict = self.decider.decide(window, self._left(), iteration - self.rule.last_switch, self._bandwidth(window))
             if verdict is not None:
                 box[0] = {"switch": verdict.switch, "best": verdict.best, "now": verdict.now_s, "best_s": verdict.best_s}
+                self._log_value("adaptive/decision_ms", verdict.seconds * 1e3)
+            if verdict is not None and os.environ.get(EVALUATE) == "1":
                 offline = self.decider.scorer.predictor
                 self.decider.scorer.predictor = self.offline  # the same candidates before online adaptation
                 before = self.decider.scorer.score_many(window, [b for b, _ in verdict.scores], window[-1].chunk_rank)
@@ -176,7 +183,6 @@ class Adaptive:
                         "scores": [[[list(x) for x in b], t, t0] for (b, t), t0 in zip(verdict.scores, before)],
                     }
                 )
-                self._log_value("adaptive/decision_ms", verdict.seconds * 1e3)
         if strategy.topology.depth > 1:
             dist.broadcast_object_list(box, self.root, group=strategy.process_groups.pipeline)
         verdict = box[0]
