@@ -60,9 +60,10 @@ class AutoPipeStrategy(ProcessGroupStrategy):
             Algorithm 1 raises it from K - 1 while steps get faster and memory fits).
         tune, tune_batches, tune_microbatches, tune_pipelines: AvgPipe's M x N tuner; it runs from the CLI
             (it chooses the process count), so tune=True is refused here with the commands to use.
-        adaptive, adaptive_gain, adaptive_interval, adaptive_window: AutoPipe-RL's re-partitioning while training
-            (monitor every iteration, move blocks between neighbouring workers when the simulator on the measured
-            speeds predicts >= adaptive_gain after the switch's cost); `repartition(bounds)` asks for a switch by hand.
+        adaptive, adaptive_gain, adaptive_interval, adaptive_window, adaptive_weights: AutoPipe-RL's re-partitioning
+            while training: "rule" (or True: move blocks between neighbouring workers when the simulator on the
+            measured speeds predicts >= adaptive_gain after the switch's cost) or "learned" (the speed predictor and
+            the RL arbiter; adaptive_weights: a folder of other weights); `repartition(bounds)` switches by hand.
         trace: record each action's real times; writes trace.json and a timeline picture.
         profile: a saved profile.json to plan from. bandwidth, latency: the link model for planning.
         start_method: ``"popen"`` (Lightning re-runs the command), ``"spawn"``, ``"fork"``, ``"forkserver"``.
@@ -96,10 +97,11 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         tune_batches: int = 20,
         tune_microbatches: Optional[list[int]] = None,
         tune_pipelines: Optional[list[int]] = None,
-        adaptive: bool = False,
+        adaptive: Union[bool, str] = False,
         adaptive_gain: float = 0.05,
         adaptive_interval: int = 20,
         adaptive_window: int = 5,
+        adaptive_weights: Optional[str] = None,
         trace: bool = False,
         profile: Optional[str] = None,
         bandwidth: Optional[float] = None,
@@ -136,6 +138,7 @@ class AutoPipeStrategy(ProcessGroupStrategy):
             adaptive_gain=adaptive_gain,
             adaptive_interval=adaptive_interval,
             adaptive_window=adaptive_window,
+            adaptive_weights=adaptive_weights,
             trace=trace,
             profile=profile,
             bandwidth=bandwidth,
