@@ -183,7 +183,7 @@ def test_adaptive_settings_are_checked_by_hydra_and_the_config():
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["pipeline.adaptive=true", "pipeline.adaptive_gain=0.1", "pipeline.adaptive_interval=7"])
     config = pipeline_config(cfg)
-    assert (config.adaptive, config.adaptive_gain, config.adaptive_interval) == (True, 0.1, 7)
+    assert (config.adaptive, config.adaptive_gain, config.adaptive_interval) == ("rule", 0.1, 7)  # true means the rule
     with pytest.raises(SettingError, match=r"adaptive_gain=1.5: a fraction in \[0, 1\)"):
         PipelineConfig(adaptive=True, adaptive_gain=1.5)
     with pytest.raises(SettingError, match="adaptive=True with pipelines"):
