@@ -182,6 +182,11 @@ def samples_per_s(times: list[float], lo: int, hi: int) -> float:
     return BATCH * (hi - lo) / sum(times[lo:hi])
 
 
+def rolling_samples_per_s(times: list[float], k: int = 5) -> list[float]:
+    """Samples/s over the last k iterations (fewer at the start), for the pictures."""
+    return [BATCH * len(times[max(0, i - k + 1) : i + 1]) / sum(times[max(0, i - k + 1) : i + 1]) for i in range(len(times))]
+
+
 def meter_call_cost(repeats: int = 20000) -> float:
     """Seconds of the meter's work per compute action (start + stop) and per message (sent + waiting), in process."""
     from lightning_pipe.adaptive.meter import StepMeter
@@ -202,8 +207,7 @@ def figures(results: dict, args, out: Path) -> None:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for name in ("static", "adaptive", "oracle"):
         times = results[name]["times"]
-        k = 5
-        smooth = [BATCH * k / sum(times[max(0, i - k + 1) : i + 1]) * min(1, (i + 1) / k) for i in range(len(times))]
+        smooth = rolling_samples_per_s(times)
         top.plot(range(len(times)), smooth, label=name)
         width = {"static": 5, "adaptive": 2.5, "oracle": 1.2}[name]  # drawn over each other where equal
         bottom.plot(range(len(times)), [b[0][1] for b in results[name]["bounds"]], label=name, drawstyle="steps-post", linewidth=width)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bench_adaptive import BATCH, run, samples_per_s  # noqa: E402
+from bench_adaptive import rolling_samples_per_s, run, samples_per_s  # noqa: E402
 
 from lightning_pipe.adaptive.offline import spearman  # noqa: E402
 from lightning_pipe.bench import provenance  # noqa: E402
@@ -224,8 +224,7 @@ def figure(results: dict, args, out: Path) -> None:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for n in ("static", "rule", "learned", "oracle"):
         times = results[n]["times"]
-        k = 5
-        smooth = [BATCH * k / sum(times[max(0, i - k + 1) : i + 1]) * min(1, (i + 1) / k) for i in range(len(times))]
+        smooth = rolling_samples_per_s(times)
         top.plot(range(len(times)), smooth, label=n, linewidth=1.2)
         width = {"static": 5, "rule": 3.5, "learned": 2, "oracle": 1}[n]
         bottom.plot(range(len(times)), [b[0][1] for b in results[n]["bounds"]], label=n, drawstyle="steps-post", linewidth=width)

@@ -217,6 +217,17 @@ def emulated_data():
     return DataLoader(TensorDataset(x, torch.tanh(x.flip(1))), batch_size=8)
 
 
+def emulated_reference_and_model(steps: int = 30):
+    """`Emulated` trained `steps` steps in one process (fp64), and a fresh copy for the pipeline."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref = Emulated()
+        L.Trainer(devices=1, **trainer_kwargs(max_steps=steps)).fit(ref, emulated_data())
+        return ref, Emulated()
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 class SlowRankOne(Callback):
     """Rank 1's device gets 3x slower from iteration 6; records the monitor's view and the partitions."""
 
@@ -245,13 +256,7 @@ class SlowRankOne(Callback):
 
 
 def test_adaptive_moves_blocks_off_a_slowed_rank_and_stays_exact(tmp_path):
-    torch.set_default_dtype(torch.float64)
-    try:
-        ref = Emulated()
-        L.Trainer(devices=1, **trainer_kwargs(max_steps=30)).fit(ref, emulated_data())
-        model = Emulated()
-    finally:
-        torch.set_default_dtype(torch.float32)
+    ref, model = emulated_reference_and_model()
     strategy = AutoPipeStrategy(
         microbatches=4, partition="uniform", adaptive=True, adaptive_window=3, adaptive_interval=5, start_method="spawn"
     )

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-import torch
 from models import max_rel_diff, trainer_kwargs
-from test_adaptive import Emulated, SlowRankOne, emulated_data
+from test_adaptive import SlowRankOne, emulated_data, emulated_reference_and_model
 
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.adaptive import offline
@@ -92,13 +91,7 @@ def test_adaptive_values():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_learned_mode_moves_blocks_off_a_slowed_rank_and_stays_exact(tmp_path):
-    torch.set_default_dtype(torch.float64)
-    try:
-        ref = Emulated()
-        L.Trainer(devices=1, **trainer_kwargs(max_steps=30)).fit(ref, emulated_data())
-        model = Emulated()
-    finally:
-        torch.set_default_dtype(torch.float32)
+    ref, model = emulated_reference_and_model()
     strategy = AutoPipeStrategy(
         microbatches=4, partition="uniform", adaptive="learned", adaptive_window=3, adaptive_interval=5, start_method="spawn"
     )
