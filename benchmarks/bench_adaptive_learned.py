@@ -239,6 +239,32 @@ def figure(results: dict, args, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "adaptive_learned_throughput.png", dpi=110)
     print(f"wrote {out / 'adaptive_learned_throughput.png'}")
+    predictions_figure(results, args, out)
+
+
+def predictions_figure(results: dict, args, out: Path) -> None:
+    """Per load: the sweep's measured iteration time of every cut, and the predictor's (offline and
+    adapted) at the learned run's last decision under that load."""
+    import matplotlib.pyplot as plt
+
+    evaluations = results["learned"].get("evaluations", [])
+    medians = {int(k): {int(x): v for x, v in m.items()} for k, m in results["sweep_medians_ms"].items()}
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), sharey=False)
+    for ax, load in zip(axes, (0, 1, 2)):
+        last = [e for e in evaluations if load_at(args, e["iteration"]) == load and e["iteration"] >= 10]
+        ax.plot(CUTS, [medians[load][c] for c in CUTS], "k-o", label="measured (sweep)")
+        if last:
+            e = last[-1]
+            scores = sorted(e["scores"], key=lambda x: x[0][0][1])
+            ax.plot([x[0][0][1] for x in scores], [x[2] * 1e3 for x in scores], "--", label="predicted, offline")
+            ax.plot([x[0][0][1] for x in scores], [x[1] * 1e3 for x in scores], "-", label="predicted, adapted")
+            ax.set_title(f"{load} job(s): decision at iteration {e['iteration']}", fontsize=9)
+        ax.set_xlabel("cut after block (rank 0 holds blocks 0..cut-1)")
+    axes[0].set_ylabel("iteration ms")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "adaptive_learned_predictions.png", dpi=110)
+    print(f"wrote {out / 'adaptive_learned_predictions.png'}")
 
 
 if __name__ == "__main__":
