@@ -30,6 +30,7 @@ from .topology import Topology
 
 START_METHODS = ["popen", "spawn", "fork", "forkserver"]
 CHECKPOINT_LAYOUTS = ["full", "sharded"]
+PLANNERS = ("2bw",)
 MULTI_CHUNK = tuple(name for name, kind in REGISTRY.items() if kind.chunks is not None)
 
 
@@ -66,9 +67,24 @@ class PipelineConfig:
     """A partitioner (autopipe, dp, parameters, exhaustive, uniform) or blocks per stage, e.g. [4, 6]."""
     slicer: Any = False
     """AutoPipe slicer: True (the simulator picks how many warm-up micro-batches to halve), False, or a count."""
-    memory_limit: Optional[float] = None
-    """Bytes per device: what schedule=auto's candidates, the advance rule's advance_num and the tuner's
-    (M, N) may use (None: a GPU's memory; no limit on CPU)."""
+    memory_limit: Any = None
+    """Bytes per device, a number or a size such as "16GB" (KB, MB, GB, TB and KiB ... TiB all count in
+    powers of 1024): what planner=2bw's configurations, schedule=auto's candidates, the advance rule's
+    advance_num and the tuner's (M, N) may use (None: a GPU's memory; no limit on CPU)."""
+    planner: Optional[str] = None
+    """2bw: PipeDream-2BW's planner (§4, Algorithm 1) chooses width, depth, micro-batch size and count and
+    recomputation per stage at setup, from a profile at several micro-batch sizes, the fastest predicted
+    within memory_limit; schedule=auto also chooses among 2bw, 1f1b and gpipe. None: set by hand."""
+    global_batch: Optional[int] = None
+    """planner=2bw: samples per optimizer step over all replicas, B = width x micro-batch size x
+    microbatches (None: the training DataLoader's batch size)."""
+    recompute: Any = False
+    """Activation recomputation: true (every stage), false, or one true/false per stage: a recomputed
+    stage keeps only each block's input for backward and runs the block's forward again there."""
+    intra_bandwidth: Optional[float] = None
+    """planner=2bw: bytes/s between devices of one node (None: a default for the device type)."""
+    inter_bandwidth: Optional[float] = None
+    """planner=2bw: bytes/s between nodes (None: a default for the device type)."""
     tune: bool = False
     """AvgPipe's tuner (§5.2): profile one setting (tune_microbatches' largest M, N = 1) for tune_batches
     steps, predict every (M, N) of the grid, train with the fastest within memory_limit (the CLI)."""
@@ -137,20 +153,15 @@ class PipelineConfig:
             )
         if self.slicer and (self.schedule in MULTI_CHUNK or self.schedule in ("2bw", "advance")):
             raise SettingError(f"slicer={self.slicer!r} works with schedule='gpipe' or '1f1b', not {self.schedule!r}", "slicer")
-        if self.memory_limit is not None and (
-            isinstance(self.memory_limit, bool) or not isinstance(self.memory_limit, (int, float)) or self.memory_limit <= 0
-        ):
-            raise SettingError(
-                f"memory_limit={self.memory_limit!r}: bytes per device (> 0) for schedule='auto', or None (the device's memory)",
-                "memory_limit",
-            )
+        self.memory_limit = parse_bytes(self.memory_limit)
+        self._check_planner()
         if self.auto and not isinstance(self.partition, str):
             raise SettingError(
                 f"schedule='auto' plans its own partition for each candidate schedule: partition={self.partition!r} "
                 f"must be a method name, one of {sorted(PARTITIONERS)}",
                 "partition",
             )
-        for name in ("bandwidth", "latency"):
+        for name in ("bandwidth", "latency", "intra_bandwidth", "inter_bandwidth"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
                 raise SettingError(f"{name}={value!r}: a number >= 0, or None for the device type's default", name)
@@ -160,6 +171,46 @@ class PipelineConfig:
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise SettingError(f"timeout={self.timeout!r}: seconds, a number > 0", "timeout")
         self.timeout = float(self.timeout)
+
+    def _check_planner(self) -> None:
+        if self.planner is not None:
+            if not isinstance(self.planner, str) or self.planner.lower() not in PLANNERS:
+                raise SettingError(f"planner={self.planner!r}: allowed values are {list(PLANNERS)} or None (set by hand)", "planner")
+            self.planner = self.planner.lower()
+            if self.schedule not in ("2bw", "1f1b", "gpipe") and not self.auto:
+                raise SettingError(
+                    f"planner=2bw plans schedule 2bw, 1f1b or gpipe (auto: all three), not schedule={self.schedule!r}", "schedule"
+                )
+            if self.pipelines is not None or self.adaptive or self.tune:
+                what = "pipelines (AvgPipe)" if self.pipelines is not None else ("adaptive" if self.adaptive else "tune")
+                raise SettingError(f"planner=2bw chooses width and depth itself: it does not combine with {what}", "planner")
+            if not isinstance(self.partition, str):
+                raise SettingError(
+                    f"planner=2bw plans the partition for the depth it chooses: partition={self.partition!r} must be a method "
+                    f"name, one of {sorted(PARTITIONERS)}",
+                    "partition",
+                )
+        if self.global_batch is not None:
+            if self.planner is None:
+                raise SettingError(f"global_batch={self.global_batch!r} is a setting of planner=2bw: set planner=2bw too", "global_batch")
+            check_count("global_batch", self.global_batch)
+        if isinstance(self.recompute, (list, tuple)):
+            if not self.recompute or any(not isinstance(r, bool) for r in self.recompute):
+                raise SettingError(f"recompute={list(self.recompute)!r}: true, false, or a list of true/false, one per stage", "recompute")
+            self.recompute = list(self.recompute)
+        elif not isinstance(self.recompute, bool):
+            raise SettingError(f"recompute={self.recompute!r}: true, false, or a list of true/false, one per stage", "recompute")
+
+    def recompute_stages(self, depth: int) -> list[bool]:
+        """Recomputation per stage of a pipeline `depth` deep."""
+        if isinstance(self.recompute, list):
+            if len(self.recompute) != depth:
+                raise SettingError(
+                    f"recompute={self.recompute}: {len(self.recompute)} entries for {depth} stages; give one per stage, or true / false",
+                    "recompute",
+                )
+            return list(self.recompute)
+        return [bool(self.recompute)] * depth
 
     def _check_adaptive(self) -> None:
         value = self.adaptive.lower() if isinstance(self.adaptive, str) else self.adaptive
@@ -283,7 +334,7 @@ class PipelineConfig:
         return ScheduleSpec.from_settings("1f1b" if self.auto else self.schedule, settings)
 
     @property
-    def planner(self) -> Optional[str]:
+    def partitioner(self) -> Optional[str]:
         """The partitioner that needs a profile (None: a fixed partition or "uniform")."""
         return self.partition if isinstance(self.partition, str) and self.partition != "uniform" else None
 
@@ -294,7 +345,7 @@ class PipelineConfig:
 
     @property
     def needs_profile(self) -> bool:
-        return self.auto or self.planner is not None or bool(self.slicer)
+        return self.auto or self.partitioner is not None or bool(self.slicer)
 
     @property
     def mode(self) -> str:
@@ -361,6 +412,31 @@ class PipelineConfig:
                 "use a batch size >= microbatches or fewer micro-batches",
                 "microbatches",
             )
+
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_bytes(value: Any, setting: str = "memory_limit") -> Optional[float]:
+    """A byte count from a number or a size such as "16GB", "80 GiB", "512MB" (powers of 1024); None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip().lower().replace(" ", "").removesuffix("ib").removesuffix("b")
+        unit = text[-1] if text and text[-1] in _UNITS else ""
+        try:
+            number = float(text[: len(text) - len(unit)])
+        except ValueError:
+            number = -1.0
+        if number > 0:
+            return number * _UNITS[unit]
+    elif not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0:
+        return float(value)
+    raise SettingError(
+        f"{setting}={value!r}: bytes per device, a number > 0 or a size such as 16GB, 80GiB, 512MB (powers of 1024), "
+        "or None (the device's memory)",
+        setting,
+    )
 
 
 def _partition(value: Any) -> PartitionSpec:

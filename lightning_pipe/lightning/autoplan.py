@@ -169,7 +169,7 @@ class AutoPlanner:
 
     def __init__(self, config: Any):
         self.config = config
-        self.method = config.planner  # None: "uniform" or listed sizes, which need no profile
+        self.method = config.partitioner  # None: "uniform" or listed sizes, which need no profile
         self.slicer, self.profile_path, self.bandwidth, self.latency = config.slicer, config.profile, config.bandwidth, config.latency
         self._trace: Optional[tuple[Any, list]] = None
         self.out_dir: Optional[Path] = None
