@@ -194,7 +194,8 @@ class PipelineConfig:
             if self.planner is None:
                 raise SettingError(f"global_batch={self.global_batch!r} is a setting of planner=2bw: set planner=2bw too", "global_batch")
             check_count("global_batch", self.global_batch)
-        if isinstance(self.recompute, (list, tuple)):
+        if not isinstance(self.recompute, (bool, str)) and hasattr(self.recompute, "__iter__"):  # a list (Hydra: a ListConfig)
+            self.recompute = list(self.recompute)
             if not self.recompute or any(not isinstance(r, bool) for r in self.recompute):
                 raise SettingError(f"recompute={list(self.recompute)!r}: true, false, or a list of true/false, one per stage", "recompute")
             self.recompute = list(self.recompute)
