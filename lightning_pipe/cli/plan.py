@@ -4,6 +4,8 @@ Costs come from a saved profile (`pipeline.profile=.../profile.json`, as trainin
 by default, from the model's FLOPs (`lightning_pipe.planning.transformer_costs`). Prints the plan
 table and writes plan.json and the predicted timeline into the Hydra run directory.
 `pipeline.schedule=auto` first compares the candidate schedules and prints why it chose one.
+`pipeline.planner=2bw` runs PipeDream-2BW's planner instead (cli/plan_2bw.py): the table of every
+(w, d, b, r) considered.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ..simulator import simulate
 from ..viz import gantt
 from . import errors, tune
 from .paths import CONFIG_DIR
+from .plan_2bw import plan_from_cli
 from .train import named, pipeline_config
 
 
@@ -41,6 +44,11 @@ def _main(cfg: DictConfig) -> None:
             result = tune.tune(cfg, config, out)
             print(result.table())
             print(f"chosen: M={result.chosen.microbatches}, N={result.chosen.pipelines}; written: {out / 'tune.json'}")
+            return
+        if config.planner == "2bw":  # PipeDream-2BW's planner: width, depth, b, recomputation
+            result = plan_from_cli(cfg, config, out)
+            print(result.table())
+            print(f"written: {out / 'plan_2bw.json'}")
             return
         world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
         stages = config.stages or config.topology(world).depth

@@ -128,6 +128,7 @@ def analytic_profile(
     seq_len: Optional[int] = None,
     family: Optional[str] = None,
     dtype_bytes: int = 2,
+    half_rate_tokens: float = 512.0,
     **device: float,
 ) -> SizedProfile:
     """A `SizedProfile` of a GPT / BERT recipe from its FLOPs (`flops.transformer_costs`) for planning
@@ -135,7 +136,12 @@ def analytic_profile(
     (2022) for 16-bit training, s b h (34 + 5 a s / h) bytes: the attention half (with its LayerNorm)
     keeps 13 s b h + 5 a s^2 b, the FFN half 21 s b h; the embedding its dropout mask (s b h / 2 ... taken
     as s b h); the head its input and the logits with their fp32 softmax (6 s b V). Recomputation
-    re-runs the forward inside the backward: its backward is forward + backward."""
+    re-runs the forward inside the backward: its backward is forward + backward.
+
+    Arithmetic intensity (§4.2.1): a FLOP count alone makes time linear in b, so a larger micro-batch
+    would never pay. Ours, an assumption to be replaced by a measured profile: a block's matmuls run at
+    the device's rate x tokens / (tokens + half_rate_tokens), i.e. half the rate at `half_rate_tokens`
+    rows (b x seq_len), most of it at several thousand; the embedding (memory-bound) is left as is."""
     from ..models.config import resolve_config
     from .flops import transformer_costs
 
@@ -153,9 +159,12 @@ def analytic_profile(
             "ffn": hidden * 21,
             "head": hidden * 2 + 6 * b * T * cfg.vocab_size,
         }
-        rows["forward"].append(list(costs.forward))
-        rows["backward"].append(list(costs.backward))
-        rows["recompute_backward"].append([f + bw for f, bw in zip(costs.forward, costs.backward)])
+        slower = [1.0 if k == "embedding" else 1.0 + half_rate_tokens / (b * T) for k in kinds]
+        forward = [f * x for f, x in zip(costs.forward, slower)]
+        backward = [bw * x for bw, x in zip(costs.backward, slower)]
+        rows["forward"].append(forward)
+        rows["backward"].append(backward)
+        rows["recompute_backward"].append([f + bw for f, bw in zip(forward, backward)])
         rows["saved_bytes"].append([float(per_kind[k]) for k in kinds])
         out = list(costs.activation_bytes)
         rows["output_bytes"].append(out)

@@ -75,6 +75,7 @@ def _receives_in_send_order(lists: list[list[Action]]) -> list[list[Action]]:
             if a.op.is_send:
                 src, dst, msg = _message(rank, a)
                 sends.setdefault((src, dst), []).append(msg)
+    position = {pair: {msg: i for i, msg in reversed(list(enumerate(order)))} for pair, order in sends.items()}  # first send of each
     out = []
     for rank, actions in enumerate(lists):
         posted: dict[tuple[int, int], int] = {}
@@ -85,10 +86,11 @@ def _receives_in_send_order(lists: list[list[Action]]) -> list[list[Action]]:
                 continue
             src, dst, msg = _message(rank, a)
             order = sends.get((src, dst), [])
-            if msg not in order:  # no such send: leave it for the validator to name
+            index = position.get((src, dst), {}).get(msg)
+            if index is None:  # no such send: leave it for the validator to name
                 rewritten.append(a)
                 continue
-            upto = order.index(msg) + 1
+            upto = index + 1
             for earlier in order[posted.get((src, dst), 0) : upto]:
                 rewritten.append(_receive(src, earlier))
             posted[(src, dst)] = max(posted.get((src, dst), 0), upto)

@@ -1,0 +1,74 @@
+"""`python -m lightning_pipe.plan ... pipeline.planner=2bw`: PipeDream-2BW's planner without training.
+
+Costs come from a saved sized profile (`plan.profile=.../sized_profile.json`, as a training run with
+planner=2bw writes one) or from the model's FLOPs (`planning.sized.analytic_profile`). Prints the
+table of candidates (the paper's Table 1 shape) and writes plan_2bw.json.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from ..errors import SettingError
+from ..planning import plan
+from ..planning.sized import SizedProfile, analytic_profile
+from ..planning.two_bw import NoConfiguration, TwoBWPlan, hardware, plan_2bw
+
+ANALYTIC_SIZES = (1, 2, 4, 8, 16, 32)
+MIXED = ("16", "bf16", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+
+
+def optimizer_factor(precision: Any) -> float:
+    """Optimizer state bytes per parameter byte for Adam: 2 (moments in the parameters' dtype), or 6 with
+    16-bit parameters and fp32 master weights and moments (4 + 8 bytes per 2-byte parameter)."""
+    return 6.0 if str(precision) in MIXED else 2.0
+
+
+def schedules_of(config: Any) -> tuple[str, ...]:
+    return ("2bw", "1f1b", "gpipe") if config.auto else (config.schedule,)
+
+
+def refiner(method: str, kinds: Any = None) -> Any:
+    """The configured partitioner re-plans the chosen configuration (2bw's partitions are 1F1B's)."""
+
+    def refine(costs: Any, depth: int, microbatches: int, schedule: str) -> Any:
+        return plan(costs, depth, microbatches, method=method, schedule=schedule, kinds=kinds).bounds
+
+    return refine
+
+
+def plan_from_cli(cfg: DictConfig, config: Any, out: Path) -> TwoBWPlan:
+    per_node = int(cfg.trainer.devices)
+    devices = per_node * int(cfg.trainer.get("num_nodes", 1))
+    device_type = "cuda" if str(cfg.trainer.get("accelerator", "cpu")) in ("gpu", "cuda", "auto") else "cpu"
+    if cfg.plan.profile:
+        try:
+            profile = SizedProfile.load(cfg.plan.profile)
+        except (OSError, ValueError) as err:
+            raise SettingError(f"profile={cfg.plan.profile!r}: not a sized profile ({err})", "profile") from None
+        factor = 2.0
+    else:
+        profile = analytic_profile(cfg.model.model.name, ANALYTIC_SIZES, int(cfg.data.seq_len), device_flops=float(cfg.plan.device_flops))
+        factor = optimizer_factor(cfg.trainer.get("precision", "32"))
+    hw = hardware(
+        devices,
+        per_node,
+        device_type,
+        config.memory_limit,
+        config.intra_bandwidth,
+        config.inter_bandwidth,
+        config.latency,
+        factor,
+    )
+    batch = config.global_batch or int(cfg.data.batch_size)
+    kinds = profile.block_names if profile.source.startswith("analytic") else None
+    try:
+        result = plan_2bw(profile, hw, batch, schedules_of(config), refine=refiner(config.partition, kinds))
+    except NoConfiguration as err:
+        raise SettingError(str(err), err.setting) from None
+    (out / "plan_2bw.json").write_text(json.dumps(result.to_dict(), indent=1))
+    return result

@@ -1,0 +1,434 @@
+"""PipeDream-2BW's planner (Narayanan et al., 2021, §4): width, depth, micro-batch size and
+recomputation under a memory cap.
+
+Algorithm 1 sweeps every equi-replicated (w, d) with w x d = devices; SEARCH finds, for each, the
+micro-batch size b and recomputation r with the highest THROUGHPUT whose MEMORY fits the device;
+gradient accumulation g = B / (w b) micro-batches per step reaches the global batch B.
+Beyond the paper's closed forms (§4.2), and named as ours:
+
+- THROUGHPUT comes from the simulator: the schedule's own action lists (2bw, 1f1b or gpipe) on a
+  balanced partition for that depth at that b, plus the replicas' ring all-reduce of each stage's
+  gradients (intra-node bandwidth when a stage's replicas share a node, else inter-node), which our
+  runtime runs synchronously after a stage's last backward. Costs are per block at b, interpolated
+  from a profile at a few sizes (`SizedProfile`), recomputation's extra forward measured.
+- MEMORY per stage: weight versions (2 for 2BW, §3.1) + gradients + optimizer state, plus the
+  micro-batches in flight on that stage (counted from the schedule, as the simulator does) times
+  what each keeps: every block's saved activations, or with recomputation only each block's input
+  plus one block's activations while it is recomputed (§4.2.2 with the per-stage in-flight count
+  instead of d). The fullest stage decides.
+- r is also tried per stage (ours, "stages"): recompute only the stages that would not fit
+  without it (in 1F1B / 2BW the first stages hold the most micro-batches).
+- Candidates are compared on the min-max (DP) partition of forward + backward time; the chosen one
+  is planned again by the configured partitioner (AutoPipe by default) and simulated exactly.
+
+No torch, no Lightning: `plan_2bw(profile, hardware, global_batch) -> TwoBWPlan`, a table of every
+candidate considered (and why each was discarded).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
+from typing import Iterable, Optional, Sequence
+
+from ..schedules import get_schedule
+from .minmax import min_max_bounds
+from .replay import Replay, paused_gc
+from .sized import BlockCosts, SizedProfile
+
+SCHEDULES = ("2bw", "1f1b", "gpipe")
+RECOMPUTE = ("off", "on", "stages")  # stages: ours, recompute only the stages that need it
+WEIGHT_VERSIONS = {"2bw": 2, "1f1b": 1, "gpipe": 1}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the planner plans for."""
+
+    devices: int
+    devices_per_node: int
+    memory_limit: Optional[float]  # bytes per device; None: no cap
+    intra_bandwidth: float  # bytes/s between devices of one node
+    inter_bandwidth: float  # bytes/s between nodes
+    latency: float = 20e-6  # seconds per message / all-reduce step
+    optimizer_factor: float = 2.0  # optimizer state bytes per parameter byte (Adam, same dtype: 2; mixed precision with fp32 master: 6)
+
+    def pipeline_bandwidth(self, depth: int) -> float:
+        """Ranks of a pipeline are consecutive (topology.py): within a node unless it is deeper than one."""
+        return self.intra_bandwidth if depth <= self.devices_per_node else self.inter_bandwidth
+
+    def replica_bandwidth(self, width: int, depth: int) -> float:
+        """A stage's replicas are `depth` ranks apart: on one node only if the whole grid is."""
+        return self.intra_bandwidth if width * depth <= self.devices_per_node else self.inter_bandwidth
+
+
+# (intra-node, inter-node) bytes/s when none are given: NVLink-class within a node and 100 Gb/s
+# InfiniBand across (GPU); loopback gloo and 10 Gb/s Ethernet (CPU)
+DEFAULT_BANDWIDTH = {"cuda": (100e9, 12.5e9), "cpu": (2e9, 1.25e9)}
+
+
+def hardware(
+    devices: int,
+    devices_per_node: int,
+    device_type: str,
+    memory_limit: Optional[float],
+    intra_bandwidth: Optional[float] = None,
+    inter_bandwidth: Optional[float] = None,
+    latency: Optional[float] = None,
+    optimizer_factor: float = 2.0,
+) -> Hardware:
+    intra, inter = DEFAULT_BANDWIDTH.get(device_type, DEFAULT_BANDWIDTH["cuda"])
+    return Hardware(
+        devices,
+        devices_per_node,
+        memory_limit,
+        intra_bandwidth or intra,
+        inter_bandwidth or inter,
+        20e-6 if latency is None else latency,
+        optimizer_factor,
+    )
+
+
+@dataclass
+class Candidate:
+    width: int
+    depth: int
+    microbatch_size: int
+    microbatches: int  # g: micro-batches per replica per optimizer step
+    schedule: str
+    recompute: str  # off | on | stages
+    stage_recompute: tuple[bool, ...] = ()
+    bounds: tuple[tuple[int, int], ...] = ()
+    step_time: float = math.inf  # seconds per optimizer step, all-reduce included
+    allreduce_time: float = 0.0
+    throughput: float = 0.0  # samples / s over all replicas
+    memory: float = math.inf  # bytes on the fullest device
+    stage_memory: tuple[float, ...] = ()
+    verdict: str = ""  # chosen | runs | over memory_limit | skipped: why
+    exact: bool = False  # step_time simulated at its m (else screened: extrapolated past max(16, 2d))
+
+    @property
+    def feasible(self) -> bool:
+        return self.verdict in ("chosen", "runs")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class TwoBWPlan:
+    chosen: Candidate
+    candidates: list[Candidate]
+    hardware: Hardware
+    global_batch: int
+    source: str
+    planning_seconds: float
+    partitioner: str = "dp"
+    notes: list[str] = field(default_factory=list)
+
+    def table(self, all_rows: bool = False) -> str:
+        """The paper's Table 1 shape: per (w, d, schedule, r) the best b that fits, and why the rest did not."""
+        rows = self.candidates if all_rows else _best_rows(self.candidates)
+        limit = "none" if self.hardware.memory_limit is None else f"{self.hardware.memory_limit / 2**30:.1f} GiB"
+        head = (
+            f"planner=2bw: {self.hardware.devices} devices ({self.hardware.devices_per_node} per node), memory limit {limit}, "
+            f"global batch {self.global_batch}; costs: {self.source}; {len(self.candidates)} candidates in {self.planning_seconds:.2f} s"
+        )
+        cols = ("w", "d", "b", "g", "schedule", "r", "samples/s", "step ms", "all-reduce ms", "memory GiB", "simulated", "verdict")
+        lines = [head, " | ".join(cols), " | ".join("---" for _ in cols)]
+        for c in rows:
+            ok = c.feasible
+            lines.append(
+                " | ".join(
+                    [
+                        str(c.width),
+                        str(c.depth),
+                        str(c.microbatch_size),
+                        str(c.microbatches),
+                        c.schedule,
+                        c.recompute + ("" if c.recompute != "stages" else " " + "".join("1" if r else "0" for r in c.stage_recompute)),
+                        f"{c.throughput:.1f}" if ok else "-",
+                        f"{c.step_time * 1e3:.1f}" if ok else "-",
+                        f"{c.allreduce_time * 1e3:.1f}" if ok else "-",
+                        f"{c.memory / 2**30:.2f}" if math.isfinite(c.memory) else "-",
+                        ("exact" if c.exact else "screened") if ok else "-",
+                        c.verdict,
+                    ]
+                )
+            )
+        c = self.chosen
+        lines.append(
+            f"chosen: w={c.width}, d={c.depth}, b={c.microbatch_size}, g={c.microbatches}, schedule={c.schedule}, "
+            f"recompute per stage={list(c.stage_recompute)}, blocks per stage={[b - a for a, b in c.bounds]} "
+            f"({self.partitioner} partition): {c.throughput:.1f} samples/s predicted, {c.memory / 2**30:.2f} GiB"
+        )
+        return "\n".join(lines + self.notes)
+
+    def to_dict(self) -> dict:
+        return {
+            "chosen": self.chosen.to_dict(),
+            "hardware": asdict(self.hardware),
+            "global_batch": self.global_batch,
+            "source": self.source,
+            "planning_seconds": self.planning_seconds,
+            "partitioner": self.partitioner,
+            "candidates": [c.to_dict() for c in self.candidates],
+        }
+
+
+def _best_rows(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """Per (w, d, schedule, r): the fastest feasible b, else the smallest b tried (with why)."""
+    groups: dict[tuple, list[Candidate]] = {}
+    for c in candidates:
+        groups.setdefault((c.width, c.depth, c.schedule, c.recompute), []).append(c)
+    rows = []
+    for group in groups.values():
+        feasible = [c for c in group if c.feasible]
+        rows.append(max(feasible, key=lambda c: c.throughput) if feasible else min(group, key=lambda c: c.microbatch_size))
+    return rows
+
+
+# ---- the cost functions ---------------------------------------------------------------------------
+def in_flight(schedule: str, depth: int, microbatches: int) -> tuple[int, ...]:
+    """Micro-batches whose activations each stage holds at its peak: GPipe all m; 1F1B min(d - s, m);
+    2BW d - s (its continuous 1F1B). The simulator counts the same on the action lists
+    (`Timeline.peak_activations`; tests/test_two_bw_planner.py holds the two equal)."""
+    if schedule == "gpipe":
+        return (microbatches,) * depth
+    return tuple(min(depth - s, microbatches) for s in range(depth))
+
+
+def memory(
+    costs: BlockCosts, bounds: Sequence[tuple[int, int]], recompute: Sequence[bool], schedule: str, microbatches: int, hw: Hardware
+) -> tuple[float, ...]:
+    """MEMORY(.): predicted peak bytes per stage."""
+    held = in_flight(schedule, len(bounds), microbatches)
+    per_stage = []
+    for (a, b), on, n in zip(bounds, recompute, held):
+        params = sum(costs.param_bytes[a:b])
+        states = (WEIGHT_VERSIONS[schedule] + 1 + hw.optimizer_factor) * params  # versions + gradients + optimizer
+        if on:
+            acts = n * sum(costs.input_bytes[a:b]) + max(costs.saved_bytes[a:b], default=0.0)
+        else:
+            acts = n * sum(costs.saved_bytes[a:b])
+        per_stage.append(states + acts)
+    return tuple(per_stage)
+
+
+def allreduce_time(costs: BlockCosts, bounds: Sequence[tuple[int, int]], width: int, hw: Hardware) -> float:
+    """Ring all-reduce of the largest stage's gradients over `width` replicas: 2 (w - 1) / w of the bytes."""
+    if width <= 1:
+        return 0.0
+    bandwidth = hw.replica_bandwidth(width, len(bounds))
+    largest = max(sum(costs.param_bytes[a:b]) for a, b in bounds)
+    return 2 * (width - 1) / width * largest / bandwidth + 2 * (width - 1) * hw.latency
+
+
+@lru_cache(maxsize=512)
+def _replay(schedule: str, depth: int, m: int, batches: int = 0) -> Replay:
+    options = {"batches": batches} if batches else {}
+    with paused_gc():
+        return Replay(get_schedule(schedule)(depth, m, **options))
+
+
+def step_time(
+    costs: BlockCosts, bounds: tuple, recompute: Sequence[bool], schedule: str, m: int, hw: Hardware, exact: bool = True
+) -> float:
+    """Simulated seconds per optimizer step of one pipeline (no all-reduce). 2BW has no flush: a step
+    costs what one more batch adds to the unrolled run. `exact=False` (ours, to screen hundreds of
+    candidates quickly): past max(16, 2d) micro-batches the line through max(8, d) and max(16, 2d)
+    (within 0.5% on most GPT-2 1.3B cases, up to 10% at d = 32 on slow links, where the pipeline
+    settles slowly; the finalists are then simulated exactly)."""
+    model = costs.cost_model(bounds, recompute, hw.pipeline_bandwidth(len(bounds)), hw.latency)
+    depth = len(bounds)
+
+    def simulated(n: int) -> float:
+        if schedule == "2bw":
+            return _replay(schedule, depth, n, 2).iteration_time(model, bounds) - _replay(schedule, depth, n, 1).iteration_time(
+                model, bounds
+            )
+        return _replay(schedule, depth, n).iteration_time(model, bounds)
+
+    cap = max(16, 2 * depth)
+    if exact or m <= cap:
+        return simulated(m)
+    half = cap // 2
+    low, high = simulated(half), simulated(cap)
+    return high + (m - cap) * (high - low) / (cap - half)
+
+
+def throughput(step: float, allreduce: float, width: int, b: int, m: int) -> float:
+    """THROUGHPUT(.): samples per second over all replicas."""
+    return width * b * m / (step + allreduce)
+
+
+# ---- Algorithm 1 ------------------------------------------------------------------------------------
+def grids(devices: int, blocks: int) -> list[tuple[int, int]]:
+    """Every equi-replicated (w, d) with w x d = devices and at least one block per stage."""
+    return [(devices // d, d) for d in range(1, devices + 1) if devices % d == 0 and d <= blocks]
+
+
+def plan_2bw(
+    profile: SizedProfile,
+    hw: Hardware,
+    global_batch: int,
+    schedules: Iterable[str] = ("2bw",),
+    recompute: Iterable[str] = RECOMPUTE,
+    max_microbatch_size: Optional[int] = None,
+    refine: Optional[callable] = None,
+    finalists: int = 6,
+) -> TwoBWPlan:
+    """Algorithm 1 over every (w, d), schedule, r and b dividing B / w; the fastest that fits wins.
+    Every candidate is screened (`step_time(exact=False)`); the `finalists` fastest are simulated
+    exactly and the best of those is chosen.
+
+    `refine(costs_model, depth, m, schedule) -> bounds` re-partitions the chosen configuration (e.g.
+    the AutoPipe planner); None keeps the min-max partition."""
+    with paused_gc():  # one collection after planning instead of hundreds during it
+        return _plan(profile, hw, global_batch, tuple(schedules), tuple(recompute), max_microbatch_size, refine, finalists)
+
+
+def _plan(
+    profile: SizedProfile,
+    hw: Hardware,
+    global_batch: int,
+    schedules: tuple,
+    recompute: tuple,
+    max_microbatch_size: Optional[int],
+    refine: Optional[callable],
+    finalists: int,
+) -> TwoBWPlan:
+    started = time.perf_counter()
+    for s in schedules:
+        if s not in SCHEDULES:
+            raise ValueError(f"schedule={s!r}: planner=2bw plans one of {list(SCHEDULES)}")
+    for r in recompute:
+        if r not in RECOMPUTE:
+            raise ValueError(f"recompute option {r!r}: one of {list(RECOMPUTE)}")
+    pairs = grids(hw.devices, profile.num_blocks)
+    if not pairs:
+        raise ValueError(f"devices={hw.devices}: no (width, depth) with width x depth = devices and depth <= {profile.num_blocks} blocks")
+    candidates: list[Candidate] = []
+    at: dict[int, BlockCosts] = {}
+    for w, d in pairs:
+        if global_batch % w:
+            candidates.append(Candidate(w, d, 0, 0, "-", "-", verdict=f"skipped: global batch {global_batch} is not a multiple of w={w}"))
+            continue
+        per_replica = global_batch // w
+        sizes = [b for b in range(1, per_replica + 1) if per_replica % b == 0 and (max_microbatch_size is None or b <= max_microbatch_size)]
+        for b in sizes:
+            costs = at.setdefault(b, profile.at(b))
+            m = per_replica // b
+            for schedule in schedules:
+                if schedule == "2bw" and m < d:
+                    candidates.append(
+                        Candidate(w, d, b, m, schedule, "-", verdict=f"skipped: 2bw needs g >= d (g={m} micro-batches, d={d})")
+                    )
+                    continue
+                candidates += _search(costs, w, d, b, m, schedule, recompute, hw)
+    feasible = [c for c in candidates if c.verdict == "runs"]
+    if not feasible:
+        raise NoConfiguration(candidates, hw, global_batch)
+    for c in sorted(feasible, key=lambda c: -c.throughput)[:finalists]:  # screened -> exact
+        if not c.exact:
+            c.step_time = step_time(at[c.microbatch_size], c.bounds, c.stage_recompute, c.schedule, c.microbatches, hw)
+            c.throughput, c.exact = throughput(c.step_time, c.allreduce_time, c.width, c.microbatch_size, c.microbatches), True
+    best = max((c for c in feasible if c.exact), key=lambda c: (c.throughput, -c.memory))
+    notes = []
+    chosen = best
+    if refine is not None:
+        chosen = _refined(best, at[best.microbatch_size], hw, refine)
+        if chosen.memory > (hw.memory_limit or math.inf) or chosen.throughput < best.throughput:
+            notes.append("the partitioner's plan of the chosen configuration was slower or over the limit: the min-max partition is kept")
+            chosen = best
+    candidates = [replace(chosen, verdict="chosen") if c is best else c for c in candidates]
+    chosen = next(c for c in candidates if c.verdict == "chosen")
+    source = f"{profile.source} profile of {profile.model} at micro-batch sizes {profile.sizes}"
+    return TwoBWPlan(
+        chosen, candidates, hw, global_batch, source, time.perf_counter() - started, "dp" if refine is None else "refined", notes
+    )
+
+
+def _search(costs: BlockCosts, w: int, d: int, b: int, m: int, schedule: str, options: tuple, hw: Hardware) -> list[Candidate]:
+    """SEARCH for one (w, d, b, schedule): each recomputation option, its memory and, if it fits, its throughput."""
+    limit = hw.memory_limit if hw.memory_limit is not None else math.inf
+    found: list[Candidate] = []
+    plans: dict[tuple[bool, ...], tuple] = {}
+    off = (False,) * d
+    for option in options:
+        if option == "off":
+            flags = off
+        elif option == "on":
+            flags = (True,) * d
+        else:  # ours: only the stages over the limit without recomputation
+            bounds0 = _bounds(costs, d, off)
+            flags = tuple(s > limit for s in memory(costs, bounds0, off, schedule, m, hw))
+            if not any(flags) or all(flags):
+                continue  # the same as off or on
+        bounds = plans.setdefault(flags, _bounds(costs, d, flags))
+        stage_memory = memory(costs, bounds, flags, schedule, m, hw)
+        c = Candidate(w, d, b, m, schedule, option, flags, bounds, memory=max(stage_memory), stage_memory=stage_memory)
+        if c.memory > limit:
+            c.verdict = "over memory_limit"
+        else:
+            c.step_time = step_time(costs, bounds, flags, schedule, m, hw, exact=False)
+            c.exact = m <= max(16, 2 * d)
+            c.allreduce_time = allreduce_time(costs, bounds, w, hw)
+            c.throughput = throughput(c.step_time, c.allreduce_time, w, b, m)
+            c.verdict = "runs"
+        found.append(c)
+    return found
+
+
+def _bounds(costs: BlockCosts, depth: int, flags: Sequence[bool]) -> tuple:
+    """Min-max partition of each block's forward + backward (recomputed backward if every stage recomputes)."""
+    return _min_max(costs, depth, bool(flags) and all(flags))
+
+
+@lru_cache(maxsize=1024)
+def _min_max(costs: BlockCosts, depth: int, recomputed: bool) -> tuple:
+    backward = costs.recompute_backward if recomputed else costs.backward
+    weights = [f + bw for f, bw in zip(costs.forward, backward)]
+    return tuple(tuple(x) for x in min_max_bounds(weights, depth))
+
+
+def _refined(best: Candidate, costs: BlockCosts, hw: Hardware, refine: callable) -> Candidate:
+    d, flags = best.depth, best.stage_recompute
+    model = costs.cost_model(best.bounds, flags, hw.pipeline_bandwidth(d), hw.latency)
+    bounds = tuple(tuple(x) for x in refine(model, d, min(best.microbatches, d + min(d, 8)), best.schedule))
+    stage_memory = memory(costs, bounds, flags, best.schedule, best.microbatches, hw)
+    step = step_time(costs, bounds, flags, best.schedule, best.microbatches, hw)
+    ar = allreduce_time(costs, bounds, best.width, hw)
+    return replace(
+        best,
+        bounds=bounds,
+        stage_memory=stage_memory,
+        memory=max(stage_memory),
+        step_time=step,
+        allreduce_time=ar,
+        throughput=throughput(step, ar, best.width, best.microbatch_size, best.microbatches),
+    )
+
+
+class NoConfiguration(ValueError):
+    """No (w, d, b, r) fits: the error names the setting to change and the smallest footprint found."""
+
+    def __init__(self, candidates: Sequence[Candidate], hw: Hardware, global_batch: int):
+        sized = [c for c in candidates if math.isfinite(c.memory)]
+        if sized:
+            small = min(sized, key=lambda c: c.memory)
+            limit = hw.memory_limit or math.inf
+            message = (
+                f"memory_limit={limit / 2**30:.2f} GiB: no configuration fits on {hw.devices} devices; the smallest footprint "
+                f"found is {small.memory / 2**30:.2f} GiB (w={small.width}, d={small.depth}, b={small.microbatch_size}, "
+                f"schedule={small.schedule}, recompute={small.recompute}). Raise memory_limit or use more devices"
+            )
+            self.setting = "memory_limit"
+        else:
+            reasons = sorted({c.verdict for c in candidates})
+            message = f"global_batch={global_batch}: no configuration reaches it on {hw.devices} devices ({'; '.join(reasons)})"
+            self.setting = "global_batch"
+        super().__init__(message)
+        self.candidates = list(candidates)
