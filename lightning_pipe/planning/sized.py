@@ -6,14 +6,16 @@ paper's constant 4/3), the bytes autograd keeps for its backward (full activatio
 bytes (what recomputation keeps instead) and its output bytes (what crosses a stage boundary).
 `at(b)` interpolates between measured sizes, piecewise linearly: time per sample is not constant
 in b (arithmetic intensity grows with b, §4.2.1), so a single measurement scaled would be wrong.
-Beyond the largest measured size it extrapolates the last segment's slope (never below
-proportional scaling from the largest size's per-sample cost for bytes). No torch, no Lightning.
+Beyond the largest measured size it extrapolates the last segment's slope (bytes never below
+proportional scaling from the largest size, times never below the largest's); below the smallest it
+scales the smallest proportionally. No torch, no Lightning.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -63,15 +65,24 @@ class SizedProfile:
     source: str = "measured"  # or "analytic (FLOPs)"
 
     def __post_init__(self) -> None:
-        if not self.sizes or sorted(set(self.sizes)) != list(self.sizes) or self.sizes[0] < 1:
+        if (
+            not self.sizes
+            or any(not isinstance(v, int) for v in self.sizes)
+            or sorted(set(self.sizes)) != list(self.sizes)
+            or self.sizes[0] < 1
+        ):
             raise ValueError(f"sized profile: sizes must be distinct integers >= 1 in ascending order, got {self.sizes}")
         n = len(self.param_bytes)
         for name in (*TIME_FIELDS, *BYTE_FIELDS):
             rows = getattr(self, name)
             if len(rows) != len(self.sizes) or any(len(r) != n for r in rows):
                 raise ValueError(f"sized profile: {name} must hold {len(self.sizes)} rows of {n} blocks")
-            if any(not (v >= 0) for r in rows for v in r):
-                raise ValueError(f"sized profile: {name} must hold numbers >= 0")
+            if any(not (0 <= v < math.inf) for r in rows for v in r):
+                raise ValueError(f"sized profile: {name} must hold finite numbers >= 0")
+        if any(not (0 <= v < math.inf) for v in self.param_bytes):
+            raise ValueError("sized profile: param_bytes must hold finite numbers >= 0")
+        if self.block_names and len(self.block_names) != n:
+            raise ValueError(f"sized profile: {len(self.block_names)} block names for {n} blocks")
 
     @property
     def num_blocks(self) -> int:
@@ -86,24 +97,19 @@ class SizedProfile:
 
     def _value(self, rows: list[list[float]], b: float, bytes_: bool) -> list[float]:
         sizes = self.sizes
-        if len(sizes) == 1:  # one measurement: proportional
+        if len(sizes) == 1 or b < sizes[0]:  # below the smallest (or one measurement): proportional
             return [v * b / sizes[0] for v in rows[0]]
         i = bisect.bisect_left(sizes, b)
         if i < len(sizes) and sizes[i] == b:
             return list(rows[i])
-        if i == 0:  # below the smallest: between (0, 0) and the smallest for bytes; the first segment's line for times
-            lo, hi = 0, 1
-        elif i == len(sizes):
-            lo, hi = len(sizes) - 2, len(sizes) - 1
-        else:
-            lo, hi = i - 1, i
+        lo, hi = (i - 1, i) if i < len(sizes) else (len(sizes) - 2, len(sizes) - 1)
         s0, s1 = sizes[lo], sizes[hi]
         out = []
-        for v0, v1, top in zip(rows[lo], rows[hi], rows[-1]):
+        for v0, v1 in zip(rows[lo], rows[hi]):
             v = v0 + (v1 - v0) * (b - s0) / (s1 - s0)
-            if bytes_ and b > sizes[-1]:
-                v = max(v, top * b / sizes[-1])
-            out.append(max(v, 0.0))
+            if b > s1:  # beyond the largest: bytes never below proportional, times never below the largest's
+                v = max(v, v1 * b / s1 if bytes_ else v1)
+            out.append(v)
         return out
 
     def save(self, path: str | Path) -> Path:
