@@ -384,7 +384,10 @@ class PipelineConfig:
     def check_world(self, world_size: int) -> Topology:
         """The devices are known: the width must divide them and the schedule must take the
         micro-batch count on that depth (e.g. interleaved needs a multiple of the stages)."""
+        if self.planner is not None:  # width, depth, schedule and micro-batches are the planner's to choose
+            return self.topology(world_size)
         topology = self.topology(world_size)
+        self.recompute_stages(topology.depth)
         self.check_advance(topology.depth)
         self.check_adaptive_weights(topology.depth)
         self.schedule_spec.placement(topology.depth, self.microbatches)
@@ -394,6 +397,9 @@ class PipelineConfig:
         """The model is known: every chunk needs a block, a listed partition must fit, a saved
         profile must describe this model."""
         topology = self.check_world(world_size)
+        if self.planner is not None:
+            self.check_plannable(world_size, num_blocks)
+            return
         spec = self.schedule_spec
         spec.check(topology.depth, num_blocks)
         try:
@@ -406,7 +412,20 @@ class PipelineConfig:
             except (OSError, ValueError, TypeError) as err:  # missing, unreadable, not a profile, another model's
                 raise SettingError(f"profile={self.profile!r}: {str(err).splitlines()[0]}", "profile") from None
 
+    def check_plannable(self, world_size: int, num_blocks: int, batch_size: Optional[int] = None) -> None:
+        """planner=2bw: some (width, depth) exists for the devices and reaches the global batch
+        (global_batch, else the DataLoader's `batch_size` once known)."""
+        from .planning.two_bw import check_reachable
+
+        batch = self.global_batch or batch_size
+        try:
+            check_reachable(world_size, num_blocks, batch or 1, ("2bw", "1f1b", "gpipe") if self.auto else (self.schedule,))
+        except ValueError as err:
+            raise SettingError(str(err), "global_batch" if batch else "planner") from None
+
     def check_batch_size(self, batch_size: Optional[int], what: str = "the training DataLoader's batch_size") -> None:
+        if self.planner is not None:  # planner=2bw sets the batch per replica itself (check_plannable)
+            return
         if isinstance(batch_size, int) and batch_size < self.microbatches:
             raise SettingError(
                 f"{what}={batch_size} is smaller than microbatches={self.microbatches}: "

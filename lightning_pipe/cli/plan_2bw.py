@@ -14,31 +14,14 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ..errors import SettingError
-from ..planning import plan
 from ..planning.sized import SizedProfile, analytic_profile
-from ..planning.two_bw import NoConfiguration, TwoBWPlan, hardware, plan_2bw
+from ..planning.two_bw import NoConfiguration, TwoBWPlan, hardware, optimizer_factor, plan_2bw, refiner
 
 ANALYTIC_SIZES = (1, 2, 4, 8, 16, 32)
-MIXED = ("16", "bf16", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
-
-
-def optimizer_factor(precision: Any) -> float:
-    """Optimizer state bytes per parameter byte for Adam: 2 (moments in the parameters' dtype), or 6 with
-    16-bit parameters and fp32 master weights and moments (4 + 8 bytes per 2-byte parameter)."""
-    return 6.0 if str(precision) in MIXED else 2.0
 
 
 def schedules_of(config: Any) -> tuple[str, ...]:
     return ("2bw", "1f1b", "gpipe") if config.auto else (config.schedule,)
-
-
-def refiner(method: str, kinds: Any = None) -> Any:
-    """The configured partitioner re-plans the chosen configuration (2bw's partitions are 1F1B's)."""
-
-    def refine(costs: Any, depth: int, microbatches: int, schedule: str) -> Any:
-        return plan(costs, depth, microbatches, method=method, schedule=schedule, kinds=kinds).bounds
-
-    return refine
 
 
 def plan_from_cli(cfg: DictConfig, config: Any, out: Path) -> TwoBWPlan:

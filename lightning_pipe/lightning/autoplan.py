@@ -40,9 +40,16 @@ from .stage import _Handoff
 log = logging.getLogger(__name__)
 
 
-def sample_microbatch(trainer: Any, microbatches: int) -> tuple[Optional[Any], int]:
-    """A micro-batch (batch size // microbatches samples) of the training (or else validation)
-    dataset, collated as the DataLoader would, and its size; (None, 0) if there is none to take."""
+def dataset_sample(trainer: Any, size: int) -> Optional[Any]:
+    """The first `size` samples of the training (or else validation) dataset, collated as its
+    DataLoader would (None if there is none to take)."""
+    for loader, dataset in _datasets(trainer):
+        collate = getattr(loader, "collate_fn", None) or torch.utils.data.default_collate
+        return collate([dataset[i % len(dataset)] for i in range(size)])
+    return None
+
+
+def _datasets(trainer: Any) -> Any:
     for source in (trainer.fit_loop._data_source, trainer.validate_loop._data_source):
         try:
             loader = source.dataloader() if source.is_defined() else None
@@ -52,6 +59,13 @@ def sample_microbatch(trainer: Any, microbatches: int) -> tuple[Optional[Any], i
         dataset = getattr(loader, "dataset", None)
         if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__") or len(dataset) == 0:
             continue
+        yield loader, dataset
+
+
+def sample_microbatch(trainer: Any, microbatches: int) -> tuple[Optional[Any], int]:
+    """A micro-batch (batch size // microbatches samples) of the training (or else validation)
+    dataset, collated as the DataLoader would, and its size; (None, 0) if there is none to take."""
+    for loader, dataset in _datasets(trainer):
         collate = getattr(loader, "collate_fn", None) or torch.utils.data.default_collate
         size = max(1, min((getattr(loader, "batch_size", None) or 1) // microbatches, len(dataset)))
         return collate([dataset[i] for i in range(size)]), size

@@ -31,6 +31,10 @@ def validate_inputs(strategy: Any, args: tuple, trainer: Optional[Any]) -> None:
             check_checkpoint(strategy.resume_path, model)
     if fitting and len(args) > 1:
         config.check_batch_size(getattr(args[1], "batch_size", None))
+        if config.planner is not None and isinstance(model, nn.Module):
+            config.check_plannable(
+                strategy.num_nodes * strategy.num_processes, len(find_pipeline(model)[1]), getattr(args[1], "batch_size", None)
+            )
     accumulate = getattr(trainer, "accumulate_grad_batches", 1)
     if fitting and (isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1):
         raise SettingError(f"accumulate_grad_batches={accumulate!r}: must be an integer >= 1 (Trainer / trainer.accumulate_grad_batches)")

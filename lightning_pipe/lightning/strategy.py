@@ -35,6 +35,7 @@ from .autoplan import AutoPlanner
 from .cutting import Cut, cut_module, uncut_module
 from .gradients import StageGradients
 from .launchers import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher
+from .plan_2bw import TwoBWChoice, plan_in_setup, rebatched
 from .precision import pipeline_precision
 from .processes import ProcessGroupStrategy
 from .steps import PipelineSteps
@@ -91,7 +92,7 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         chunks: int = 2,
         waves: int = 1,
         slicer: Union[bool, int] = False,
-        memory_limit: Optional[float] = None,
+        memory_limit: Optional[Union[float, str]] = None,
         advance_num: Optional[int] = None,
         tune: bool = False,
         tune_batches: int = 20,
@@ -102,6 +103,11 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         adaptive_interval: int = 20,
         adaptive_window: int = 5,
         adaptive_weights: Optional[str] = None,
+        planner: Optional[str] = None,
+        global_batch: Optional[int] = None,
+        recompute: Union[bool, list[bool]] = False,
+        intra_bandwidth: Optional[float] = None,
+        inter_bandwidth: Optional[float] = None,
         trace: bool = False,
         profile: Optional[str] = None,
         bandwidth: Optional[float] = None,
@@ -139,6 +145,11 @@ class AutoPipeStrategy(ProcessGroupStrategy):
             adaptive_interval=adaptive_interval,
             adaptive_window=adaptive_window,
             adaptive_weights=adaptive_weights,
+            planner=planner,
+            global_batch=global_batch,
+            recompute=recompute,
+            intra_bandwidth=intra_bandwidth,
+            inter_bandwidth=inter_bandwidth,
             trace=trace,
             profile=profile,
             bandwidth=bandwidth,
@@ -175,6 +186,8 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         self._gradients: Optional[StageGradients] = None
         self._steps: Optional[PipelineSteps] = None
         self.adaptive: Optional[Adaptive] = None  # monitor and live switches (AutoPipe-RL), while fitting
+        self.two_bw: Optional[TwoBWChoice] = None  # planner=2bw: the configuration chosen at setup
+        self.two_bw_plan: Optional[Any] = None  # ... and on global rank 0 the plan with every candidate
         self._active = False  # between setup and teardown: the model is cut and the process groups live
 
     @classmethod
@@ -239,6 +252,11 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         # Every stage of one pipeline must see the same batch: shard data by replica, not by rank.
         return {"num_replicas": self.config.replicas, "rank": self.replica_index}
 
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        # planner=2bw: every replica's batch is global_batch / width rows, whatever the loader said
+        return rebatched(dataloader, self.two_bw.replica_batch) if self.two_bw is not None else dataloader
+
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -261,6 +279,13 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         module = self.lightning_module
         if not module.automatic_optimization:
             raise ValueError("AutoPipeStrategy needs automatic optimization (automatic_optimization=True): the schedule runs the backward")
+        if self.config.planner == "2bw" and self.two_bw is None:  # the run's shape is the planner's answer
+            self.planner.prepare(self)
+            self.two_bw, self.two_bw_plan = plan_in_setup(self)
+            self.config = self.config.replace(**self.two_bw.settings())
+            self.planner = AutoPlanner(self.config)
+            if self.config.mode == "2bw":
+                two_bw.check_trainer(trainer, module)
         self.topology = topo = Topology(self.world_size, self.config.replicas)
         if self.process_groups is None:
             self.process_groups = ProcessGroups(topo, self.global_rank)

@@ -31,7 +31,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from ..schedules import get_schedule
 from .minmax import min_max_bounds
@@ -91,6 +91,25 @@ def hardware(
     )
 
 
+MIXED_PRECISION = ("16", "bf16", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+
+
+def optimizer_factor(precision: object) -> float:
+    """Optimizer state bytes per parameter byte, for Adam: 2 (moments in the parameters' dtype), or 6
+    with 16-bit parameters and fp32 master weights and moments (4 + 8 bytes per 2-byte parameter)."""
+    return 6.0 if str(precision) in MIXED_PRECISION else 2.0
+
+
+def refiner(method: str, kinds: Optional[Sequence[str]] = None) -> Callable:
+    """`refine` for `plan_2bw`: the partitioner `method` (e.g. AutoPipe) re-plans the chosen configuration."""
+    from .planner import plan
+
+    def refine(costs: object, depth: int, microbatches: int, schedule: str) -> tuple:
+        return plan(costs, depth, microbatches, method=method, schedule=schedule, kinds=kinds).bounds
+
+    return refine
+
+
 @dataclass
 class Candidate:
     width: int
@@ -131,12 +150,12 @@ class TwoBWPlan:
     def table(self, all_rows: bool = False) -> str:
         """The paper's Table 1 shape: per (w, d, schedule, r) the best b that fits, and why the rest did not."""
         rows = self.candidates if all_rows else _best_rows(self.candidates)
-        limit = "none" if self.hardware.memory_limit is None else f"{self.hardware.memory_limit / 2**30:.1f} GiB"
+        limit = "none" if self.hardware.memory_limit is None else size_text(self.hardware.memory_limit)
         head = (
             f"planner=2bw: {self.hardware.devices} devices ({self.hardware.devices_per_node} per node), memory limit {limit}, "
             f"global batch {self.global_batch}; costs: {self.source}; {len(self.candidates)} candidates in {self.planning_seconds:.2f} s"
         )
-        cols = ("w", "d", "b", "g", "schedule", "r", "samples/s", "step ms", "all-reduce ms", "memory GiB", "simulated", "verdict")
+        cols = ("w", "d", "b", "g", "schedule", "r", "samples/s", "step ms", "all-reduce ms", "memory", "simulated", "verdict")
         lines = [head, " | ".join(cols), " | ".join("---" for _ in cols)]
         for c in rows:
             ok = c.feasible
@@ -152,7 +171,7 @@ class TwoBWPlan:
                         f"{c.throughput:.1f}" if ok else "-",
                         f"{c.step_time * 1e3:.1f}" if ok else "-",
                         f"{c.allreduce_time * 1e3:.1f}" if ok else "-",
-                        f"{c.memory / 2**30:.2f}" if math.isfinite(c.memory) else "-",
+                        size_text(c.memory) if math.isfinite(c.memory) else "-",
                         ("exact" if c.exact else "screened") if ok else "-",
                         c.verdict,
                     ]
@@ -162,7 +181,7 @@ class TwoBWPlan:
         lines.append(
             f"chosen: w={c.width}, d={c.depth}, b={c.microbatch_size}, g={c.microbatches}, schedule={c.schedule}, "
             f"recompute per stage={list(c.stage_recompute)}, blocks per stage={[b - a for a, b in c.bounds]} "
-            f"({self.partitioner} partition): {c.throughput:.1f} samples/s predicted, {c.memory / 2**30:.2f} GiB"
+            f"({self.partitioner} partition): {c.throughput:.1f} samples/s predicted, {size_text(c.memory)}"
         )
         return "\n".join(lines + self.notes)
 
@@ -176,6 +195,13 @@ class TwoBWPlan:
             "partitioner": self.partitioner,
             "candidates": [c.to_dict() for c in self.candidates],
         }
+
+
+def size_text(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
 
 
 def _best_rows(candidates: Sequence[Candidate]) -> list[Candidate]:
@@ -268,6 +294,21 @@ def throughput(step: float, allreduce: float, width: int, b: int, m: int) -> flo
 def grids(devices: int, blocks: int) -> list[tuple[int, int]]:
     """Every equi-replicated (w, d) with w x d = devices and at least one block per stage."""
     return [(devices // d, d) for d in range(1, devices + 1) if devices % d == 0 and d <= blocks]
+
+
+def check_reachable(devices: int, blocks: int, global_batch: int, schedules: Sequence[str] = ("2bw",)) -> None:
+    """Before any profiling: some (w, d) exists, divides the global batch and (2bw alone) has g >= d."""
+    pairs = grids(devices, blocks)
+    if not pairs:
+        raise ValueError(f"devices={devices}: no (width, depth) with width x depth = devices and depth <= {blocks} blocks")
+    for w, d in pairs:
+        if global_batch % w == 0 and (set(schedules) != {"2bw"} or global_batch // w >= d):
+            return
+    raise ValueError(
+        f"global_batch={global_batch} is reachable by no (width, depth) on {devices} devices: each needs global_batch "
+        f"divisible by the width{' and global_batch / width >= depth (2bw: g >= d)' if set(schedules) == {'2bw'} else ''}; "
+        f"(width, depth) pairs: {pairs}"
+    )
 
 
 def plan_2bw(
@@ -421,8 +462,8 @@ class NoConfiguration(ValueError):
             small = min(sized, key=lambda c: c.memory)
             limit = hw.memory_limit or math.inf
             message = (
-                f"memory_limit={limit / 2**30:.2f} GiB: no configuration fits on {hw.devices} devices; the smallest footprint "
-                f"found is {small.memory / 2**30:.2f} GiB (w={small.width}, d={small.depth}, b={small.microbatch_size}, "
+                f"memory_limit={size_text(limit)}: no configuration fits on {hw.devices} devices; the smallest footprint "
+                f"found is {size_text(small.memory)} (w={small.width}, d={small.depth}, b={small.microbatch_size}, "
                 f"schedule={small.schedule}, recompute={small.recompute}). Raise memory_limit or use more devices"
             )
             self.setting = "memory_limit"

@@ -1,0 +1,186 @@
+"""planner=2bw in the strategy: PipeDream-2BW's planner chooses the run's shape at setup.
+
+Runs in `AutoPipeStrategy.setup` before the topology exists (width and depth are its answer):
+1. Global rank 0 profiles every block at a few micro-batch sizes (`profile_sizes`), samples
+   collated from the training dataset directly, the user's step run up to the pipeline call for
+   the input and after it for the loss (as `autoplan.profile_pipeline`); RNG state and buffers are
+   left as they were.
+2. It plans (`planning.two_bw.plan_2bw`): every (w, d), schedule, b, recomputation; the chosen
+   configuration re-partitioned by the configured partitioner (AutoPipe by default).
+3. The choice is broadcast; every rank replaces its config: width, microbatches (g), schedule,
+   recompute per stage and the partition as block counts. The DataLoaders then yield B / w rows
+   per replica (`rebatched`). A failure (nothing fits) is raised on every rank as one SettingError.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils.data import BatchSampler, DataLoader
+
+from ..errors import SettingError
+from ..planning.two_bw import NoConfiguration, TwoBWPlan, hardware, optimizer_factor, plan_2bw, refiner
+from ..sized_profiler import profile_sizes
+from .autoplan import KINDS, dataset_sample, pipeline_input, step_loss
+from .stage import find_pipeline
+
+PROFILE_SIZES = (1, 2, 4, 8, 16, 32)  # micro-batch sizes profiled (those <= the global batch)
+
+
+@dataclass(frozen=True)
+class TwoBWChoice:
+    """What every rank applies: the planner's chosen configuration."""
+
+    width: int
+    microbatches: int
+    microbatch_size: int
+    schedule: str
+    recompute: tuple[bool, ...]
+    sizes: tuple[int, ...]  # blocks per stage
+    global_batch: int
+
+    @property
+    def replica_batch(self) -> int:
+        return self.microbatch_size * self.microbatches
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "width": self.width,
+            "microbatches": self.microbatches,
+            "schedule": self.schedule,
+            "recompute": list(self.recompute),
+            "partition": list(self.sizes),
+            "planner": None,
+            "global_batch": None,
+        }
+
+
+def train_loader(trainer: Any) -> Optional[Any]:
+    source = trainer.fit_loop._data_source
+    try:
+        loader = source.dataloader() if source.is_defined() else None
+    except Exception:  # a user hook that needs more setup than we have
+        return None
+    return loader[0] if isinstance(loader, (list, tuple)) and loader else loader
+
+
+def plan_in_setup(strategy: Any) -> tuple[TwoBWChoice, Optional[TwoBWPlan]]:
+    """Plan on global rank 0, broadcast, return the choice on every rank (and the plan on rank 0)."""
+    config, world = strategy.config, strategy.world_size
+    module = strategy.lightning_module
+    trainer = module.trainer
+    loader = train_loader(trainer)
+    batch = config.global_batch or getattr(loader, "batch_size", None)
+    box: list[Any] = [None]
+    result: Optional[TwoBWPlan] = None
+    if strategy.global_rank == 0:
+        try:
+            if not batch:
+                raise SettingError(
+                    "planner=2bw needs the global batch: set global_batch, or give the training DataLoader a batch_size", "global_batch"
+                )
+            result = _plan(strategy, module, trainer, int(batch))
+            c = result.chosen
+            sizes = tuple(b - a for a, b in c.bounds)
+            box = [TwoBWChoice(c.width, c.microbatches, c.microbatch_size, c.schedule, c.stage_recompute, sizes, int(batch))]
+        except SettingError as err:
+            box = [err]
+        except NoConfiguration as err:
+            box = [SettingError(str(err), err.setting)]
+    if world > 1:
+        dist.broadcast_object_list(box, 0)
+    if isinstance(box[0], SettingError):
+        raise box[0]
+    return box[0], result
+
+
+def _plan(strategy: Any, module: Any, trainer: Any, batch: int) -> TwoBWPlan:
+    config, device = strategy.config, strategy.root_device
+    _, pipeline = find_pipeline(module)
+    blocks = list(pipeline)
+    sizes = [s for s in PROFILE_SIZES if s <= batch] or [1]
+    samples = {s: dataset_sample(trainer, s) for s in sizes}
+    if any(v is None for v in samples.values()):
+        raise SettingError(
+            "planner=2bw profiles the blocks on samples of the training dataset, and it has none to index "
+            "(a map-style dataset with __getitem__ and __len__ is needed)",
+            "planner",
+        )
+    started = time.perf_counter()
+    inputs = {s: pipeline_input(module, pipeline, samples[s]) for s in sizes}
+    module.log = lambda *a, **k: None  # type: ignore[method-assign]  # the user's step logs nothing here
+    try:
+        profile = profile_sizes(
+            blocks,
+            lambda s: inputs[s],
+            sizes,
+            device,
+            model=type(module).__name__,
+            repeats=2,
+            loss_fn_of=lambda s: step_loss(module, pipeline, move_data_to_device(samples[s], device)),
+        )
+    finally:
+        del module.log
+    profiled = time.perf_counter() - started
+    limit = config.memory_limit
+    if limit is None and device.type == "cuda":
+        limit = float(torch.cuda.get_device_properties(device).total_memory)
+    hw = hardware(
+        strategy.world_size,
+        strategy.num_processes,
+        device.type,
+        limit,
+        config.intra_bandwidth,
+        config.inter_bandwidth,
+        config.latency,
+        optimizer_factor(trainer.precision),
+    )
+    kinds = [KINDS.get(type(b).__name__, "block") for b in blocks]
+    schedules = ("2bw", "1f1b", "gpipe") if config.auto else (config.schedule,)
+    result = plan_2bw(profile, hw, batch, schedules, refine=refiner(config.partition, kinds))
+    result.notes.append(f"profiled {len(blocks)} blocks at micro-batch sizes {sizes} in {profiled:.1f} s on {device}")
+    out = strategy.planner.out_dir
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        profile.save(out / "sized_profile.json")
+        (out / "plan_2bw.json").write_text(json.dumps(result.to_dict(), indent=1))
+    rank_zero_info(result.table())
+    return result
+
+
+def rebatched(loader: Any, rows: int) -> Any:
+    """`loader` yielding `rows` samples per batch (B / w per replica), its dataset, sampler, collate
+    and workers kept. A loader that is not a plain DataLoader with batch_size is refused."""
+    if not isinstance(loader, DataLoader) or getattr(loader, "batch_size", None) == rows:
+        return loader
+    if type(loader) is not DataLoader or loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
+        raise SettingError(
+            f"planner=2bw sets the batch size to {rows} rows per replica (global_batch / width), and this DataLoader "
+            f"({type(loader).__name__}, batch_sampler {type(loader.batch_sampler).__name__}) cannot be rebuilt with another "
+            "batch size: use a plain torch DataLoader(dataset, batch_size=..., ...)",
+            "planner",
+        )
+    extra = {"prefetch_factor": loader.prefetch_factor} if loader.num_workers > 0 else {}
+    return DataLoader(
+        loader.dataset,
+        batch_size=rows,
+        sampler=loader.sampler,
+        drop_last=loader.drop_last,
+        collate_fn=loader.collate_fn,
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
+        **extra,
+    )
