@@ -119,7 +119,8 @@ def cut_module(strategy: Any, module: Any) -> Cut:
     placement = spec.placement(strategy.topology.depth, strategy.config.microbatches)
     mine = {c: bounds[c] for c in range(len(placement)) if placement[c] == strategy.stage_index}
     blocks = {i: pipeline[i] for start, stop in mine.values() for i in range(start, stop)}
-    stage = PipelineStage(blocks, mine, len(pipeline))
+    recompute = strategy.config.recompute_stages(strategy.topology.depth)[strategy.stage_index]
+    stage = PipelineStage(blocks, mine, len(pipeline), recompute=recompute)
     tied = find_tied_parameters(pipeline, bounds, placement)
     skeletons = {i: skeleton(pipeline[i]) for i in range(len(pipeline)) if i not in blocks}
     full = pipeline if strategy.global_rank == 0 else None

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from ..profiler import check_activation
+from ..runtime.recompute import run_block
 
 
 class PipelineSetupError(ValueError):
@@ -85,14 +86,18 @@ class PipelineStage(nn.Module):
     Every block's output but the pipeline's last (block ``num_blocks - 1``, whose output goes to
     the step) must be what the runtime can send to another stage (`check_activation`), also between
     two blocks of this stage: a model is refused alike under every partition, never trained under
-    one and failing under another."""
+    one and failing under another.
 
-    def __init__(self, blocks: dict[int, nn.Module], chunk_bounds: dict[int, tuple[int, int]], num_blocks: int):
+    With `recompute` (the stage's entry of `PipelineConfig.recompute`, set when it is cut) each
+    block keeps only its input for backward and runs its forward again there (runtime.recompute)."""
+
+    def __init__(self, blocks: dict[int, nn.Module], chunk_bounds: dict[int, tuple[int, int]], num_blocks: int, recompute: bool = False):
         super().__init__()
         for index, block in blocks.items():
             self.add_module(str(index), block)
         self.chunk_bounds = chunk_bounds
         self.num_blocks = num_blocks
+        self.recompute = recompute
         self._runner: Optional[Callable[[Any], Any]] = None
 
     def blocks(self) -> dict[int, nn.Module]:
@@ -110,7 +115,7 @@ class PipelineStage(nn.Module):
         start, stop = self.chunk_bounds[chunk]
         for index in range(start, stop):
             block = self._modules[str(index)]
-            x = block(x)
+            x = run_block(block, x, self.recompute)
             if index < self.num_blocks - 1:
                 check_activation(x, index, block)
         return x

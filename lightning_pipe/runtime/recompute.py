@@ -1,0 +1,63 @@
+"""Activation recomputation of one block (PipeDream-2BW §4.1).
+
+A recomputed block keeps only its input for the backward pass, not the intermediate activations
+its autograd graph would save; backward runs the block's forward again to rebuild them, then
+differentiates. A stage trades about one more forward per micro-batch for the memory of its
+in-flight micro-batches' activations, which 1F1B-style schedules hold for up to `depth` of them.
+
+`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` does the work and stashes the RNG
+state of the CPU and of the inputs' device, so dropout draws the same masks when replayed (device
+generic: checkpoint handles the accelerator's RNG itself). One thing it does not know: a block
+whose parameters are swapped in for its forward only, as 2BW's weight versions are
+(`versions.WeightVersions.use`), would be replayed on whatever parameters the module holds when
+backward runs (the live weights, an update later). So the parameters registered at forward time
+are put back around the replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+Slots = list[tuple[nn.Module, str, Any]]  # (owner, name, the parameter registered there)
+
+
+def _slots(block: nn.Module) -> Slots:
+    return [(owner, name, p) for owner in block.modules() for name, p in owner._parameters.items()]
+
+
+@contextmanager
+def _registered(slots: Slots) -> Iterator[None]:
+    """`slots`' parameters registered in their owners for the duration (a no-op when they still are)."""
+    before = [owner._parameters[name] for owner, name, _ in slots]
+    for owner, name, p in slots:
+        owner._parameters[name] = p
+    try:
+        yield
+    finally:
+        for (owner, name, _), p in zip(slots, before):
+            owner._parameters[name] = p
+
+
+def run_block(block: nn.Module, x: Any, recompute: bool) -> Any:
+    """``block(x)``; with `recompute` (and grad enabled) its activations are recomputed in backward.
+
+    `x` is a tensor or a tuple of tensors (a plain tuple goes to checkpoint as its arguments, so
+    each tensor is saved as an input); the block receives it as one argument either way. Anything
+    else (a stage's first input may be any structure) is passed through as one argument.
+    """
+    if not recompute or not torch.is_grad_enabled():
+        return block(x)
+    slots = _slots(block)  # the parameters this forward reads (2BW: the micro-batch's version)
+    packed = type(x) is tuple
+
+    def forward(*inputs: Any) -> Any:
+        with _registered(slots):
+            return block(inputs if packed else inputs[0])
+
+    return checkpoint(forward, *(x if packed else (x,)), use_reentrant=False, preserve_rng_state=True)
