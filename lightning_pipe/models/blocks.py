@@ -16,7 +16,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+
+from ..runtime.recompute import recomputed
 
 
 def split(x):
@@ -115,7 +116,7 @@ class ResidualAttentionBlock(nn.Module):
         h, mask = split(x)
         if self.recompute and torch.is_grad_enabled():
             # store only the block's input; backward reruns inner() (dropout RNG state is replayed)
-            out = checkpoint(self.inner, h, mask, use_reentrant=False)
+            out = recomputed(self, self.inner, h, mask)
         else:
             out = self.inner(h, mask)
         return join(h + out, mask)
@@ -137,7 +138,7 @@ class ResidualFFNBlock(nn.Module):
     def forward(self, x):
         h, mask = split(x)
         if self.recompute and torch.is_grad_enabled():
-            out = checkpoint(self.inner, h, use_reentrant=False)
+            out = recomputed(self, self.inner, h)
         else:
             out = self.inner(h)
         return join(h + out, mask)

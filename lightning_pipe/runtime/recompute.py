@@ -44,6 +44,18 @@ def _registered(slots: Slots) -> Iterator[None]:
             owner._parameters[name] = p
 
 
+def recomputed(module: nn.Module, fn: Any, *inputs: Any) -> Any:
+    """``fn(*inputs)`` (which reads `module`'s parameters) under checkpoint, replayed in backward on the
+    parameters `module` holds now; the models' own per-block recompute flag uses it too."""
+    slots = _slots(module)  # the parameters this forward reads (2BW: the micro-batch's version)
+
+    def forward(*args: Any) -> Any:
+        with _registered(slots):
+            return fn(*args)
+
+    return checkpoint(forward, *inputs, use_reentrant=False, preserve_rng_state=True)
+
+
 def run_block(block: nn.Module, x: Any, recompute: bool) -> Any:
     """``block(x)``; with `recompute` (and grad enabled) its activations are recomputed in backward.
 
@@ -53,11 +65,6 @@ def run_block(block: nn.Module, x: Any, recompute: bool) -> Any:
     """
     if not recompute or not torch.is_grad_enabled():
         return block(x)
-    slots = _slots(block)  # the parameters this forward reads (2BW: the micro-batch's version)
-    packed = type(x) is tuple
-
-    def forward(*inputs: Any) -> Any:
-        with _registered(slots):
-            return block(inputs if packed else inputs[0])
-
-    return checkpoint(forward, *(x if packed else (x,)), use_reentrant=False, preserve_rng_state=True)
+    if type(x) is tuple:
+        return recomputed(block, lambda *inputs: block(inputs), *x)
+    return recomputed(block, block, x)
