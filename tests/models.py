@@ -136,6 +136,23 @@ def dataset(
     return TensorDataset(x, torch.randint(0, 3, (n,), generator=g))
 
 
+class EpochPerm(torch.utils.data.Sampler):
+    """What Lightning's DistributedSampler (shuffle, seed 0) deals out, on one process: each epoch
+    torch.randperm(n) seeded by the epoch; replica r of w gets perm[r::w], so a step of w replicas
+    with k rows each covers perm[w k s : w k (s + 1)], the single-process global batch."""
+
+    def __init__(self, n: int):
+        self.n, self.epoch = n, 0
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.epoch)
+        self.epoch += 1
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def __len__(self):
+        return self.n
+
+
 def loader(batch_size: int = 10, **kwargs) -> DataLoader:
     return DataLoader(dataset(**kwargs), batch_size=batch_size)
 

@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from models import LitSeq, dataset, loader, max_rel_diff, trainer_kwargs
+from models import EpochPerm, LitSeq, dataset, loader, max_rel_diff, trainer_kwargs
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -108,21 +108,8 @@ def test_width_2_depth_2_equals_single_process_on_the_global_batch():
     # holds 5 of them, so together a step sees perm[10k : 10k + 10]: the single-process global batch.
     n, per_replica = 40, 5
     ds = dataset(n=n)
-
-    class Perm(torch.utils.data.Sampler):
-        def __init__(self):
-            self.epoch = 0
-
-        def __iter__(self):
-            g = torch.Generator().manual_seed(self.epoch)
-            self.epoch += 1
-            return iter(torch.randperm(n, generator=g).tolist())
-
-        def __len__(self):
-            return n
-
     ref = LitSeq()
-    single(ref, steps=6, train=DataLoader(ds, batch_size=2 * per_replica, sampler=Perm()))
+    single(ref, steps=6, train=DataLoader(ds, batch_size=2 * per_replica, sampler=EpochPerm(n)))
     model = LitSeq()
     strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, width=2, start_method="spawn")
     pipelined(model, 4, steps=6, train=DataLoader(ds, batch_size=per_replica), strategy=strategy)

@@ -15,7 +15,9 @@ import lightning as L
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from models import LitSeq, loader, max_rel_diff, trainer_kwargs
+from lightning.pytorch.callbacks import ModelCheckpoint
+from models import EpochPerm, LitSeq, dataset, loader, max_rel_diff, trainer_kwargs
+from torch.utils.data import DataLoader
 
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.config import PipelineConfig
@@ -211,20 +213,32 @@ def test_plan_cli_prints_the_candidate_table(tmp_path):
 
 # ---- planner=2bw in a real Trainer -----------------------------------------------------------------
 @pytest.mark.multiprocess
-@pytest.mark.timeout(240)
-def test_planner_picks_and_runs_a_configuration_equal_to_one_process(tmp_path):
+@pytest.mark.timeout(300)
+def test_planner_picks_and_runs_a_configuration_equal_to_one_process_and_resumes_on_it(tmp_path):
     """The DataLoader says 5 rows; global_batch=8 makes every step 8 samples over the replicas,
-    whichever (w, d, b, g, schedule) the planner picks among the synchronous ones."""
-    ref = LitSeq()
-    L.Trainer(devices=1, **trainer_kwargs(max_steps=3)).fit(ref, loader(batch_size=8))
-    model = LitSeq()
-    strategy = AutoPipeStrategy(planner="2bw", schedule="auto", global_batch=8, start_method="spawn")
-    strategy.config = strategy.config.replace(schedule="1f1b")  # synchronous: equal to one process
-    trainer = L.Trainer(devices=2, strategy=strategy, default_root_dir=str(tmp_path), **trainer_kwargs(max_steps=3))
-    trainer.fit(model, loader(batch_size=5))
-    assert max_rel_diff(ref.state_dict(), model.state_dict()) < 1e-10
-    (path,) = glob.glob(os.path.join(tmp_path, "**", "plan_2bw.json"), recursive=True)
+    whichever (w, d, b, g) the planner picks for 1F1B. A resume keeps the chosen shape (no new plan)."""
+
+    def run(root, steps, ckpt_path=None):
+        model = LitSeq()
+        strategy = AutoPipeStrategy(planner="2bw", schedule="1f1b", global_batch=8, start_method="spawn")
+        saving = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=4, save_top_k=-1)
+        kw = trainer_kwargs(max_steps=steps, enable_checkpointing=True, callbacks=[saving])
+        L.Trainer(devices=2, strategy=strategy, default_root_dir=str(root), **kw).fit(
+            model, loader(batch_size=5, n=32), ckpt_path=ckpt_path
+        )
+        return model
+
+    run(tmp_path / "first", 4)
+    (path,) = glob.glob(os.path.join(tmp_path, "first", "**", "plan_2bw.json"), recursive=True)
     chosen = json.loads(open(path).read())["chosen"]
     assert chosen["width"] * chosen["microbatch_size"] * chosen["microbatches"] == 8
     assert chosen["width"] * chosen["depth"] == 2
-    assert glob.glob(os.path.join(tmp_path, "**", "sized_profile.json"), recursive=True)
+    assert glob.glob(os.path.join(tmp_path, "first", "**", "sized_profile.json"), recursive=True)
+    model = run(tmp_path / "second", 6, ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=4.ckpt"))
+    # one process on the global batch: 32 samples, 4 steps an epoch (Lightning resumes a plain DataLoader
+    # exactly at step 4); replicas read through Lightning's shuffling DistributedSampler
+    ref = LitSeq()
+    order = {"sampler": EpochPerm(32)} if chosen["width"] > 1 else {}
+    L.Trainer(devices=1, **trainer_kwargs(max_steps=6)).fit(ref, DataLoader(dataset(n=32), batch_size=8, **order))
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) < 1e-10
+    assert not glob.glob(os.path.join(tmp_path, "second", "**", "plan_2bw.json"), recursive=True)  # not planned again

@@ -18,6 +18,7 @@ and partition. With checkpoint="sharded" the same states are written per rank (c
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -147,6 +148,8 @@ def layout(strategy: Any) -> dict[str, Any]:
         out["autopipe_switched"] = True
     if getattr(strategy, "adaptive", None) is not None and strategy.adaptive.enabled:
         out["autopipe_adaptive"] = strategy.adaptive.state_dict()
+    if getattr(strategy, "two_bw", None) is not None:  # planner=2bw: a resumed run keeps the chosen shape
+        out["autopipe_2bw_plan"] = dataclasses.asdict(strategy.two_bw)
     if "iteration" in mode:  # AvgPipe: iterations applied (the reference is W_ref(iteration))
         out["autopipe_avg_iteration"] = mode["iteration"]
     return out
@@ -240,22 +243,27 @@ class ResumedLayout:
     schedule: Optional[ScheduleSpec]
 
 
-def resumed_layout(strategy: Any, path: Optional[str]) -> Optional[ResumedLayout]:
-    """The layout of the checkpoint `fit(ckpt_path=path)` resumes, to cut and schedule exactly as
-    its run did rather than by a new (noisy) plan; Lightning loads the checkpoint only after setup,
-    so the launcher noted the path and this reads ahead. None when the run plans its own: another
-    depth, or a listed partition (the optimizer states follow the parameters' names anywhere)."""
+def resumed_state(strategy: Any, path: Optional[str]) -> dict[str, Any]:
+    """The layout keys of the checkpoint `fit(ckpt_path=path)` resumes ({} if none can be read ahead)."""
     from .checkpoint_sharded import is_sharded, read_meta
 
     if path is None:
-        return None
+        return {}
     if is_sharded(path):
         checkpoint = read_meta(path)
     elif os.path.isfile(path):
         checkpoint = strategy.checkpoint_io.load_checkpoint(path)
     else:
-        return None
-    state = (checkpoint.get("optimizer_states") or [{}])[0]
+        return {}
+    return (checkpoint.get("optimizer_states") or [{}])[0]
+
+
+def resumed_layout(strategy: Any, path: Optional[str]) -> Optional[ResumedLayout]:
+    """The layout of the checkpoint `fit(ckpt_path=path)` resumes, to cut and schedule exactly as
+    its run did rather than by a new (noisy) plan; Lightning loads the checkpoint only after setup,
+    so the launcher noted the path and this reads ahead. None when the run plans its own: another
+    depth, or a listed partition (the optimizer states follow the parameters' names anywhere)."""
+    state = resumed_state(strategy, path)
     if state.get("autopipe_depth") != strategy.topology.depth:
         return None
     if not isinstance(strategy.config.partition, str) and not state.get("autopipe_switched"):

@@ -29,6 +29,7 @@ from ..errors import SettingError
 from ..planning.two_bw import NoConfiguration, TwoBWPlan, hardware, optimizer_factor, plan_2bw, refiner
 from ..sized_profiler import profile_sizes
 from .autoplan import KINDS, dataset_sample, pipeline_input, step_loss
+from .checkpoints import resumed_state
 from .stage import find_pipeline
 
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32)  # micro-batch sizes profiled (those <= the global batch)
@@ -80,6 +81,11 @@ def plan_in_setup(strategy: Any) -> tuple[TwoBWChoice, Optional[TwoBWPlan]]:
     batch = config.global_batch or getattr(loader, "batch_size", None)
     box: list[Any] = [None]
     result: Optional[TwoBWPlan] = None
+    resumed = resumed_state(strategy, strategy.resume_path).get("autopipe_2bw_plan")
+    if resumed is not None and resumed["global_batch"] == batch and resumed["width"] * len(resumed["sizes"]) == world:
+        # the resumed run's shape, not a new (noisy) plan: the same batches, partition and schedule
+        saved = {**resumed, "recompute": tuple(resumed["recompute"]), "sizes": tuple(resumed["sizes"])}
+        return TwoBWChoice(**saved), None
     if strategy.global_rank == 0:
         try:
             if not batch:
