@@ -166,15 +166,19 @@ def rebatched(loader: Any, rows: int) -> Any:
     and workers kept. A loader that is not a plain DataLoader with batch_size is refused."""
     if not isinstance(loader, DataLoader) or getattr(loader, "batch_size", None) == rows:
         return loader
-    if type(loader) is not DataLoader or loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
+    cls = type(loader)  # torch's DataLoader or torchdata's StatefulDataLoader (same arguments)
+    rebuildable = cls is DataLoader or (cls.__name__ == "StatefulDataLoader" and cls.__module__.startswith("torchdata"))
+    if (
+        not rebuildable or loader.batch_size is None or not isinstance(loader.batch_sampler, BatchSampler)
+    ):  # batch_size: no custom batch_sampler
         raise SettingError(
             f"planner=2bw sets the batch size to {rows} rows per replica (global_batch / width), and this DataLoader "
             f"({type(loader).__name__}, batch_sampler {type(loader.batch_sampler).__name__}) cannot be rebuilt with another "
-            "batch size: use a plain torch DataLoader(dataset, batch_size=..., ...)",
+            "batch size: use a plain torch DataLoader (or torchdata's StatefulDataLoader) with batch_size",
             "planner",
         )
     extra = {"prefetch_factor": loader.prefetch_factor} if loader.num_workers > 0 else {}
-    return DataLoader(
+    return cls(
         loader.dataset,
         batch_size=rows,
         sampler=loader.sampler,
