@@ -242,3 +242,21 @@ def test_planner_picks_and_runs_a_configuration_equal_to_one_process_and_resumes
     L.Trainer(devices=1, **trainer_kwargs(max_steps=6)).fit(ref, DataLoader(dataset(n=32), batch_size=8, **order))
     assert max_rel_diff(ref.state_dict(), model.state_dict()) < 1e-10
     assert not glob.glob(os.path.join(tmp_path, "second", "**", "plan_2bw.json"), recursive=True)  # not planned again
+
+
+def test_rebatched_keeps_the_loader_and_refuses_what_it_cannot_rebuild():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from lightning_pipe.lightning.plan_2bw import rebatched
+
+    data = dataset(n=12)
+    for cls in (DataLoader, StatefulDataLoader):
+        original = cls(data, batch_size=5, drop_last=True)
+        again = rebatched(original, 4)
+        assert type(again) is cls and again.dataset is data and again.drop_last
+        assert [len(x) for x, _ in again] == [4, 4, 4]
+        assert rebatched(again, 4) is again  # already right: untouched
+    custom = DataLoader(data, batch_sampler=[[0, 1], [2, 3]])
+    with pytest.raises(SettingError, match="cannot be rebuilt with another batch size") as err:
+        rebatched(custom, 4)
+    assert err.value.setting == "planner"
