@@ -260,3 +260,31 @@ def test_rebatched_keeps_the_loader_and_refuses_what_it_cannot_rebuild():
     with pytest.raises(SettingError, match="cannot be rebuilt with another batch size") as err:
         rebatched(custom, 4)
     assert err.value.setting == "planner"
+
+
+# ---- the paper's closed forms (the baseline) -------------------------------------------------------
+def test_closed_forms_by_hand():
+    from lightning_pipe.planning.two_bw_closed import closed_memory, closed_step
+
+    c = costs(saved=(10, 20, 30, 40), inputs=(1, 2, 3, 4), params=(100, 100, 100, 100))  # forward 1, backward 2, recompute 3
+    hw = Hardware(4, 4, None, intra_bandwidth=2.0, inter_bandwidth=2.0, latency=0.0)
+    # 2 stages of 2 blocks: compute 2 x (1 + 2) = 6; stage 0 sends block 1's output (2 bytes) and gets its
+    # gradient back: 2 x 2 / 2 = 2 s; stage 1 receives the same: 2 s
+    assert closed_step(c, 2, 1, 4, False, hw) == 6.0
+    # recomputation measured: 2 x (1 + 3) = 8 > 6
+    assert closed_step(c, 2, 1, 4, True, hw) == 8.0
+    # two replicas: ring all-reduce of 200 bytes, 2 (2 - 1) / 2 x 200 / 2 = 100 s per step, over g = 4 micro-batches
+    assert closed_step(c, 2, 2, 4, False, hw) == 25.0
+    # MEMORY: 2BW 2 |W| / d + |A| = 2 x 400 / 2 + 100; with recomputation |A| / d
+    assert closed_memory(c, 2, "2bw", 4, False) == 400 + 100
+    assert closed_memory(c, 2, "2bw", 4, True) == 400 + 50
+    assert closed_memory(c, 2, "gpipe", 4, True) == (400 + 4 * 10 + (100 - 10)) / 2
+
+
+def test_closed_cost_model_plans_with_the_papers_forms():
+    p = profile(n=4, sizes=(1, 2, 4), time_per_sample=(1.0, 0.8, 0.7))
+    closed = plan_2bw(p, HW, 8, schedules=("2bw",), cost_model="closed")
+    assert {c.recompute for c in closed.candidates if c.feasible} <= {"off", "on"}  # no per-stage option
+    assert all(c.exact for c in closed.candidates if c.feasible) and "closed cost functions" in closed.source
+    with pytest.raises(ValueError, match="cost_model"):
+        plan_2bw(p, HW, 8, cost_model="guess")

@@ -37,10 +37,12 @@ from ..schedules import get_schedule
 from .minmax import min_max_bounds
 from .replay import Replay, paused_gc
 from .sized import BlockCosts, SizedProfile
+from .two_bw_closed import closed_memory, closed_step, even_bounds
 
 SCHEDULES = ("2bw", "1f1b", "gpipe")
 RECOMPUTE = ("off", "on", "stages")  # stages: ours, recompute only the stages that need it
 WEIGHT_VERSIONS = {"2bw": 2, "1f1b": 1, "gpipe": 1}
+COST_MODELS = ("simulated", "closed")  # ours; the paper's closed forms (§4.2)
 
 
 @dataclass(frozen=True)
@@ -320,15 +322,23 @@ def plan_2bw(
     max_microbatch_size: Optional[int] = None,
     refine: Optional[callable] = None,
     finalists: int = 6,
+    cost_model: str = "simulated",
 ) -> TwoBWPlan:
     """Algorithm 1 over every (w, d), schedule, r and b dividing B / w; the fastest that fits wins.
     Every candidate is screened (`step_time(exact=False)`); the `finalists` fastest are simulated
     exactly and the best of those is chosen.
 
     `refine(costs_model, depth, m, schedule) -> bounds` re-partitions the chosen configuration (e.g.
-    the AutoPipe planner); None keeps the min-max partition."""
+    the AutoPipe planner); None keeps the min-max partition.
+
+    `cost_model="closed"`: the paper's closed forms instead (`two_bw_closed.py`: even split of
+    blocks, r off / on only, no simulation, no optimizer state), the baseline ours is measured against."""
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"cost_model={cost_model!r}: one of {list(COST_MODELS)}")
+    if cost_model == "closed":
+        recompute, refine = tuple(r for r in recompute if r != "stages"), None
     with paused_gc():  # one collection after planning instead of hundreds during it
-        return _plan(profile, hw, global_batch, tuple(schedules), tuple(recompute), max_microbatch_size, refine, finalists)
+        return _plan(profile, hw, global_batch, tuple(schedules), tuple(recompute), max_microbatch_size, refine, finalists, cost_model)
 
 
 def _plan(
@@ -340,8 +350,10 @@ def _plan(
     max_microbatch_size: Optional[int],
     refine: Optional[callable],
     finalists: int,
+    cost_model: str,
 ) -> TwoBWPlan:
     started = time.perf_counter()
+    search = _search if cost_model == "simulated" else _search_closed
     for s in schedules:
         if s not in SCHEDULES:
             raise ValueError(f"schedule={s!r}: planner=2bw plans one of {list(SCHEDULES)}")
@@ -368,7 +380,7 @@ def _plan(
                         Candidate(w, d, b, m, schedule, "-", verdict=f"skipped: 2bw needs g >= d (g={m} micro-batches, d={d})")
                     )
                     continue
-                candidates += _search(costs, w, d, b, m, schedule, recompute, hw)
+                candidates += search(costs, w, d, b, m, schedule, recompute, hw)
     feasible = [c for c in candidates if c.verdict == "runs"]
     if not feasible:
         raise NoConfiguration(candidates, hw, global_batch)
@@ -386,10 +398,9 @@ def _plan(
             chosen = best
     candidates = [replace(chosen, verdict="chosen") if c is best else c for c in candidates]
     chosen = next(c for c in candidates if c.verdict == "chosen")
-    source = f"{profile.source} profile of {profile.model} at micro-batch sizes {profile.sizes}"
-    return TwoBWPlan(
-        chosen, candidates, hw, global_batch, source, time.perf_counter() - started, "dp" if refine is None else "refined", notes
-    )
+    source = f"{profile.source} profile of {profile.model} at micro-batch sizes {profile.sizes}, {cost_model} cost functions"
+    partitioner = "even (the paper's B/d)" if cost_model == "closed" else "dp" if refine is None else "refined"
+    return TwoBWPlan(chosen, candidates, hw, global_batch, source, time.perf_counter() - started, partitioner, notes)
 
 
 def _search(costs: BlockCosts, w: int, d: int, b: int, m: int, schedule: str, options: tuple, hw: Hardware) -> list[Candidate]:
@@ -419,6 +430,24 @@ def _search(costs: BlockCosts, w: int, d: int, b: int, m: int, schedule: str, op
             c.allreduce_time = allreduce_time(costs, bounds, w, hw)
             c.throughput = throughput(c.step_time, c.allreduce_time, w, b, m)
             c.verdict = "runs"
+        found.append(c)
+    return found
+
+
+def _search_closed(costs: BlockCosts, w: int, d: int, b: int, m: int, schedule: str, options: tuple, hw: Hardware) -> list[Candidate]:
+    """The paper's SEARCH on its closed forms: r off / on, the even split, no simulation."""
+    limit = hw.memory_limit if hw.memory_limit is not None else math.inf
+    found = []
+    bounds = even_bounds(len(costs.forward), d)
+    for option in options:
+        on = option == "on"
+        footprint = closed_memory(costs, d, schedule, m, on)
+        c = Candidate(w, d, b, m, schedule, option, (on,) * d, bounds, memory=footprint, stage_memory=(footprint,) * d, exact=True)
+        if footprint > limit:
+            c.verdict = "over memory_limit"
+        else:
+            c.step_time = m * closed_step(costs, d, w, m, on, hw)
+            c.throughput, c.verdict = w * b * m / c.step_time, "runs"
         found.append(c)
     return found
 
