@@ -1,11 +1,19 @@
 """AutoPipe's slicer: how many warm-up micro-batches to cut in halves (paper §III-C, Alg. 2).
 
 Cutting micro-batch 0 in two lets the next stage start after half a forward, so the pipeline
-fills in half the time; cutting more helps less and doubles their messages. Alg. 2 finds the
-count from the stages' start and end times; we ask the simulator the same question directly:
-replay the schedule with the first k micro-batches sliced, k = 0 .. stages, and take the fastest
-iteration (on a tie the shorter start-up, then the smaller k). The schedule runs the halves as
-micro-batches of their own, so training stays exact (each micro-batch's loss carries its share).
+fills in half the time; cutting more helps less and doubles their messages. Two slicers live here:
+
+- **ours** (`choose_slicing`, what ``slicer=True`` uses): ask the simulator directly. Replay the
+  schedule with the first k micro-batches sliced, k = 0 .. stages, and take the fastest iteration
+  (on a tie the shorter start-up, then the smaller k). The schedule (1F1B or GPipe) runs the halves
+  as micro-batches of their own, so a half counts as one of the warm-up micro-batches.
+- **the paper's** (`algorithm2_slicing`, in ``slicer_algorithm2.py``): Algorithm 2's recursion
+  over start and end times gives the count; the schedule keeps 1F1B over the *whole* micro-batches
+  ("the same number" for both halves: they run back to back where the micro-batch ran), and where
+  a sliced micro-batch meets the stage that runs it as its last warm-up forward, the first half's
+  message is cancelled and sent together with the second half's (the paper's merge).
+
+In both, each half carries its share of the loss, so training stays exact.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ class SlicePlan:
     baseline_startup: float  # without slicing
     baseline_iteration_time: float
     candidates: tuple[tuple[int, float, float], ...]  # (k, start-up, iteration time)
+    method: str = "simulated"  # "simulated" (ours: every k replayed) or "algorithm2" (the paper's)
 
     def summary(self) -> dict:
         """What plan.json records of the slicing (the plan command and the strategy write it)."""
@@ -35,6 +44,7 @@ class SlicePlan:
             "baseline_startup": self.baseline_startup,
             "iteration_time": self.iteration_time,
             "baseline_iteration_time": self.baseline_iteration_time,
+            "method": self.method,
         }
 
     @property
@@ -50,6 +60,7 @@ def simulate_sliced(costs: CostModel, bounds: Sequence[tuple[int, int]], microba
 
 
 def choose_slicing(costs: CostModel, bounds: Sequence[tuple[int, int]], microbatches: int, schedule: str = "1f1b") -> SlicePlan:
+    """Ours (not the paper's Algorithm 2): every k = 0 .. min(m, stages) simulated, the fastest kept."""
     if microbatches < 1:
         raise ValueError(f"microbatches={microbatches}: must be >= 1")
     candidates = []
@@ -68,3 +79,18 @@ def fixed_slicing(costs: CostModel, bounds: Sequence[tuple[int, int]], microbatc
     runs = [(k, simulate_sliced(costs, bounds, microbatches, k, schedule)) for k in sorted({0, sliced})]
     candidates = tuple((k, t.startup, t.iteration_time) for k, t in runs)
     return SlicePlan(sliced, candidates[-1][1], candidates[-1][2], candidates[0][1], candidates[0][2], candidates)
+
+
+def algorithm2_slicing(costs: CostModel, bounds: Sequence[tuple[int, int]], microbatches: int, merge: bool = True) -> SlicePlan:
+    """The paper's slicer: the count from Algorithm 2 (`slicer_algorithm2.algorithm2`), run on the
+    paper's 1F1B with the halves back to back and the blocked half's message merged; the figures are
+    the simulator's for that schedule (k = 0: plain 1F1B)."""
+    from .slicer_algorithm2 import algorithm2, simulate_paper, stage_times
+
+    if microbatches < 1:
+        raise ValueError(f"microbatches={microbatches}: must be >= 1")
+    f, b, comm = stage_times(costs, bounds)
+    k = algorithm2(f, b, comm, microbatches).sliced
+    runs = [(j, simulate_paper(costs, bounds, microbatches, j, merge)) for j in sorted({0, k})]
+    candidates = tuple((j, t.startup, t.iteration_time) for j, t in runs)
+    return SlicePlan(k, candidates[-1][1], candidates[-1][2], candidates[0][1], candidates[0][2], candidates, "algorithm2")
