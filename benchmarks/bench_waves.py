@@ -36,9 +36,18 @@ message on the compute thread, the mean hand-off delay as the link latency) and 
 run again on the corrected costs ("simulated, calibrated"): how much of the gap between measured
 and simulated those effects explain.
 
+    python benchmarks/bench_waves.py --simulated            # the order table of docs/schedules.md (seconds)
     python benchmarks/bench_waves.py                        # m = 4 and m = 2, a few minutes
     python benchmarks/bench_waves.py --picture docs/img/waves_speedup.png   # as in docs/schedules.md
     python benchmarks/bench_waves.py --microbatches 4 --modes ours-1f1b,ours-wave4,torch-zbv
+
+``--simulated`` runs no process: it prints, from the simulator alone, the bubble ratio, iteration
+time and peak activation memory of Hanayo's own wave order (``hanayo``), our greedy order
+(``wave``) and 1F1B for P = 2, 4, 8, W = 1, 2, 4, B = P, 2P, 4P: T_B = 2 T_F, no communication, the
+model cut into equal chunks (a chunk's time and activation shrink with the number of chunks), peak
+activations in units of one 1F1B stage's activation of one micro-batch (`Timeline.peak_activation_bytes`).
+The column "units one by one" is Hanayo's order without filling a unit's end with the next unit's
+forwards (`merge_by_readiness(fill=False)`), for comparison.
 
 Timing hygiene as bench_runtime.py (lightning_pipe.launch.run_undisturbed): each run waits for a
 quiet machine, measures the CPU other processes used meanwhile and repeats disturbed runs; every
@@ -349,6 +358,64 @@ def run_mode(mode: str, cfg: dict, args: Any, started: float) -> tuple[list[dict
     )
 
 
+def simulated_orders() -> None:
+    """The table of docs/schedules.md: Hanayo's order vs our greedy order vs 1F1B, simulated."""
+    import subprocess
+
+    from lightning_pipe.schedules import build_schedule
+    from lightning_pipe.schedules.lowering import lower
+    from lightning_pipe.schedules.wave import wave_placement
+    from lightning_pipe.schedules.wave_hanayo import hanayo_order
+    from lightning_pipe.simulator import CostModel, simulate
+
+    def run(schedule, p):
+        n = schedule.num_chunks
+        scale = p / n  # the whole model: p x (1 + 2) per micro-batch; activations p per micro-batch
+        costs = CostModel.uniform(n, scale, 2 * scale, activation_bytes=(scale,) * n)
+        return simulate(schedule, costs, [(i, i + 1) for i in range(n)])
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {machine_description()}; commit {commit}")
+    print("T_B = 2 T_F, no communication, equal chunks; time in units of one stage's T_F (1F1B: (B + P - 1) x 3);")
+    print("peak = the fullest rank's activations, in 1F1B stage activations of one micro-batch\n")
+    print(
+        "| P | W | B | bubble 1F1B | bubble Hanayo | bubble ours | time 1F1B | Hanayo / 1F1B | ours / 1F1B | "
+        "peak 1F1B | peak Hanayo | peak ours | units one by one: time / 1F1B, peak | faster order |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    summary = {"hanayo": 0, "ours": 0, "tie": 0}
+    over = []
+    for p in (2, 4, 8):
+        for w in (1, 2, 4):
+            for b in (p, 2 * p, 4 * p):
+                one = run(build_schedule("1f1b", p, b), p)
+                paper = run(build_schedule("hanayo", p, b, waves=w), p)
+                ours = run(build_schedule("wave", p, b, waves=w), p)
+                strict = run(lower("strict", hanayo_order(p, b, w, fill=False), wave_placement(p, w), b), p)
+                peaks = [max(t.peak_activation_bytes) for t in (one, paper, ours, strict)]
+                tp, to = paper.iteration_time, ours.iteration_time
+                faster = "tie" if abs(tp - to) < 1e-9 else ("hanayo" if tp < to else "ours")
+                summary[faster] += 1
+                if b == p and peaks[1] > peaks[0] + 1e-9:
+                    over.append((p, w, b))
+                print(
+                    f"| {p} | {w} | {b} | {one.bubble_ratio:.3f} | {paper.bubble_ratio:.3f} | {ours.bubble_ratio:.3f} | "
+                    f"{one.iteration_time:.2f} | {tp / one.iteration_time:.3f} | {to / one.iteration_time:.3f} | "
+                    f"{peaks[0]:.2f} | {peaks[1]:.2f} | {peaks[2]:.2f} | "
+                    f"{strict.iteration_time / one.iteration_time:.3f}, {peaks[3]:.2f} | {faster} |"
+                )
+    print(f"\nfaster order over the {sum(summary.values())} cases: {summary}")
+    print(f"B = P cases where Hanayo's peak activations exceed 1F1B's: {over or 'none'}")
+    print("\nHanayo's closed form (2P - 2) / (3PW + P - 1) (Eq. 1, T_B = 2 T_F, T_C = 0) vs the simulated bubble of its order, B = P:\n")
+    print("| P | W | simulated | closed form | difference | relative to the simulated |")
+    print("|---|---|---|---|---|---|")
+    for p in (2, 4, 8):
+        for w in (1, 2, 4):
+            sim = run(build_schedule("hanayo", p, p, waves=w), p).bubble_ratio
+            closed = (2 * p - 2) / (3 * p * w + p - 1)
+            print(f"| {p} | {w} | {sim:.4f} | {closed:.4f} | {closed - sim:+.4f} | {(closed - sim) / sim:+.1%} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=512)
@@ -369,7 +436,11 @@ def main() -> None:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--picture", default=None, help="write a bar chart of samples/s here (matplotlib)")
+    p.add_argument("--simulated", action="store_true", help="print the simulated order table (Hanayo vs ours vs 1F1B) and exit")
     args = p.parse_args()
+    if args.simulated:
+        simulated_orders()
+        return
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if [m for m in modes if m not in MODES]:
         p.error(f"unknown modes; allowed: {MODES}")

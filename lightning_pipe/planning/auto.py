@@ -1,12 +1,17 @@
 """`schedule="auto"`: plan every candidate schedule on the profile, simulate, run the fastest that fits.
 
-Each candidate (1F1B, interleaved v = 2, 4, wave W = 1, 2, 4) gets its own partition from the same
+Each candidate (1F1B, interleaved v = 2, 4, wave W = 1, 2, 4 in our greedy order; Hanayo's own
+order with `HANAYO_CANDIDATES`) gets its own partition from the same
 partitioner (a multi-chunk schedule cuts P·v or 2PW chunks), then the simulator predicts its
 iteration time and each rank's peak memory. Memory is the rank's weights times `weight_copies`
 (parameters, gradients and the optimizer's state: 4 for Adam in fp32) plus the activations it holds
 for backward at its peak. A candidate that cannot run (more chunks than blocks, a micro-batch count
 it cannot use) or does not fit `memory_limit` is kept in the table with the reason, so the choice
 can be read and checked. Ties go to fewer chunks: the same time with fewer messages.
+
+The wave guard: a wave order ("wave" or "hanayo") is never chosen when the simulator predicts it
+slower than 1F1B on the same profile (1F1B simulated even when it is not a candidate or does not
+fit the memory limit), nor over the memory limit; its verdict says so.
 """
 
 from __future__ import annotations
@@ -28,6 +33,13 @@ CANDIDATES: tuple[tuple[str, dict[str, int]], ...] = (
     ("wave", {"waves": 2}),
     ("wave", {"waves": 4}),
 )
+# Hanayo's own order (schedule "hanayo"), opt-in: choose_schedule(..., candidates=CANDIDATES + HANAYO_CANDIDATES)
+HANAYO_CANDIDATES: tuple[tuple[str, dict[str, int]], ...] = (
+    ("hanayo", {"waves": 1}),
+    ("hanayo", {"waves": 2}),
+    ("hanayo", {"waves": 4}),
+)
+WAVE_ORDERS = ("wave", "hanayo")  # Hanayo's placement: our greedy order, the paper's order
 ADAM_WEIGHT_COPIES = 4.0  # parameters + gradients + exp_avg + exp_avg_sq
 
 
@@ -167,6 +179,7 @@ def choose_schedule(
         memory = peak_memory(timeline, weight_copies)
         verdict = "runs" if memory_limit is None or memory <= memory_limit else "over the memory limit"
         found.append(Candidate(schedule, key, chosen_plan, time, memory, sliced, verdict))
+    found = _wave_guard(found, costs, stages, microbatches, method, kinds, slicer)
     fits = [c for c in found if c.verdict == "runs"]
     if not fits:
         detail = "; ".join(f"{c.name}: {c.verdict}" + (f" ({c.peak_memory / 2**20:.1f} MiB)" if c.plan else "") for c in found)
@@ -175,6 +188,30 @@ def choose_schedule(
     best = min(fits, key=lambda c: (round(c.iteration_time, 12), c.num_chunks, found.index(c)))
     chosen = _with_verdict(best, "chosen")
     return ScheduleChoice(tuple(chosen if c is best else c for c in found), chosen, memory_limit)
+
+
+def _wave_guard(found: list[Candidate], costs: CostModel, stages: int, microbatches: int, method: str, kinds, slicer) -> list[Candidate]:
+    """A wave order the simulator predicts slower than 1F1B does not run (verdict says why)."""
+    waves = [c for c in found if c.schedule in WAVE_ORDERS and c.verdict == "runs"]
+    if not waves:
+        return found
+    one = next((c for c in found if c.schedule == "1f1b" and c.plan is not None), None)
+    if one is not None:
+        reference = one.iteration_time
+    else:  # 1F1B is not a candidate: simulate it anyway, it is the bar a wave must clear
+        try:
+            one_plan = plan(costs, stages, microbatches, method=method, schedule="1f1b", kinds=kinds)
+        except ValueError:
+            return found
+        reference = one_plan.iteration_time
+        if slicer:  # the best slicing is at least as fast as any fixed one
+            reference = min(reference, choose_slicing(costs, one_plan.bounds, microbatches, "1f1b").iteration_time)
+    out = []
+    for c in found:
+        if any(c is w for w in waves) and c.iteration_time > reference * (1 + 1e-12):
+            c = _with_verdict(c, f"slower than 1f1b ({c.iteration_time * 1e3:.3f} vs {reference * 1e3:.3f} ms simulated)")
+        out.append(c)
+    return out
 
 
 def _with_verdict(c: Candidate, verdict: str) -> Candidate:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Optional
 
 from ..errors import SettingError, check_count
@@ -21,6 +22,7 @@ from .one_f_one_b import one_f_one_b
 from .two_bw import pipedream_2bw
 from .validate import validate
 from .wave import wave, wave_chunks, wave_misfit
+from .wave_hanayo import hanayo
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,10 @@ REGISTRY: dict[str, ScheduleKind] = {
     "gpipe": ScheduleKind(gpipe),
     "1f1b": ScheduleKind(one_f_one_b),
     "interleaved": ScheduleKind(interleaved_1f1b, {"chunks": 2}, interleaved_chunks, interleaved_misfit),
+    # Hanayo's placement with our greedy order (schedules/wave.py) ...
     "wave": ScheduleKind(wave, {"waves": 1}, wave_chunks, wave_misfit),
+    # ... and with the paper's own order (schedules/wave_hanayo.py; docs/schedules.md compares them)
+    "hanayo": ScheduleKind(hanayo, {"waves": 1}, wave_chunks, partial(wave_misfit, name="hanayo")),
     # AvgPipe's advance forward propagation: advance_num forwards before the first backward (0: K - 1, i.e. 1F1B)
     "advance": ScheduleKind(advance, {"advance_num": 0}, zero_means_default=frozenset({"advance_num"})),
     # PipeDream-2BW: no flush, one update per batch from the previous version; runs as its own mode
