@@ -406,6 +406,14 @@ def simulated_orders() -> None:
                 )
     print(f"\nfaster order over the {sum(summary.values())} cases: {summary}")
     print(f"B = P cases where Hanayo's peak activations exceed 1F1B's: {over or 'none'}")
+    same = [
+        (p, w, b)
+        for p in (2, 4, 8)
+        for w in (1, 2, 4)
+        for b in (p, 2 * p, 4 * p)
+        if build_schedule("hanayo", p, b, waves=w).actions == build_schedule("wave", p, b, waves=w).actions
+    ]
+    print(f"(P, W, B) where both orders give the same action lists: {same or 'none'}")
     print("\nHanayo's closed form (2P - 2) / (3PW + P - 1) (Eq. 1, T_B = 2 T_F, T_C = 0) vs the simulated bubble of its order, B = P:\n")
     print("| P | W | simulated | closed form | difference | relative to the simulated |")
     print("|---|---|---|---|---|---|")
