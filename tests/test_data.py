@@ -20,6 +20,7 @@ from lightning_pipe.data import (
 )
 from lightning_pipe.data import datamodules as datamodules_module
 from lightning_pipe.data.corpus import stdlib_root
+from lightning_pipe.data.masking import mask_tokens
 
 SMALL = 256 * 1024  # bytes of stdlib text: plenty of windows, fast to read
 
@@ -200,6 +201,9 @@ def test_train_loader_full_batches_deterministic(tmp_path):
     assert len(batches_a) == len(a.train_dataset) // 7 and len(a.train_dataset) % 7  # a short tail dropped
     assert all(x.shape == (7, 16) and y.shape == (7, 16) for x, y in batches_a)
     assert all(torch.equal(u, v) for ba, bb in zip(batches_a, batches_b) for u, v in zip(ba, bb))
+    # One epoch is a permutation of the windows: each drawn exactly once (the loader drops the short last batch).
+    order = list(a.train_dataloader().sampler)
+    assert len(order) == len(set(order)) == len(a.train_dataset) and set(order) == set(range(len(a.train_dataset)))
     # Shuffled: not the dataset's order.
     first = torch.stack([a.train_dataset[i][0] for i in range(7)])
     assert not torch.equal(batches_a[0][0], first)
@@ -221,7 +225,15 @@ def test_no_validation_when_fraction_zero(tmp_path):
 def test_default_corpus_datamodule():
     dm = CausalLMDataModule(seq_len=64, batch_size=8, max_bytes=SMALL)
     x, y = next(iter(dm.train_dataloader()))
-    assert x.shape == y.shape == (8, 64) and int(x.max()) < 256
+    assert x.shape == y.shape == (8, 64)
+    # each row is the standard library's text at an offset that is a multiple of seq_len, in the
+    # training split (the head of the capped corpus), with its target the next 64 bytes
+    train, _ = split_corpus(read_corpus(max_bytes=SMALL), 0.05)
+    windows = {train[64 * j : 64 * j + 65] for j in range((len(train) - 65) // 64 + 1)}
+    assert len(windows) > 0.9 * (len(train) // 64)
+    for row_x, row_y in zip(x, y):
+        assert bytes(row_x.tolist()) + bytes(row_y[-1:].tolist()) in windows
+        assert torch.equal(row_x[1:], row_y[:-1])
 
 
 # ---- masked LM ----------------------------------------------------------------------------------
@@ -250,7 +262,35 @@ def test_masked_lm_exact_k_and_labels(tmp_path):
             n_mask += int((inputs[predicted] == ByteTokenizer.MASK).sum())
             n_random_or_kept += int((inputs[predicted] != ByteTokenizer.MASK).sum())
     share = n_mask / (n_mask + n_random_or_kept)
-    assert 0.7 < share < 0.9  # BERT's 80% MASK
+    assert abs(share - 0.8) < 0.03  # BERT's 80% MASK (~3000 predicted positions: sd 0.007)
+
+
+def test_masking_rule_proportions_on_a_seeded_sample():
+    """mask_tokens on 20000 random bytes, k = 6000: exactly k labels, each the original id; of the
+    predicted positions 80% MASK, 10% a random byte, 10% kept (BERT), the random ids spread over
+    all bytes; positions spread over the whole sample; the rest untouched."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (20_000,), generator=g)
+    k = 6000
+    inputs, labels = mask_tokens(ids, k, torch.Generator().manual_seed(1), ByteTokenizer.MASK, 256)
+    predicted = labels != IGNORE_INDEX
+    assert int(predicted.sum()) == k
+    assert torch.equal(labels[predicted], ids[predicted]) and torch.equal(inputs[~predicted], ids[~predicted])
+    got, orig = inputs[predicted], ids[predicted]
+    masked = got == ByteTokenizer.MASK
+    kept = got == orig
+    replaced = ~masked & ~kept  # a random byte equal to the original counts as kept (1 in 256)
+    # sd of a share over 6000 positions: 0.005 at 80%, 0.004 at 10%
+    assert abs(masked.float().mean().item() - 0.8) < 0.02
+    assert abs(replaced.float().mean().item() - 0.1 * 255 / 256) < 0.015
+    assert abs(kept.float().mean().item() - (0.1 + 0.1 / 256)) < 0.015
+    assert int(got[replaced].max()) < 256 and len(set(got[replaced].tolist())) > 200
+    where = predicted.nonzero().flatten()
+    quarters = torch.bincount(where // 5000, minlength=4) / k
+    assert bool(((quarters - 0.25).abs() < 0.03).all()), quarters
+    # another generator, other positions
+    _, other = mask_tokens(ids, k, torch.Generator().manual_seed(2), ByteTokenizer.MASK, 256)
+    assert not torch.equal(other != IGNORE_INDEX, predicted)
 
 
 def test_masked_lm_deterministic_across_instances(tmp_path):
@@ -258,10 +298,16 @@ def test_masked_lm_deterministic_across_instances(tmp_path):
     make = lambda: MaskedLMDataModule(path=path, seq_len=32, batch_size=4, val_fraction=0.1, seed=1)
     a, b = make(), make()
     a.setup(), b.setup()
-    for i in range(len(a.train_dataset)):
-        assert all(torch.equal(u, v) for u, v in zip(a.train_dataset[i], b.train_dataset[i]))
-    # The same sample is masked the same way however often or in whatever order it is drawn.
-    assert all(torch.equal(u, v) for u, v in zip(a.train_dataset[5], a.train_dataset[5]))
+    n = len(a.train_dataset)
+    # The same sample is masked the same way however often or in whatever order it is drawn: `a`
+    # in order, `b` backwards, then `b`'s sample 5 again after all the others.
+    forward = [a.train_dataset[i] for i in range(n)]
+    backward = [b.train_dataset[i] for i in reversed(range(n))][::-1]
+    for i in range(n):
+        assert all(torch.equal(u, v) for u, v in zip(forward[i], backward[i])), i
+    assert all(torch.equal(u, v) for u, v in zip(b.train_dataset[5], forward[5]))
+    # and samples are not all masked alike (the masking depends on the index)
+    assert len({tuple((labels != IGNORE_INDEX).nonzero().flatten().tolist()) for _, _, labels in forward}) > n // 2
     ba, bb = _all(a.train_dataloader()), _all(b.train_dataloader())
     assert all(torch.equal(u, v) for x, y in zip(ba, bb) for u, v in zip(x, y))
     c = MaskedLMDataModule(path=path, seq_len=32, batch_size=4, val_fraction=0.1, seed=2)
@@ -286,6 +332,7 @@ def test_synthetic_makes_no_file_access(monkeypatch):
     assert x.shape == y.shape == (4, 12) and x.dtype == torch.int64 and int(x.max()) < 50
     assert torch.equal(x[:, 1:], y[:, :-1])
     assert len(causal.val_dataset) == 1  # max(1, round(20 * 0.05))
+    assert not torch.equal(causal.val_dataset[0][0], causal.train_dataset[0][0])  # separate streams
     again = CausalLMDataModule(synthetic=True, synthetic_vocab=50, synthetic_samples=20, seq_len=12, batch_size=4)
     assert all(torch.equal(u, v) for p, q in zip(batches, _all(again.train_dataloader())) for u, v in zip(p, q))
 

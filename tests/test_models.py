@@ -324,20 +324,31 @@ def test_training_step_updates_the_tied_weight_once():
 
 @pytest.mark.parametrize("build", [build_gpt, build_bert])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_recompute_gives_the_same_gradients(build, dropout):
-    grads = {}
+def test_recompute_gives_the_same_loss_and_gradients_bit_for_bit(build, dropout):
+    """Recomputation replays the forward (dropout masks included: checkpoint restores the RNG
+    state), so the loss and every gradient are identical, not merely close."""
+    losses, grads = {}, {}
     for recompute in (False, True):
         torch.manual_seed(0)
         cfg = ModelConfig(**{**TINY.__dict__, "dropout": dropout, "recompute": recompute})
         model = build(cfg).double().train()
-        ids = torch.randint(0, 23, (3, 7), generator=torch.Generator().manual_seed(1))
-        torch.manual_seed(123)  # same dropout masks in both runs (checkpoint replays the RNG state)
-        out = model(ids) if build is build_gpt else model((ids, padding_mask()))
-        out.square().mean().backward()
-        grads[recompute] = {n: p.grad.clone() for n, p in model.named_parameters()}
         assert all(b.recompute == recompute for b in list(model)[1:-1])
+        ids = torch.randint(0, 23, (3, 7), generator=torch.Generator().manual_seed(1))
+        inputs = ids if build is build_gpt else (ids, padding_mask())
+        torch.manual_seed(123)  # the same dropout masks in both runs
+        out = model(inputs)
+        if dropout:  # dropout does act here, so the comparison covers replayed masks
+            with torch.no_grad():
+                assert not torch.equal(out, model.eval()(inputs))
+            model.train()
+        loss = out.square().mean()
+        loss.backward()
+        losses[recompute] = loss.detach()
+        grads[recompute] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert torch.equal(losses[True], losses[False])
     for name, g in grads[False].items():
-        torch.testing.assert_close(grads[True][name], g, atol=1e-12, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+        assert g.abs().sum() > 0, name  # every parameter takes part
+        torch.testing.assert_close(grads[True][name], g, atol=0, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 # ---------------------------------------------------------------- registry
@@ -429,30 +440,103 @@ def fit_fast(lit, batches):
     return trainer
 
 
+def causal_lm_loss_by_hand(logits, targets):
+    """Mean over all tokens of -log softmax(logits)[target]."""
+    logp = logits.double().log_softmax(-1)
+    return -logp.gather(-1, targets.unsqueeze(-1)).mean()
+
+
+def masked_lm_loss_and_accuracy_by_hand(logits, labels):
+    """Mean of -log softmax(logits)[label] and of argmax == label over the labelled positions only."""
+    rows, cols = (labels != -100).nonzero(as_tuple=True)
+    picked, target = logits.double()[rows, cols], labels[rows, cols]
+    loss = -picked.log_softmax(-1).gather(-1, target.unsqueeze(-1)).mean()
+    return loss, (picked.argmax(-1) == target).double().mean()
+
+
 def test_causal_lm_trains_with_a_lightning_trainer():
     torch.manual_seed(0)
     lit = CausalLM("gpt-tiny", lr=1e-3, warmup_steps=2, max_steps=10)
     before = lit.model[0].token.weight.detach().clone()
     trainer = fit_fast(lit, lm_batches())
     m = trainer.callback_metrics
-    assert torch.isfinite(m["train_loss"]) and torch.isfinite(m["val_loss"])
-    torch.testing.assert_close(m["val_ppl"], m["val_loss"].exp())
     assert abs(m["train_loss"].item() - math.log(BYTE_VOCAB_SIZE)) < 1.0  # about uniform at init
     assert lit.model[-1].weight is lit.model[0].token.weight
     assert not torch.equal(lit.model[0].token.weight, before)
-    logits = trainer.predict(lit, lm_batches(n=1))[0]
-    assert logits.shape == (4, 16, BYTE_VOCAB_SIZE)
+    # fast_dev_run: one training step, then validation on the first batch with the updated weights
+    ids, targets = next(iter(lm_batches()))
+    lit.eval()
+    with torch.no_grad():
+        logits = lit.model(ids)
+    torch.testing.assert_close(m["val_loss"].double(), causal_lm_loss_by_hand(logits, targets), atol=1e-5, rtol=0)
+    torch.testing.assert_close(m["val_ppl"], m["val_loss"].exp())
+    # prediction is the model's logits for the batch's inputs
+    predicted = trainer.predict(lit, lm_batches())[0]
+    torch.testing.assert_close(predicted, logits, atol=0, rtol=0)
 
 
 def test_masked_lm_trains_with_a_lightning_trainer():
     torch.manual_seed(0)
     lit = MaskedLM(get_model_config("bert-tiny", recompute=True), lr=1e-3)
+    before = lit.model[0].token.weight.detach().clone()
     trainer = fit_fast(lit, mlm_batches())
     m = trainer.callback_metrics
-    assert torch.isfinite(m["train_loss"]) and torch.isfinite(m["val_loss"]) and 0 <= m["val_acc"] <= 1
     assert isinstance(lit.hparams.model, dict) and lit.hparams.model["recompute"]
-    logits = trainer.predict(lit, mlm_batches(n=1))[0]
-    assert logits.shape == (4, 16, BYTE_VOCAB_SIZE)
+    assert not torch.equal(lit.model[0].token.weight, before)
+    # validation = the masked-token loss and accuracy of the first batch, computed here by hand
+    ids, mask, labels = next(iter(mlm_batches()))
+    lit.eval()
+    with torch.no_grad():
+        logits = lit.model((ids, mask))
+    loss, acc = masked_lm_loss_and_accuracy_by_hand(logits, labels)
+    torch.testing.assert_close(m["val_loss"].double(), loss, atol=1e-5, rtol=0)
+    torch.testing.assert_close(m["val_acc"].double(), acc, atol=1e-6, rtol=0)
+    predicted = trainer.predict(lit, mlm_batches())[0]
+    torch.testing.assert_close(predicted, logits, atol=0, rtol=0)
+
+
+def test_masked_lm_loss_counts_only_the_predicted_positions():
+    """BERT's loss: cross-entropy at the labelled (masked) positions only; the logits elsewhere get
+    no gradient, and the mean is over predicted positions, not over all tokens."""
+    torch.manual_seed(0)
+    lit = MaskedLM(TINY).double()
+    ids, mask, labels = next(iter(mlm_batches(n=1, B=4, T=10)))
+    ids = ids % TINY.vocab_size
+    labels = torch.where(labels == -100, labels, labels % TINY.vocab_size)
+    loss, logits, _ = lit._forward((ids, mask, labels))
+    torch.testing.assert_close(loss, masked_lm_loss_and_accuracy_by_hand(logits, labels)[0], atol=TOL, rtol=0)
+    (grad,) = torch.autograd.grad(loss, logits)
+    predicted = labels != -100
+    assert int(predicted.sum()) == 4 * 3
+    assert bool((grad[~predicted] == 0).all()) and bool((grad[predicted].abs().sum(-1) > 0).all())
+
+
+@pytest.mark.parametrize("cls", [CausalLM, MaskedLM])
+def test_a_few_optimizer_steps_reduce_the_loss_on_a_fixed_batch(cls):
+    """The module's own optimizer (AdamW, parameter groups, schedule) learns: 8 steps on one batch
+    lower its loss by a clear margin, step after step."""
+    torch.manual_seed(0)
+    lit = cls(TINY, lr=1e-2)
+    opts = lit.configure_optimizers()
+    opt, sched = opts["optimizer"], opts["lr_scheduler"]["scheduler"]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, TINY.vocab_size - 2, (4, 10), generator=g)
+    if cls is CausalLM:
+        batch = (ids, ids.roll(-1, 1))
+    else:
+        labels = torch.full_like(ids, -100)
+        labels[:, [1, 4, 7]] = ids[:, [1, 4, 7]]
+        batch = (ids.index_fill(1, torch.tensor([1, 4, 7]), TINY.vocab_size - 1), torch.ones_like(ids), labels)
+    losses = []
+    for _ in range(8):
+        opt.zero_grad()
+        loss = lit._loss(batch) if cls is CausalLM else lit._forward(batch)[0]
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert losses[-1] < losses[0] - 0.3, losses
 
 
 def test_masked_lm_loss_is_the_mean_over_samples_when_counts_are_equal():
