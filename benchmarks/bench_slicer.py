@@ -172,9 +172,10 @@ def _measure_job(rank: int, world: int, cfg: dict, variants: list) -> dict:
 
 def _run(cfg: dict, variants: list) -> tuple[dict, dict]:
     """{variant: (median start-up, median iteration)} in seconds, and the raw records."""
-    from lightning_pipe.launch import run_distributed
+    from lightning_pipe.launch import run_undisturbed
 
-    ranks = run_distributed(_measure_job, cfg["stages"], cfg, variants, timeout=900)
+    ranks, foreign = run_undisturbed(_measure_job, cfg["stages"], cfg, variants, retries=1, max_foreign=0.15, quiet_wait=60.0, timeout=900)
+    print(f"  (segment of {cfg['stages']} ranks: other processes used {foreign:.2f} CPUs meanwhile)", flush=True)
     result = {}
     for v in variants:
         startups, iterations = [], []
@@ -238,7 +239,7 @@ def measure(steps: int) -> None:
     )
     bounds = [(0, 1), (1, 2)]
     print(
-        f"\nlink {link['latency'] * 1e6:.0f} us, {link['bandwidth'] / 1e9:.1f} GB/s; profile (traced, unsliced, median): "
+        f"\nlink {link['latency'] * 1e6:.0f} us, {link['bandwidth'] / 1e9:.1f} GB/s; profile to choose k (traced, unsliced, median): "
         f"f = {[round(t * 1e3, 2) for t in f]} ms, b = {[round(t * 1e3, 2) for t in b]} ms per micro-batch of {rows} rows"
     )
     ours = choose_slicing(costs, bounds, cfg["microbatches"]).sliced
@@ -249,6 +250,13 @@ def measure(steps: int) -> None:
     variants = list(dict.fromkeys(v if v[1] else ("off", 0) for v in variants))
     cfg.update(rounds=rounds, per_round=4, warmup=1, ping=False)
     measured, raw = _run(cfg, variants)
+    steps0 = [r["steps"][("off", 0)] for r in raw["ranks"]]  # the simulated columns: the profile of this same run
+    f = [statistics.median(d for s in st for _, d in s["f"]) for st in steps0]
+    b = [statistics.median(d for s in st for _, d in s["b"]) for st in steps0]
+    costs = CostModel(tuple(f), tuple(b), activation_bytes=costs.activation_bytes, latency=link["latency"], bandwidth=link["bandwidth"])
+    print(
+        f"profile of the measured run (unsliced steps, traced, median): f = {[round(t * 1e3, 2) for t in f]} ms, b = {[round(t * 1e3, 2) for t in b]} ms"
+    )
     _print_rows(
         f"2 ranks, real compute (residual MLP, hidden 256, 8 blocks, batch 256, m = 4): k ours = {ours}, Algorithm 2 = {alg2}",
         cfg,
