@@ -1,5 +1,5 @@
-"""Partitioners: valid splits, Algorithm 1 optimal, AutoPipe never slower than DP and within 1% of
-exhaustive search, the replay equal to the simulator, cost profiles, clear errors."""
+"""Partitioners: valid splits, Algorithm 1 optimal, AutoPipe (the paper's heuristic) and
+autopipe+refine never slower than DP, autopipe+refine within 1% of exhaustive search, the replay equal to the simulator, cost profiles, clear errors."""
 
 from __future__ import annotations
 
@@ -136,7 +136,8 @@ def test_dp_equals_exhaustive_min_max_objective():
 def test_autopipe_never_slower_than_dp():
     for costs, p, m, schedule in random_cases(4, 80):
         ev = Evaluator(costs, schedule, p, m)
-        assert ev.time(PARTITIONERS["autopipe"](costs, p, m, schedule)) <= ev.time(PARTITIONERS["dp"](costs, p, m, schedule))
+        for method in ("autopipe", "autopipe+refine"):
+            assert ev.time(PARTITIONERS[method](costs, p, m, schedule)) <= ev.time(PARTITIONERS["dp"](costs, p, m, schedule))
     for name in ("gpt2-345m", "bert-large"):
         costs, kinds = transformer_costs(name, 4)
         for p in (2, 4, 8):
@@ -145,12 +146,12 @@ def test_autopipe_never_slower_than_dp():
 
 
 @pytest.mark.parametrize("seed,messages", [(5, ("same",)), (6, ("none",)), (7, ("random",))])
-def test_autopipe_within_one_percent_of_exhaustive(seed, messages):
+def test_autopipe_refine_within_one_percent_of_exhaustive(seed, messages):
     gaps = []
     for costs, p, m, schedule in random_cases(seed, 60, max_blocks=12, max_stages=5, messages=messages):
         ev = Evaluator(costs, schedule, p, m)
         best = ev.time(PARTITIONERS["exhaustive"](costs, p, m, schedule))
-        found = ev.time(PARTITIONERS["autopipe"](costs, p, m, schedule))
+        found = ev.time(PARTITIONERS["autopipe+refine"](costs, p, m, schedule))
         assert found >= best * (1 - 1e-12)  # exhaustive is the optimum
         gaps.append(found / best - 1)
     assert max(gaps) <= 0.01, sorted(gaps)[-5:]
@@ -163,24 +164,24 @@ def test_exhaustive_is_the_optimum():
         assert ev.time(PARTITIONERS["exhaustive"](costs, p, m, schedule)) == brute
 
 
-def test_autopipe_matches_exhaustive_on_the_paper_models():
+def test_autopipe_refine_matches_exhaustive_on_the_paper_models():
     for name, mbs in (("gpt2-345m", 4), ("gpt2-1.3b", 16)):
         costs, kinds = transformer_costs(name, mbs)
         for p in (2, 3):
-            assert plan(costs, p, 2 * p, "autopipe").iteration_time == pytest.approx(
+            assert plan(costs, p, 2 * p, "autopipe+refine").iteration_time == pytest.approx(
                 plan(costs, p, 2 * p, "exhaustive").iteration_time, rel=1e-9
             )
 
 
 def test_rule_one_keeps_the_stages_after_the_master_within_its_backward():
-    # master stage 0 with b_0 = 6; after it, blocks of f + b = 1: stage 1 takes as many as rule (1)
-    # allows (up to 6) while leaving one block for stage 2
-    weights = [9.0] + [1.0] * 6
-    backward = [6.0] + [0.5] * 6
-    adjusted = rule_one(((0, 1), (1, 2), (2, 7)), 0, weights, backward)
-    assert adjusted == ((0, 1), (1, 6), (6, 7))
+    # master stage 0 with b_0 = 6; after it, blocks of f + b = 1: stage 1 holds 7 > 6, so it hands
+    # its last block to stage 2 and rule (1) holds for s = 1 (more in test_autopipe_heuristic.py)
+    weights = [9.0] + [1.0] * 8
+    backward = [6.0] + [0.5] * 8
+    adjusted = rule_one(((0, 1), (1, 8), (8, 9)), 0, weights, backward)
+    assert adjusted == ((0, 1), (1, 7), (7, 9))
     loads = [sum(weights[a:b]) for a, b in adjusted]
-    assert all(sum(loads[1 : s + 1]) <= s * 6.0 for s in range(1, 3))
+    assert loads[1] <= 6.0
 
 
 # ---- uniform and parameters --------------------------------------------------------------------------
@@ -282,7 +283,7 @@ def test_plan_without_kinds_or_param_bytes():
     [
         (
             dict(method="greedy"),
-            r"method='greedy' is not a known partitioner; allowed values: \['autopipe', 'dp', 'exhaustive', 'parameters', 'uniform'\]",
+            r"method='greedy' is not a known partitioner; allowed values: \['autopipe', 'autopipe\+refine', 'dp', 'exhaustive', 'parameters', 'uniform'\]",
         ),
         (dict(stages=0), r"stages=0: must be an integer >= 1"),
         (dict(stages=2.0), r"stages=2.0: must be an integer >= 1"),

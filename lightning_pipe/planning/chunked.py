@@ -3,10 +3,11 @@
 AutoPipe's heuristic reasons about one stage per rank: rule (1) and "move the master stage
 forward" shift the boundaries around *the* stage on the critical path. With v chunks per rank the
 critical path runs through a rank, and that rank's load is spread over chunks far apart in the
-model (c, c + p, ... for interleaved; c and 2p - 1 - c for a wave). So here the start is Algorithm
-1 over all P·v (or 2PW) chunks, and the search is the local search of `refine` over the chunk
-boundaries, every candidate replayed on the real multi-chunk schedule; its "master" is the
-heaviest chunk of the rank the critical path runs along.
+model (c, c + p, ... for interleaved; c and 2p - 1 - c for a wave). The paper defines nothing for
+this case; ours: the same steps (`autopipe`: Algorithm 1 and the heuristic; `autopipe+refine`:
+then the local search of `refine`) run over all P·v (or 2PW) chunks in model order, every
+candidate replayed on the real multi-chunk schedule, with the "master" the heaviest chunk of the
+rank the critical path runs along.
 """
 
 from __future__ import annotations

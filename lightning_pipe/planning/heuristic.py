@@ -1,23 +1,50 @@
-"""AutoPipe's heuristic partition search (paper §III-B): start from Algorithm 1, move the master stage.
+"""AutoPipe's heuristic partition search, as the paper states it (Liu et al., §III-B 2)).
 
-The master stage i is where the critical path runs in the 1F1B phase. Two findings drive the search:
-the iteration time falls when the master stage moves forward (to a lower stage), and, for a given
-master stage, stages after it should be light enough that the master never waits for them in the
-cool-down phase, which is rule (1):
+The master stage i is the stage the critical path runs through in the 1F1B phase. Two findings
+drive the search: the iteration time falls when the master stage moves forward (to a lower
+stage), and, for a given master stage, the stages after it should be light enough that the master
+never waits for them in the cool-down phase, which is rule (1):
 
-    for every s > i:  sum_{j=i+1..s} (f_j + b_j) <= (s - i) * b_i
+    for every s > i:  sum_{j=i+1..s} f_j + sum_{j=i+1..s} b_j <= (s - i) * b_i
 
-1. Algorithm 1's split, simulated: iteration time and master stage i.
-2. Re-balance the stages after i to satisfy rule (1) (keep whichever of the two is faster).
-3. Unless i == 0, move the master stage forward: move the first block of stage i to stage i-1,
-   or the last block of stage i to stage i+1, each as is and with Algorithm 1 re-applied to the
-   stages before (before i in the first case, up to i in the second). Candidates whose master
-   stage is at most i go back to 2: fastest first, each split once, at most MAX_EXPANSIONS.
-4. Return the fastest split simulated. Algorithm 1's split is one of them, so the result is never
-   slower than `dp`.
+The paper's steps, and how each is implemented here:
 
-`autopipe_bounds` then runs `refine.refine`, a local search of ours, from that split (see there
-for why); `refined=False` gives the paper's steps alone.
+1) Algorithm 1's split (`MinMaxTable`), simulated: iteration time and master stage i.
+2) The stages after i are adjusted so that rule (1) holds for every s > i (`rule_one_steps`).
+   "If the master stage changes after the adjustment, stop the adjustment and go to 3) with the
+   adjusted partition scheme": the adjustment goes stage by stage, s = i+1, i+2, ..., and the
+   split is simulated after each stage it changes; when the master stage is no longer i, the
+   adjustment stops there. The adjusted split always replaces the one it came from (the paper
+   keeps no "only if faster" test; every split simulated competes in 4)).
+3) If i == 0, this split is done. Otherwise the master stage moves forward: the first block of
+   stage i to stage i-1, or the last block of stage i to stage i+1, each as is and with
+   Algorithm 1 re-applied to the stages before (`master_moves`). Each candidate is simulated;
+   those whose master stage is <= i go back to 2).
+4) The split with the smallest simulated iteration time is returned.
+
+Where the paper is ambiguous, and what we chose:
+
+- Algorithm 1's line 15 ("reconstruct the result partition array based on time") does not say
+  which of the many optimal splits; `MinMaxTable.bounds` fills each stage up to the optimum from
+  the front (see minmax.py for why).
+- How rule (1) is made to hold is not said. We change as little as the rule needs: stage s's last
+  blocks go to stage s+1 until the running sum is within (s - i) b_i (a stage keeps at least one
+  block); a stage that already satisfies the rule is not touched. The last stage has nowhere to
+  pass blocks to, and its inequality involves every block after stage i whatever the split, so
+  rule (1) at s = p-1 holds or fails regardless of the adjustment.
+- "The first i-1 stages" / "the first i stages" that Algorithm 1 is re-applied to are read
+  1-based: all stages before the master (over the blocks before its new start) when its first
+  block moved to stage i-1, and the stages up to and including the master (over the blocks up to
+  its new end) when its last block moved to stage i+1. Read 0-based, Algorithm 1 would re-split
+  blocks whose set did not change in either case.
+- The paper gives no order for the candidates and no cap. Every split is processed by 2) at most
+  once, when first handed over with a master stage <= the i it came from, so the set of splits
+  simulated (and the result) does not depend on the order. `MAX_EXPANSIONS` only guards against
+  pathological profiles; on the paper's models the search ends on its own long before it.
+- A split that cannot finish (no master stage) is dropped.
+
+`refine.py` is ours, not the paper's: `partition="autopipe+refine"` runs its local search from
+this heuristic's result.
 """
 
 from __future__ import annotations
@@ -29,98 +56,108 @@ from .minmax import MinMaxTable
 from .refine import EPS, refine
 from .replay import Bounds, Evaluator
 
-MAX_EXPANSIONS = 256  # bounds the search on deep pipelines; small ones run out of candidates first
+MAX_EXPANSIONS_PER_STAGE = 2  # splits processed by step 2), per stage: see the module notes
+
+
+def rule_one_steps(bounds: Bounds, master: int, weights: Sequence[float], backward: Sequence[float]):
+    """Step 2), one stage at a time: yields the split after each stage s > master that had to
+    change so that sum_{j=master+1..s} (f_j + b_j) <= (s - master) * b_master holds (its last
+    blocks handed to stage s+1, at least one block kept). Stages that satisfy the rule are left
+    as they are, and the last stage has no later stage to hand blocks to."""
+    p = len(bounds)
+    a, b = bounds[master]
+    b_master = sum(backward[a:b])
+    edges = [x for x, _ in bounds] + [bounds[-1][1]]
+    load = 0.0
+    for s in range(master + 1, p - 1):
+        limit = (s - master) * b_master * (1 + 1e-12)  # float rounding must not count as a violation
+        start, end = edges[s], edges[s + 1]
+        stage = sum(weights[start:end])
+        if load + stage > limit and end - start > 1:
+            while end - start > 1 and load + stage > limit:
+                end -= 1
+                stage -= weights[end]
+            edges[s + 1] = end
+            yield tuple(zip(edges, edges[1:]))
+        load += stage
 
 
 def rule_one(bounds: Bounds, master: int, weights: Sequence[float], backward: Sequence[float]) -> Bounds:
-    """Re-split the blocks after the master stage so that rule (1) holds where it can: each stage
-    s > i takes as many blocks as keep the running load within (s - i) * b_i (front-loaded, so the
-    last stages are the lightest), leaving one block for every stage after it."""
-    p, n = len(bounds), bounds[-1][1]
-    after = p - 1 - master
-    if after == 0:
-        return bounds
-    a, b = bounds[master]
-    b_master = sum(backward[a:b])
-    out = list(bounds[: master + 1])
-    x, load = b, 0.0
-    for s in range(1, after):
-        load += weights[x]
-        y = x + 1
-        while y < n - (after - s) and load + weights[y] <= s * b_master:
-            load += weights[y]
-            y += 1
-        out.append((x, y))
-        x = y
-    out.append((x, n))
-    return tuple(out)
+    """The whole adjustment of step 2), without the paper's stop when the master stage changes."""
+    steps = list(rule_one_steps(bounds, master, weights, backward))
+    return steps[-1] if steps else bounds
 
 
 def master_moves(bounds: Bounds, master: int, table: MinMaxTable) -> list[Bounds]:
-    """Step 3's candidates: the master stage's first block to stage i-1, its last block to stage i+1,
-    each without and with Algorithm 1 re-applied to the stages before."""
+    """Step 3)'s candidates: the master stage's first block to stage i-1, its last block to stage
+    i+1, each as is and with Algorithm 1 re-applied to the stages before (see the module notes)."""
     p = len(bounds)
     a, b = bounds[master]
     out: list[Bounds] = []
-    if b - a < 2:
-        return out  # a stage keeps at least one block
-    if master > 0:
-        moved = bounds[: master - 1] + ((bounds[master - 1][0], a + 1), (a + 1, b)) + bounds[master + 1 :]
-        out.append(moved)
-        if master > 1:
-            out.append(table.bounds(a + 1, master) + moved[master:])
+    if b - a < 2 or master == 0:
+        return out  # a stage keeps at least one block; at i == 0 the paper stops
+    moved = bounds[: master - 1] + ((bounds[master - 1][0], a + 1), (a + 1, b)) + bounds[master + 1 :]
+    out.append(moved)
+    if master > 1:  # a single stage before the master: Algorithm 1 over it changes nothing
+        out.append(table.bounds(a + 1, master) + moved[master:])
     if master < p - 1:
         moved = bounds[:master] + ((a, b - 1), (b - 1, bounds[master + 1][1])) + bounds[master + 2 :]
         out.append(moved)
-        if master > 0:
-            out.append(table.bounds(b - 1, master + 1) + moved[master + 1 :])
-    return out
+        out.append(table.bounds(b - 1, master + 1) + moved[master + 1 :])
+    return list(dict.fromkeys(out))
 
 
-def autopipe_search(evaluator: Evaluator, stages: int, max_expansions: int = MAX_EXPANSIONS) -> Bounds:
-    """Steps 1-4: the paper's heuristic alone."""
+def autopipe_search(evaluator: Evaluator, stages: int, max_expansions: int | None = None) -> Bounds:
+    """Steps 1)-4): the paper's heuristic, nothing of ours added but the bound on its length."""
+    if max_expansions is None:
+        max_expansions = MAX_EXPANSIONS_PER_STAGE * stages
     costs = evaluator.costs
     weights = [f + b for f, b in zip(costs.forward, costs.backward)]
     table = MinMaxTable(weights, stages)
     start = table.bounds(costs.num_blocks, stages)
     best, best_time = start, evaluator.time(start)
-    # best-first over the candidates step 3 hands back to step 2, each split expanded once; an
-    # entry carries the master stage it was moved from, checked only when it is taken (a critical
-    # path costs more than a replay, and most candidates are never taken)
-    frontier: list[tuple[float, Bounds, int]] = [(best_time, start, stages)]
-    expanded: set[Bounds] = set()
-    while frontier and len(expanded) < max_expansions:
-        time, bounds, moved_from = heapq.heappop(frontier)
-        if bounds in expanded:
+
+    def consider(bounds: Bounds) -> None:
+        nonlocal best, best_time
+        t = evaluator.time(bounds)
+        if t < best_time * (1 - EPS):  # ties keep the split found first (Algorithm 1's)
+            best, best_time = bounds, t
+
+    # splits for step 2), fastest first; an entry carries the master stage i of the split it came
+    # from, and its own master stage is checked against i when it is taken (a critical path costs
+    # ~50 replays, and on deep pipelines most candidates are never taken)
+    frontier: list[tuple[float, int, Bounds, int]] = [(best_time, 0, start, stages)]
+    processed: set[Bounds] = set()
+    pushed = 0
+    while frontier and len(processed) < max_expansions:
+        _, _, bounds, came_from = heapq.heappop(frontier)
+        if bounds in processed:
             continue
         master = evaluator.master(bounds)
-        if master is None or master > moved_from:
+        if master is None or master > came_from:
             continue
-        expanded.add(bounds)
-        # step 2: rule (1) behind the master stage, kept if it is no slower; if it moved the master
-        # stage, step 3 moves the new one
-        adjusted = rule_one(bounds, master, weights, costs.backward)
-        if adjusted != bounds and evaluator.time(adjusted) <= time:
-            bounds, time = adjusted, evaluator.time(adjusted)
-            master = evaluator.master(bounds)
-            expanded.add(bounds)
-            if time < best_time * (1 - EPS):
-                best, best_time = bounds, time
-        if master == 0:
-            continue  # nothing before the master stage to move it to
-        # step 3: move the master stage forward; a candidate goes back to step 2 if its master stage
-        # is at most i (as the paper says: even when it is slower for now, since the next move may
-        # need it, as when the master stage moves two stages forward)
-        for candidate in master_moves(bounds, master, table):
-            t = evaluator.time(candidate)
-            if t < best_time * (1 - EPS):
-                best, best_time = candidate, t
-            if candidate not in expanded:
-                heapq.heappush(frontier, (t, candidate, master))
+        processed.add(bounds)
+        # step 2): rule (1) after the master stage, stage by stage, until the master stage changes
+        for adjusted in rule_one_steps(bounds, master, weights, costs.backward):
+            bounds = adjusted
+            now = evaluator.master(bounds)  # replays it once, its time included
+            consider(bounds)
+            if now != master:
+                master = now
+                break
+        if master is None or master == 0:
+            continue  # step 3): at i == 0 this split is done
+        candidates = master_moves(bounds, master, table)
+        for candidate, t in zip(candidates, evaluator.times(candidates)):
+            consider(candidate)
+            if candidate not in processed:
+                pushed += 1
+                heapq.heappush(frontier, (t, pushed, candidate, master))
     return best
 
 
-def autopipe_bounds(evaluator: Evaluator, stages: int, refined: bool = True) -> Bounds:
-    """The paper's heuristic, then (unless `refined` is False) our local search over boundaries."""
+def autopipe_bounds(evaluator: Evaluator, stages: int, refined: bool = False) -> Bounds:
+    """The paper's heuristic (`partition="autopipe"`), or with `refined` our local search from its
+    result (`partition="autopipe+refine"`)."""
     found = autopipe_search(evaluator, stages)
     return refine(evaluator, found) if refined else found

@@ -3,12 +3,15 @@
     uniform     equal transformer layers per stage (Megatron-LM); equal block counts without kinds
     parameters  balanced parameter bytes (DeepSpeed's 'parameters' method), min-max by DP
     dp          AutoPipe Algorithm 1: min-max of per-stage forward + backward time
-    autopipe    Algorithm 1, then the master-stage heuristic on simulated iteration times
+    autopipe    AutoPipe's planner as the paper defines it: Algorithm 1, then its master-stage
+                heuristic (rule (1), master-stage moves) on simulated iteration times
+    autopipe+refine  ours: `autopipe`, then our local search over stage boundaries (refine.py)
     exhaustive  every split simulated (small models only): the ground truth
 
 All take the same arguments so `plan` can call any of them; `kinds` only matters to `uniform`.
 `stages` counts ranks; `options` (chunks=v for interleaved, waves=W for wave) make a multi-chunk
-schedule, cut into P·v or 2PW pieces (see chunked.py for how `autopipe` searches those).
+schedule, cut into P·v or 2PW pieces (see chunked.py for how `autopipe` and `autopipe+refine`
+search those).
 """
 
 from __future__ import annotations
@@ -21,8 +24,7 @@ from .chunked import ChunkedEvaluator
 from .exhaustive import exhaustive_bounds
 from .heuristic import autopipe_bounds
 from .minmax import min_max_bounds
-from .refine import refine
-from .replay import Bounds, Evaluator
+from .replay import Bounds, Evaluator, paused_gc
 from .uniform import uniform_bounds
 
 Partitioner = Callable[..., Bounds]
@@ -73,6 +75,15 @@ def dp(
     return min_max_bounds([f + b for f, b in zip(costs.forward, costs.backward)], pieces(stages, schedule, options))
 
 
+def _autopipe(costs: CostModel, stages: int, microbatches: int, schedule: str, options: Options, refined: bool) -> Bounds:
+    evaluator = Evaluator(costs, schedule, stages, microbatches, options)
+    n = pieces(stages, schedule, options)
+    if n != stages:  # several chunks per rank: the same steps over the P·v / 2PW chunks (chunked.py)
+        evaluator = ChunkedEvaluator(evaluator)
+    with paused_gc():  # the search allocates many small tuples; a collection walking torch's objects is slow
+        return autopipe_bounds(evaluator, n, refined=refined)
+
+
 def autopipe(
     costs: CostModel,
     stages: int,
@@ -82,11 +93,21 @@ def autopipe(
     kinds: Optional[Sequence[str]] = None,
     options: Options = None,
 ) -> Bounds:
-    evaluator = Evaluator(costs, schedule, stages, microbatches, options)
-    n = pieces(stages, schedule, options)
-    if n == stages:
-        return autopipe_bounds(evaluator, stages)
-    return refine(ChunkedEvaluator(evaluator), dp(costs, stages, microbatches, schedule, options=options))
+    """AutoPipe's planner as the paper defines it: Algorithm 1 + the master-stage heuristic."""
+    return _autopipe(costs, stages, microbatches, schedule, options, refined=False)
+
+
+def autopipe_refine(
+    costs: CostModel,
+    stages: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    *,
+    kinds: Optional[Sequence[str]] = None,
+    options: Options = None,
+) -> Bounds:
+    """Ours: the paper's heuristic, then our local search over boundaries (refine.py)."""
+    return _autopipe(costs, stages, microbatches, schedule, options, refined=True)
 
 
 def exhaustive(
@@ -108,5 +129,6 @@ PARTITIONERS: dict[str, Partitioner] = {
     "parameters": parameters,
     "dp": dp,
     "autopipe": autopipe,
+    "autopipe+refine": autopipe_refine,
     "exhaustive": exhaustive,
 }
