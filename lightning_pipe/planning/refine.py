@@ -1,7 +1,8 @@
-"""Local search over stage boundaries, after AutoPipe's heuristic (our addition, not the paper's).
+"""Local search over stage boundaries, after AutoPipe's heuristic (our addition, not the paper's):
+`partition="autopipe+refine"`.
 
 The paper's moves hand one block from the master stage to a neighbour. Measured against
-exhaustive search they stop short, by up to 9% on small random profiles (docs/planner.md): the best splits often
+exhaustive search they stop short (docs/planner.md, random small profiles): the best splits often
 differ by a block handed along a chain of stages (every boundary between stage s and stage t
 shifted by one), or by a boundary away from the master. So, until nothing improves, try in turn
 
