@@ -40,12 +40,13 @@ class PipelineConfig:
 
     # ---- schedule ----------------------------------------------------------------------------
     schedule: str = "1f1b"
-    """gpipe | 1f1b (alias flush: PipeDream-Flush) | interleaved | wave | 2bw (PipeDream-2BW: no flush,
+    """gpipe | 1f1b (alias flush: PipeDream-Flush) | interleaved | wave (Hanayo's placement, our greedy order) |
+    hanayo (Hanayo's placement and order) | 2bw (PipeDream-2BW: no flush,
     1-stale updates), or auto (the simulator's fastest synchronous schedule within memory_limit)."""
     chunks: int = 2
     """interleaved: model chunks per rank (v)."""
     waves: int = 1
-    """wave: Hanayo waves (W); each rank holds 2W chunks."""
+    """wave / hanayo: Hanayo waves (W); each rank holds 2W chunks."""
     advance_num: Optional[int] = None
     """advance: forwards the first stage runs before its first backward, in [K - 1, M] (K - 1: 1F1B,
     M: all forwards first); None: AvgPipe's Algorithm 1 (start at K - 1, raise by one after a step
@@ -265,7 +266,7 @@ class PipelineConfig:
             )
         if self.schedule == "2bw" or self.auto:
             raise SettingError(
-                f"pipelines={self.pipelines}: AvgPipe runs a synchronous schedule (gpipe, 1f1b, interleaved, wave), not {self.schedule!r}",
+                f"pipelines={self.pipelines}: AvgPipe runs a synchronous schedule (gpipe, 1f1b, interleaved, wave, hanayo), not {self.schedule!r}",
                 "schedule",
             )
         if self.alpha is not None and (

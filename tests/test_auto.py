@@ -9,7 +9,7 @@ import random
 import pytest
 
 from lightning_pipe.planning import PARTITIONERS, plan, transformer_costs
-from lightning_pipe.planning.auto import CANDIDATES, HANAYO_CANDIDATES, choose_schedule
+from lightning_pipe.planning.auto import CANDIDATES, choose_schedule
 from lightning_pipe.schedules import build_schedule
 from lightning_pipe.simulator import CostModel, simulate
 
@@ -122,7 +122,7 @@ def test_auto_wave_guard_on_every_candidate(ranks, m):
     costs = CostModel.uniform(16, 1.0, 2.0, activation_bytes=(1.0,) * 16, param_bytes=(1.0,) * 16)
     one = choose_schedule(costs, ranks, m, candidates=[("1f1b", {})]).chosen
     limit = one.peak_memory * 1.1
-    choice = choose_schedule(costs, ranks, m, memory_limit=limit, candidates=CANDIDATES + HANAYO_CANDIDATES)
+    choice = choose_schedule(costs, ranks, m, memory_limit=limit, candidates=CANDIDATES)
     for c in choice.candidates:
         if c.schedule in ("wave", "hanayo") and c.verdict in ("runs", "chosen"):
             assert c.iteration_time <= one.iteration_time and c.peak_memory <= limit

@@ -1,7 +1,7 @@
 """`schedule="auto"`: plan every candidate schedule on the profile, simulate, run the fastest that fits.
 
-Each candidate (1F1B, interleaved v = 2, 4, wave W = 1, 2, 4 in our greedy order; Hanayo's own
-order with `HANAYO_CANDIDATES`) gets its own partition from the same
+Each candidate (1F1B, interleaved v = 2, 4, wave W = 1, 2, 4 in our greedy order and in Hanayo's
+own order) gets its own partition from the same
 partitioner (a multi-chunk schedule cuts P·v or 2PW chunks), then the simulator predicts its
 iteration time and each rank's peak memory. Memory is the rank's weights times `weight_copies`
 (parameters, gradients and the optimizer's state: 4 for Adam in fp32) plus the activations it holds
@@ -32,9 +32,6 @@ CANDIDATES: tuple[tuple[str, dict[str, int]], ...] = (
     ("wave", {"waves": 1}),
     ("wave", {"waves": 2}),
     ("wave", {"waves": 4}),
-)
-# Hanayo's own order (schedule "hanayo"), opt-in: choose_schedule(..., candidates=CANDIDATES + HANAYO_CANDIDATES)
-HANAYO_CANDIDATES: tuple[tuple[str, dict[str, int]], ...] = (
     ("hanayo", {"waves": 1}),
     ("hanayo", {"waves": 2}),
     ("hanayo", {"waves": 4}),
