@@ -19,13 +19,13 @@ from lightning_pipe import AutoPipeStrategy
     [
         (
             dict(schedule="zigzag"),
-            r"schedule='zigzag' is not a known schedule; allowed values: \['1f1b', '2bw', 'advance', 'gpipe', 'interleaved', 'wave', 'flush', 'auto'\]",
+            r"schedule='zigzag' is not a known schedule; allowed values: \['1f1b', '2bw', 'advance', 'gpipe', 'hanayo', 'interleaved', 'wave', 'flush', 'auto'\]",
         ),
         (dict(microbatches=0), r"microbatches=0: .* integer >= 1"),
         (dict(width=0), r"width=0: .* integer >= 1"),
         (
             dict(partition="magic"),
-            r"partition='magic' is not a known method; allowed: \['autopipe', 'dp', 'exhaustive', 'parameters', 'uniform'\]",
+            r"partition='magic' is not a known method; allowed: \['autopipe', 'autopipe\+refine', 'dp', 'exhaustive', 'parameters', 'uniform'\]",
         ),
         (dict(slicer=9, microbatches=4), r"slicer=9: True \(the simulator chooses\), False, or a count 0..microbatches=4"),
         (dict(partition=[2, 0, 4]), r"partition=\[2, 0, 4\]: a list of blocks per stage must hold integers >= 1"),
@@ -34,7 +34,7 @@ from lightning_pipe import AutoPipeStrategy
         (dict(schedule="interleaved", chunks=0), r"chunks=0: must be an integer >= 1"),
         (dict(schedule="wave", slicer=True), r"slicer=True works with schedule='gpipe' or '1f1b', not 'wave'"),
         (dict(schedule="auto", partition=[3, 3]), r"schedule='auto' plans its own partition .* partition=\[3, 3\] must be a method name"),
-        (dict(schedule="auto", memory_limit=-1), r"memory_limit=-1: bytes per device \(> 0\)"),
+        (dict(schedule="auto", memory_limit=-1), r"memory_limit=-1: bytes per device, a number > 0 or a size such as 16GB"),
     ],
 )
 def test_strategy_settings(kwargs, match):
