@@ -2,7 +2,7 @@
 
 `partition_blocks` resolves a configured partition (uniform / explicit sizes) for the strategy;
 `plan` chooses one by a cost model with a named partitioner (uniform, parameters, dp, autopipe,
-exhaustive) and simulates it; `transformer_costs` gives analytic GPT / BERT cost profiles.
+autopipe+refine, exhaustive) and simulates it; `transformer_costs` gives analytic GPT / BERT cost profiles.
 """
 
 from .flops import PROFILE_MODELS, transformer_costs
