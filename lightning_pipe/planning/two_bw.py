@@ -42,6 +42,7 @@ from .two_bw_closed import closed_memory, closed_step, even_bounds
 SCHEDULES = ("2bw", "1f1b", "gpipe")
 RECOMPUTE = ("off", "on", "stages")  # stages: ours, recompute only the stages that need it
 WEIGHT_VERSIONS = {"2bw": 2, "1f1b": 1, "gpipe": 1}
+REFINED = 3  # finalists the partitioner (AutoPipe) re-plans before the choice
 COST_MODELS = ("simulated", "closed")  # ours; the paper's closed forms (§4.2)
 
 
@@ -388,14 +389,18 @@ def _plan(
         if not c.exact:
             c.step_time = step_time(at[c.microbatch_size], c.bounds, c.stage_recompute, c.schedule, c.microbatches, hw)
             c.throughput, c.exact = throughput(c.step_time, c.allreduce_time, c.width, c.microbatch_size, c.microbatches), True
-    best = max((c for c in feasible if c.exact), key=lambda c: (c.throughput, -c.memory))
-    notes = []
-    chosen = best
-    if refine is not None:
-        chosen = _refined(best, at[best.microbatch_size], hw, refine)
-        if chosen.memory > (hw.memory_limit or math.inf) or chosen.throughput < best.throughput:
-            notes.append("the partitioner's plan of the chosen configuration was slower or over the limit: the min-max partition is kept")
-            chosen = best
+    ranked = sorted((c for c in feasible if c.exact), key=lambda c: (-c.throughput, c.memory))
+    notes: list[str] = []
+    pick = {id(c): c for c in ranked}
+    if refine is not None:  # the partitioner re-plans the best few, so its gain can change their order
+        for c in ranked[:REFINED]:
+            again = _refined(c, at[c.microbatch_size], hw, refine)
+            if again.memory <= (hw.memory_limit or math.inf) and again.throughput > c.throughput:
+                pick[id(c)] = again
+    best = max(ranked, key=lambda c: (pick[id(c)].throughput, -pick[id(c)].memory))
+    chosen = pick[id(best)]
+    if refine is not None and chosen is best:
+        notes.append("the partitioner's plan of the chosen configuration was no faster or over the limit: the min-max partition is kept")
     candidates = [replace(chosen, verdict="chosen") if c is best else c for c in candidates]
     chosen = next(c for c in candidates if c.verdict == "chosen")
     source = f"{profile.source} profile of {profile.model} at micro-batch sizes {profile.sizes}, {cost_model} cost functions"
