@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -73,6 +72,7 @@ import torch  # noqa: E402
 from lightning_pipe.bench import provenance  # noqa: E402
 from lightning_pipe.launch import busy_seconds, own_seconds, wait_for_quiet  # noqa: E402
 from lightning_pipe.planning.two_bw import Candidate, TwoBWPlan, _best_rows, hardware, plan_2bw, refiner, size_text  # noqa: E402
+from lightning_pipe.stats import spearman  # noqa: E402
 
 CFG = dict(vocab_size=260, n_layer=4, n_head=4, d_model=128, max_seq_len=64)
 SEQ = 64
@@ -231,29 +231,6 @@ def measure(c: Candidate, args: argparse.Namespace, out: Path) -> dict:
             return result
         print(f"    disturbed ({result['foreign_cpus']:.2f} CPUs of other work): again", flush=True)
     raise AssertionError("unreachable")
-
-
-def spearman(x: list[float], y: list[float]) -> float:
-    """Spearman's rho: Pearson's correlation of the ranks (ties get their mean rank)."""
-
-    def ranks(v: list[float]) -> list[float]:
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        out = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for t in range(i, j + 1):
-                out[order[t]] = (i + j) / 2 + 1
-            i = j + 1
-        return out
-
-    rx, ry = ranks(x), ranks(y)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
-    return cov / var if var > 0 else float("nan")
 
 
 def part_a(args: argparse.Namespace) -> dict:

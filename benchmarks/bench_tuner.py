@@ -45,7 +45,6 @@ import argparse
 import datetime
 import fcntl
 import json
-import math
 import os
 import shutil
 import statistics
@@ -57,6 +56,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_pipe.launch import CpuClock, foreign_load, machine_description, own_seconds, wait_for_quiet
+from lightning_pipe.stats import spearman
 
 REPO = Path(__file__).resolve().parent.parent
 RECORD_ENV = "LIGHTNING_PIPE_TUNE_RECORD"  # lightning_pipe.lightning.tune_record.RECORD_ENV
@@ -328,29 +328,6 @@ def run_model(name: str, runner: Runner, args: argparse.Namespace) -> dict[str, 
 
 
 # ---- the report -------------------------------------------------------------------------------
-def spearman(x: list[float], y: list[float]) -> float:
-    """Spearman's rho: Pearson's correlation of the ranks (ties get their mean rank)."""
-
-    def ranks(v: list[float]) -> list[float]:
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        out = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for t in range(i, j + 1):
-                out[order[t]] = (i + j) / 2 + 1
-            i = j + 1
-        return out
-
-    rx, ry = ranks(x), ranks(y)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
-    return cov / var if var > 0 else float("nan")
-
-
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
     settings, tuner = res["settings"], res["tuner"]
     chosen = (tuner["tune"]["chosen"]["microbatches"], tuner["tune"]["chosen"]["pipelines"])

@@ -30,6 +30,7 @@ import torch
 
 from ..planning.replay import cached_schedule
 from ..simulator import CostModel, simulate
+from ..stats import spearman
 from . import features as F
 from .arbiter import Arbiter, SwitchCost, arbiter_features, cost_features
 from .candidates import neighbour_candidates
@@ -153,27 +154,6 @@ def samples(scenarios: Sequence[Scenario]) -> tuple[torch.Tensor, torch.Tensor, 
     return seq, cand, torch.tensor(ys)
 
 
-def spearman(a: Sequence[float], b: Sequence[float]) -> float:
-    def ranks(x: Sequence[float]) -> list[float]:
-        order = sorted(range(len(x)), key=lambda i: x[i])
-        r = [0.0] * len(x)
-        i = 0
-        while i < len(order):  # ties share their mean rank
-            j = i
-            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
-    num = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    den = math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
-    return num / den if den > 0 else 0.0
-
-
 def train_predictor(train: Sequence[Scenario], depth: int, epochs: int = 40, seed: int = 0) -> SpeedPredictor:
     torch.manual_seed(seed)
     model = SpeedPredictor(depth)
@@ -204,7 +184,8 @@ def evaluate_predictor(model: SpeedPredictor, held: Sequence[Scenario]) -> dict[
     for s in held:
         n = 1 + len(s.candidates)
         if n >= 3:
-            correlations.append(spearman(pred[k : k + n].tolist(), y[k : k + n].tolist()))
+            rho = spearman(pred[k : k + n].tolist(), y[k : k + n].tolist())
+            correlations.append(rho if math.isfinite(rho) else 0.0)  # a constant prediction orders nothing
         k += n
     correlations.sort()
     return {

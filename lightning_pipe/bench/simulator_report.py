@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..stats import spearman
 from .gpt import describe
 
 RAW_FORMAT = "bench_simulator/2"
@@ -60,27 +61,6 @@ def iteration_times(results: list[dict], index: int) -> list[float]:
             spans = [r["runs"][index][rnd][s] for r in results]
             out.append(max(e for _, e in spans) - min(t for t, _ in spans))
     return out
-
-
-def spearman(a: Sequence[float], b: Sequence[float]) -> float:
-    def ranks(v):
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2 + 1
-            i = j + 1
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = statistics.mean(ra), statistics.mean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    var = math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
-    return cov / var if var > 0 else float("nan")
 
 
 # variant -> (profile, with the cores model?, legend): the headline first, then what each ingredient is worth
