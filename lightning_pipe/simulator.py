@@ -39,6 +39,13 @@ class CostModel:
     ranks compute at once, each progresses at min(1, cores / k) of its profiled speed (processor
     sharing); a rank waiting for a message uses no core. None (the default), or at least as many
     cores as ranks: every rank has a device of its own.
+
+    Messages (measured by `messages.measure_messages`): ``send_overhead`` / ``recv_overhead`` are
+    seconds of a rank's own thread per message it sends / receives (gloo copies and enqueues on the
+    caller's thread; NCCL only launches a kernel), taken where the action stands in its list, so
+    the next compute starts that much later; ``handoff_delay`` is the mean time, beyond ``latency +
+    bytes / bandwidth``, until a receiver that waits for a message runs with it (a process or
+    thread woken up). All three default to 0: the link model alone.
     """
 
     forward: tuple[float, ...]
@@ -49,6 +56,9 @@ class CostModel:
     latency: float = 0.0  # s
     slowdown: tuple[float, ...] = ()
     cores: Optional[int] = None
+    send_overhead: float = 0.0  # s of the sender's thread per message
+    recv_overhead: float = 0.0  # s of the receiver's thread per message
+    handoff_delay: float = 0.0  # s, mean, added to every message's arrival
 
     def __post_init__(self) -> None:
         n = len(self.forward)
@@ -64,6 +74,10 @@ class CostModel:
                 raise ValueError(f"costs: {name} must hold finite numbers >= 0, got {bad[:3]}")
         if not self.bandwidth > 0 or self.latency < 0 or any(not s > 0 for s in self.slowdown):
             raise ValueError("costs: bandwidth must be > 0, latency >= 0 and every slowdown > 0")
+        for name in ("send_overhead", "recv_overhead", "handoff_delay"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"costs: {name} must be a finite number of seconds >= 0, got {value!r}")
         if self.cores is not None and not (isinstance(self.cores, int) and self.cores >= 1):
             raise ValueError(f"costs: cores must be None or an integer >= 1, got {self.cores!r}")
 
@@ -75,9 +89,23 @@ class CostModel:
     def uniform(blocks: int, forward: float, backward: float, **kwargs) -> "CostModel":
         return CostModel((forward,) * blocks, (backward,) * blocks, **kwargs)
 
+    @property
+    def fixed_comm(self) -> float:
+        """A message's time that does not grow with its size: latency and the hand-off delay."""
+        return self.latency + self.handoff_delay if self.handoff_delay else self.latency
+
     def comm_time(self, block: int) -> float:
         size = self.activation_bytes[block] if self.activation_bytes else 0.0
-        return self.latency + (size / self.bandwidth if size else 0.0)
+        return self.fixed_comm + (size / self.bandwidth if size else 0.0)
+
+    @property
+    def has_message_overheads(self) -> bool:
+        return bool(self.send_overhead or self.recv_overhead)
+
+    def message_gap(self, sends: int, recvs: int) -> float:
+        """Seconds a rank's thread spends on `sends` sends and `recvs` receives between two computes.
+        One expression of the counts, so `simulate` and the planners' replay add the same floats."""
+        return sends * self.send_overhead + recvs * self.recv_overhead
 
     def factor(self, rank: int) -> float:
         return self.slowdown[rank] if rank < len(self.slowdown) else 1.0
@@ -254,6 +282,10 @@ class _Run:
         self.busy = [0.0] * ranks
         self.pointer = [0] * ranks
         self.remaining = sum(len(a) for a in schedule.actions)
+        # sends and receives a rank issued since its last compute: their thread time (`message_gap`)
+        self.overheads = costs.has_message_overheads
+        self.sends = [0] * ranks
+        self.recvs = [0] * ranks
 
     def input(self, a: Action, r: int) -> Optional[tuple[float, Optional[int]]]:
         """(when compute `a`'s input is there, the compute that produced it), or None while its
@@ -272,19 +304,33 @@ class _Run:
         t = self.fwd[a.chunk] if a.op is Op.FORWARD else self.bwd[a.chunk]
         return t * self.scale[a.microbatch] if self.scale is not None else t
 
+    def free_at(self, r: int) -> float:
+        """When rank r's thread is done with the sends and receives issued since its last compute."""
+        if not self.overheads:
+            return self.clock[r]
+        return self.clock[r] + self.costs.message_gap(self.sends[r], self.recvs[r])
+
+    def recv(self, r: int) -> None:
+        self.recvs[r] += 1
+
     def send(self, r: int, a: Action) -> None:
-        """Issued at the rank's clock; arrives a transfer later (the latency does not scale)."""
+        """Leaves once the sender's thread has issued it; arrives a transfer later (the fixed part,
+        latency and hand-off delay, does not scale with the micro-batch)."""
         t = self.comm[a.chunk] if a.op is Op.SEND_ACT else self.comm[a.chunk - 1]
         if self.scale is not None and self.costs.activation_bytes:
-            t = self.costs.latency + (t - self.costs.latency) * self.scale[a.microbatch]
+            fixed = self.costs.fixed_comm
+            t = fixed + (t - fixed) * self.scale[a.microbatch]
+        self.sends[r] += 1
+        leave = self.free_at(r)
         message = message_of(a)
-        self.arrival[message] = (self.clock[r] + t, self.done[produced_by(message)])
-        self.events.append(Event(r, a, self.clock[r], self.clock[r] + t))
+        self.arrival[message] = (leave + t, self.done[produced_by(message)])
+        self.events.append(Event(r, a, leave, leave + t))
 
     def complete(self, r: int, a: Action, start: float, end: float, spent: float, producer: Optional[int], ready: float) -> None:
         k = len(self.computes)
         event = Event(r, a, start, end)
-        self.free.append(self.clock[r])
+        self.free.append(self.free_at(r))
+        self.sends[r] = self.recvs[r] = 0
         self.ready.append(ready)
         self.producer.append(producer)
         self.previous.append(self.last[r])
@@ -299,6 +345,8 @@ class _Run:
         schedule, computes = self.schedule, self.computes
         first = self.done.get((Op.FORWARD, schedule.num_chunks - 1, 0))  # start-up: the last stage starts micro-batch 0
         startup = computes[first].start if first is not None else 0.0
+        if self.overheads:  # what each rank's thread still spends on messages after its last compute
+            self.clock = [self.free_at(r) for r in range(len(self.clock))]
         timeline = Timeline(schedule, self.events, max(self.clock) if self.clock else 0.0, self.busy, startup)
         _memory(timeline, self.costs, self.bounds)
         if critical_path and self.events:
@@ -328,7 +376,7 @@ def simulate(
     run = _Run(schedule, costs, bounds, scale)
     if costs.shares_cores(schedule.num_ranks):
         return _simulate_shared(run, critical_path)
-    clock, pointer = run.clock, run.pointer
+    pointer = run.pointer
     while run.remaining:
         progressed = False
         for r, actions in enumerate(schedule.actions):
@@ -339,11 +387,13 @@ def simulate(
                     if inputs is None:
                         break  # the message is not sent yet: another rank must advance first
                     ready, producer = inputs
-                    start = max(clock[r], ready)
+                    start = max(run.free_at(r), ready)
                     duration = run.work(a)
                     run.complete(r, a, start, start + duration, duration, producer, ready)
                 elif a.op.is_send:
                     run.send(r, a)
+                elif a.op.is_recv:
+                    run.recv(r)
                 pointer[r] += 1
                 run.remaining -= 1
                 progressed = True
@@ -361,7 +411,7 @@ def _simulate_shared(run: _Run, critical_path: bool) -> Timeline:
     finishing points are then equal floats, and simultaneous ends stay simultaneous. A rank's
     `busy` is its wall time in computes, the slow-down from sharing included."""
     schedule, cores = run.schedule, run.costs.cores
-    ranks, clock, pointer = schedule.num_ranks, run.clock, run.pointer
+    ranks, pointer = schedule.num_ranks, run.pointer
     running: dict[int, tuple[float, float, Action, Optional[int], float]] = {}  # rank -> (V at end, start, action, producer, ready)
     starts: dict[
         int, tuple[float, Action, Optional[int], float, float]
@@ -394,7 +444,7 @@ def _simulate_shared(run: _Run, critical_path: bool) -> Timeline:
                         ready, producer = inputs
                         work = run.work(a)
                         pointer[r] += 1
-                        start = max(clock[r], ready)
+                        start = max(run.free_at(r), ready)
                         if start > now:  # the input is in flight: the rank starts when it lands
                             starts[r] = (start, a, producer, ready, work)
                         else:
@@ -404,6 +454,8 @@ def _simulate_shared(run: _Run, critical_path: bool) -> Timeline:
                         break
                     if a.op.is_send:
                         run.send(r, a)
+                    elif a.op.is_recv:
+                        run.recv(r)
                     pointer[r] += 1
                     run.remaining -= 1
                     progressed = True

@@ -46,6 +46,12 @@ def cases(draw):
         )
     if draw(st.booleans()):
         kwargs["slowdown"] = tuple(draw(st.lists(st.floats(0.25, 4.0), min_size=p, max_size=p)))
+    if draw(st.booleans()):  # messages take the ranks' threads' time, and a hand-off delay
+        kwargs.update(
+            send_overhead=draw(st.one_of(st.just(0.0), st.floats(0.0, 0.5))),
+            recv_overhead=draw(st.one_of(st.just(0.0), st.floats(0.0, 0.5))),
+            handoff_delay=draw(st.one_of(st.just(0.0), st.floats(0.0, 1.0))),
+        )
     if p > 1 and draw(st.integers(0, 9)) == 0:
         kwargs["cores"] = draw(st.integers(1, p))  # shared cores: the replay hands over to `simulate`
     costs = CostModel(forward, backward, **kwargs)

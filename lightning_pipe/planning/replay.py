@@ -65,15 +65,30 @@ class Replay:
         self.chunk_rank = schedule.chunk_rank
         per_rank: list[list[tuple[bool, int, Optional[tuple]]]] = []  # (forward?, chunk, input source)
         senders: dict[tuple, tuple[int, int]] = {}  # message -> (rank, index of the compute before the send)
+        # the sends and receives a rank issues before each compute (since the one before) and before
+        # each send: `CostModel.message_gap`'s counts, the thread time taken from computing
+        gaps: list[list[tuple[int, int]]] = []
+        leaves: dict[tuple, tuple[int, int]] = {}  # message -> counts up to and including its send
+        self.trailing: list[tuple[int, int]] = []  # after the rank's last compute
         for r, actions in enumerate(schedule.actions):
             computes: list[tuple[bool, int, Optional[tuple]]] = []
+            counts: list[tuple[int, int]] = []
+            sends = recvs = 0
             for a in actions:
                 if a.op.is_compute:
                     computes.append((a.op is Op.FORWARD, a.chunk, input_source(schedule, a, r)))
+                    counts.append((sends, recvs))
+                    sends = recvs = 0
                 elif a.op.is_send:
-                    # a send leaves at the sender's clock: the end of its latest compute
+                    # a send leaves once issued: the end of its latest compute, plus the messages since
+                    sends += 1
                     senders[message_of(a)] = (r, len(computes) - 1)
+                    leaves[message_of(a)] = (sends, recvs)
+                elif a.op.is_recv:
+                    recvs += 1
             per_rank.append(computes)
+            gaps.append(counts)
+            self.trailing.append((sends, recvs))
 
         # (op, chunk, microbatch) -> (rank, position): the producer of a message, the cause on the path
         done_key: dict[tuple, tuple[int, int]] = {}
@@ -108,6 +123,8 @@ class Replay:
         self.sender = [-1] * n  # compute whose end the message leaves at (or the local producer)
         self.producer: list[Optional[int]] = [None] * n  # compute that produced the data (the cause on the critical path)
         self.boundary = [chunks] * n  # stage boundary crossed (chunk index); `chunks` = no transfer
+        self.gap_counts = [(0, 0)] * n  # messages issued on its rank since the compute before
+        self.leave_counts = [(0, 0)] * n  # messages its input's sender issued up to that send
         self.forward = [True] * n
         self.counts_f = [0] * chunks
         self.counts_b = [0] * chunks
@@ -117,6 +134,9 @@ class Replay:
             self.forward[k] = fwd
             self.duration[k] = c if fwd else chunks + c
             (self.counts_f if fwd else self.counts_b)[c] += 1
+            self.gap_counts[k] = gaps[r][j]
+            if key is not None and not key[0]:
+                self.leave_counts[k] = leaves[key[1]]
             dep = self._release(key, senders, done_key)
             if dep is not None:
                 send_at, producer = dep
@@ -133,6 +153,7 @@ class Replay:
             self.previous[k] = latest.get(r)
             latest[r] = k
         self.one_chunk_per_rank = tuple(schedule.chunk_rank) == tuple(range(self.ranks))
+        self._last = np.array([latest.get(r, n) for r in range(self.ranks)])  # each rank's last compute (n: none)
         self._levels = self._by_depth()
 
     def _by_depth(self) -> list[tuple[np.ndarray, ...]]:
@@ -177,11 +198,23 @@ class Replay:
         # the compiled graph's fixed durations cannot express: those cases go to `simulate` itself.
         return costs.shares_cores(self.ranks)
 
+    def _messages(self, costs: CostModel) -> tuple[list[float], list[float], list[float]]:
+        """Per compute, its rank's thread time on messages before it and its input's sender's up to
+        that send; per rank, after its last compute (`CostModel.message_gap` of the counts)."""
+        gap = costs.message_gap
+        return (
+            [gap(*c) for c in self.gap_counts],
+            [gap(*c) for c in self.leave_counts],
+            [gap(*c) for c in self.trailing],
+        )
+
     def iteration_time(self, costs: CostModel, bounds: Sequence[tuple[int, int]]) -> float:
         """`simulate(...).iteration_time`, without building events."""
         if self._shared(costs):
             return simulate(self.schedule, costs, bounds, critical_path=False).iteration_time
         durations, comm = self._times(costs, bounds)
+        if costs.has_message_overheads:
+            return self._with_messages(costs, durations, comm)[0]
         end = [0.0] * len(self.rank)
         clock = [0.0] * self.ranks
         for k, (r, d, s, x) in enumerate(zip(self.rank, self.duration, self.sender, self.boundary)):
@@ -192,6 +225,20 @@ class Replay:
                     start = ready
             end[k] = clock[r] = start + durations[d]
         return max(clock)
+
+    def _with_messages(self, costs: CostModel, durations: list[float], comm: list[float]):
+        """`iteration_time`'s loop with the ranks' thread time on messages, as `simulate` adds it:
+        (iteration time, start, end, free and ready of each compute)."""
+        gap, leave, trailing = self._messages(costs)
+        n = len(self.rank)
+        start_of, end, free_of, ready_of = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+        clock = [0.0] * self.ranks
+        for k, (r, s, x, d) in enumerate(zip(self.rank, self.sender, self.boundary, self.duration)):
+            free = free_of[k] = clock[r] + gap[k]
+            ready = ready_of[k] = end[s] + leave[k] + comm[x] if s >= 0 else 0.0
+            start_of[k] = start = ready if ready >= free else free
+            end[k] = clock[r] = start + durations[d]
+        return max(c + t for c, t in zip(clock, trailing)), start_of, end, free_of, ready_of
 
     def iteration_times(self, costs: CostModel, candidates: Sequence[Sequence[tuple[int, int]]]) -> list[float]:
         """`iteration_time` of many partitions at once (one numpy column each)."""
@@ -205,9 +252,14 @@ class Replay:
         for j, bounds in enumerate(candidates):
             durations[:, j], comm[:, j] = self._times(costs, bounds)
         end = np.zeros((n + 1, k))
+        if not costs.has_message_overheads:
+            for nodes, previous, sender, boundary, duration in self._levels:
+                end[nodes] = np.maximum(end[previous], end[sender] + comm[boundary]) + durations[duration]
+            return end[:n].max(axis=0).tolist()
+        gap, leave, trailing = (np.array(v)[:, None] for v in self._messages(costs))
         for nodes, previous, sender, boundary, duration in self._levels:
-            end[nodes] = np.maximum(end[previous], end[sender] + comm[boundary]) + durations[duration]
-        return end[:n].max(axis=0).tolist()
+            end[nodes] = np.maximum(end[previous] + gap[nodes], end[sender] + leave[nodes] + comm[boundary]) + durations[duration]
+        return (end[self._last] + trailing).max(axis=0).tolist()
 
     def lower_bound(self, costs: CostModel, bounds: Sequence[tuple[int, int]]) -> float:
         """A cheap lower bound of the iteration time, to skip partitions that cannot win.
@@ -243,15 +295,19 @@ class Replay:
         n = len(self.rank)
         if n == 0:
             return 0.0, None
-        start_of, end, free_of, ready_of = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
-        clock = [0.0] * self.ranks
-        for k, (r, s, x, d) in enumerate(zip(self.rank, self.sender, self.boundary, self.duration)):
-            free = free_of[k] = clock[r]
-            ready = ready_of[k] = end[s] + comm[x] if s >= 0 else 0.0
-            start_of[k] = start = ready if ready >= free else free  # max(free, ready), as `simulate`
-            end[k] = clock[r] = start + durations[d]
+        if costs.has_message_overheads:
+            time, start_of, end, free_of, ready_of = self._with_messages(costs, durations, comm)
+        else:
+            start_of, end, free_of, ready_of = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+            clock = [0.0] * self.ranks
+            for k, (r, s, x, d) in enumerate(zip(self.rank, self.sender, self.boundary, self.duration)):
+                free = free_of[k] = clock[r]
+                ready = ready_of[k] = end[s] + comm[x] if s >= 0 else 0.0
+                start_of[k] = start = ready if ready >= free else free  # max(free, ready), as `simulate`
+                end[k] = clock[r] = start + durations[d]
+            time = max(clock)
         path = trace_critical_path(end, self.rank, free_of, ready_of, self.producer, self.previous)
-        return max(clock), master_stage(path, self.rank, self.forward, start_of, end)
+        return time, master_stage(path, self.rank, self.forward, start_of, end)
 
     def busy_bound(self, costs: CostModel, bounds: Sequence[tuple[int, int]]) -> float:
         """A lower bound of the iteration time: the busiest rank's compute, back to back."""
