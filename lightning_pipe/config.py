@@ -101,6 +101,8 @@ class PipelineConfig:
     """Link model for planning, bytes/s (None: a default for the device type)."""
     latency: Optional[float] = None
     """Link model for planning, seconds per message (None: a default for the device type)."""
+    message_costs: bool = True
+    """Measure what a message costs the ranks (thread time, hand-off delay) at setup, ~0.5 s, and plan with it."""
     stages: Optional[int] = None
     """The plan command only: stages to plan for (None: devices x nodes / width)."""
 
@@ -166,6 +168,8 @@ class PipelineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
                 raise SettingError(f"{name}={value!r}: a number >= 0, or None for the device type's default", name)
+        if not isinstance(self.message_costs, bool):
+            raise SettingError(f"message_costs={self.message_costs!r}: true or false", "message_costs")
         self._check_adaptive()
         self.start_method = check_choice("start_method", self.start_method, START_METHODS)
         self.checkpoint = check_choice("checkpoint", self.checkpoint, CHECKPOINT_LAYOUTS)

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from .messages import MessageCosts
 from .runtime.p2p import _DTYPES
 from .simulator import CostModel
 
@@ -38,6 +39,7 @@ class Profile:
     param_bytes: list[float]
     peak_memory: list[float] = field(default_factory=list)  # bytes allocated at the block's peak (CUDA), else 0
     block_names: list[str] = field(default_factory=list)
+    messages: Optional[dict] = None  # messages.MessageCosts measured on the ranks, as a dict; None: not measured
 
     def __post_init__(self) -> None:
         n = len(self.forward)
@@ -64,7 +66,8 @@ class Profile:
     def costs(
         self, bandwidth: float = math.inf, latency: float = 0.0, slowdown: Sequence[float] = (), cores: Optional[int] = None
     ) -> CostModel:
-        return CostModel(
+        """The simulator's costs; with the measured message costs when the profile holds them."""
+        costs = CostModel(
             tuple(self.forward),
             tuple(self.backward),
             tuple(self.activation_bytes),
@@ -74,6 +77,11 @@ class Profile:
             tuple(slowdown),
             cores,
         )
+        return self.message_costs.apply(costs) if self.messages else costs
+
+    @property
+    def message_costs(self) -> Optional[MessageCosts]:
+        return MessageCosts.from_dict(self.messages) if self.messages else None
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

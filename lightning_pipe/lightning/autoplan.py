@@ -26,6 +26,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from ..messages import MessageCosts, measure_messages
 from ..planning import Plan, plan
 from ..planning.auto import ScheduleChoice, choose_schedule
 from ..planning.partition import partition_blocks
@@ -164,7 +165,19 @@ def profile_pipeline(
 
 
 KINDS = {"Embedding": "embedding", "ResidualAttentionBlock": "attention", "ResidualFFNBlock": "ffn", "LMHead": "head", "MLMHead": "head"}
+
+
 # Link models when none is given: a GPU pipeline over NVLink / PCIe, a CPU one over loopback gloo.
+def profile_messages(profile: Profile, chain: list[int], device: torch.device, depth: int) -> MessageCosts:
+    """Message costs on the pipeline's ranks (collective): the median block output's size, and a
+    stage's forward time (0.2-5 ms) of work between hops, busy on CPU, idle on an accelerator."""
+    nbytes = int(sorted(profile.activation_bytes)[len(profile.activation_bytes) // 2])
+    think = min(max(sum(profile.forward) / depth, 2e-4), 5e-3)
+    costs = measure_messages(chain, nbytes, device, think=think, sleep=device.type != "cpu")
+    assert costs is not None  # depth > 1
+    return costs
+
+
 DEFAULT_LINKS = {"cuda": (25e9, 20e-6), "cpu": (2e9, 50e-6)}
 
 
@@ -256,6 +269,8 @@ class AutoPlanner:
             profile = profile_pipeline(
                 module, pipeline, sample, strategy.root_device, strategy.global_rank, topo.world_size, type(module).__name__, mbs
             )
+            if self.config.message_costs and topo.depth > 1:
+                profile.messages = profile_messages(profile, topo.pipeline_ranks(0), strategy.root_device, topo.depth).to_dict()
         default_bw, default_lat = DEFAULT_LINKS.get(strategy.root_device.type, DEFAULT_LINKS["cuda"])
         costs = profile.costs(self.bandwidth or default_bw, self.latency if self.latency is not None else default_lat)
         self.profile, self.costs = profile, costs
@@ -293,6 +308,7 @@ class AutoPlanner:
             "options": options,
             "bounds": [list(b) for b in bounds],
             "plan": result.to_dict() if result else None,
+            "messages": profile.messages,
         }
         if choice is not None:
             summary["schedule_choice"] = choice.to_dict()
@@ -305,6 +321,8 @@ class AutoPlanner:
         else:
             timeline = simulate_sliced(costs, bounds, m, slicing.sliced if slicing else 0, schedule)
         gantt(timeline, out / "plan_timeline.png", title=f"predicted: {timeline.schedule.name}, chunks {[b - a for a, b in bounds]}")
+        if profile.message_costs is not None:
+            rank_zero_info("messages (planned with): " + profile.message_costs.summary())
         if choice is not None:
             rank_zero_info("\n" + choice.table())
         if result is not None:

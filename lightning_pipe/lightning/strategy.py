@@ -67,6 +67,8 @@ class AutoPipeStrategy(ProcessGroupStrategy):
             the RL arbiter; adaptive_weights: a folder of other weights); `repartition(bounds)` switches by hand.
         trace: record each action's real times; writes trace.json and a timeline picture.
         profile: a saved profile.json to plan from. bandwidth, latency: the link model for planning.
+        message_costs: measure at setup what a message costs the ranks (send / receive thread time, hand-off
+            delay; lightning_pipe.messages) and plan with it (a loaded profile keeps what it holds).
         start_method: ``"popen"`` (Lightning re-runs the command), ``"spawn"``, ``"fork"``, ``"forkserver"``.
         checkpoint: ``"full"`` (one file, single-process layout) or ``"sharded"`` (a directory, each rank its stage).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
@@ -112,6 +114,7 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         profile: Optional[str] = None,
         bandwidth: Optional[float] = None,
         latency: Optional[float] = None,
+        message_costs: bool = True,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[Any] = None,
@@ -154,6 +157,7 @@ class AutoPipeStrategy(ProcessGroupStrategy):
             profile=profile,
             bandwidth=bandwidth,
             latency=latency,
+            message_costs=message_costs,
             start_method=start_method,
             checkpoint=checkpoint,
             **({} if timeout is None else {"timeout": timeout.total_seconds() if isinstance(timeout, timedelta) else timeout}),
