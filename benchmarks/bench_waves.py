@@ -193,7 +193,9 @@ def _torch_multi(rank: int, cfg: dict, name: str) -> dict:
 
 
 def _profile(rank: int, cfg: dict) -> dict:
-    """Link fit and per-block profile, both ranks profiling at once (as they compute in training)."""
+    """Link fit, per-block profile (both ranks profiling at once, as they compute in training) and
+    the message costs as the strategy measures them at setup (lightning_pipe.messages)."""
+    from lightning_pipe.messages import measure_messages
     from lightning_pipe.profiler import profile_blocks
 
     # Every message here is one float32 micro-batch activation: fit the link on exactly that size
@@ -206,10 +208,16 @@ def _profile(rank: int, cfg: dict) -> dict:
     x, y = make_data(cfg)[0]
     rows = cfg["rows"]
     dist.barrier()
-    measured = profile_blocks(list(model) + [MSEBlock(y[:rows])], x[:rows], torch.device("cpu"), repeats=cfg["profile_repeats"], warmup=3)
+    blocks = list(model) + [MSEBlock(y[:rows])]
+    if cfg["profile_chain"]:  # as the strategy profiles: the blocks back to back, 2 micro-batches in flight
+        measured = profile_blocks(blocks, x[:rows], torch.device("cpu"), repeats=cfg["profile_repeats"] // 3, warmup=2, inflight=2)
+    else:
+        measured = profile_blocks(blocks, x[:rows], torch.device("cpu"), repeats=cfg["profile_repeats"], warmup=3)
+    think = sum(v["forward"] for v in measured.values()) / 2  # a stage's forward: the work between two hops
+    messages = measure_messages([0, 1], rows * cfg["hidden"] * 4, torch.device("cpu"), think=min(max(think, 2e-4), 5e-3))
     parts: list = [None] * 2
     dist.all_gather_object(parts, measured)
-    return {"timing": [1.0, 1.0], "params": {}, "link": link, "blocks": parts}
+    return {"timing": [1.0, 1.0], "params": {}, "link": link, "blocks": parts, "messages": messages.to_dict()}
 
 
 def job(rank: int, world: int, mode: str, cfg: dict) -> dict:
@@ -236,8 +244,22 @@ def build_costs(prof: dict):
     fwd[-1] += loss[0]
     bwd[-1] += loss[1]
     profile = Profile("residual-mlp", 0, "float32", "cpu", fwd, bwd, field("activation_bytes")[:n], field("param_bytes")[:n])
+    profile.messages = prof["messages"]
     link = prof["link"]
     return profile.costs(link["bandwidth"], link["latency"]), loss
+
+
+def profile_messages(prof: dict):
+    from lightning_pipe.messages import MessageCosts
+
+    return MessageCosts.from_dict(prof["messages"])
+
+
+def link_only(costs):
+    """The same costs without the message terms: the link model alone (as before 2026-11-25)."""
+    from dataclasses import replace
+
+    return replace(costs, send_overhead=0.0, recv_overhead=0.0, handoff_delay=0.0)
 
 
 def trace_summary(results: list[dict], schedule, costs, bounds) -> dict:
@@ -248,6 +270,7 @@ def trace_summary(results: list[dict], schedule, costs, bounds) -> dict:
     f, b, _ = chunk_costs(costs, bounds)
     out = {
         "sim_iter": t.iteration_time,
+        "sim_iter_link_only": simulate(schedule, link_only(costs), bounds, critical_path=False).iteration_time,
         "sim_busy": list(t.busy),
         "pipe": [],
         "busy": [],
@@ -439,6 +462,7 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=300.0, help="seconds after which nobody is waited for any more")
     p.add_argument("--quiet-wait", type=float, default=10.0)
     p.add_argument("--profile-repeats", type=int, default=30)
+    p.add_argument("--profile-alone", action="store_true", help="profile each block alone (before 2026-11-25) instead of chained")
     p.add_argument("--pin", action="store_true")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--modes", default=",".join(MODES))
@@ -471,6 +495,7 @@ def main() -> None:
         lr=args.lr,
         pin=args.pin,
         profile_repeats=args.profile_repeats,
+        profile_chain=not args.profile_alone,
     )
     print(f"{machine_description()}; 2 processes x 1 thread, gloo; {base}", flush=True)
     started = time.monotonic()
@@ -484,6 +509,7 @@ def main() -> None:
         f"link latency {1e6 * link['latency']:.0f} us, {link['bandwidth'] / 1e9:.2f} GB/s",
         flush=True,
     )
+    print(f"messages (lightning_pipe.messages, as at the strategy's setup): {profile_messages(prof[0]).summary()}", flush=True)
 
     tables = {}
     for m in ms:
@@ -561,6 +587,19 @@ def report(m: int, cfg: dict, best: dict, errors: dict, traces: dict, costs) -> 
     theirs = max(MULTI_TORCH, key=lambda k: best[k]["total"] if k in best else 0)
     if ours in best and theirs in best:
         print(f"\nour best multi-chunk ({ours}) / torch's best multi-chunk ({theirs}): {best[ours]['total'] / best[theirs]['total']:.3f}x")
+    print(
+        "\niteration time (the pipeline's step without the optimizer), measured (median step, the slower rank) vs simulated "
+        "on the profile with the link model alone and with the measured message costs:\n"
+    )
+    print("| schedule | measured ms | simulated, link only | error | simulated, with message costs | error |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for mode, t in traces.items():
+        measured = max(t["pipe"])
+        plain, full = t["sim_iter_link_only"], t["sim_iter"]
+        print(
+            f"| {mode} | {1e3 * measured:.1f} | {1e3 * plain:.1f} | {plain / measured - 1:+.1%} | {1e3 * full:.1f} | "
+            f"{full / measured - 1:+.1%} |"
+        )
     print("\nper-action trace of the best run (median step, ms; rank 0 / rank 1):\n")
     print(
         "| schedule | messages per rank | simulated iteration | measured pipeline step | simulated compute | measured compute | "
