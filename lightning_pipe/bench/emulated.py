@@ -49,3 +49,89 @@ class EmulatedBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Occupy.apply(x + torch.tanh(self.linear(x)), self.forward_s, self.backward_s)
+
+
+def emulated_model(blocks: int, width: int, forward_s: float, backward_s: float, seed: int = 0, paced: bool = False) -> nn.Sequential:
+    """`blocks` EmulatedBlocks (`paced`: PacedBlocks) in float64 (exact comparisons to 1e-10),
+    weights from `seed`: the same model in every process, whatever its emulated times (0 for a
+    one-process reference)."""
+    g = torch.Generator().manual_seed(seed)
+    kind = PacedBlock if paced else EmulatedBlock
+    model = nn.Sequential(*[kind(width, forward_s, backward_s) for _ in range(blocks)]).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_((torch.rand(p.shape, generator=g, dtype=torch.float64) - 0.5) * (2 / width**0.5))
+    return model
+
+
+def fine_timer_slack(nanoseconds: int = 1000) -> bool:
+    """Ask Linux to wake this process's sleeps within `nanoseconds` (the default slack is 50 us,
+    added to nearly every sleep): an emulated block then occupies its rank for closer to its time.
+    Returns whether it took effect (False off Linux)."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None).prctl(29, nanoseconds, 0, 0, 0) == 0  # PR_SET_TIMERSLACK
+    except (OSError, AttributeError):
+        return False
+
+
+class _Stamp:
+    """One call of a PacedBlock: when its forward started, when its backward started."""
+
+    __slots__ = ("forward_s", "backward_s", "start", "back", "has_tail")
+
+
+def _sleep_until(deadline: float) -> None:
+    left = deadline - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
+class _PaceStart(torch.autograd.Function):
+    """Identity at the block's input: its backward runs last in the block and ends the block's backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, stamp: _Stamp) -> torch.Tensor:
+        ctx.stamp = stamp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        stamp = ctx.stamp
+        _sleep_until(stamp.back + stamp.backward_s)
+        return grad, None
+
+
+class _PaceEnd(torch.autograd.Function):
+    """Identity at the block's output: its forward ends the block's forward, its backward starts the clock."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, stamp: _Stamp) -> torch.Tensor:
+        ctx.stamp = stamp
+        _sleep_until(stamp.start + stamp.forward_s)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        stamp = ctx.stamp
+        stamp.back = time.perf_counter()
+        if not stamp.has_tail:  # no input gradient (the model's first block): the whole time here
+            time.sleep(stamp.backward_s)
+        return grad, None
+
+
+class PacedBlock(EmulatedBlock):
+    """An EmulatedBlock that occupies its rank for `forward_s` / `backward_s` in all, its own
+    arithmetic (the Linear, autograd) included: it sleeps until its start plus its time, rather
+    than its time after the arithmetic. So a block is as long as its emulated time on any machine,
+    as a device kernel's time includes its arithmetic (as long as the arithmetic is shorter)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stamp = _Stamp()
+        stamp.start = time.perf_counter()
+        stamp.forward_s, stamp.backward_s = self.forward_s * _SLOWDOWN[0], self.backward_s * _SLOWDOWN[0]
+        stamp.has_tail = torch.is_grad_enabled() and x.requires_grad
+        if stamp.has_tail:
+            x = _PaceStart.apply(x, stamp)
+        return _PaceEnd.apply(x + torch.tanh(self.linear(x)), stamp)
