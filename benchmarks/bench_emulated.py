@@ -467,11 +467,37 @@ def print_summary(s: dict) -> None:
         print("NOT EXACT (excluded): " + "; ".join(s["inexact"]))
 
 
+def markdown(results: list[dict]) -> str:
+    """The per-depth tables as markdown (docs/emulated.md)."""
+    out = []
+    for res in results:
+        cfg, link = res["config"], res["link"]
+        has_msgs = any("simulated_msgs" in r for r in res["rows"])
+        out.append(
+            f"\n#### P = {res['p']} EMULATED ranks ({cfg['blocks']} blocks, {cfg['f'] * 1e3:g} / {cfg['b'] * 1e3:g} ms; link "
+            f"{link['latency'] * 1e6:.0f} us; other processes {res['foreign_load']:.2f} CPUs)\n"
+        )
+        head = "| m | schedule | chunks | measured ms | simulated ms | meas / sim |"
+        rule = "|---|---|---|---|---|---|"
+        if has_msgs:
+            head += " sim + msgs ms | meas / (sim + msgs) |"
+            rule += "---|---|"
+        out += [head + " extra per compute us | exact |", rule + "---|---|"]
+        for r in res["rows"]:
+            line = f"| {r['m']} | {r['label']} | {r['chunks']} | {r['measured'] * 1e3:.1f} | {r['simulated'] * 1e3:.1f} | {r['measured'] / r['simulated']:.3f} |"
+            if has_msgs:
+                line += f" {r['simulated_msgs'] * 1e3:.1f} | {r['measured'] / r['simulated_msgs']:.3f} |"
+            out.append(line + f" {r['extra_per_compute'] * 1e6:.0f} | {'yes' if r['exact'] else 'NO'} ({r['max_rel_diff']:.0e}) |")
+        for s in res["skipped"]:
+            out.append(f"\nm = {s['m']} {s['label']}: skipped ({s['reason']})")
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4, 8, 16])
     parser.add_argument("--multipliers", nargs="+", type=int, default=[1, 2, 4], help="m = k x P for each k")
-    parser.add_argument("--block-ms", type=float, default=1.0, help="forward ms per block (backward: twice)")
+    parser.add_argument("--block-ms", type=float, default=1.5, help="forward ms per block (backward: twice)")
     parser.add_argument("--blocks-per-rank", type=int, default=8)
     parser.add_argument(
         "--block", choices=["paced", "sleep"], default="paced", help="PacedBlock (arithmetic inside the time) or EmulatedBlock"
@@ -479,13 +505,14 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--rows", type=int, default=64, help="batch rows (split into m micro-batches)")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="P = 2, 4 and 3 timed steps")
     parser.add_argument("--default-slack", action="store_true", help="keep Linux's 50 us timer slack on sleeps")
     parser.add_argument("--no-messages", action="store_true", help="do not measure message costs")
-    parser.add_argument("--quiet-wait", type=float, default=60.0, help="s to wait for a quiet machine per process group")
+    parser.add_argument("--quiet-wait", type=float, default=30.0, help="s to wait for a quiet machine per process group")
     parser.add_argument("--timeout", type=float, default=900.0, help="s per process group")
     parser.add_argument("--json", default=None, help="write the raw results here")
+    parser.add_argument("--markdown", default=None, help="write the tables as markdown here")
     args = parser.parse_args()
     if args.quick:
         args.ranks, args.steps = [r for r in args.ranks if r <= 4], min(args.steps, 3)
@@ -506,6 +533,9 @@ def main() -> None:
                 {"provenance": provenance(), "command": " ".join(["python"] + sys.argv), "depths": results, "summary": s}, f, indent=1
             )
         print(f"raw results written to {args.json}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(results))
 
 
 if __name__ == "__main__":
