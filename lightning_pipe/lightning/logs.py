@@ -7,8 +7,11 @@ only. So the last stage combines each key over the micro-batches, weighted by th
 samples (the per-batch mean), and broadcasts the result; every rank then calls the real
 ``LightningModule.log`` with the same keys and values.
 
-The broadcast is one small tensor per step; the names and log options travel as an object only
-when they change (the first step, or a step that logs other keys).
+In the steady state the exchange is one broadcast of one small tensor per step: every rank
+knows the last step's schema (names, options, dtypes), so the tensor's length is known on both
+ends and its first element says whether the schema still holds. Only when it changed (the first
+step, or a step that logs other keys) do the new schema (as an object) and the values follow.
+The broadcast ends the step on every rank at once, so it is kept to one message.
 """
 
 from __future__ import annotations
@@ -68,19 +71,27 @@ class LogBroadcaster:
         if self.group is None:  # a one-stage pipeline: nothing to move
             numbers = data.tolist()
             return numbers[0], [(n, v, kw, dt) for (n, kw, dt), v in zip(schema, numbers[1:])]
-        if self.is_src:
-            changed = schema != self._schema
-            head = torch.tensor([float(changed), float(len(values))], dtype=torch.float64, device=self.device)
-        else:
-            head = torch.zeros(2, dtype=torch.float64, device=self.device)
-        dist.broadcast(head, self.src, group=self.group)
-        changed, count = bool(head[0].item()), int(head[1].item())
-        if changed:
-            box = [schema if self.is_src else None]
-            dist.broadcast_object_list(box, self.src, group=self.group, device=self.device)
-            self._schema = box[0]
+        if self._schema is not None:
+            # [changed, loss, values...] sized by the schema every rank knows: one message per step
+            size = 2 + len(self._schema)
+            if self.is_src:
+                changed = schema != self._schema
+                frame = torch.zeros(size, dtype=torch.float64, device=self.device)
+                frame[0] = float(changed)
+                if not changed:
+                    frame[1:] = data
+            else:
+                frame = torch.zeros(size, dtype=torch.float64, device=self.device)
+            dist.broadcast(frame, self.src, group=self.group)
+            numbers = frame.tolist()
+            if numbers[0] == 0.0:
+                return numbers[1], [(n, v, kw, dt) for (n, kw, dt), v in zip(self._schema, numbers[2:])]
+        # first step, or the schema changed: the schema as an object, then the values
+        box = [schema if self.is_src else None]
+        dist.broadcast_object_list(box, self.src, group=self.group, device=self.device)
+        self._schema = box[0]
         if not self.is_src:
-            data = torch.zeros(count, dtype=torch.float64, device=self.device)
+            data = torch.zeros(1 + len(self._schema), dtype=torch.float64, device=self.device)
         dist.broadcast(data, self.src, group=self.group)
         numbers = data.tolist()
         return numbers[0], [(n, v, kw, dt) for (n, kw, dt), v in zip(self._schema, numbers[1:])]
