@@ -1,26 +1,36 @@
 """What a message costs in training, measured on the real ranks: the simulator's message terms.
 
-A quiet ping-pong measures the link, not what training sees. In a pipeline a rank computes, then
-issues its sends (gloo copies and enqueues them on the calling thread), while its neighbour has
-been waiting for a while and must be woken when the data lands. So the measurement works like a
-pipeline hop: each pair of neighbouring ranks bounces a message of the boundary's size, and each
-side *works* for `think` seconds before answering (busy on its core, as a CPU compute; or
-sleeping, as a rank whose GPU computes). From each round trip, clock-free (each side subtracts
-its own turnaround), one hand-off sample: from the sender calling `isend` until the receiver
-returns from `wait` with the data. Besides: the time inside `isend` (send overhead), and inside
-`irecv` plus a `wait` on data that has already arrived (receive overhead).
+A quiet ping-pong measures the link, not what training sees. In a pipeline's steady state the
+neighbouring ranks compute at the same time, issue their sends (gloo copies and enqueues them on
+the calling thread) and wait for each other's data; on CPU ranks gloo's own threads then compete
+with the computes for the cores. So the measurement works like a pipeline hop, pair by pair:
+
+- **lockstep** (ranks on one host): both sides work `think` seconds (busy on the core, as a CPU
+  compute; or sleeping, as a rank whose GPU computes), send to each other, and wait. Each message
+  carries its sender's clock at `isend` (one monotonic clock per host), so the receiver that was
+  already waiting when it was sent reads the hand-off directly: from the sender calling `isend`
+  until the receiver returns from `wait` with the data.
+- **bounce** (ranks on several hosts, where clocks differ): the pair bounces the message, each
+  side working `think` before it answers; a round trip less the other side's turnaround is two
+  hand-offs, no clocks compared.
+
+Besides: the time inside `isend` (send overhead), and inside `irecv` plus a `wait` on data that has
+already arrived (receive overhead). All three are kept as *means*: a step pays for every message
+it sends, and both the thread time in `isend` and the hand-off have heavy tails (on 2 CPU
+processes the mean `isend` was 4-6x its median), so the expected value is the honest single figure
+for a deterministic simulator; the hand-off distribution is kept (quantiles) for the docs and for
+anyone who wants the tail.
 
 `MessageCosts.apply(costs)` puts them in a `CostModel`: the overheads as they are, and as hand-off
 delay the mean measured hand-off beyond what the cost model already charges for it (send overhead,
-latency, bytes / bandwidth). Mean, not median: the simulator is deterministic and a step pays for
-every late hop on its critical path, so the expected delay is the honest single figure; the
-distribution is kept (quantiles) for the docs and for anyone who wants the tail.
+latency, bytes / bandwidth).
 
 Collective over the process group; a few hundred milliseconds. Nothing here knows Lightning.
 """
 
 from __future__ import annotations
 
+import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
@@ -36,14 +46,15 @@ QUANTILES = 20  # the hand-off distribution is kept as its 5% .. 95% quantiles p
 
 @dataclass(frozen=True)
 class MessageCosts:
-    send_overhead: float  # s in isend, median
-    recv_overhead: float  # s in irecv + wait on data already there, medians
+    send_overhead: float  # s in isend, mean
+    recv_overhead: float  # s in irecv + wait on data already there, means
     handoff_mean: float  # s from isend until the waiting receiver runs, mean over all samples
     handoff_quantiles: tuple[float, ...]  # min, 5%, ..., 95%, max
     nbytes: int  # message size measured
     think: float  # s of work between hops
     samples: int
     seconds: float  # what the measurement took
+    method: str = "bounce"  # "bounce" (round trips, no clocks compared) or "bounce+lockstep" (one host: both regimes)
 
     def handoff_delay(self, costs: CostModel) -> float:
         """The mean hand-off beyond what `costs` charges a message of this size already."""
@@ -67,7 +78,7 @@ class MessageCosts:
         return (
             f"send {self.send_overhead * 1e6:.0f} us, receive {self.recv_overhead * 1e6:.0f} us per message; hand-off mean "
             f"{self.handoff_mean * 1e6:.0f} us (median {q[len(q) // 2] * 1e6:.0f} us, 95% {q[-2] * 1e6:.0f} us, max "
-            f"{q[-1] * 1e6:.0f} us) at {self.nbytes} B, {self.samples} samples in {self.seconds:.2f} s"
+            f"{q[-1] * 1e6:.0f} us) at {self.nbytes} B, {self.samples} {self.method} samples in {self.seconds:.2f} s"
         )
 
 
@@ -83,6 +94,37 @@ def _work(seconds: float, sleep: bool) -> None:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":  # NCCL's wait orders the stream; the data is there once it is synchronised
         torch.cuda.synchronize(device)
+
+
+def _lockstep(peer: int, buf: torch.Tensor, rounds: int, think: float, sleep: bool, group) -> dict:
+    """One side of a pair on one host: both sides work, send to each other and wait, `rounds`
+    times. `buf` is float64; its first element carries the sender's clock at `isend`."""
+    device = buf.device
+    inbox = torch.empty_like(buf)
+    sends, posts, handoffs = [], [], []
+    for k in range(rounds + 1):  # round 0 warms the connection up
+        t = time.perf_counter()
+        recv = dist.irecv(inbox, peer, group=group)
+        posted = time.perf_counter() - t
+        _work(think, sleep)
+        stamp = torch.tensor([time.perf_counter()], dtype=buf.dtype)
+        buf[:1].copy_(stamp)  # on an accelerator this is a host-to-device copy: part of the send, as a stage's output is there already
+        t0 = time.perf_counter()
+        send = dist.isend(buf, peer, group=group)
+        sent = time.perf_counter() - t0
+        waiting = time.perf_counter()
+        recv.wait()
+        _sync(device)
+        arrived = time.perf_counter()
+        their = float(inbox[0].item())
+        send.wait()
+        if k == 0:
+            continue
+        sends.append(sent)
+        posts.append(posted)
+        if their >= waiting:  # this side was waiting when the peer sent: a hand-off as a stage waiting for its input sees it
+            handoffs.append(arrived - their)
+    return {"sends": sends, "posts": posts, "handoffs": handoffs}
 
 
 def _bounce(peer: int, first: bool, buf: torch.Tensor, rounds: int, think: float, sleep: bool, group) -> dict:
@@ -112,20 +154,27 @@ def _bounce(peer: int, first: bool, buf: torch.Tensor, rounds: int, think: float
             sends.append(time.perf_counter() - t2)
             turnarounds.append(t2 - t1)
         send.wait()
-    # a receive whose data is already there: what completing it costs the receiver's thread
+    return {"sends": sends[1:], "posts": posts[1:], "turnarounds": turnarounds[1:], "trips": trips[1:]}
+
+
+def _completions(peer: int, first: bool, buf: torch.Tensor, rounds: int, think: float) -> list[float]:
+    """A receive whose data is already there: what completing it costs the receiver's thread
+    (measured on the pair's second side)."""
+    device = buf.device
+    inbox = torch.empty_like(buf)
     waits = []
     for _ in range(max(rounds // 4, 3)):
         if first:
-            send = dist.isend(buf, peer, group=group)
+            send = dist.isend(buf, peer)
             send.wait()
         else:
-            recv = dist.irecv(inbox, peer, group=group)
+            recv = dist.irecv(inbox, peer)
             _work(max(think, 2e-4) * 2, True)  # sleep: the data lands meanwhile
             t = time.perf_counter()
             recv.wait()
             _sync(device)
             waits.append(time.perf_counter() - t)
-    return {"sends": sends[1:], "posts": posts[1:], "turnarounds": turnarounds[1:], "trips": trips[1:], "waits": waits}
+    return waits
 
 
 def measure_messages(
@@ -146,40 +195,52 @@ def measure_messages(
         return None
     start = time.perf_counter()
     rank = dist.get_rank()
-    buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    hosts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    one_host = len({hosts[r] for r in chain}) == 1
+    # lockstep stamps a float64 clock into the message; the bounce sends what the stages send
+    buf = (
+        torch.zeros(max(1, nbytes // 8), dtype=torch.float64, device=device)
+        if one_host
+        else torch.zeros(max(1, nbytes // 4), device=device)
+    )
     mine: list[dict] = []
     for phase in (0, 1):
         for i in range(phase, len(chain) - 1, 2):
             a, b = chain[i], chain[i + 1]
             if rank in (a, b):
-                mine.append(
-                    {"pair": (a, b), "first": rank == a, **_bounce(b if rank == a else a, rank == a, buf, rounds, think, sleep, None)}
-                )
+                peer = b if rank == a else a
+                run = {"pair": (a, b), "first": rank == a, **_bounce(peer, rank == a, buf, rounds, think, sleep, None)}
+                if one_host:
+                    run["lockstep"] = _lockstep(peer, buf, rounds, think, sleep, None)
+                mine.append({**run, "waits": _completions(peer, rank == a, buf, rounds, think)})
         # pairs of one phase run at once; the next phase starts when all are done
         dist.barrier(group=group)
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     runs = [run for part in gathered for run in part]
-    sends = [x for r in runs for x in r["sends"]]
-    recvs_post = [x for r in runs for x in r["posts"]]
+    steps = [r["lockstep"] for r in runs if "lockstep" in r]  # one host: both regimes' samples, pooled
+    sends = [x for r in runs + steps for x in r["sends"]]
+    recvs_post = [x for r in runs + steps for x in r["posts"]]
     waits = [x for r in runs for x in r["waits"]]
     seconds_box = [time.perf_counter() - start]
     turnarounds = {r["pair"]: r["turnarounds"] for r in runs if not r["first"]}
-    handoffs = []
+    handoffs = [h for r in steps for h in r["handoffs"]]
     for r in runs:  # a round trip less the other side's turnaround is two hand-offs: no clocks compared
         if r["first"]:
-            handoffs += [(trip - turn) / 2 for trip, turn in zip(r["trips"], turnarounds[r["pair"]])]
+            handoffs += [(trip - turn) / 2 for trip, turn in zip(r["trips"], turnarounds[r["pair"]]) for _ in range(2)]
     handoffs = sorted(max(h, 0.0) for h in handoffs)
     dist.broadcast_object_list(seconds_box, src=chain[0], group=group)
     n = len(handoffs)
     quantiles = tuple(handoffs[min(n - 1, round(k * (n - 1) / QUANTILES))] for k in range(QUANTILES + 1))
     return MessageCosts(
-        send_overhead=statistics.median(sends),
-        recv_overhead=statistics.median(recvs_post) + statistics.median(waits),
+        send_overhead=statistics.fmean(sends),
+        recv_overhead=statistics.fmean(recvs_post) + statistics.fmean(waits),
         handoff_mean=statistics.fmean(handoffs),
         handoff_quantiles=quantiles,
         nbytes=int(buf.numel() * buf.element_size()),
         think=think,
         samples=n,
         seconds=seconds_box[0],
+        method="bounce+lockstep" if one_host else "bounce",
     )

@@ -23,7 +23,10 @@ def test_three_ranks_measure_both_links_and_agree():
     per_rank = run_distributed(_measure, 3, timeout=120)
     first = per_rank[0]
     assert all(m == first for m in per_rank)  # one answer everywhere: the planners on every rank agree
-    assert first.samples == 2 * 8  # links (0, 1) and (1, 2), 8 round trips each
+    # links (0, 1) and (1, 2): 8 round trips each (two hand-offs per trip), and on one host the
+    # lockstep's stamped hand-offs besides (one per round whose receiver was waiting)
+    assert first.method == "bounce+lockstep"
+    assert first.samples > 2 * 2 * 8
     assert first.nbytes == 1 << 16
     assert first.send_overhead > 0 and first.recv_overhead > 0
     q = first.handoff_quantiles
@@ -31,6 +34,21 @@ def test_three_ranks_measure_both_links_and_agree():
     # each round trip holds the other side's 30 ms of work: it is subtracted, so a hand-off is the
     # message's own delay (without the subtraction every sample would be >= THINK / 2)
     assert first.handoff_mean < THINK / 2
+
+
+def _measure_on_separate_hosts(rank: int, world: int) -> MessageCosts:
+    import lightning_pipe.messages as messages
+
+    messages.socket.gethostname = lambda: f"host{rank}"  # each rank on a host of its own: clocks differ
+    return _measure(rank, world)
+
+
+def test_ranks_on_several_hosts_measure_round_trips_only():
+    per_rank = run_distributed(_measure_on_separate_hosts, 2, timeout=120)
+    assert per_rank[0] == per_rank[1]
+    assert per_rank[0].method == "bounce"
+    assert per_rank[0].samples == 2 * 8  # one link, 8 round trips, two hand-offs each
+    assert per_rank[0].handoff_mean < THINK / 2
 
 
 def test_one_rank_has_no_messages():
