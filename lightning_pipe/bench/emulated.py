@@ -58,6 +58,9 @@ def emulated_model(blocks: int, width: int, forward_s: float, backward_s: float,
     g = torch.Generator().manual_seed(seed)
     kind = PacedBlock if paced else EmulatedBlock
     model = nn.Sequential(*[kind(width, forward_s, backward_s) for _ in range(blocks)]).double()
+    if paced:
+        for i, block in enumerate(model):
+            block.index = i
     with torch.no_grad():
         for p in model.parameters():
             p.copy_((torch.rand(p.shape, generator=g, dtype=torch.float64) - 0.5) * (2 / width**0.5))
@@ -76,10 +79,31 @@ def fine_timer_slack(nanoseconds: int = 1000) -> bool:
         return False
 
 
-class _Stamp:
-    """One call of a PacedBlock: when its forward started, when its backward started."""
+# A device runs a chunk's kernels back to back while its host queues the next ones, so the host's
+# time between two blocks of one chunk is hidden. PacedBlocks do the same: a block that follows its
+# model neighbour on this process within CHAIN_GAP of that neighbour's deadline starts at the
+# deadline (its own arithmetic and call overhead fall inside its time, up to CHAIN_GAP late). The
+# clock is per process (each rank is one); a wait for a message, another micro-batch or the other
+# direction breaks the chain, so time outside a chunk's blocks is still the runtime's and measured.
+CHAIN_GAP = 1e-3
+_CHAIN = {"after": None, "deadline": 0.0}  # the last paced block's ("f" / "b", index) and its deadline
 
-    __slots__ = ("forward_s", "backward_s", "start", "back", "has_tail")
+
+def _chained(step: tuple, now: float) -> float:
+    """When a block doing `step` starts: its predecessor's deadline if it follows it closely, else now."""
+    if _CHAIN["after"] == step and now - _CHAIN["deadline"] < CHAIN_GAP:
+        return _CHAIN["deadline"]
+    return now
+
+
+def _done(step: tuple, deadline: float) -> None:
+    _CHAIN["after"], _CHAIN["deadline"] = step, deadline
+
+
+class _Stamp:
+    """One call of a PacedBlock: when its forward started, when its backward started, and where it sits."""
+
+    __slots__ = ("forward_s", "backward_s", "start", "back", "has_tail", "index")
 
 
 def _sleep_until(deadline: float) -> None:
@@ -100,6 +124,7 @@ class _PaceStart(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         stamp = ctx.stamp
         _sleep_until(stamp.back + stamp.backward_s)
+        _done(("b", stamp.index), stamp.back + stamp.backward_s)
         return grad, None
 
 
@@ -110,14 +135,16 @@ class _PaceEnd(torch.autograd.Function):
     def forward(ctx, y: torch.Tensor, stamp: _Stamp) -> torch.Tensor:
         ctx.stamp = stamp
         _sleep_until(stamp.start + stamp.forward_s)
+        _done(("f", stamp.index), stamp.start + stamp.forward_s)
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         stamp = ctx.stamp
-        stamp.back = time.perf_counter()
+        stamp.back = _chained(("b", stamp.index + 1), time.perf_counter())
         if not stamp.has_tail:  # no input gradient (the model's first block): the whole time here
-            time.sleep(stamp.backward_s)
+            _sleep_until(stamp.back + stamp.backward_s)
+            _done(("b", stamp.index), stamp.back + stamp.backward_s)
         return grad, None
 
 
@@ -125,11 +152,16 @@ class PacedBlock(EmulatedBlock):
     """An EmulatedBlock that occupies its rank for `forward_s` / `backward_s` in all, its own
     arithmetic (the Linear, autograd) included: it sleeps until its start plus its time, rather
     than its time after the arithmetic. So a block is as long as its emulated time on any machine,
-    as a device kernel's time includes its arithmetic (as long as the arithmetic is shorter)."""
+    as a device kernel's time includes its arithmetic (as long as the arithmetic is shorter).
+    With an `index` (its place in the model; `emulated_model` sets it) consecutive blocks chain
+    (CHAIN_GAP above): a chunk of k blocks lasts the sum of their times, as on a device."""
+
+    index: int = -2  # not placed: never chains
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         stamp = _Stamp()
-        stamp.start = time.perf_counter()
+        stamp.index = self.index
+        stamp.start = _chained(("f", self.index - 1), time.perf_counter()) if self.index >= 0 else time.perf_counter()
         stamp.forward_s, stamp.backward_s = self.forward_s * _SLOWDOWN[0], self.backward_s * _SLOWDOWN[0]
         stamp.has_tail = torch.is_grad_enabled() and x.requires_grad
         if stamp.has_tail:
