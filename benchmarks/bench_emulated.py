@@ -49,18 +49,9 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 
 import torch  # noqa: E402
 
-VARIANTS: tuple[tuple[str, dict[str, int]], ...] = (
-    ("gpipe", {}),
-    ("1f1b", {}),
-    ("interleaved", {"chunks": 2}),
-    ("interleaved", {"chunks": 4}),
-    ("wave", {"waves": 1}),
-    ("wave", {"waves": 2}),
-    ("wave", {"waves": 4}),
-    ("hanayo", {"waves": 1}),
-    ("hanayo", {"waves": 2}),
-    ("hanayo", {"waves": 4}),
-)
+from lightning_pipe.planning.auto import CANDIDATES  # noqa: E402
+
+VARIANTS: tuple[tuple[str, dict[str, int]], ...] = (("gpipe", {}),) + CANDIDATES  # what auto weighs, and GPipe
 
 
 def label(name: str, options: dict[str, int]) -> str:

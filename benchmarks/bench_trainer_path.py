@@ -128,19 +128,7 @@ def _lightning_parts(cfg: dict):
     from lightning.pytorch.callbacks import Callback
     from torch.utils.data import DataLoader, Dataset
 
-    class MLP(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.seq = make_model(cfg)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss = loss_fn(self.seq(x), y)
-            self.log("train_loss", loss)
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=cfg["lr"])
+    from lightning_pipe.bench.mlp_module import MLPModule
 
     class Batches(Dataset):
         """Step i's batch is make_data's batch i mod 4, as the raw runs cycle them."""
@@ -189,7 +177,7 @@ def _lightning_parts(cfg: dict):
             self.params = {k.split(".", 1)[1]: v.detach().clone() for k, v in pl_module.state_dict().items()}
 
     # batch_size=None: the dataset's items are the batches, no collation
-    return L, MLP(), DataLoader(Batches(), batch_size=None, shuffle=False), Clock()
+    return L, MLPModule(cfg), DataLoader(Batches(), batch_size=None, shuffle=False), Clock()
 
 
 def _trainer(rank: int, world: int, cfg: dict) -> dict:
