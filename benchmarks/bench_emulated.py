@@ -98,7 +98,7 @@ def reference_weights(cfg: dict) -> dict[str, torch.Tensor]:
 
     from lightning_pipe.bench.emulated import emulated_model
 
-    model = emulated_model(cfg["blocks"], cfg["width"], 0.0, 0.0, seed=cfg["seed"])
+    model = emulated_model(cfg["blocks"], cfg["width"], 0.0, 0.0, seed=cfg["seed"], gain=cfg["gain"])
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
     x, y = _data(cfg["rows"], cfg["width"])
     for _ in range(cfg["warmup"] + cfg["steps"]):
@@ -142,7 +142,7 @@ def _job(rank: int, world: int, cfg: dict, cases: list[dict], reference: dict[st
     for case in cases:
         schedule = build_schedule(case["schedule"], world, case["m"], **case["options"])
         bounds = uniform_bounds(cfg["blocks"], schedule.num_chunks)
-        model = emulated_model(cfg["blocks"], cfg["width"], cfg["f"], cfg["b"], seed=cfg["seed"], paced=cfg["paced"])
+        model = emulated_model(cfg["blocks"], cfg["width"], cfg["f"], cfg["b"], seed=cfg["seed"], paced=cfg["paced"], gain=cfg["gain"])
         chunks = {c: model[bounds[c][0] : bounds[c][1]] for c in schedule.chunks_of(rank)}
         host = SequentialHost(chunks, schedule.num_chunks - 1, F.mse_loss)
         pipe = SequentialPipeline(schedule, rank, host, transport)
@@ -222,6 +222,7 @@ def run_depth(p: int, args, multipliers: list[int]) -> dict:
         "b": 2 * args.block_ms / 1e3,
         "lr": 0.05,
         "seed": 3,
+        "gain": min(1.0, 16 / blocks),  # deep stacks well-conditioned: exactness stays checkable at 1e-10 (emulated_model)
         "warmup": args.warmup,
         "steps": args.steps,
         "timer_slack": not args.default_slack,
@@ -403,6 +404,8 @@ def summary(results: list[dict]) -> dict:
         per_p = {}
         for res in results:
             errs = [r["measured"] / r[key] - 1 for r in res["rows"] if r["exact"]]
+            if not errs:  # every case of this depth inexact: listed under "inexact", nothing to compare
+                continue
             per_p[res["p"]] = {
                 "median_abs_error": statistics.median(abs(e) for e in errs),
                 "max_abs_error": max(abs(e) for e in errs),
@@ -414,8 +417,8 @@ def summary(results: list[dict]) -> dict:
         out[key] = {
             "within_5pct": within,
             "cases": len(errors),
-            "median_abs_error": statistics.median(abs(e) for e in errors),
-            "max_abs_error": max(abs(e) for e in errors),
+            "median_abs_error": statistics.median(abs(e) for e in errors) if errors else math.nan,
+            "max_abs_error": max((abs(e) for e in errors), default=math.nan),
             "per_p": per_p,
             "spearman": rhos,
             "auto": autos,
