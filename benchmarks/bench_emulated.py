@@ -1,6 +1,6 @@
 """Depth on EMULATED devices: every schedule at P = 2..16 ranks, measured against the simulator.
 
-    flock /tmp/bench.lock python benchmarks/bench_emulated.py            # ~10 min
+    flock /tmp/bench.lock python benchmarks/bench_emulated.py            # ~17 min
     flock /tmp/bench.lock python benchmarks/bench_emulated.py --quick    # P = 2, 4, ~2 min
 
 A 2-core machine cannot run 16 ranks of real compute, so every block here is an EMULATED device
