@@ -5,21 +5,25 @@ neighbouring ranks compute at the same time, issue their sends (gloo copies and 
 the calling thread) and wait for each other's data; on CPU ranks gloo's own threads then compete
 with the computes for the cores. So the measurement works like a pipeline hop, pair by pair:
 
-- **lockstep** (ranks on one host): both sides work `think` seconds (busy on the core, as a CPU
-  compute; or sleeping, as a rank whose GPU computes), send to each other, and wait. Each message
-  carries its sender's clock at `isend` (one monotonic clock per host), so the receiver that was
-  already waiting when it was sent reads the hand-off directly: from the sender calling `isend`
-  until the receiver returns from `wait` with the data.
-- **bounce** (ranks on several hosts, where clocks differ): the pair bounces the message, each
-  side working `think` before it answers; a round trip less the other side's turnaround is two
-  hand-offs, no clocks compared.
+- **bounce** (always): the pair bounces the message, each side working `think` seconds before it
+  answers (busy on the core, as a CPU compute; or sleeping, as a rank whose GPU computes); a round
+  trip less the other side's turnaround is two hand-offs, no clocks compared (works across hosts).
+  The sender goes idle after its send, so gloo's threads have a free core.
+- **lockstep** (besides, when the pair shares a host): both sides work `think`, send to each other
+  and wait, as neighbours in a pipeline's steady state do. Each message carries its sender's clock
+  at `isend` (one monotonic clock per host), so a receiver that was already waiting when it was
+  sent reads its hand-off directly: from the sender calling `isend` until the receiver returns
+  from `wait` with the data.
+
+On one host the two regimes' samples are pooled (a step has hops of both kinds; equal weight is
+our choice, a bounce's round trip counting as its two hand-offs).
 
 Besides: the time inside `isend` (send overhead), and inside `irecv` plus a `wait` on data that has
 already arrived (receive overhead). All three are kept as *means*: a step pays for every message
 it sends, and both the thread time in `isend` and the hand-off have heavy tails (on 2 CPU
-processes the mean `isend` was 4-6x its median), so the expected value is the honest single figure
-for a deterministic simulator; the hand-off distribution is kept (quantiles) for the docs and for
-anyone who wants the tail.
+processes the lockstep's mean `isend` was about 6x its median), so the expected value is the
+honest single figure for a deterministic simulator; the hand-off distribution is kept (quantiles)
+for the docs and for anyone who wants the tail.
 
 `MessageCosts.apply(costs)` puts them in a `CostModel`: the overheads as they are, and as hand-off
 delay the mean measured hand-off beyond what the cost model already charges for it (send overhead,
