@@ -12,7 +12,7 @@ from lightning_pipe.lightning.logs import LogBroadcaster, LogRecorder
 
 pytestmark = pytest.mark.multiprocess
 
-# what the last stage logs at each step: the keys change at step 2 and back at step 4
+# what the last stage logs at each step: "acc" joins at step 2 and leaves at step 4; nothing but the loss at step 5
 STEPS = [
     {"loss_a": 1.5},
     {"loss_a": 2.5},
