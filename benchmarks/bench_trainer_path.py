@@ -22,6 +22,8 @@ time from the first timed step's start to the last one's end (a barrier at both 
 per step (loop, hooks, data fetch, optimizer wrapper). The final weights of every mode are compared
 with ``single``'s.
 
+``--segments`` times the parts of the Trainer path's step on each rank (the strategy's step, its log
+exchange and the replay into ``module.log`` wrapped; medians over the timed steps).
 ``--profile cpu`` (or ``wall``) runs cProfile over the timed steps of the pipelined modes and prints each rank's
 heaviest functions (own time and cumulative; with BENCH_PROFILE_DIR set, the pstats files are
 written there too), the numbers behind docs/benchmarks.md's "where the
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
@@ -206,9 +209,59 @@ def _trainer(rank: int, world: int, cfg: dict) -> dict:
 
         half = cfg["blocks"] // 2
         kwargs["strategy"] = AutoPipeStrategy(schedule="1f1b", microbatches=cfg["microbatches"], partition=[half, cfg["blocks"] - half])
+    stamps = _stamp_segments() if cfg.get("segments") and world > 1 else None
     trainer = L.Trainer(**kwargs)
     trainer.fit(module, loader)
-    return {"timing": [clock.total] + clock.times, "params": clock.params, "profile": clock.prof.report("trainer-1f1b"), "cpu": clock.cpu}
+    out = {"timing": [clock.total] + clock.times, "params": clock.params, "profile": clock.prof.report("trainer-1f1b"), "cpu": clock.cpu}
+    if stamps is not None:
+        out["segments"] = _segments(stamps, cfg["warmup"])
+    return out
+
+
+# ---- where the strategy's step goes (--segments) ---------------------------------------------
+def _stamp_segments() -> list[dict]:
+    """Wrap the strategy's step (PipelineSteps.train), its log exchange and the replay into
+    ``module.log`` so each step records when they start and end (perf_counter); one dict per step."""
+    from lightning_pipe.lightning import steps as steps_module
+    from lightning_pipe.lightning.logs import LogBroadcaster
+
+    stamps: list[dict] = []
+    train, exchange, replay = steps_module.PipelineSteps.train, LogBroadcaster.exchange, steps_module.replay
+
+    def timed_train(self, *args, **kwargs):
+        stamps.append({"start": time.perf_counter()})
+        result = train(self, *args, **kwargs)
+        stamps[-1]["end"] = time.perf_counter()
+        return result
+
+    def timed_exchange(self, *args, **kwargs):
+        stamps[-1]["exchange"] = time.perf_counter()
+        result = exchange(self, *args, **kwargs)
+        stamps[-1]["replay"] = time.perf_counter()
+        return result
+
+    def timed_replay(*args, **kwargs):
+        replay(*args, **kwargs)
+        stamps[-1]["replayed"] = time.perf_counter()
+
+    steps_module.PipelineSteps.train, LogBroadcaster.exchange, steps_module.replay = timed_train, timed_exchange, timed_replay
+    return stamps
+
+
+def _segments(stamps: list[dict], warmup: int) -> dict:
+    """Medians (ms) over the timed steps: the schedule's run (from the step's entry: split, gradient
+    set-aside, the executor), the log exchange, Lightning's ``log`` of the exchanged values, the
+    rest of the strategy's step, and the time between one step's end and the next one's start
+    (Lightning's closure, optimizer wrapper and step, hooks, data fetch)."""
+    timed = stamps[warmup:]
+    med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+    return {
+        "run": med([s["exchange"] - s["start"] for s in timed]),
+        "exchange": med([s["replay"] - s["exchange"] for s in timed]),
+        "log": med([s["replayed"] - s["replay"] for s in timed]),
+        "rest of the step": med([s["end"] - s["replayed"] for s in timed]),
+        "between steps": med([b["start"] - a["end"] for a, b in zip(timed, timed[1:])]),
+    }
 
 
 def job(rank: int, world: int, mode: str, cfg: dict) -> dict:
@@ -263,6 +316,11 @@ def main() -> None:
         default="",
         help="cProfile the timed steps of the pipelined modes (CPU or wall time); print each rank's top",
     )
+    p.add_argument(
+        "--segments",
+        action="store_true",
+        help="time the parts of trainer-1f1b's step on each rank (the strategy's step wrapped; medians printed)",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run before its processes are killed")
     args = p.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -293,7 +351,7 @@ def main() -> None:
     for rep in range(args.repeats):
         for mode in modes:
             patient = time.monotonic() - started < args.budget
-            run_cfg = dict(cfg, profile=args.profile if mode.endswith("1f1b") else "")
+            run_cfg = dict(cfg, profile=args.profile if mode.endswith("1f1b") else "", segments=args.segments)
             results, foreign = launch(mode, run_cfg, args, patient, f"run {rep + 1}/{args.repeats} {mode:14s}")
             if mode == "single" and reference is None:
                 reference = results[0]["params"]
@@ -307,6 +365,9 @@ def main() -> None:
                 flush=True,
             )
             for r, res in enumerate(results):
+                if res.get("segments"):
+                    parts = ", ".join(f"{k} {v:.2f}" for k, v in res["segments"].items())
+                    print(f"    rank {r} step segments, median ms: {parts}", flush=True)
                 if res.get("profile"):
                     print(f"\n---- {mode} rank {r} profile (timed steps) ----\n{res['profile']}", flush=True)
             if mode not in best or stats["total"] > best[mode]["total"]:
