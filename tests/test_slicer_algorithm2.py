@@ -141,6 +141,21 @@ def test_algorithm2_slicing_plan():
     assert choose_slicing(costs, bounds, 6).method == "simulated"
 
 
+def test_our_slicer_weighs_the_messages_halves_add():
+    # each half is a micro-batch of its own, so slicing adds a send and a receive per stage link; with
+    # a receive costing more than the start-up it saves, our slicer keeps the micro-batches whole
+    import dataclasses
+
+    bounds = [(0, 1), (1, 2), (2, 3)]
+    quiet = CostModel.uniform(3, 2.0, 2.0)
+    assert choose_slicing(quiet, bounds, 6).sliced == 1
+    costly = dataclasses.replace(quiet, recv_overhead=3.0)
+    plan = choose_slicing(costly, bounds, 6)
+    assert plan.sliced == 0
+    k1 = dict((k, t) for k, _, t in plan.candidates)[1]
+    assert k1 > plan.baseline_iteration_time  # slicing one would have been slower, not merely not faster
+
+
 # ---- exactness on real processes ---------------------------------------------------------------
 def _batches():
     g = torch.Generator().manual_seed(3)
