@@ -262,9 +262,7 @@ def test_slicer_equals_single_process_and_writes_the_plan(tmp_path, devices, sli
     # planned on the link model alone: with measured message terms a receive's fixed thread time can cover
     # the whole start-up (CI measured 447 us per receive once, start-up 0.45 -> 0.45 ms), so whether halves
     # shorten it would depend on the machine's noise; test_slicer_algorithm2 checks the slicer weighs those terms
-    strategy = AutoPipeStrategy(
-        partition="autopipe", slicer=sliced, microbatches=4, trace=True, message_costs=False, start_method="spawn"
-    )
+    strategy = AutoPipeStrategy(partition="autopipe", slicer=sliced, microbatches=4, trace=True, message_costs=False, start_method="spawn")
     pipelined(model, devices, steps=4, strategy=strategy, default_root_dir=tmp_path)
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
     import json
