@@ -19,6 +19,7 @@ apart; tests/test_one_simulator.py checks they agree on every schedule.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -84,6 +85,11 @@ class CostModel:
     @property
     def num_blocks(self) -> int:
         return len(self.forward)
+
+    @functools.cached_property
+    def _ranges(self) -> dict[tuple[int, int], tuple[float, float, float]]:
+        """(first, stop) block range -> its forward sum, backward sum and boundary message (`chunk_costs`)."""
+        return {}
 
     @staticmethod
     def uniform(blocks: int, forward: float, backward: float, **kwargs) -> "CostModel":
@@ -163,16 +169,21 @@ def chunk_costs(
     n = costs.num_blocks
     if bounds[-1][1] != n or bounds[0][0] != 0:
         raise ValueError(f"the partition covers blocks {bounds[0][0]}..{bounds[-1][1] - 1} but the costs have {n} blocks")
-    # one pass, checks and sums together: the planners call this for every partition they try
-    forward, backward = costs.forward, costs.backward
+    # one pass, checks and sums together: the planners call this for every partition they try, so a
+    # block range's sums are kept on the cost model (the same floats as summing again: not prefix sums,
+    # whose differences would round differently and could break the planners' exact ties)
+    ranges = costs._ranges
     f, b_, comm = [], [], []
     edge = 0
     for a, b in bounds:
         if a != edge or not a < b:
             raise ValueError(f"the partition {list(map(tuple, bounds))} must be contiguous, non-empty block ranges")
-        f.append(sum(forward[a:b]))
-        b_.append(sum(backward[a:b]))
-        comm.append(costs.comm_time(b - 1))
+        known = ranges.get((a, b))
+        if known is None:
+            known = ranges[(a, b)] = (sum(costs.forward[a:b]), sum(costs.backward[a:b]), costs.comm_time(b - 1))
+        f.append(known[0])
+        b_.append(known[1])
+        comm.append(known[2])
         edge = b
     if ranks is not None and costs.slowdown:  # without slowdowns every factor is 1.0: x * 1.0 == x
         factors = [costs.factor(r) for r in ranks]
