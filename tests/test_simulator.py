@@ -291,3 +291,19 @@ def test_trace_counts_the_wait_for_input_as_idle_not_compute(rank):
     assert all(e - s < delay / 3 for _, s, e in computes)
     # the k-th receive waited for feeds the k-th compute that consumes one (list order)
     assert all(s >= arrived for (_, s, _), arrived in zip(waiting, transport.arrived))
+
+
+def test_chunk_costs_sums_each_range_and_a_replaced_model_sums_its_own():
+    # chunk_costs keeps a range's sums on the cost model: they must be the plain sums of that
+    # model's blocks, and a model made with dataclasses.replace (as MessageCosts.apply does) must
+    # not see the sums of the one it was made from
+    import dataclasses
+
+    from lightning_pipe.simulator import chunk_costs
+
+    costs = CostModel((1.0, 2.0, 4.0, 8.0), (3.0, 5.0, 7.0, 9.0), activation_bytes=(10.0, 20.0, 30.0, 40.0), bandwidth=10.0)
+    for _ in range(2):  # the second call reads what the first kept
+        assert chunk_costs(costs, [(0, 1), (1, 3), (3, 4)]) == ([1.0, 6.0, 8.0], [3.0, 12.0, 9.0], [1.0, 3.0, 4.0])
+    slower = dataclasses.replace(costs, forward=(2.0, 2.0, 2.0, 2.0), latency=1.0)
+    assert chunk_costs(slower, [(0, 1), (1, 3), (3, 4)]) == ([2.0, 4.0, 2.0], [3.0, 12.0, 9.0], [2.0, 4.0, 5.0])
+    assert chunk_costs(costs, [(0, 2), (2, 4)])[0] == [3.0, 12.0]
