@@ -34,7 +34,10 @@ the compute that needs it started, when that compute waited for it). From those 
 corrections are fitted (`calibrate`: compute x k, a fixed cost per compute action, a cost per
 message on the compute thread, the mean hand-off delay as the link latency) and the simulator is
 run again on the corrected costs ("simulated, calibrated"): how much of the gap between measured
-and simulated those effects explain.
+and simulated those effects explain. The iteration-time table adds three variants of the simulator,
+each with one input replaced: every chunk's compute at its median in the run's traces; the message
+terms fitted from the traces (`calibrate`'s o and h); the setup's hand-off distribution sampled per
+message (`MessageCosts.handoff_sampler`, mean of SAMPLES replays) instead of its mean.
 
     python benchmarks/bench_waves.py --simulated            # the order table of docs/schedules.md (seconds)
     python benchmarks/bench_waves.py                        # m = 4 and m = 2, a few minutes
@@ -81,6 +84,7 @@ OURS = {  # mode suffix -> (schedule name, options)
     "interleaved4": ("interleaved", {"chunks": 4}),
 }
 TORCH = ("interleaved", "zbv")
+SAMPLES = 30  # replays with sampled hand-offs per schedule
 MODES = ["single"] + [f"ours-{k}" for k in OURS] + [f"torch-{k}" for k in TORCH]
 MULTI_OURS = [f"ours-{k}" for k in OURS if k != "1f1b"]
 MULTI_TORCH = [f"torch-{k}" for k in TORCH]
@@ -557,14 +561,14 @@ def main() -> None:
                     if mode.startswith("ours-"):
                         schedule, bounds = our_schedule(mode[len("ours-") :], m, args.blocks)
                         traces[mode] = trace_summary(results, schedule, costs, bounds)
-        calibrated = report(m, dict(cfg, repeats=args.repeats), best, errors, traces, costs)
+        calibrated = report(m, dict(cfg, repeats=args.repeats), best, errors, traces, costs, profile_messages(prof[0]))
         tables[m] = (best, errors, traces, calibrated)
     print(f"\ntotal {time.monotonic() - started:.0f} s")
     if args.picture:
         picture(tables, args.picture)
 
 
-def report(m: int, cfg: dict, best: dict, errors: dict, traces: dict, costs) -> dict:
+def report(m: int, cfg: dict, best: dict, errors: dict, traces: dict, costs, messages) -> dict:
     """Print the tables of one m; return the calibrated simulated speed-ups (for the picture)."""
     one = best["ours-1f1b"]["total"]
     opt = max(traces["ours-1f1b"]["opt"])  # the same optimizer work in every schedule (half the weights per rank)
@@ -611,17 +615,35 @@ def report(m: int, cfg: dict, best: dict, errors: dict, traces: dict, costs) -> 
         "\niteration time (the pipeline's step without the optimizer), measured (median step, the slower rank) vs simulated "
         "on the profile with the link model alone and with the measured message costs:\n"
     )
+    # the message terms as this run's traces show them (calibrate's o and h), instead of the setup's
+    from dataclasses import replace
+
+    from lightning_pipe.simulator import simulate
+
+    traced = replace(costs, send_overhead=o, recv_overhead=o, handoff_delay=max(h - costs.comm_time(0) + costs.handoff_delay, 0.0))
+    # the setup's hand-off distribution sampled per message (mean of SAMPLES replays) instead of its mean
+    import random
+
+    sampled_costs, rng = replace(costs, handoff_delay=0.0), random.Random(0)
+    draw = messages.handoff_sampler(costs, rng)
     print(
         "| schedule | measured ms | simulated, link only | error | simulated, with message costs | error | "
-        "the same, each chunk's compute as measured in the run | error |"
+        "the same, each chunk's compute as measured in the run | error | with the message terms of this run's traces | error | "
+        f"setup's hand-offs sampled per message (mean of {SAMPLES}) | error |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for mode, t in traces.items():
         measured = max(t["pipe"])
         plain, full, computes = t["sim_iter_link_only"], t["sim_iter"], t["sim_iter_measured_compute"]
+        schedule, bounds = our_schedule(mode[len("ours-") :], m, cfg["blocks"])
+        from_traces = simulate(schedule, traced, bounds, critical_path=False).iteration_time
+        sampled = statistics.fmean(
+            simulate(schedule, sampled_costs, bounds, critical_path=False, delays=draw).iteration_time for _ in range(SAMPLES)
+        )
         print(
             f"| {mode} | {1e3 * measured:.1f} | {1e3 * plain:.1f} | {plain / measured - 1:+.1%} | {1e3 * full:.1f} | "
-            f"{full / measured - 1:+.1%} | {1e3 * computes:.1f} | {computes / measured - 1:+.1%} |"
+            f"{full / measured - 1:+.1%} | {1e3 * computes:.1f} | {computes / measured - 1:+.1%} | {1e3 * from_traces:.1f} | "
+            f"{from_traces / measured - 1:+.1%} | {1e3 * sampled:.1f} | {sampled / measured - 1:+.1%} |"
         )
     print("\nper-action trace of the best run (median step, ms; rank 0 / rank 1):\n")
     print(

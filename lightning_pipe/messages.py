@@ -34,11 +34,12 @@ Collective over the process group; a few hundred milliseconds. Nothing here know
 
 from __future__ import annotations
 
+import random
 import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,22 @@ class MessageCosts:
         """The mean hand-off beyond what `costs` charges a message of this size already."""
         link = costs.latency + (self.nbytes / costs.bandwidth if costs.bandwidth != float("inf") else 0.0)
         return max(self.handoff_mean - self.send_overhead - link, 0.0)
+
+    def handoff_sampler(self, costs: CostModel, rng: random.Random) -> Callable[[], float]:
+        """Draws for `simulate(delays=...)`: a hand-off from the measured distribution (linear between
+        the stored quantiles), less what `costs` charges a message already (send overhead, link),
+        never below 0. Use with ``replace(costs, handoff_delay=0.0)``."""
+        q = self.handoff_quantiles
+        link = costs.latency + (self.nbytes / costs.bandwidth if costs.bandwidth != float("inf") else 0.0)
+        floor = self.send_overhead + link
+        steps = len(q) - 1
+
+        def draw() -> float:
+            x = rng.random() * steps
+            i = min(int(x), steps - 1)
+            return max(q[i] + (q[i + 1] - q[i]) * (x - i) - floor, 0.0)
+
+        return draw
 
     def apply(self, costs: CostModel) -> CostModel:
         return replace(costs, send_overhead=self.send_overhead, recv_overhead=self.recv_overhead, handoff_delay=self.handoff_delay(costs))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .schedules.actions import Action, Op, PipelineSchedule
 
@@ -274,8 +274,15 @@ class _Run:
     alike: a compute's work, a send, a compute's completion, and the finished `Timeline`. They
     differ only in when a compute ends."""
 
-    def __init__(self, schedule: PipelineSchedule, costs: CostModel, bounds: Sequence[tuple[int, int]], scale: Optional[Sequence[float]]):
-        self.schedule, self.costs, self.bounds, self.scale = schedule, costs, bounds, scale
+    def __init__(
+        self,
+        schedule: PipelineSchedule,
+        costs: CostModel,
+        bounds: Sequence[tuple[int, int]],
+        scale: Optional[Sequence[float]],
+        delays: Optional[Callable[[], float]] = None,
+    ):
+        self.schedule, self.costs, self.bounds, self.scale, self.delays = schedule, costs, bounds, scale, delays
         self.fwd, self.bwd, self.comm = chunk_costs(costs, bounds, schedule.chunk_rank)
         ranks = schedule.num_ranks
         self.arrival: dict[tuple, tuple[float, Optional[int]]] = {}  # message -> (arrival time, producing compute)
@@ -331,6 +338,8 @@ class _Run:
         if self.scale is not None and self.costs.activation_bytes:
             fixed = self.costs.fixed_comm
             t = fixed + (t - fixed) * self.scale[a.microbatch]
+        if self.delays is not None:
+            t += self.delays()
         self.sends[r] += 1
         leave = self.free_at(r)
         message = message_of(a)
@@ -375,16 +384,19 @@ def simulate(
     bounds: Sequence[tuple[int, int]],
     critical_path: bool = True,
     scale: Optional[Sequence[float]] = None,
+    delays: Optional[Callable[[], float]] = None,
 ) -> Timeline:
     """Replay `schedule` with chunk c holding blocks ``bounds[c]`` (half-open ranges).
 
     ``scale[i]`` is micro-batch i's size relative to the profiled one (0.5 for a half from the
-    slicer): its compute times and message sizes scale with it (a linear model of batch size)."""
+    slicer): its compute times and message sizes scale with it (a linear model of batch size).
+    ``delays()``: seconds added to each message on top of the cost model's, drawn anew per message
+    (e.g. hand-offs sampled from a measured distribution, with the model's mean hand-off at 0)."""
     if len(bounds) != schedule.num_chunks:
         raise ValueError(f"{len(bounds)} block ranges for a schedule of {schedule.num_chunks} chunks")
     if scale is not None and len(scale) != schedule.num_microbatches:
         raise ValueError(f"scale has {len(scale)} entries for {schedule.num_microbatches} micro-batches")
-    run = _Run(schedule, costs, bounds, scale)
+    run = _Run(schedule, costs, bounds, scale, delays)
     if costs.shares_cores(schedule.num_ranks):
         return _simulate_shared(run, critical_path)
     pointer = run.pointer

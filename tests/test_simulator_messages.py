@@ -57,3 +57,40 @@ def test_a_schedule_with_more_messages_pays_more():
 def test_bad_message_costs_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         CostModel.uniform(2, 1.0, 2.0, **{field: value})
+
+
+def test_delays_drawn_per_message():
+    # a constant draw is the mean hand-off delay by another road; a draw that alternates 0 and 0.4
+    # (mean 0.2) lands every other message late, and the replay sees each message's own delay
+    import itertools
+
+    schedule = build_schedule("1f1b", 2, 2)
+    bounds = [(0, 1), (1, 2)]
+    plain = CostModel.uniform(2, 1.0, 2.0, send_overhead=0.1, recv_overhead=0.05)
+    mean = simulate(schedule, CostModel.uniform(2, 1.0, 2.0, **MESSAGES), bounds)
+    assert simulate(schedule, plain, bounds, delays=lambda: 0.2).iteration_time == pytest.approx(mean.iteration_time, abs=1e-12)
+    draws = itertools.cycle([0.0, 0.4])
+    alternating = simulate(schedule, plain, bounds, delays=lambda: next(draws))
+    sends = sorted((e for e in alternating.events if e.action.op.is_send), key=lambda e: e.start)
+    assert [round(e.end - e.start, 12) for e in sends] == [0.0, 0.4, 0.0, 0.4]  # rank order of issue: F0, F1 (rank 0), then rank 1's
+    # rank 1's first forward: rank 0's F0 ends at 1, its send leaves at 1.1 (thread time) and, drawn 0,
+    # arrives at once (the mean's 0.2 made it 1.3, as in the hand-worked case above)
+    starts = {(e.rank, e.action.op.name, e.action.microbatch): e.start for e in alternating.computes()}
+    assert starts[(1, "FORWARD", 0)] == pytest.approx(1.1, abs=1e-12)
+
+
+def test_handoff_sampler_follows_the_measured_quantiles():
+    import random
+    import statistics
+
+    from lightning_pipe.messages import MessageCosts
+
+    # hand-offs 100..300 us evenly (quantiles 0, 5, ..., 100%); the model already charges 50 us
+    # (send overhead 40 us + latency 10 us) of each, so draws are the rest: 50..250 us, mean 150 us
+    quantiles = tuple(100e-6 + 200e-6 * k / 20 for k in range(21))
+    measured = MessageCosts(40e-6, 0.0, 200e-6, quantiles, 0, 1e-3, 100, 0.1)
+    draw = measured.handoff_sampler(CostModel.uniform(2, 1.0, 2.0, latency=10e-6), random.Random(1))
+    xs = [draw() for _ in range(20000)]
+    assert min(xs) >= 50e-6 - 1e-12 and max(xs) <= 250e-6 + 1e-12
+    assert statistics.fmean(xs) == pytest.approx(150e-6, rel=0.02)
+    assert statistics.quantiles(xs, n=4)[0] == pytest.approx(100e-6, rel=0.05)  # uniform: the first quartile at 25%
