@@ -9,6 +9,8 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from models import max_rel_diff, trainer_kwargs
 from test_adaptive import SlowRankOne, emulated_data, emulated_reference_and_model
 
@@ -95,10 +97,79 @@ def test_learned_mode_moves_blocks_off_a_slowed_rank_and_stays_exact(tmp_path):
     strategy = AutoPipeStrategy(
         microbatches=4, partition="uniform", adaptive="learned", adaptive_window=3, adaptive_interval=5, start_method="spawn"
     )
-    trainer = L.Trainer(devices=2, strategy=strategy, callbacks=[SlowRankOne()], **trainer_kwargs(max_steps=30))
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=30)
+    kw = trainer_kwargs(max_steps=30, enable_checkpointing=True)
+    trainer = L.Trainer(devices=2, strategy=strategy, callbacks=[SlowRankOne(), saver], **kw)
     trainer.fit(model, emulated_data())
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
     seen = json.loads(Path("monitor-0.json").read_text())
     assert seen == json.loads(Path("monitor-1.json").read_text())
     assert seen[5]["bounds"] == [[0, 4], [4, 8]], "no switch while the ranks are equal"
     assert seen[-1]["bounds"][0][1] >= 5, f"blocks moved to the fast rank 0, got {seen[-1]['bounds']}"
+    # the checkpoint keeps what the decider learned online (a resumed run continues from it)
+    (ckpt,) = (tmp_path / "ckpt").glob("*.ckpt")
+    learned = torch.load(ckpt, weights_only=True)["optimizer_states"][0]["autopipe_adaptive"]["learned"]
+    shipped = load_learned(None, 2).predictor.state_dict()
+    assert learned["scorer"]["adapted"] > 0 and len(learned["scorer"]["replay"]) > 0
+    assert any(not torch.equal(v, shipped[k]) for k, v in learned["scorer"]["predictor"].items())
+    assert learned["switch_cost"]["optimizer"] is not None, "a switch was measured and fitted"
+    # and a run resumed from it starts with that state, not the shipped weights
+    strategy = AutoPipeStrategy(microbatches=4, partition="uniform", adaptive="learned", start_method="spawn")
+    trainer = L.Trainer(devices=2, strategy=strategy, callbacks=[RecordAdapted(tmp_path)], **trainer_kwargs(max_steps=31))
+    trainer.fit(model, emulated_data(), ckpt_path=str(ckpt))
+    assert json.loads((tmp_path / "adapted.json").read_text()) == learned["scorer"]["adapted"]
+
+
+class RecordAdapted(L.Callback):
+    """On pipeline rank 0 at the resumed run's first step: how many online steps its predictor has taken."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_train_batch_start(self, trainer, *args):
+        path = Path(self.folder) / "adapted.json"
+        if trainer.global_rank == 0 and not path.exists():
+            path.write_text(json.dumps(trainer.strategy.adaptive.decider.scorer.adapted))
+
+
+def test_online_state_round_trips_through_a_checkpoint():
+    # the learned decider adapts online (predictor head, its Adam state, the replay buffer, the
+    # sampler; the switch-cost network after a measured switch); what a checkpoint keeps of it must
+    # make a fresh decider continue exactly as the first one would
+    import io
+
+    from lightning_pipe.adaptive.learned import LearnedDecider
+    from lightning_pipe.adaptive.monitor import IterationMetrics, StaticMetrics
+
+    static = StaticMetrics((1e5,) * 8, (0.0,) + (1e5,) * 7, (4e5,) * 8, (1e-3,) * 8, (2e-3,) * 8)
+    bounds, placement = ((0, 4), (4, 8)), (0, 1)
+
+    def window(step: int) -> list:
+        slow = 1.0 + 0.1 * (step % 5)  # rank 1 slows down and recovers: windows of different content
+        return [
+            IterationMetrics(s, 4, bounds, placement, (0.012, 0.012 * slow), (0.024, 0.024 * slow), (0.05, 0.05 * slow))
+            for s in range(step, step + 3)
+        ]
+
+    def decider() -> LearnedDecider:
+        return LearnedDecider(load_learned(None, 2), static, "1f1b", 4)
+
+    first = decider()
+    for step in range(8):
+        first.observe(window(step))
+        first.decide(window(step), 100.0, step, 1e9)  # adapts, then scores
+    first.switched(8e5, 1e9, 2, 0.03)  # the switch-cost network adapts to a measured switch
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)  # as Lightning reads a checkpoint
+
+    again, fresh = decider(), decider()
+    again.load_state_dict(saved)
+    assert first.scorer.adapted > 0 and again.scorer.adapted == first.scorer.adapted
+    for step in range(8, 11):  # both go on: the same adaptation steps, the same predictions
+        for d in (first, again, fresh):
+            d.observe(window(step))
+        a, b, c = (d.decide(window(step), 100.0, step, 1e9) for d in (first, again, fresh))
+        assert a.scores == b.scores and a.cost_s == b.cost_s
+        assert a.scores != c.scores, "a decider from the shipped weights alone predicts otherwise"

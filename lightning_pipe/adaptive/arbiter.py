@@ -82,17 +82,30 @@ class SwitchCost(nn.Module):
         with torch.no_grad():
             return float(10 ** self(torch.tensor([cost_features(moved_bytes, bandwidth, blocks)], dtype=torch.float32))[0])
 
+    def online_state(self) -> dict[str, Any]:
+        """Its weights and optimizer as online adaptation left them (None: no switch measured yet)."""
+        return {"net": self.state_dict(), "optimizer": None if self.optimizer is None else self.optimizer.state_dict()}
+
+    def load_online_state(self, state: dict[str, Any]) -> None:
+        self.load_state_dict(state["net"])
+        if state["optimizer"] is not None:
+            self._online_optimizer().load_state_dict(state["optimizer"])
+
+    def _online_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:  # made at the first measured switch (or a resumed run's state)
+            self.optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+        return self.optimizer
+
     def adapt(self, moved_bytes: float, bandwidth: float, blocks: int, seconds: float, steps: int = 20) -> None:
         """Online: fit the measured switch (a few steps, this sample only)."""
-        if self.optimizer is None:
-            self.optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+        optimizer = self._online_optimizer()
         x = torch.tensor([cost_features(moved_bytes, bandwidth, blocks)], dtype=torch.float32)
         y = torch.tensor([math.log10(max(seconds, 1e-6))])
         for _ in range(steps):
             loss = (self(x) - y).pow(2).mean()
-            self.optimizer.zero_grad()
+            optimizer.zero_grad()
             loss.backward()
-            self.optimizer.step()
+            optimizer.step()
 
     def meta(self) -> dict[str, Any]:
         return {"kind": "switch_cost", "features": F.FEATURE_VERSION}

@@ -142,6 +142,25 @@ class LearnedScorer:
         latest = window[-1]
         self.replay.append((rows, self._candidate(latest.bounds, latest.chunk_rank, slow, bw), math.log(measured_s / self._t0())))
 
+    def state_dict(self) -> dict[str, Any]:
+        """What online adaptation has changed since the shipped weights: the predictor, its optimizer,
+        the replay buffer and the sampler's state, so a resumed run adapts on as the first would have."""
+        return {
+            "predictor": self.predictor.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "replay": list(self.replay),
+            "random": self.random.getstate(),
+            "adapted": self.adapted,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.predictor.load_state_dict(state["predictor"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.replay.clear()
+        self.replay.extend(state["replay"])
+        self.random.setstate(state["random"])
+        self.adapted = state["adapted"]
+
     def adapt(self, batch: int = 16) -> None:
         """A few gradient steps on the replay buffer (transfer learning from the offline weights)."""
         if len(self.replay) < 2:

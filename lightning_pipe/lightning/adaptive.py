@@ -265,7 +265,12 @@ class Adaptive:
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"rule": self.rule.state_dict(), "switches": len(self.switches)}
+        out = {"rule": self.rule.state_dict(), "switches": len(self.switches)}
+        if self.decider is not None and self.strategy.global_rank == self.root:  # learned: adapted online on this rank
+            out["learned"] = self.decider.state_dict()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rule.load_state_dict(state["rule"])
+        if self.decider is not None and "learned" in state:  # a checkpoint of a rule run has none: shipped weights
+            self.decider.load_state_dict(state["learned"])
