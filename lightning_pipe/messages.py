@@ -61,18 +61,19 @@ class MessageCosts:
     seconds: float  # what the measurement took
     method: str = "bounce"  # "bounce" (round trips, no clocks compared) or "bounce+lockstep" (one host: both regimes)
 
+    def _charged(self, costs: CostModel) -> float:
+        """What `costs` charges a message of this size before it lands: send overhead, latency, bytes / bandwidth."""
+        return self.send_overhead + costs.latency + (self.nbytes / costs.bandwidth if costs.bandwidth != float("inf") else 0.0)
+
     def handoff_delay(self, costs: CostModel) -> float:
         """The mean hand-off beyond what `costs` charges a message of this size already."""
-        link = costs.latency + (self.nbytes / costs.bandwidth if costs.bandwidth != float("inf") else 0.0)
-        return max(self.handoff_mean - self.send_overhead - link, 0.0)
+        return max(self.handoff_mean - self._charged(costs), 0.0)
 
     def handoff_sampler(self, costs: CostModel, rng: random.Random) -> Callable[[], float]:
         """Draws for `simulate(delays=...)`: a hand-off from the measured distribution (linear between
         the stored quantiles), less what `costs` charges a message already (send overhead, link),
         never below 0. Use with ``replace(costs, handoff_delay=0.0)``."""
-        q = self.handoff_quantiles
-        link = costs.latency + (self.nbytes / costs.bandwidth if costs.bandwidth != float("inf") else 0.0)
-        floor = self.send_overhead + link
+        q, floor = self.handoff_quantiles, self._charged(costs)
         steps = len(q) - 1
 
         def draw() -> float:
