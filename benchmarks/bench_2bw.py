@@ -14,7 +14,7 @@ with one thread each, at m = 2 (= d) and m = 8 (= 4d) micro-batches of 64 rows p
               ``mode.drain()`` applies the last batch's update.
 
 A step is zero_grad, the pipeline step and the optimizer step. samples/s counts ``steps x batch``
-over the wall time of the timed steps (lightning_pipe.launch.timed_steps: warm-up steps excluded,
+over the wall time of the timed steps (lightning_pipe.bench.launch.timed_steps: warm-up steps excluded,
 a barrier before and after). For 2BW the warm-up holds the fill (the first step, whose backwards
 are not all done); the timed steps are steady ones, and the final drain is timed separately
 (barrier to barrier) and NOT counted in samples/s: it is printed beside it. Final weights are
@@ -22,8 +22,8 @@ checked: GPipe and 1F1B against the one-process run (plain SGD), 2BW against the
 one process here (gradient of batch b at W(max(b - 1, 0)) applied to W(b)).
 
 Simulated figures: a 2-process job measures the link (ping_pong at 4 B and the activation size) and
-profiles every block at the micro-batch size on both ranks at once (lightning_pipe.profiler,
-the loss folded into the last block); lightning_pipe.simulator.simulate replays the schedules on
+profiles every block at the micro-batch size on both ranks at once (lightning_pipe.profiling,
+the loss folded into the last block); lightning_pipe.simulation.simulate replays the schedules on
 that CostModel: the iteration of build_schedule(name, 2, m) for GPipe / 1F1B, and for 2BW the
 steady time per step T(k + 1) - T(k) of pipedream_2bw(2, m, batches=k) unrolled. Each simulated
 step adds the optimizer step measured in the run (the simulator has no optimizer). Every run is
@@ -40,7 +40,7 @@ GPipe, 1F1B and 2BW run at m = d and m = 4d; the measured speed-up of 2BW over 1
 next to the simulator's on the profiled sleeping block (the same costs).
 
 The machine may be shared: each run waits (at most --quiet-wait s) for other processes to go quiet
-and is repeated when they disturbed it (lightning_pipe.launch.run_undisturbed), as bench_runtime.
+and is repeated when they disturbed it (lightning_pipe.bench.launch.run_undisturbed), as bench_runtime.
 
     python benchmarks/bench_2bw.py                          # everything, defaults (< 10 minutes)
     python benchmarks/bench_2bw.py --part real --microbatches 2 --repeats 3
@@ -64,8 +64,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
+from lightning_pipe.bench.launch import machine_description, run_undisturbed, timed_steps  # noqa: E402
 from lightning_pipe.bench.mlp import loss_fn, make_data, make_model, single_job, stage_half, summarize  # noqa: E402
-from lightning_pipe.launch import machine_description, ping_pong, run_undisturbed, timed_steps  # noqa: E402
+from lightning_pipe.profiling.link import ping_pong  # noqa: E402
 
 SCHEDULES = ["gpipe", "1f1b", "2bw"]
 MODES = ["single"] + SCHEDULES
@@ -226,7 +227,7 @@ def _pipeline(rank: int, world: int, cfg: dict, name: str) -> dict:
 def _profile(rank: int, world: int, cfg: dict) -> dict:
     """The link fit at the one message size, and every block profiled at the micro-batch size with
     the ranks profiling at once (as they compute in training; on 2 cores for the real part)."""
-    from lightning_pipe.profiler import profile_blocks
+    from lightning_pipe.profiling import profile_blocks
 
     rows = cfg["rows"]
     rounds = [ping_pong(rank, sizes=(4, rows * cfg["hidden"] * 4), repeats=50) for _ in range(3)]
@@ -279,7 +280,7 @@ def initial_weights(cfg: dict) -> dict:
 
 def build_costs(prof: dict):
     """CostModel from the profile job: per block the median over the ranks (the loss is in the last block's times)."""
-    from lightning_pipe.profiler import Profile
+    from lightning_pipe.profiling import Profile
 
     parts = prof["blocks"]
     n = len(parts[0])
@@ -296,7 +297,7 @@ def simulated(name: str, depth: int, m: int, costs) -> dict:
     flushing schedule; for 2BW the steady step T(k + 1) - T(k) of the unrolled run."""
     from lightning_pipe.schedules import build_schedule
     from lightning_pipe.schedules.two_bw import pipedream_2bw
-    from lightning_pipe.simulator import chunk_costs, simulate
+    from lightning_pipe.simulation import chunk_costs, simulate
 
     per = costs.num_blocks // depth
     bounds = [(r * per, (r + 1) * per) for r in range(depth)]
@@ -571,7 +572,7 @@ def emulated_part(args: argparse.Namespace, runner: Runner) -> None:
         f"link {1e6 * costs2.latency:.0f} us + {costs2.bandwidth / 1e9:.2f} GB/s",
         flush=True,
     )
-    from lightning_pipe.simulator import CostModel
+    from lightning_pipe.simulation import CostModel
 
     rows = []
     for depth in args.depths:

@@ -218,7 +218,7 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true", help="also run both rules on one process (see above)")
     parser.add_argument("--override", action="append", default=[], help="a Hydra override for both runs, e.g. model.lr=3e-4 (repeatable)")
     args = parser.parse_args()
-    from lightning_pipe.launch import machine_description
+    from lightning_pipe.bench.launch import machine_description
 
     print(f"2BW vs 1F1B convergence, {date.today()}, {machine_description()}", flush=True)
     folder = tempfile.mkdtemp(prefix="bench_2bw_convergence_")

@@ -13,7 +13,7 @@ activations held at once. Three parts:
           the pipeline iteration (SequentialPipeline.step, from a barrier to the last rank's end;
           median of the timed steps pooled over --rounds rounds that alternate the order of a),
           the training step (plus the tied-weight all-reduce and an SGD step), the simulator's
-          iteration (lightning_pipe.simulator.simulate on costs profiled in the same job: every
+          iteration (lightning_pipe.simulation.simulate on costs profiled in the same job: every
           block and the loss at the micro-batch size, both ranks at once, and the link from a
           ping-pong), and the peak stashed activations per stage: bytes autograd saves per
           micro-batch (lightning_pipe.tuning.record.SavedBytes around one micro-batch through the
@@ -51,7 +51,7 @@ itself: wrapped in flock, it would wait for itself), e.g.
     python benchmarks/bench_advance.py --load /tmp/advance.json --figure docs/img/advance_tradeoff.png
 
 Inside the jobs each measured segment also waits for other benchmarks / pytest to finish and is
-repeated when other processes used the CPUs meanwhile (lightning_pipe.launch.quiet_segment).
+repeated when other processes used the CPUs meanwhile (lightning_pipe.bench.launch.quiet_segment).
 """
 
 from __future__ import annotations
@@ -85,13 +85,15 @@ from torch import nn  # noqa: E402
 
 from lightning_pipe.bench import REPO, provenance  # noqa: E402
 from lightning_pipe.bench.gpt import add_model_arguments, build_model, describe, lm_loss, make_batch, segment  # noqa: E402
-from lightning_pipe.launch import OTHER_JOBS, ping_pong, rank_zero_log, run_distributed, wait_for_quiet  # noqa: E402
+from lightning_pipe.bench.launch import OTHER_JOBS, rank_zero_log, run_distributed, wait_for_quiet  # noqa: E402
+from lightning_pipe.profiling.link import ping_pong  # noqa: E402
+from lightning_pipe.profiling.saved import SavedBytes  # noqa: E402
 from lightning_pipe.runtime.p2p import Transport  # noqa: E402
 from lightning_pipe.schedules import build_schedule, validate  # noqa: E402
 from lightning_pipe.schedules.actions import Op, PipelineSchedule  # noqa: E402
 from lightning_pipe.schedules.advance import peak_stash, warmups  # noqa: E402
 from lightning_pipe.schedules.lowering import lower  # noqa: E402
-from lightning_pipe.tuning.record import SavedBytes, in_flight_peak  # noqa: E402
+from lightning_pipe.tuning.record import in_flight_peak  # noqa: E402
 
 STAGES = 2
 MB = 1 << 20
@@ -386,7 +388,7 @@ def real_job(rank: int, world: int, args: Any) -> dict:
 
 
 def emulated_job(rank: int, world: int, args: Any) -> dict:
-    from lightning_pipe.profiler import profile_blocks
+    from lightning_pipe.profiling import profile_blocks
 
     log = rank_zero_log(rank)
     t_f, t_b = args.tf / 1e3, (args.tb if args.tb is not None else 2 * args.tf) / 1e3
@@ -452,7 +454,7 @@ def costs_of(prof: Any, link: dict, latency: float = 0.0):
 
 
 def simulated(variant: str, m: int, a: int, costs: Any, bounds: Any) -> Any:
-    from lightning_pipe.simulator import simulate
+    from lightning_pipe.simulation import simulate
 
     return simulate(schedule_of(variant, m, a), costs, bounds, critical_path=False)
 
@@ -506,7 +508,7 @@ def analyse_real(results: list[dict]) -> dict:
 
 
 def analyse_emulated(results: list[dict], args: Any) -> dict:
-    from lightning_pipe.simulator import CostModel
+    from lightning_pipe.simulation import CostModel
 
     r0 = results[0]
     link, parts = r0["link"], r0["blocks"]
@@ -712,7 +714,7 @@ def print_emulated(emu: dict, args: Any) -> None:
 def print_deeper(emu: dict, args: Any) -> None:
     """Simulator only (nothing measured): K = --deep-stages stages of the emulated block's profiled
     costs, M = --deep-microbatches, the same delays: the package's advance vs the variant."""
-    from lightning_pipe.simulator import CostModel, simulate
+    from lightning_pipe.simulation import CostModel, simulate
 
     k, m = args.deep_stages, args.deep_microbatches
     f, b = emu["f"], emu["b"]

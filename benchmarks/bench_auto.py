@@ -60,8 +60,8 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 import torch  # noqa: E402
 
 from lightning_pipe.bench import provenance  # noqa: E402
-from lightning_pipe.launch import busy_seconds, machine_description, own_seconds, wait_for_quiet  # noqa: E402
-from lightning_pipe.stats import spearman  # noqa: E402
+from lightning_pipe.bench.launch import busy_seconds, machine_description, own_seconds, wait_for_quiet  # noqa: E402
+from lightning_pipe.bench.stats import spearman  # noqa: E402
 
 WORKLOADS = ("mlp", "gpt", "bert")
 MLP_CFG = dict(hidden=512, mlp_ratio=1, blocks=16, lr=1e-3)
@@ -214,7 +214,7 @@ def offline_choices(profile_path: Path, m: int, method: str, num_blocks_kinds: l
     """(choice with message costs, choice without them, the costs) from a saved profile, as the strategy plans."""
     from lightning_pipe.lightning.autoplan import DEFAULT_LINKS
     from lightning_pipe.planning.auto import choose_schedule
-    from lightning_pipe.profiler import Profile
+    from lightning_pipe.profiling import Profile
 
     profile = Profile.load(profile_path)
     costs = profile.costs(*DEFAULT_LINKS["cpu"])
@@ -362,7 +362,7 @@ def breakdown(c: dict, result: dict, costs: Any, m: int) -> dict:
     """One traced step against the simulation (ms): the pipeline's span, each rank's compute, the
     rest of the busiest rank's span; and the Lightning step around it."""
     from lightning_pipe.schedules import build_schedule
-    from lightning_pipe.simulator import simulate
+    from lightning_pipe.simulation import simulate
 
     sim = simulate(build_schedule(c["schedule"], 2, m, **c["options"]), costs, [tuple(b) for b in c["bounds"]], critical_path=False)
     events = [e for e in result["trace"]["traceEvents"] if e.get("ph") == "X"]

@@ -19,7 +19,7 @@ speed-up of the pipeline step alone, and the simulated speed-up (the simulator's
     python benchmarks/bench_autopipe_speedup.py
     python benchmarks/bench_autopipe_speedup.py --vocab 32768 --layers 8 --rounds 3
 
-Timing hygiene as in bench_simulator.py (lightning_pipe.launch.quiet_segment): waits for a quiet
+Timing hygiene as in bench_simulator.py (lightning_pipe.bench.launch.quiet_segment): waits for a quiet
 machine (no bench_runtime / pytest, idle CPUs) before every measured segment and repeats disturbed
 ones. The GPT and the common options are lightning_pipe.bench.gpt, shared with bench_simulator.py.
 """
@@ -51,7 +51,8 @@ from lightning_pipe.bench.gpt import (  # noqa: E402
     make_batch,
     segment,
 )
-from lightning_pipe.launch import OTHER_JOBS, ping_pong, rank_zero_log, run_distributed, wait_for_quiet  # noqa: E402
+from lightning_pipe.bench.launch import OTHER_JOBS, rank_zero_log, run_distributed, wait_for_quiet  # noqa: E402
+from lightning_pipe.profiling.link import ping_pong  # noqa: E402
 
 METHODS = ("uniform", "autopipe")
 
@@ -75,7 +76,7 @@ def gather_profile(
     """Profile every block, and the loss (folded into the last block's times); concurrently on all
     ranks (``alone=False``) or on rank 0 while the others wait. Every rank returns the same Profile
     (per block the median over the ranks that measured) and the loss's forward / backward seconds."""
-    from lightning_pipe.profiler import Profile, profile_blocks
+    from lightning_pipe.profiling import Profile, profile_blocks
 
     dist.barrier()
     measured = None

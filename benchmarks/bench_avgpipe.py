@@ -21,8 +21,8 @@ configuration trains S samples per optimizer step (default S = 256 rows):
 
 Everything runs on this machine's cores: the N pipelines *share* them (as the paper's N processes
 share each GPU). samples/s = steps x S over the wall time of the timed steps (warm-up excluded,
-barrier before and after; lightning_pipe.launch.timed_steps), best of ``--repeats`` interleaved
-runs; runs disturbed by other processes are repeated (lightning_pipe.launch.run_undisturbed).
+barrier before and after; lightning_pipe.bench.launch.timed_steps), best of ``--repeats`` interleaved
+runs; runs disturbed by other processes are repeated (lightning_pipe.bench.launch.run_undisturbed).
 
 Where the time goes, per worker and step (Executor trace=True; medians over the timed steps, then
 the mean over the pipelines of each stage): compute (the F / B actions' wall time), the rest of the
@@ -39,7 +39,7 @@ faults. A variant of the AvgPipe runs (``--malloc-pipelines``, ``--malloc-microb
 workers with glibc malloc told to keep freed memory (MALLOC_TRIM_THRESHOLD_ / MALLOC_MMAP_THRESHOLD_
 = 1 GiB), labelled "malloc kept": the update's stage-sized temporaries then stop costing fresh pages.
 
-Simulated "own devices": lightning_pipe.simulator.simulate of one pipeline (build_schedule(name, 2,
+Simulated "own devices": lightning_pipe.simulation.simulate of one pipeline (build_schedule(name, 2,
 M)) on blocks profiled at each micro-batch size (S / M rows for the plain pipeline, S / (N M) for a
 pipeline of AvgPipe N; both ranks profiling at once), link from ping_pong. With N x K devices of
 their own, AvgPipe's throughput is N x (S / N) / T_iter(S / N, M); the plain pipeline's on K
@@ -65,8 +65,9 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from lightning_pipe.bench.launch import machine_description, run_undisturbed, timed_steps  # noqa: E402
 from lightning_pipe.bench.mlp import loss_fn, make_model, stage_half  # noqa: E402
-from lightning_pipe.launch import machine_description, ping_pong, run_undisturbed, timed_steps  # noqa: E402
+from lightning_pipe.profiling.link import ping_pong  # noqa: E402
 
 K = 2  # stages per pipeline
 # glibc malloc kept from returning freed memory to the OS: the "malloc kept" variant (fresh pages for the
@@ -215,7 +216,7 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
 
 def _profile(rank: int, world: int, cfg: dict) -> dict:
     """The link (ping_pong) and every block profiled at each micro-batch size, both ranks at once."""
-    from lightning_pipe.profiler import profile_blocks
+    from lightning_pipe.profiling import profile_blocks
 
     sizes = (4, *sorted({r * cfg["hidden"] * 4 for r in cfg["profile_rows"]} | {1 << 20, 1 << 22}))
     rounds = [ping_pong(rank, sizes=sizes, repeats=50) for _ in range(3)]
@@ -322,7 +323,7 @@ def job(rank: int, world: int, kind: str, cfg: dict) -> dict:
 # ---- the parent ---------------------------------------------------------------------------------
 def costs_at(prof: dict, rows: int):
     """CostModel of the blocks at `rows` rows per micro-batch: per block the median over the ranks."""
-    from lightning_pipe.profiler import Profile
+    from lightning_pipe.profiling import Profile
 
     parts = [p[rows] for p in prof["blocks"]]
     nb = len(parts[0])
@@ -335,7 +336,7 @@ def costs_at(prof: dict, rows: int):
 
 def sim_iteration(name: str, m: int, costs) -> float:
     from lightning_pipe.schedules import build_schedule
-    from lightning_pipe.simulator import simulate
+    from lightning_pipe.simulation import simulate
 
     per = costs.num_blocks // K
     bounds = [(r * per, (r + 1) * per) for r in range(K)]
@@ -587,7 +588,7 @@ def main() -> None:
     print(
         f"\n## SIMULATED, not measured: N pipelines with K = {K} devices of their own each (N x {K} devices), "
         f"vs the plain pipeline on {K} devices\n\n"
-        "lightning_pipe.simulator (one pipeline's iteration) on the blocks profiled at each micro-batch size, + the optimizer "
+        "lightning_pipe.simulation (one pipeline's iteration) on the blocks profiled at each micro-batch size, + the optimizer "
         "step measured in the 1F1B run at the same M; AvgPipe also + its elastic update's local work (copy, Δ, pull: "
         f"{ms(elastic / 1e3)} ms, measured in one quiet process without messages; the exchange with the reference assumed "
         "hidden, as the design intends at s = 0). A simulation of more hardware, NOT a speed-up on this machine.\n"

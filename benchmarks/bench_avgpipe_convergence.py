@@ -229,7 +229,7 @@ def main() -> None:
     parser.add_argument("--override", action="append", default=[], help="a Hydra override for every run (repeatable)")
     parser.add_argument("--reuse", help="analyse the run folders kept by an earlier --keep (no training; --steps as then)")
     args = parser.parse_args()
-    from lightning_pipe.launch import machine_description
+    from lightning_pipe.bench.launch import machine_description
 
     print(f"AvgPipe convergence, {date.today()}, {machine_description()}", flush=True)
     folder = args.reuse or tempfile.mkdtemp(prefix="bench_avgpipe_convergence_")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from lightning_pipe.schedules import build_schedule
-from lightning_pipe.simulator import CostModel, simulate
+from lightning_pipe.simulation import CostModel, simulate
 
 
 def bubble(name: str, p: int, m: int, **options: int):
@@ -39,7 +39,7 @@ def main() -> None:
             + " / ".join(f"{c:.3f}" for c in closed)
         )
         if args.pictures and p == 4:
-            from lightning_pipe.viz import gantt
+            from lightning_pipe.simulation.timelines import gantt
 
             for t, name in zip(row, ("gpipe", "1f1b", "interleaved2", "wave1", "wave2", "wave4")):
                 gantt(t, f"{args.pictures}/bubbles_p4_{name}.png")

@@ -21,16 +21,16 @@ machine-wide monotonic clock); the median is reported. SGD steps between (not ti
 final weights are compared with one process training the same model on the same data (float64):
 a run that is not exact is flagged and never counted.
 
-Predictions (lightning_pipe.simulator.simulate on the very schedule and the uniform partition the
+Predictions (lightning_pipe.simulation.simulate on the very schedule and the uniform partition the
 run used): "plain" = the blocks' emulated times and the link of a ping-pong (latency + bytes /
-bandwidth); "msgs" = the same with the message terms of lightning_pipe.messages.measure_messages
+bandwidth); "msgs" = the same with the message terms of lightning_pipe.profiling.messages.measure_messages
 (send / receive overhead on the rank's thread, hand-off delay), measured in the same process group,
 when that module exists. Printed: measured / simulated, Spearman's rank correlation across the
 schedules per (P, m), schedule="auto"'s pick (P = 4, 8) vs the measured fastest, and wave's
 measured speed-up over 1F1B as a share of the simulated one. Raw results: --json.
 
 Timing hygiene: run under flock /tmp/bench.lock; each process group waits for a quiet machine
-first and reports the CPUs other processes used while it ran (lightning_pipe.launch).
+first and reports the CPUs other processes used while it ran (lightning_pipe.bench.launch).
 """
 
 from __future__ import annotations
@@ -109,10 +109,10 @@ def reference_weights(cfg: dict) -> dict[str, torch.Tensor]:
 
 
 def _message_costs(world: int, nbytes: int, think: float):
-    """lightning_pipe.messages.measure_messages on these ranks (the chain 0..P-1, messages of one
+    """lightning_pipe.profiling.messages.measure_messages on these ranks (the chain 0..P-1, messages of one
     boundary's size, sleeping `think` s per hop as an emulated rank does), if that module exists."""
     try:
-        from lightning_pipe.messages import measure_messages
+        from lightning_pipe.profiling.messages import measure_messages
     except ImportError:
         return None
     return measure_messages(list(range(world)), nbytes, torch.device("cpu"), think=think, sleep=True)
@@ -123,7 +123,8 @@ def _job(rank: int, world: int, cfg: dict, cases: list[dict], reference: dict[st
     import torch.nn.functional as F
 
     from lightning_pipe.bench.emulated import emulated_model, fine_timer_slack
-    from lightning_pipe.launch import CpuClock, foreign_load, ping_pong, wait_for_quiet
+    from lightning_pipe.bench.launch import CpuClock, foreign_load, wait_for_quiet
+    from lightning_pipe.profiling.link import ping_pong
     from lightning_pipe.runtime.p2p import Transport
     from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
     from lightning_pipe.schedules import Op, build_schedule
@@ -189,7 +190,7 @@ def _job(rank: int, world: int, cfg: dict, cases: list[dict], reference: dict[st
 
 # ---- predictions, tables ----------------------------------------------------------------------------
 def costs_for(cfg: dict, m: int, link: dict | None):
-    from lightning_pipe.simulator import CostModel
+    from lightning_pipe.simulation import CostModel
 
     act = cfg["rows"] // m * cfg["width"] * 8.0
     return CostModel.uniform(
@@ -204,14 +205,14 @@ def costs_for(cfg: dict, m: int, link: dict | None):
 
 def simulated(case: dict, costs, blocks: int) -> float:
     from lightning_pipe.schedules import build_schedule
-    from lightning_pipe.simulator import simulate
+    from lightning_pipe.simulation import simulate
 
     schedule = build_schedule(case["schedule"], case["p"], case["m"], **case["options"])
     return simulate(schedule, costs, uniform_bounds(blocks, schedule.num_chunks), critical_path=False).iteration_time
 
 
 def run_depth(p: int, args, multipliers: list[int]) -> dict:
-    from lightning_pipe.launch import run_distributed
+    from lightning_pipe.bench.launch import run_distributed
 
     blocks = args.blocks_per_rank * p
     cfg = {
@@ -297,7 +298,7 @@ def print_depth(res: dict) -> None:
         flush=True,
     )
     if res["messages"]:
-        from lightning_pipe.messages import MessageCosts
+        from lightning_pipe.profiling.messages import MessageCosts
 
         msgs = MessageCosts.from_dict(res["messages"])
         delay = msgs.handoff_delay(costs_for(cfg, 2 * p, link))
@@ -323,7 +324,7 @@ def print_depth(res: dict) -> None:
 
 
 def correlation(rows: list[dict], key: str) -> float:
-    from lightning_pipe.stats import spearman
+    from lightning_pipe.bench.stats import spearman
 
     return spearman([r["measured"] for r in rows], [r[key] for r in rows]) if len(rows) > 1 else math.nan
 
@@ -339,7 +340,7 @@ def auto_check(res: dict, key: str) -> list[dict]:
         rows = [r for r in res["rows"] if r["m"] == m and r["exact"]]
         costs = costs_for(cfg, m, res["link"])
         if key == "simulated_msgs":
-            from lightning_pipe.messages import MessageCosts
+            from lightning_pipe.profiling.messages import MessageCosts
 
             costs = MessageCosts.from_dict(res["messages"]).apply(costs)
         choice = choose_schedule(costs, p, m, candidates=[(r["schedule"], r["options"]) for r in rows])

@@ -7,7 +7,7 @@ per-action term come from? Each part below measures one candidate alone:
 - ``dispatch``: the executor's own cost per compute action (the interpreter, boundary leaves,
   stash, autograd's entry, the input gradients): one process, a one-rank interleaved schedule of
   v null chunks (one scalar weight times a --rows x --hidden tensor), its median run less the null
-  blocks' profiled times (lightning_pipe.profiler, chain mode), per compute action.
+  blocks' profiled times (lightning_pipe.profiling, chain mode), per compute action.
 - ``chunks``: the same 8 residual-MLP blocks (bench_runtime's, hidden --hidden) and m micro-batches
   run on one rank as v = 1, 2, 4, 8 chunks (1F1B for v = 1, interleaved otherwise): the same block
   computes, no messages, only more compute actions and more micro-batches in flight; the simulator
@@ -35,9 +35,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
+from lightning_pipe.bench.launch import machine_description, run_distributed  # noqa: E402
 from lightning_pipe.bench.mlp import Block  # noqa: E402
-from lightning_pipe.launch import machine_description, run_distributed  # noqa: E402
-from lightning_pipe.profiler import profile_blocks  # noqa: E402
+from lightning_pipe.profiling import profile_blocks  # noqa: E402
 from lightning_pipe.runtime.executor import Executor  # noqa: E402
 from lightning_pipe.runtime.microbatch import signature  # noqa: E402
 from lightning_pipe.runtime.p2p import Transport  # noqa: E402

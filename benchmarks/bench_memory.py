@@ -47,9 +47,9 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from lightning_pipe.bench.launch import machine_description, run_distributed  # noqa: E402
 from lightning_pipe.bench.mlp import loss_fn, make_model  # noqa: E402
-from lightning_pipe.launch import machine_description, run_distributed  # noqa: E402
-from lightning_pipe.simulator import CostModel, simulate  # noqa: E402
+from lightning_pipe.simulation import CostModel, simulate  # noqa: E402
 
 SCHEDULES = ["gpipe", "1f1b", "2bw"]
 KiB = 1024.0

@@ -1,4 +1,4 @@
-"""The message costs the strategy measures at setup (lightning_pipe.messages), repeated: their spread.
+"""The message costs the strategy measures at setup (lightning_pipe.profiling.messages), repeated: their spread.
 
 On 2 gloo processes x 1 thread (one host, so bounce + lockstep), messages of --nbytes (default: a
 64-row x 512 float32 activation, bench_waves.py's boundary) and --think s of busy work per hop, the
@@ -21,11 +21,11 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 
 import torch  # noqa: E402
 
-from lightning_pipe.launch import machine_description, run_distributed  # noqa: E402
+from lightning_pipe.bench.launch import machine_description, run_distributed  # noqa: E402
 
 
 def job(rank: int, world: int, nbytes: int, think: float, repeats: int, bounce_only: bool) -> list:
-    import lightning_pipe.messages as messages
+    import lightning_pipe.profiling.messages as messages
 
     torch.set_num_threads(1)
     if bounce_only:

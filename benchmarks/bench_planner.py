@@ -33,13 +33,13 @@ import subprocess
 import sys
 import time
 
-from lightning_pipe.launch import machine_description
+from lightning_pipe.bench.launch import machine_description
 from lightning_pipe.models import get_model_config
 from lightning_pipe.planning import plan, transformer_costs
 from lightning_pipe.planning.exhaustive import EXHAUSTIVE_LIMIT, count_splits
 from lightning_pipe.planning.partitioners import PARTITIONERS
 from lightning_pipe.planning.replay import Evaluator, cached_schedule, compiled
-from lightning_pipe.simulator import CostModel
+from lightning_pipe.simulation import CostModel
 
 MODELS = [("gpt2-345m", 4), ("gpt2-762m", 4), ("gpt2-1.3b", 16), ("bert-large", 16)]  # (name, micro-batch size)
 STAGES = (2, 4, 8, 16)

@@ -70,9 +70,9 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 import torch  # noqa: E402
 
 from lightning_pipe.bench import provenance  # noqa: E402
-from lightning_pipe.launch import busy_seconds, own_seconds, wait_for_quiet  # noqa: E402
+from lightning_pipe.bench.launch import busy_seconds, own_seconds, wait_for_quiet  # noqa: E402
+from lightning_pipe.bench.stats import spearman  # noqa: E402
 from lightning_pipe.planning.two_bw import Candidate, TwoBWPlan, _best_rows, hardware, plan_2bw, refiner, size_text  # noqa: E402
-from lightning_pipe.stats import spearman  # noqa: E402
 
 CFG = dict(vocab_size=260, n_layer=4, n_head=4, d_model=128, max_seq_len=64)
 SEQ = 64
@@ -93,7 +93,7 @@ def measured_profile(repeats: int) -> Any:
     import torch.nn.functional as F
 
     from lightning_pipe.models import CausalLM, ModelConfig
-    from lightning_pipe.sized_profiler import profile_sizes
+    from lightning_pipe.profiling.sized import profile_sizes
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -28,7 +28,7 @@ micro-batches keep compute dominant, as in real pipelines.
 
 The machine may be shared: each run waits (at most --quiet-wait s) for other processes to go quiet,
 measures the CPU they used during the run, and repeats a run they disturbed (--retries); see
-lightning_pipe.launch.run_undisturbed. The model, data and the one-process run are
+lightning_pipe.bench.launch.run_undisturbed. The model, data and the one-process run are
 lightning_pipe.bench.mlp (bench_waves.py trains the same).
 
     python benchmarks/bench_runtime.py                      # defaults, a few minutes at most
@@ -47,8 +47,8 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from lightning_pipe.bench.launch import machine_description, run_undisturbed, timed_steps  # noqa: E402
 from lightning_pipe.bench.mlp import loss_fn, make_data, make_model, max_rel_error, single_job, stage_half, summarize  # noqa: E402
-from lightning_pipe.launch import machine_description, run_undisturbed, timed_steps  # noqa: E402
 
 MODES = ["single", "single-mb", "pair", "ours-gpipe", "ours-1f1b", "torch-gpipe", "torch-1f1b"]
 

@@ -30,14 +30,14 @@ Printed per partition: measured, simulated, error; then the Spearman rank correl
 partitions. Targets (issue): every partition within 10%, rank correlation 1.0. The same is repeated
 with 2 processes (2 stages, a core each).
 
-Timing hygiene (lightning_pipe.launch.wait_for_quiet / quiet_segment): before the job and before
+Timing hygiene (lightning_pipe.bench.launch.wait_for_quiet / quiet_segment): before the job and before
 each measured segment, the script waits (polling every 20 s, up to --quiet-wait s) until no other
 benchmark or test runs (`pgrep -f bench_runtime`, `pgrep -f pytest`) and the machine is idle; it
 measures the CPU time other processes took during each segment ("foreign load", from /proc/stat
 minus the ranks' own CPU time) and repeats a disturbed segment (up to --retries times), keeping the
 least disturbed one. Run it under `flock /tmp/bench.lock` when other benchmarks share the machine.
 
-This script measures (the processes: lightning_pipe.launch.run_distributed) and saves what every
+This script measures (the processes: lightning_pipe.bench.launch.run_distributed) and saves what every
 rank measured with --raw; the analysis, tables and pictures are lightning_pipe.bench.simulator_report,
 which --from-raw runs on a saved file instead of measuring.
 
@@ -75,15 +75,15 @@ from lightning_pipe.bench.gpt import (  # noqa: E402
     make_batch,
     segment,
 )
-from lightning_pipe.bench.simulator_report import sizes_of  # noqa: E402
-from lightning_pipe.launch import (  # noqa: E402
+from lightning_pipe.bench.launch import (  # noqa: E402
     OTHER_JOBS,
     CpuClock,
-    ping_pong,
     rank_zero_log,
     run_distributed,
     wait_for_quiet,
 )
+from lightning_pipe.bench.simulator_report import sizes_of  # noqa: E402
+from lightning_pipe.profiling.link import ping_pong  # noqa: E402
 
 METHODS = ("uniform", "dp", "autopipe", "parameters")
 UNBALANCED = (1.25, 1.5, 1.8)  # simulated iteration of the extra splits, relative to the best split
@@ -106,7 +106,7 @@ def profile_at_once(
     the same time while the others wait. ``inflight``: chain mode (see profile_blocks), None: each
     block alone. Every rank returns the same Profile: per block the median over the ranks that
     measured."""
-    from lightning_pipe.profiler import Profile, profile_blocks
+    from lightning_pipe.profiling import Profile, profile_blocks
 
     dist.barrier()
     measured = None
@@ -155,7 +155,7 @@ def choose_partitions(costs, kinds: Sequence[str], stages: int, m: int, count: i
     then more of them until there are `count` distinct splits."""
     from lightning_pipe.planning import plan
     from lightning_pipe.schedules import build_schedule
-    from lightning_pipe.simulator import simulate
+    from lightning_pipe.simulation import simulate
 
     chosen: list[list] = []
     for method in METHODS:
@@ -226,7 +226,7 @@ def run_partition(model: nn.Sequential, bounds, rank: int, world: int, x, y, arg
 
 
 def simulator_job(rank: int, world: int, args: Any) -> dict:
-    from lightning_pipe.profiler import Profile  # noqa: F401  (imported before timing)
+    from lightning_pipe.profiling import Profile  # noqa: F401  (imported before timing)
 
     log = rank_zero_log(rank)
     model = build_model(args)

@@ -73,7 +73,7 @@ def main() -> None:
     print(f"\nsmallest start-up cut at >= 4 stages: ours {worst_cut:.1%}, Algorithm 2 {worst_alg2:.1%} (target >= 45%)")
     if args.pictures:
         from lightning_pipe.planning.slicer import simulate_sliced
-        from lightning_pipe.viz import gantt
+        from lightning_pipe.simulation.timelines import gantt
 
         costs, kinds = transformer_costs("gpt2-345m", args.microbatch, args.seq_len)
         best = plan(costs, 4, 8, method="autopipe", kinds=kinds)
@@ -132,7 +132,7 @@ def _measure_job(rank: int, world: int, cfg: dict, variants: list) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from lightning_pipe.launch import ping_pong
+    from lightning_pipe.profiling.link import ping_pong
     from lightning_pipe.runtime.executor import Executor
     from lightning_pipe.runtime.microbatch import signature, split_microbatches
     from lightning_pipe.runtime.p2p import Transport
@@ -172,7 +172,7 @@ def _measure_job(rank: int, world: int, cfg: dict, variants: list) -> dict:
 
 def _run(cfg: dict, variants: list) -> tuple[dict, dict]:
     """{variant: (median start-up, median iteration)} in seconds, and the raw records."""
-    from lightning_pipe.launch import run_undisturbed
+    from lightning_pipe.bench.launch import run_undisturbed
 
     ranks, foreign = run_undisturbed(_measure_job, cfg["stages"], cfg, variants, retries=1, max_foreign=0.15, quiet_wait=60.0, timeout=900)
     print(f"  (segment of {cfg['stages']} ranks: other processes used {foreign:.2f} CPUs meanwhile)", flush=True)
@@ -214,9 +214,9 @@ def _print_rows(title: str, cfg: dict, costs, bounds, variants: list, measured: 
 def measure(steps: int) -> None:
     import subprocess
 
-    from lightning_pipe.launch import machine_description
+    from lightning_pipe.bench.launch import machine_description
     from lightning_pipe.planning.slicer_algorithm2 import algorithm2, stage_times
-    from lightning_pipe.simulator import CostModel
+    from lightning_pipe.simulation import CostModel
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
     import datetime

@@ -13,7 +13,7 @@ float32, MSE, SGD) on the same fixed batches (256 rows, cycled), one thread per 
 
 Both pipelines cut the model into the same two halves and use 4 micro-batches of 64 rows. The
 module's ``training_step`` logs its loss (``self.log``), as users' steps do. Every run's processes
-are started by lightning_pipe.launch.run_undisturbed (the Trainer runs inside them as under torchrun:
+are started by lightning_pipe.bench.launch.run_undisturbed (the Trainer runs inside them as under torchrun:
 the Lightning environment variables say the processes exist, so Lightning starts none). Process
 start, setup and warm-up are outside the timing: samples/s counts ``steps * batch`` over the wall
 time from the first timed step's start to the last one's end (a barrier at both ends, as
@@ -47,8 +47,8 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from lightning_pipe.bench.launch import machine_description, run_undisturbed, timed_steps  # noqa: E402
 from lightning_pipe.bench.mlp import loss_fn, make_data, make_model, max_rel_error, single_job, stage_half, summarize  # noqa: E402
-from lightning_pipe.launch import machine_description, run_undisturbed, timed_steps  # noqa: E402
 
 MODES = ["single", "trainer-single", "raw-1f1b", "trainer-1f1b"]
 

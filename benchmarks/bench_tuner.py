@@ -55,8 +55,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_pipe.launch import CpuClock, foreign_load, machine_description, own_seconds, wait_for_quiet
-from lightning_pipe.stats import spearman
+from lightning_pipe.bench.launch import CpuClock, foreign_load, machine_description, own_seconds, wait_for_quiet
+from lightning_pipe.bench.stats import spearman
 
 REPO = Path(__file__).resolve().parent.parent
 RECORD_ENV = "LIGHTNING_PIPE_TUNE_RECORD"  # lightning_pipe.lightning.tune_record.RECORD_ENV

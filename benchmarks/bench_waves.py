@@ -19,10 +19,10 @@ forward, backward and SGD step; samples/s = steps x batch / wall time of the tim
 --repeats interleaved runs. Every run's final weights are compared with a one-process run on the
 same data (bench_runtime's ``single``).
 
-Simulated speed-ups: first a 2-process job measures the link (lightning_pipe.launch.ping_pong: isend /
+Simulated speed-ups: first a 2-process job measures the link (lightning_pipe.bench.launch.ping_pong: isend /
 irecv as our Transport uses them, 4 B and the one message size of this model, an activation of
 rows x hidden floats) and profiles every block at the micro-batch size on both ranks at once
-(lightning_pipe.profiler.profile_blocks; the MSE loss is profiled as an extra block and folded into
+(lightning_pipe.profiling.profile_blocks; the MSE loss is profiled as an extra block and folded into
 the last block). lightning_pipe.simulate replays each of our schedules on that CostModel; the
 simulated step is the simulated iteration plus the measured optimizer step (the same for every
 schedule: each rank holds half the weights in all of them).
@@ -52,7 +52,7 @@ activations in units of one 1F1B stage's activation of one micro-batch (`Timelin
 The column "units one by one" is Hanayo's order without filling a unit's end with the next unit's
 forwards (`merge_by_readiness(fill=False)`), for comparison.
 
-Timing hygiene as bench_runtime.py (lightning_pipe.launch.run_undisturbed): each run waits for a
+Timing hygiene as bench_runtime.py (lightning_pipe.bench.launch.run_undisturbed): each run waits for a
 quiet machine, measures the CPU other processes used meanwhile and repeats disturbed runs; every
 run is killed after --timeout seconds.
 """
@@ -72,8 +72,9 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from lightning_pipe.bench.launch import machine_description, run_undisturbed, timed_steps  # noqa: E402
 from lightning_pipe.bench.mlp import MSEBlock, keep_blocks, loss_fn, make_data, make_model, max_rel_error, single_job, summarize  # noqa: E402
-from lightning_pipe.launch import machine_description, ping_pong, run_undisturbed, timed_steps  # noqa: E402
+from lightning_pipe.profiling.link import ping_pong  # noqa: E402
 
 OURS = {  # mode suffix -> (schedule name, options)
     "1f1b": ("1f1b", {}),
@@ -198,9 +199,9 @@ def _torch_multi(rank: int, cfg: dict, name: str) -> dict:
 
 def _profile(rank: int, cfg: dict) -> dict:
     """Link fit, per-block profile (both ranks profiling at once, as they compute in training) and
-    the message costs as the strategy measures them at setup (lightning_pipe.messages)."""
-    from lightning_pipe.messages import measure_messages
-    from lightning_pipe.profiler import profile_blocks
+    the message costs as the strategy measures them at setup (lightning_pipe.profiling.messages)."""
+    from lightning_pipe.profiling import profile_blocks
+    from lightning_pipe.profiling.messages import measure_messages
 
     # Every message here is one float32 micro-batch activation: fit the link on exactly that size
     # (a fit over 4 B..1 MB swung between 0.4 and 7 GB/s from run to run on this machine). Even a
@@ -239,7 +240,7 @@ def job(rank: int, world: int, mode: str, cfg: dict) -> dict:
 # ---- parent: analysis ---------------------------------------------------------------------------
 def build_costs(prof: dict):
     """CostModel from the profile job: per block the median of the two ranks; loss folded into the last block."""
-    from lightning_pipe.profiler import Profile
+    from lightning_pipe.profiling import Profile
 
     parts, n = prof["blocks"], len(prof["blocks"][0]) - 1
     field = lambda key: [statistics.median(p[i][key] for p in parts) for i in range(n + 1)]  # noqa: E731
@@ -254,7 +255,7 @@ def build_costs(prof: dict):
 
 
 def profile_messages(prof: dict):
-    from lightning_pipe.messages import MessageCosts
+    from lightning_pipe.profiling.messages import MessageCosts
 
     return MessageCosts.from_dict(prof["messages"])
 
@@ -272,7 +273,7 @@ def measured_compute_iteration(schedule, costs, bounds, per_op: dict) -> float:
     error is the computes' and how much the rest's (messages, hand-offs)."""
     from dataclasses import replace
 
-    from lightning_pipe.simulator import simulate
+    from lightning_pipe.simulation import simulate
 
     n = len(bounds)
     chunks = replace(
@@ -287,7 +288,7 @@ def measured_compute_iteration(schedule, costs, bounds, per_op: dict) -> float:
 
 def trace_summary(results: list[dict], schedule, costs, bounds) -> dict:
     """Measured per-rank compute / wait per pipeline step (median over timed steps) next to the simulator's."""
-    from lightning_pipe.simulator import chunk_costs, simulate
+    from lightning_pipe.simulation import chunk_costs, simulate
 
     t = simulate(schedule, costs, bounds)
     f, b, _ = chunk_costs(costs, bounds)
@@ -367,7 +368,7 @@ def calibrate(traces: dict) -> tuple[float, float, float, float]:
 def calibrated_iteration(costs, schedule, bounds, k: float, a: float, o: float, h: float) -> float:
     """The simulator on costs corrected by `calibrate`: block times x k, a per compute action (on the
     chunk's first block), o on the compute that sends or receives each message, link latency h."""
-    from lightning_pipe.simulator import CostModel, simulate
+    from lightning_pipe.simulation import CostModel, simulate
 
     f = [x * k for x in costs.forward]
     b = [x * k for x in costs.backward]
@@ -413,7 +414,7 @@ def simulated_orders() -> None:
     from lightning_pipe.schedules.lowering import lower
     from lightning_pipe.schedules.wave import wave_placement
     from lightning_pipe.schedules.wave_hanayo import hanayo_order
-    from lightning_pipe.simulator import CostModel, simulate
+    from lightning_pipe.simulation import CostModel, simulate
 
     def run(schedule, p):
         n = schedule.num_chunks
@@ -533,7 +534,7 @@ def main() -> None:
         f"link latency {1e6 * link['latency']:.0f} us, {link['bandwidth'] / 1e9:.2f} GB/s",
         flush=True,
     )
-    print(f"messages (lightning_pipe.messages, as at the strategy's setup): {profile_messages(prof[0]).summary()}", flush=True)
+    print(f"messages (lightning_pipe.profiling.messages, as at the strategy's setup): {profile_messages(prof[0]).summary()}", flush=True)
 
     tables = {}
     for m in ms:
@@ -618,7 +619,7 @@ def report(m: int, cfg: dict, best: dict, errors: dict, traces: dict, costs, mes
     # the message terms as this run's traces show them (calibrate's o and h), instead of the setup's
     from dataclasses import replace
 
-    from lightning_pipe.simulator import simulate
+    from lightning_pipe.simulation import simulate
 
     traced = replace(costs, send_overhead=o, recv_overhead=o, handoff_delay=max(h - costs.comm_time(0) + costs.handoff_delay, 0.0))
     # the setup's hand-off distribution sampled per message (mean of SAMPLES replays) instead of its mean

@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--keep", help="a folder to keep the runs and their per-rank series (<config>.jsonl) in")
     args = parser.parse_args()
-    from lightning_pipe.launch import machine_description
+    from lightning_pipe.bench.launch import machine_description
 
     print(f"soak, {date.today()}, {machine_description()}, {args.steps} steps per configuration")
     with tempfile.TemporaryDirectory() as scratch:

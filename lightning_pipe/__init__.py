@@ -6,9 +6,9 @@ from .config import PipelineConfig
 from .errors import SettingError
 from .lightning import AutoPipeStrategy
 from .planning import Plan, plan, transformer_costs
-from .profiler import Profile
+from .profiling import Profile
 from .schedules import PipelineSchedule, ScheduleError, ScheduleSpec, build_schedule, validate
-from .simulator import CostModel, Timeline, simulate
+from .simulation import CostModel, Timeline, simulate
 
 __version__ = "0.1.0"
 

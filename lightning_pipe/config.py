@@ -22,7 +22,7 @@ from typing import Any, Optional
 from .errors import SettingError, check_choice, check_count
 from .planning.partition import PartitionSpec, partition_blocks
 from .planning.partitioners import PARTITIONERS
-from .profiler import Profile
+from .profiling import Profile
 from .schedules import AUTO, REGISTRY, ScheduleSpec
 from .schedules.advance import advance_bounds
 from .schedules.spec import ALIASES, canonical

@@ -25,9 +25,9 @@ from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
 from lightning_pipe.schedules import Op, build_schedule, validate
 from lightning_pipe.schedules.advance import advance_bounds, peak_stash
-from lightning_pipe.simulator import CostModel, simulate
+from lightning_pipe.simulation import CostModel, simulate
+from lightning_pipe.simulation.timelines import gantt
 from lightning_pipe.tuning.record import in_flight_peak
-from lightning_pipe.viz import gantt
 
 
 def compute_order(schedule, rank):

@@ -11,7 +11,7 @@ import pytest
 from lightning_pipe.planning import PARTITIONERS, plan, transformer_costs
 from lightning_pipe.planning.auto import CANDIDATES, choose_schedule
 from lightning_pipe.schedules import build_schedule
-from lightning_pipe.simulator import CostModel, simulate
+from lightning_pipe.simulation import CostModel, simulate
 
 MULTI = [("interleaved", {"chunks": 2}), ("wave", {"waves": 1}), ("wave", {"waves": 2})]
 

@@ -15,7 +15,7 @@ from lightning_pipe.planning.heuristic import autopipe_search, master_moves, rul
 from lightning_pipe.planning.minmax import MinMaxTable, min_max_bounds
 from lightning_pipe.planning.replay import Evaluator
 from lightning_pipe.schedules import build_schedule
-from lightning_pipe.simulator import CostModel, simulate
+from lightning_pipe.simulation import CostModel, simulate
 
 
 def costs_of(forward, backward=None) -> CostModel:

@@ -142,7 +142,7 @@ def test_short_last_batch_fails_clearly_in_the_workers():
 
 
 def test_saved_profile_must_match_the_model(tmp_path):
-    from lightning_pipe.profiler import Profile
+    from lightning_pipe.profiling import Profile
 
     path = Profile.synthetic([1.0] * 4).save(tmp_path / "profile.json")
     fails_before_spawn(LitSeq(), 2, r"the profile synthetic-mbs1-synthetic-synthetic has 4 blocks but the model has 6", profile=str(path))
@@ -166,7 +166,7 @@ def test_interleaved_microbatch_error_names_the_microbatches_setting():
     from lightning_pipe.config import PipelineConfig
     from lightning_pipe.errors import SettingError
     from lightning_pipe.planning import plan
-    from lightning_pipe.profiler import Profile
+    from lightning_pipe.profiling import Profile
 
     for m, world in [(3, 2), (1, 2), (6, 4)]:
         with pytest.raises(SettingError, match=rf"microbatches={m}: interleaved 1F1B needs a multiple of the {world} stages") as err:

@@ -205,7 +205,7 @@ def test_plan_command_prints_and_saves_a_plan(tmp_path):
 
 @pytest.mark.multiprocess
 def test_plan_command_from_a_saved_profile_and_bad_profiles(tmp_path):
-    from lightning_pipe.profiler import Profile
+    from lightning_pipe.profiling import Profile
 
     good = Profile.synthetic([1e-3] * 10, activation_bytes=1e5).save(tmp_path / "profile.json")
     proc = plan_cli(["partition=dp", f"pipeline.profile={good}", f"hydra.run.dir={tmp_path / 'p'}"], tmp_path)

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.models import CausalLM, MaskedLM, ModelConfig
-from lightning_pipe.profiler import Profile
+from lightning_pipe.profiling import Profile
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.multiprocess]
 CFG = dict(vocab_size=260, n_layer=2, n_head=2, d_model=32, max_seq_len=16)

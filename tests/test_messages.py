@@ -1,4 +1,4 @@
-"""Message costs measured on real ranks (lightning_pipe.messages) and how they reach the cost model."""
+"""Message costs measured on real ranks (lightning_pipe.profiling.messages) and how they reach the cost model."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from _dist import run_distributed
 
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.errors import SettingError
-from lightning_pipe.messages import MessageCosts, measure_messages
-from lightning_pipe.profiler import Profile
-from lightning_pipe.simulator import CostModel
+from lightning_pipe.profiling import Profile
+from lightning_pipe.profiling.messages import MessageCosts, measure_messages
+from lightning_pipe.simulation import CostModel
 
 THINK = 0.03  # s of busy work before each answer: far more than a hand-off on this machine
 
@@ -37,7 +37,7 @@ def test_three_ranks_measure_both_links_and_agree():
 
 
 def _measure_on_separate_hosts(rank: int, world: int) -> MessageCosts:
-    import lightning_pipe.messages as messages
+    import lightning_pipe.profiling.messages as messages
 
     messages.socket.gethostname = lambda: f"host{rank}"  # each rank on a host of its own: clocks differ
     return _measure(rank, world)

@@ -12,7 +12,7 @@ from lightning_pipe.planning import partition_blocks
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
 from lightning_pipe.schedules import Op, build_schedule, wave_placement
-from lightning_pipe.simulator import CostModel, simulate
+from lightning_pipe.simulation import CostModel, simulate
 
 
 def test_wave_placement_goes_down_and_up():

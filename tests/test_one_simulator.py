@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from lightning_pipe.planning.replay import Evaluator, cached_schedule, compiled
 from lightning_pipe.schedules import SCHEDULES, chunk_count
-from lightning_pipe.simulator import CostModel, simulate
+from lightning_pipe.simulation import CostModel, simulate
 
 # zeros and repeated values make ties, which exercise the tie rules of the critical path
 times = st.one_of(st.sampled_from([0.0, 0.5, 1.0, 2.0]), st.floats(0.0, 10.0, allow_nan=False, allow_infinity=False))

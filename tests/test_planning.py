@@ -16,7 +16,7 @@ from lightning_pipe.planning.heuristic import rule_one
 from lightning_pipe.planning.minmax import MinMaxTable, heaviest
 from lightning_pipe.planning.replay import Evaluator, compiled
 from lightning_pipe.schedules import build_schedule
-from lightning_pipe.simulator import CostModel, simulate
+from lightning_pipe.simulation import CostModel, simulate
 
 
 def all_splits(n: int, p: int):

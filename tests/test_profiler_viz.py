@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from lightning_pipe.models import build_gpt, get_model_config
-from lightning_pipe.profiler import Profile, profile_blocks
+from lightning_pipe.profiling import Profile, profile_blocks
 from lightning_pipe.schedules import build_schedule
-from lightning_pipe.simulator import simulate
-from lightning_pipe.viz import chrome_trace, gantt, traced_timeline
+from lightning_pipe.simulation import simulate
+from lightning_pipe.simulation.timelines import chrome_trace, gantt, traced_timeline
 
 
 def test_profile_blocks_measures_every_block_and_round_trips(tmp_path):

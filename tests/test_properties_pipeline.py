@@ -75,9 +75,9 @@ from lightning_pipe.runtime.microbatch import microbatch_sizes
 from lightning_pipe.runtime.tied import find_tied_parameters
 from lightning_pipe.schedules import REGISTRY, Action, PipelineSchedule, dump, load, validate
 from lightning_pipe.schedules.two_bw import SHOWN_BATCHES
-from lightning_pipe.simulator import CostModel, Timeline, input_source, message_of, produced_by, simulate
+from lightning_pipe.simulation import CostModel, Timeline, input_source, message_of, produced_by, simulate
+from lightning_pipe.simulation.timelines import traced_timeline
 from lightning_pipe.topology import Topology
-from lightning_pipe.viz import traced_timeline
 
 RELATIVE = 1e-12
 SYNCHRONOUS = sorted(name for name, kind in REGISTRY.items() if kind.mode == "sync")

@@ -100,7 +100,7 @@ def traced_step(rank: int, world: int) -> list:
 
 
 def test_trace_records_every_compute_and_send():
-    from lightning_pipe.viz import traced_timeline
+    from lightning_pipe.simulation.timelines import traced_timeline
 
     schedule = build_schedule("1f1b", 2, 4)
     records = run_distributed(traced_step, 2, timeout=120)

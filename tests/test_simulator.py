@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_pipe.schedules import Op, build_schedule, forward_only
-from lightning_pipe.simulator import CostModel, simulate
+from lightning_pipe.simulation import CostModel, simulate
 
 
 def one_block_per_stage(p):
@@ -299,7 +299,7 @@ def test_chunk_costs_sums_each_range_and_a_replaced_model_sums_its_own():
     # not see the sums of the one it was made from
     import dataclasses
 
-    from lightning_pipe.simulator import chunk_costs
+    from lightning_pipe.simulation import chunk_costs
 
     costs = CostModel((1.0, 2.0, 4.0, 8.0), (3.0, 5.0, 7.0, 9.0), activation_bytes=(10.0, 20.0, 30.0, 40.0), bandwidth=10.0)
     for _ in range(2):  # the second call reads what the first kept

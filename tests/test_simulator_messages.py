@@ -7,7 +7,7 @@ import pytest
 
 from lightning_pipe.planning.auto import choose_schedule
 from lightning_pipe.schedules import build_schedule
-from lightning_pipe.simulator import CostModel, simulate
+from lightning_pipe.simulation import CostModel, simulate
 
 MESSAGES = dict(send_overhead=0.1, recv_overhead=0.05, handoff_delay=0.2)
 
@@ -83,7 +83,7 @@ def test_handoff_sampler_follows_the_measured_quantiles():
     import random
     import statistics
 
-    from lightning_pipe.messages import MessageCosts
+    from lightning_pipe.profiling.messages import MessageCosts
 
     # hand-offs 100..300 us evenly (quantiles 0, 5, ..., 100%); the model already charges 50 us
     # (send overhead 40 us + latency 10 us) of each, so draws are the rest: 50..250 us, mean 150 us

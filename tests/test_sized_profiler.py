@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_pipe.bench.mlp import Block, make_model
 from lightning_pipe.planning.sized import BYTE_FIELDS, TIME_FIELDS, SizedProfile
-from lightning_pipe.sized_profiler import profile_sizes
+from lightning_pipe.profiling.sized import profile_sizes
 
 CPU = torch.device("cpu")
 HIDDEN, INNER = 256, 512

@@ -14,7 +14,7 @@ from lightning_pipe.planning.slicer_algorithm2 import algorithm2, merge_stages, 
 from lightning_pipe.schedules import build_schedule
 from lightning_pipe.schedules.actions import Action, Op
 from lightning_pipe.schedules.validate import validate
-from lightning_pipe.simulator import CostModel
+from lightning_pipe.simulation import CostModel
 
 
 # ---- Algorithm 2, line by line, worked by hand -------------------------------------------------

@@ -318,7 +318,7 @@ def test_auto_resume_keeps_the_checkpoints_schedule(tmp_path):
     # equal blocks: "auto" picks interleaved v=2 on 2 ranks x 4 micro-batches; the resumed run is
     # given a memory limit that only 1F1B would meet, and must still continue the checkpoint's
     # interleaved schedule and partition, exactly
-    from lightning_pipe.profiler import Profile
+    from lightning_pipe.profiling import Profile
 
     profile = str(Profile.synthetic([1e-3] * 6, activation_bytes=1e6).save(tmp_path / "profile.json"))
     ckpts = tmp_path / "ckpt"

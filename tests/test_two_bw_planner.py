@@ -33,7 +33,7 @@ from lightning_pipe.planning.two_bw import (
     plan_2bw,
     step_time,
 )
-from lightning_pipe.simulator import CostModel, simulate
+from lightning_pipe.simulation import CostModel, simulate
 
 HW = Hardware(devices=2, devices_per_node=2, memory_limit=None, intra_bandwidth=1e12, inter_bandwidth=1e12, latency=0.0)
 

@@ -14,7 +14,7 @@ import torch
 from models import mlp_blocks
 from torch import nn
 
-from lightning_pipe.launch import run_distributed
+from lightning_pipe.bench.launch import run_distributed
 from lightning_pipe.modes.two_bw import TwoBWMode, _Batch
 from lightning_pipe.runtime.microbatch import signature, split_microbatches
 from lightning_pipe.runtime.p2p import Transport

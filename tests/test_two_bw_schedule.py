@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from lightning_pipe.schedules import Op, ScheduleSpec, build_schedule, validate
 from lightning_pipe.schedules.two_bw import drain_actions, pipedream_2bw, step_actions
-from lightning_pipe.simulator import CostModel, simulate
+from lightning_pipe.simulation import CostModel, simulate
 
 QUICK = dict(deadline=None, database=None, max_examples=80)
 

@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, Sequence
 
-from ..simulator import CostModel, simulate
+from ..simulation import CostModel, simulate
 from .monitor import IterationMetrics, StaticMetrics
 
 Bounds = tuple[tuple[int, int], ...]

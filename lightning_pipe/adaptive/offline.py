@@ -28,9 +28,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..bench.stats import spearman
 from ..planning.replay import cached_schedule
-from ..simulator import CostModel, simulate
-from ..stats import spearman
+from ..simulation import CostModel, simulate
 from . import features as F
 from .arbiter import Arbiter, SwitchCost, arbiter_features, cost_features
 from .candidates import neighbour_candidates

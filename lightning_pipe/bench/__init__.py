@@ -8,7 +8,7 @@
   from the measurements it saved (``--raw``).
 
 The launcher and the timing helpers (quiet machine, foreign load, timed steps, ping-pong) are
-`lightning_pipe.launch`. `provenance` here: the machine and the library's git state in one line.
+`lightning_pipe.bench.launch`. `provenance` here: the machine and the library's git state in one line.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from ..launch import machine_description
+from .launch import machine_description
 
 REPO = Path(__file__).resolve().parent.parent.parent  # the checkout (the package is installed editable)
 

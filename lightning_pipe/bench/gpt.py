@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..launch import quiet_segment
+from .launch import quiet_segment
 
 KINDS = {"Embedding": "embedding", "ResidualAttentionBlock": "attention", "ResidualFFNBlock": "ffn", "LMHead": "head"}
 
@@ -65,7 +65,7 @@ def add_model_arguments(p: argparse.ArgumentParser, layers: int, vocab: int) -> 
 
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
-    """Steps, rounds, profile repeats and the quiet-machine policy (`lightning_pipe.launch.quiet_segment`)."""
+    """Steps, rounds, profile repeats and the quiet-machine policy (`lightning_pipe.bench.launch.quiet_segment`)."""
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=12, help="timed steps per partition and round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
@@ -78,5 +78,5 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def segment(run, rank: int, world: int, args: Any, log) -> tuple[Any, float]:
-    """`lightning_pipe.launch.quiet_segment` with the policy of `add_common_arguments`."""
+    """`lightning_pipe.bench.launch.quiet_segment` with the policy of `add_common_arguments`."""
     return quiet_segment(run, rank, world, retries=args.retries, max_foreign=args.max_foreign, quiet_wait=args.quiet_wait, log=log)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..launch import timed_steps
+from .launch import timed_steps
 
 
 class Block(nn.Module):

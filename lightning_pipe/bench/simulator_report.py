@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from ..stats import spearman
 from .gpt import describe
+from .stats import spearman
 
 RAW_FORMAT = "bench_simulator/2"
 
@@ -141,7 +141,7 @@ def measured_path(results: list[dict], index: int, schedule) -> tuple[float, flo
 
 def analyse(results: list[dict], world: int, args: Any) -> dict:
     from lightning_pipe.schedules import build_schedule
-    from lightning_pipe.simulator import simulate
+    from lightning_pipe.simulation import simulate
 
     r0 = results[0]
     link, partitions, profiles = r0["link"], r0["partitions"], r0["profiles"]
@@ -323,8 +323,8 @@ def plot_comparison(analyses: list[dict], path: Path, args: Any) -> None:
 
 
 def plot_timelines(a: dict, folder: Path, label: str = "autopipe") -> list[Path]:
-    from lightning_pipe.simulator import simulate
-    from lightning_pipe.viz import gantt, traced_timeline
+    from lightning_pipe.simulation import simulate
+    from lightning_pipe.simulation.timelines import gantt, traced_timeline
 
     index = next((i for i, r in enumerate(a["rows"]) if label in r["label"].split(" = ")), None)
     if index is None:

@@ -23,11 +23,11 @@ from ..planning import plan, transformer_costs
 from ..planning.auto import choose_schedule
 from ..planning.replay import cached_schedule
 from ..planning.slicer import choose_slicing, fixed_slicing, simulate_sliced
-from ..profiler import Profile
+from ..profiling import Profile
 from ..schedules import ScheduleSpec
 from ..schedules.text import dump
-from ..simulator import simulate
-from ..viz import gantt
+from ..simulation import simulate
+from ..simulation.timelines import gantt
 from . import errors, tune
 from .paths import CONFIG_DIR
 from .plan_2bw import plan_from_cli

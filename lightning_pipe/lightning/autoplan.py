@@ -26,16 +26,16 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from ..messages import MessageCosts, measure_messages
 from ..planning import Plan, plan
 from ..planning.auto import ScheduleChoice, choose_schedule
 from ..planning.partition import partition_blocks
 from ..planning.replay import cached_schedule
 from ..planning.slicer import SlicePlan, choose_slicing, fixed_slicing, simulate_sliced
-from ..profiler import Profile, profile_blocks
+from ..profiling import Profile, profile_blocks
+from ..profiling.messages import MessageCosts, measure_messages
 from ..schedules import ScheduleSpec
-from ..simulator import simulate
-from ..viz import chrome_trace, gantt, traced_timeline
+from ..simulation import simulate
+from ..simulation.timelines import chrome_trace, gantt, traced_timeline
 from .stage import _Handoff
 
 log = logging.getLogger(__name__)

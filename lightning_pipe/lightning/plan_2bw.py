@@ -27,7 +27,7 @@ from torch.utils.data import BatchSampler, DataLoader
 
 from ..errors import SettingError
 from ..planning.two_bw import NoConfiguration, TwoBWPlan, hardware, optimizer_factor, plan_2bw, refiner
-from ..sized_profiler import profile_sizes
+from ..profiling.sized import profile_sizes
 from .autoplan import KINDS, dataset_sample, pipeline_input, step_loss
 from .checkpoints import resumed_state
 from .stage import find_pipeline

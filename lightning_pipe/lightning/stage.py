@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from ..profiler import check_activation
+from ..profiling import check_activation
 from ..runtime.recompute import run_block
 
 

@@ -68,7 +68,7 @@ class AutoPipeStrategy(ProcessGroupStrategy):
         trace: record each action's real times; writes trace.json and a timeline picture.
         profile: a saved profile.json to plan from. bandwidth, latency: the link model for planning.
         message_costs: measure at setup what a message costs the ranks (send / receive thread time, hand-off
-            delay; lightning_pipe.messages) and plan with it (a loaded profile keeps what it holds).
+            delay; lightning_pipe.profiling.messages) and plan with it (a loaded profile keeps what it holds).
         start_method: ``"popen"`` (Lightning re-runs the command), ``"spawn"``, ``"fork"``, ``"forkserver"``.
         checkpoint: ``"full"`` (one file, single-process layout) or ``"sharded"`` (a directory, each rank its stage).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,

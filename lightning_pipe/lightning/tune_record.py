@@ -17,7 +17,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..tuning.record import SavedBytes, StageRecorder, in_flight_peak, measure_link
+from ..profiling.link import measure_link
+from ..profiling.saved import SavedBytes
+from ..tuning.record import StageRecorder, in_flight_peak
 from ..tuning.utilisation import UtilisationSampler
 from .cutting import held_bytes
 

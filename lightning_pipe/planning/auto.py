@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
-from ..simulator import CostModel, Timeline, simulate
+from ..simulation import CostModel, Timeline, simulate
 from .planner import Plan, plan
 from .replay import cached_schedule
 from .slicer import choose_slicing, fixed_slicing, simulate_sliced

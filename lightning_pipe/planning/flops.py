@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..simulator import CostModel
+from ..simulation import CostModel
 
 DEVICE_FLOPS = 100e12  # a modern accelerator's sustained bf16 matmul rate
 MEMORY_BANDWIDTH = 1.0e12  # bytes / s of device memory (what the embedding lookup is bound by)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 from ..schedules import chunk_count
-from ..simulator import CostModel
+from ..simulation import CostModel
 from .chunked import ChunkedEvaluator
 from .exhaustive import exhaustive_bounds
 from .heuristic import autopipe_bounds

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 from ..errors import SettingError, check_count
 from ..schedules import ScheduleSpec
-from ..simulator import CostModel, simulate
+from ..simulation import CostModel, simulate
 from .partition import Partition
 from .partitioners import PARTITIONERS
 from .replay import Bounds, cached_schedule, paused_gc

@@ -28,7 +28,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from ..schedules import Op, PipelineSchedule, get_schedule
-from ..simulator import CostModel, chunk_costs, input_source, master_stage, message_of, produced_by, simulate, trace_critical_path
+from ..simulation import CostModel, chunk_costs, input_source, master_stage, message_of, produced_by, simulate, trace_critical_path
 
 Bounds = tuple[tuple[int, int], ...]
 

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..simulator import CostModel
+from ..simulation import CostModel
 
 TIME_FIELDS = ("forward", "backward", "recompute_backward")
 BYTE_FIELDS = ("saved_bytes", "input_bytes", "output_bytes")

@@ -23,7 +23,7 @@ from typing import Sequence
 
 from ..runtime.microbatch import sliced_sizes
 from ..schedules import build_schedule
-from ..simulator import CostModel, simulate
+from ..simulation import CostModel, simulate
 
 
 @dataclass(frozen=True)

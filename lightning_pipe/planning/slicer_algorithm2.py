@@ -42,7 +42,7 @@ from ..runtime.microbatch import sliced_sizes
 from ..schedules.actions import Action, Op, PipelineSchedule
 from ..schedules.lowering import lower
 from ..schedules.validate import validate
-from ..simulator import CostModel, Timeline, chunk_costs, simulate
+from ..simulation import CostModel, Timeline, chunk_costs, simulate
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@ PPoPP 2023, §5.2): profile one setting, predict every other with Eq. 1-8, pick 
 fits. No Lightning here: `record` measures a rank's steps, `predict` holds the equations and the
 choice; the CLI runs the profile (`lightning_pipe.cli.tune`)."""
 
+from ..profiling.link import measure_link
 from .predict import Prediction, StageProfile, TuneProfile, TuneResult, choose, default_grid, predict
-from .record import StageRecorder, measure_link
+from .record import StageRecorder
 from .utilisation import UtilisationSampler
 
 __all__ = [

@@ -15,56 +15,11 @@
 from __future__ import annotations
 
 import statistics
-import time
-import weakref
-from typing import Any, Callable, Optional
-
-import torch
-import torch.distributed as dist
+from typing import Any, Optional
 
 from ..runtime.executor import Executor
 from ..schedules import Op
 from .utilisation import UtilisationSampler
-
-
-class SavedBytes:
-    """Within the block: the bytes autograd saves for backward. A storage counts once while some
-    saved tensor still holds it: in 1F1B a micro-batch's backward frees its saved tensors and the
-    next forward reuses their addresses, which are new bytes (an address-only key undercounted them).
-    Storages in `exclude` (e.g. the stage's parameters, counted elsewhere) are not counted."""
-
-    def __init__(self, exclude: Any = ()) -> None:
-        self.total = 0
-        self._live: dict[int, int] = {}  # storage address -> saved tensors still holding it
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self._hooks: Optional[Any] = None
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in self._exclude:
-            return t
-        if ptr not in self._live:
-            self.total += storage.nbytes()
-            self._live[ptr] = 0
-        self._live[ptr] += 1
-        weakref.finalize(t, self._release, ptr)
-        return t
-
-    def _release(self, ptr: int) -> None:
-        left = self._live.get(ptr, 0) - 1
-        if left > 0:
-            self._live[ptr] = left
-        else:
-            self._live.pop(ptr, None)
-
-    def __enter__(self) -> "SavedBytes":
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
 
 
 def in_flight_peak(actions: Any) -> int:
@@ -128,40 +83,3 @@ class StageRecorder:
             "model_bytes": model_bytes,
             "data_bytes": data_bytes,
         }
-
-
-def measure_link(stage: int, stages: int, to_global: Callable[[int], int], nbytes: int, device: torch.device, reps: int = 7) -> float:
-    """One-way seconds of an `nbytes` message between this stage and its neighbours (median of
-    `reps` round trips / 2; the larger of the two ends' sizes; a rank with two links averages them).
-    Collective over the pipeline: pairs (0,1), (2,3), ... first, then (1,2), (3,4), ..."""
-    if stages == 1:
-        return 0.0
-    out = []
-    for phase in (0, 1):
-        for left in range(phase, stages - 1, 2):
-            if stage not in (left, left + 1):
-                continue
-            peer = left + 1 if stage == left else left
-            size = torch.tensor([nbytes], dtype=torch.int64, device=device)
-            other = torch.empty_like(size)
-            if stage == left:
-                dist.send(size, to_global(peer))
-                dist.recv(other, to_global(peer))
-            else:
-                dist.recv(other, to_global(peer))
-                dist.send(size, to_global(peer))
-            payload = torch.zeros(max(1, int(max(nbytes, int(other.item()))) // 4), dtype=torch.float32, device=device)
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                if stage == left:
-                    dist.send(payload, to_global(peer))
-                    dist.recv(payload, to_global(peer))
-                else:
-                    dist.recv(payload, to_global(peer))
-                    dist.send(payload, to_global(peer))
-                if device.type == "cuda":  # NCCL returns once enqueued: wait for the transfer itself
-                    torch.cuda.synchronize(device)
-                times.append(time.perf_counter() - t0)
-            out.append(statistics.median(times) / 2)
-    return statistics.fmean(out) if out else 0.0

@@ -23,9 +23,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .planning.sized import SizedProfile
-from .profiler import _leaf, _nbytes, _to, check_activation, profile_blocks
-from .tuning.record import SavedBytes
+from ..planning.sized import SizedProfile
+from .blocks import _leaf, _nbytes, _to, check_activation, profile_blocks
+from .saved import SavedBytes
 
 
 class _Recomputed(nn.Module):

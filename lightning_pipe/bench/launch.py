@@ -19,20 +19,17 @@ Timing (all for CPU runs on a machine other jobs may share):
 - `wait_for_quiet`: wait (bounded) until other benchmarks / test runs are gone and the machine is idle;
 - `run_undisturbed` (a whole job, from the caller) and `quiet_segment` (a part of a job, from inside
   it): wait for a quiet machine, measure, repeat what other processes disturbed;
-- `ping_pong`: latency and bandwidth of the link between ranks 0 and 1, as the Transport uses it;
 - `cpu_model` / `machine_description`: the machine in one line, for benchmark headers.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import multiprocessing.connection
 import os
 import platform
 import resource
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,7 +55,6 @@ __all__ = [
     "machine_description",
     "other_jobs",
     "own_seconds",
-    "ping_pong",
     "quiet_segment",
     "rank_zero_log",
     "run_distributed",
@@ -437,42 +433,6 @@ def quiet_segment(
             f"{'; repeating it' if attempt < retries else '; keeping the least disturbed attempt'}"
         )
     return best[1], best[0]
-
-
-# ---- the link ----------------------------------------------------------------------------------
-def ping_pong(
-    rank: int, sizes: Sequence[int] = (4, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22), repeats: int = 30, warmup: int = 5
-) -> dict | None:
-    """Ranks 0 and 1 bounce float32 messages of ``sizes`` bytes (isend / irecv + wait, as the
-    Transport); the others wait. Returns, on rank 0, ``{"latency", "bandwidth", "samples"}``: the
-    one-way times (median round trip / 2) per size and the fit ``time = latency + bytes /
-    bandwidth`` (latency: the smallest message's time; bandwidth: least squares of the larger ones'
-    extra time); None on the other ranks. Collective: every rank calls it."""
-    result = None
-    if rank in (0, 1):
-        peer = 1 - rank
-        samples = []
-        for size in sizes:
-            buf = torch.zeros(max(1, size // 4))
-            times = []
-            for i in range(warmup + repeats):
-                t0 = time.perf_counter()
-                if rank == 0:
-                    dist.isend(buf, peer).wait()
-                    dist.irecv(buf, peer).wait()
-                else:
-                    dist.irecv(buf, peer).wait()
-                    dist.isend(buf, peer).wait()
-                if i >= warmup:
-                    times.append(time.perf_counter() - t0)
-            samples.append((buf.numel() * 4, statistics.median(times) / 2))
-        if rank == 0:
-            latency = samples[0][1]
-            rest = [(b, t - latency) for b, t in samples[1:]]
-            per_byte = sum(b * t for b, t in rest) / sum(b * b for b, _ in rest) if rest else 0.0  # through the origin
-            result = {"latency": latency, "bandwidth": 1.0 / per_byte if per_byte > 0 else math.inf, "samples": samples}
-    dist.barrier()
-    return result
 
 
 # ---- the machine in one line -------------------------------------------------------------------

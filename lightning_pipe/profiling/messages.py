@@ -44,7 +44,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .simulator import CostModel
+from ..simulation.costs import CostModel
 
 QUANTILES = 20  # the hand-off distribution is kept as its 5% .. 95% quantiles plus min and max
 

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .schedules.actions import Op
+from ..schedules.actions import Op
 from .simulator import Event, Timeline
 
 COLOURS = {Op.FORWARD: "#4C72B0", Op.BACKWARD: "#DD8452", "comm": "#55A868", "idle": "#EEEEEE"}

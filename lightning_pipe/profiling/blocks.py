@@ -22,9 +22,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..runtime.p2p import _DTYPES
+from ..simulation.costs import CostModel
 from .messages import MessageCosts
-from .runtime.p2p import _DTYPES
-from .simulator import CostModel
 
 
 @dataclass
