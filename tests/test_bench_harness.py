@@ -1,0 +1,55 @@
+"""lightning_pipe.bench.harness: interleaved rounds, median and spread, the markdown table, the outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_pipe.bench.harness import Bench, Table, interleave, spread
+
+
+def test_interleave_runs_every_config_once_per_round_in_order():
+    calls = []
+    out = interleave(["A", "B", "C"], 3, lambda c, r: calls.append((c, r)) or f"{c}{r}")
+    assert calls == [(c, r) for r in range(3) for c in "ABC"]  # A B C, A B C, not A A A
+    assert out == [["A0", "A1", "A2"], ["B0", "B1", "B2"], ["C0", "C1", "C2"]]
+
+
+def test_spread_median_range_and_quartiles():
+    s = spread([5.0, 1.0, 3.0, 9.0, 7.0])
+    assert (s.median, s.lo, s.hi, s.n) == (5.0, 1.0, 9.0, 5)
+    q = spread([1.0, 2.0, 3.0, 4.0, 100.0], iqr=True)
+    assert (q.median, q.lo, q.hi) == (3.0, 2.0, 4.0)  # the outlier is outside the IQR
+    assert spread([0.010, 0.012, 0.020]).fmt(1e3) == "12.0 (10.0..20.0)"
+    assert spread([]).n == 0
+
+
+def test_table_markdown_alignment_and_row_width():
+    t = Table("mode", "samples/s", "note", align="lrl")
+    t.add("single", f"{123.456:.1f}", None)
+    assert t.markdown().splitlines() == ["| mode | samples/s | note |", "|---|---:|---|", "| single | 123.5 |  |"]
+    with pytest.raises(ValueError):
+        t.add("too", "few")
+
+
+def test_bench_quick_json_and_markdown(tmp_path, capsys):
+    bench = Bench("demo.\n\nmore", quick={"sizes": [1]}, rounds=3, steps=20, warmup=5, retries=2, quiet_wait=10.0)
+    bench.parser.add_argument("--sizes", default=[1, 2, 3])
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    args = bench.parse(["--quick", "--json", str(out), "--markdown", str(md)])
+    assert (args.rounds, args.steps, args.warmup, args.retries, args.quiet_wait, args.sizes) == (1, 2, 1, 0, 0.0, [1])
+    assert bench.parse(["--repeats", "4"], header=False).rounds == 4  # --repeats: the older name of --rounds
+    bench.parse(["--json", str(out), "--markdown", str(md)])
+    t = Table("x", "y")
+    t.add(1, 2)
+    bench.table(t, "## part")
+    bench.keep("samples", [0.5, 0.25])
+    bench.finish()
+    record = json.loads(out.read_text())
+    assert record["raw"] == {"samples": [0.5, 0.25]}
+    assert record["tables"] == [{"title": "## part", "columns": ["x", "y"], "rows": [["1", "2"]]}]
+    assert record["options"]["rounds"] == 3 and "commit" in record["provenance"]
+    text = md.read_text()
+    assert text.startswith("# ") and "| x | y |\n|---|---:|\n| 1 | 2 |" in text
+    assert "| 1 | 2 |" in capsys.readouterr().out
