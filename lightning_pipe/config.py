@@ -353,11 +353,6 @@ class PipelineConfig:
     def needs_profile(self) -> bool:
         return self.auto or self.partitioner is not None or bool(self.slicer)
 
-    @property
-    def mode(self) -> str:
-        """The training mode that runs a step (lightning_pipe.modes): "avgpipe" when pipelines is set, "2bw" for schedule="2bw", else "sync"."""
-        return "avgpipe" if self.pipelines is not None else self.schedule_spec.kind.mode
-
     def replace(self, **changes: Any) -> "PipelineConfig":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)

@@ -25,7 +25,7 @@ class KillsItsReference(LitSeq):
     def training_step(self, batch, batch_idx):
         strategy = self.trainer.strategy
         if self.global_step == 3 and strategy.global_rank == STAGE:  # pipeline 0's stage k started it
-            os.kill(strategy.mode.link.proc.pid, signal.SIGKILL)
+            os.kill(strategy.layers.replicas.elastic.link.proc.pid, signal.SIGKILL)
         return super().training_step(batch, batch_idx)
 
 

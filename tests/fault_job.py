@@ -54,10 +54,10 @@ class Faulty(LitSeq):
         hit("save")
 
     def on_train_end(self):
-        # slowexit: this rank's mode takes 4.5 s to close after the last collective of the teardown (as
+        # slowexit: this rank's layers take 4.5 s to close after the last collective of the teardown (as
         # AvgPipe's does when its reference process is slow to exit), while rank 0 is done
         if FAULT == "slowexit" and int(os.environ.get("LOCAL_RANK", "0")) == RANK:
-            self.trainer.strategy.mode.close = lambda graceful=True: time.sleep(4.5)
+            self.trainer.strategy.layers.close = lambda graceful=True: time.sleep(4.5)
 
 
 class FullDisk(TorchCheckpointIO):

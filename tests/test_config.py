@@ -19,6 +19,8 @@ import lightning_pipe  # noqa: F401  (registers the strategies)
 from lightning_pipe import AutoPipeStrategy, PipelineConfig, ScheduleSpec, SettingError
 from lightning_pipe.cli.paths import CONFIG_DIR
 from lightning_pipe.cli.train import pipeline_config
+from lightning_pipe.lightning.layers import choose_layers
+from lightning_pipe.lightning.layers.double_buffer import DoubleBufferLayer
 from lightning_pipe.schedules import REGISTRY
 
 
@@ -47,7 +49,7 @@ def test_schedule_group_selects_a_schedule_with_its_options():
     for name in [*REGISTRY, "auto"]:
         assert composed(f"schedule={name}").pipeline.schedule == name
     assert pipeline_config(composed("schedule=flush")).schedule == "1f1b"  # PipeDream-Flush's name
-    assert pipeline_config(composed("recipe=gpt-tiny-2bw")).mode == "2bw"
+    assert choose_layers(pipeline_config(composed("recipe=gpt-tiny-2bw"))).versions is DoubleBufferLayer
 
 
 def test_hydra_schema_refuses_unknown_keys_and_wrong_types():

@@ -80,7 +80,7 @@ from lightning_pipe.simulation.timelines import traced_timeline
 from lightning_pipe.topology import Topology
 
 RELATIVE = 1e-12
-SYNCHRONOUS = sorted(name for name, kind in REGISTRY.items() if kind.mode == "sync")
+SYNCHRONOUS = sorted(name for name, kind in REGISTRY.items() if kind.versions == "flush")
 QUICK = dict(deadline=None, database=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -91,7 +91,7 @@ def test_every_accepted_schedule_validates(case: ScheduleCase):
     s = case.build()  # builds and validates
     validate(s)
     # 2BW's schedule is its run unrolled over SHOWN_BATCHES optimizer steps (each of m micro-batches)
-    steps = SHOWN_BATCHES if case.spec.kind.mode == "2bw" else 1
+    steps = SHOWN_BATCHES if case.spec.kind.versions == "2bw" else 1
     assert s.num_ranks == case.stages and s.num_microbatches == case.microbatches * steps and s.backward
     assert s.num_chunks == case.spec.chunk_count(case.stages)
     assert sorted(set(s.chunk_rank)) == list(range(case.stages))

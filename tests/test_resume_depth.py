@@ -37,7 +37,7 @@ import lightning_pipe  # noqa: F401  (registers "autopipe")
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.errors import SettingError
-from lightning_pipe.lightning.checkpoint_sharded import consolidate
+from lightning_pipe.lightning.checkpoint import consolidate
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.multiprocess]
 

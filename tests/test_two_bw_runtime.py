@@ -15,7 +15,7 @@ from models import mlp_blocks
 from torch import nn
 
 from lightning_pipe.bench.launch import run_distributed
-from lightning_pipe.modes.two_bw import TwoBWMode, _Batch
+from lightning_pipe.layers.double_buffer import DoubleBuffer, _Batch
 from lightning_pipe.runtime.microbatch import signature, split_microbatches
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sequential import SequentialHost
@@ -77,7 +77,7 @@ def train_2bw(rank, world, batches, dtype, optimizer, m, drain_every):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    mode = TwoBWMode(ScheduleSpec.of("2bw"), world, m, rank, Transport(lambda r: r, torch.device("cpu")), stage, apply)
+    mode = DoubleBuffer(ScheduleSpec.of("2bw"), world, m, rank, Transport(lambda r: r, torch.device("cpu")), stage, apply)
     held = 0
     peaks = []  # weight buffers alive right after each new one is made (the moments of a peak)
     first = next(stage.parameters())

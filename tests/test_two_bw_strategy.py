@@ -19,6 +19,8 @@ from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_pipe import AutoPipeStrategy
+from lightning_pipe.lightning.layers import choose_layers
+from lightning_pipe.lightning.layers.double_buffer import DoubleBufferLayer
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.multiprocess]
 
@@ -183,4 +185,4 @@ def test_what_2bw_cannot_honour_fails_before_spawning(strategy_kwargs, trainer_k
 
 def test_flush_is_1f1b():
     assert AutoPipeStrategy(schedule="flush").config.schedule == "1f1b"
-    assert AutoPipeStrategy(schedule="2bw").config.mode == "2bw"
+    assert choose_layers(AutoPipeStrategy(schedule="2bw").config).versions is DoubleBufferLayer

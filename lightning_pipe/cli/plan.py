@@ -1,8 +1,11 @@
 """`python -m lightning_pipe.plan recipe=<name> pipeline.stages=8`: plan without training.
 
-Costs come from a saved profile (`pipeline.profile=.../profile.json`, as training writes one) or,
-by default, from the model's FLOPs (`lightning_pipe.planning.transformer_costs`). Prints the plan
-table and writes plan.json and the predicted timeline into the Hydra run directory.
+Costs come from a saved profile (`plan.profile=.../profile.json`, as training writes one; the link
+model of `trainer.accelerator`'s device unless pipeline.bandwidth / latency are set, as training
+uses) or, by default, from the model's FLOPs (`lightning_pipe.planning.transformer_costs`). The
+decision is training's own (`planning.entry.plan_run`): what this prints is what training runs on
+the same costs. Prints the plan table and writes plan.json and the predicted timeline into the
+Hydra run directory.
 `pipeline.schedule=auto` first compares the candidate schedules and prints why it chose one.
 `pipeline.planner=2bw` runs PipeDream-2BW's planner instead (cli/plan_2bw.py): the table of every
 (w, d, b, r) considered.
@@ -15,18 +18,17 @@ import sys
 from pathlib import Path
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from ..errors import SettingError
-from ..planning import plan, transformer_costs
-from ..planning.auto import choose_schedule
-from ..planning.replay import cached_schedule
-from ..planning.slicer import choose_slicing, fixed_slicing, simulate_sliced
+from ..lightning.stage import find_pipeline
+from ..planning import transformer_costs
+from ..planning.entry import block_kinds, link_model, plan_run
 from ..profiling import Profile
-from ..schedules import ScheduleSpec
 from ..schedules.text import dump
-from ..simulation import simulate
 from ..simulation.timelines import gantt
 from . import errors, tune
 from .paths import CONFIG_DIR
@@ -52,12 +54,10 @@ def _main(cfg: DictConfig) -> None:
             return
         world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
         stages = config.stages or config.topology(world).depth
-        method = config.partition if isinstance(config.partition, str) else None
         microbatch = max(1, int(cfg.data.batch_size) // config.microbatches)
-        if method is None:
-            raise SettingError(f"partition={config.partition}: the plan command needs a method name (autopipe, dp, ...)", "partition")
+        device = "cpu" if str(cfg.trainer.get("accelerator", "auto")) == "cpu" else "cuda"
         if cfg.plan.profile:
-            costs, kinds = Profile.load(cfg.plan.profile).costs(config.bandwidth or 25e9, config.latency or 20e-6), None
+            costs, kinds = Profile.load(cfg.plan.profile).costs(*link_model(config, device)), model_kinds(cfg)
             source = f"profile {cfg.plan.profile}"
         else:
             extra = {k: v for k, v in (("bandwidth", config.bandwidth), ("latency", config.latency)) if v is not None}
@@ -65,42 +65,18 @@ def _main(cfg: DictConfig) -> None:
                 cfg.model.model.name, microbatch, int(cfg.data.seq_len), device_flops=float(cfg.plan.device_flops), **extra
             )
             source = f"FLOPs of {cfg.model.model.name}, micro-batch {microbatch} x {cfg.data.seq_len} tokens"
-        m = config.microbatches
-        choice = None
-        if config.auto:
-            choice = choose_schedule(costs, stages, m, method=method, kinds=kinds, memory_limit=config.memory_limit, slicer=config.slicer)
-            result, spec = choice.plan, ScheduleSpec.of(choice.chosen.schedule, **choice.chosen.schedule_options)
-            slicing = fixed_slicing(costs, result.bounds, m, choice.chosen.sliced, spec.name) if choice.chosen.sliced else None
-        else:
-            spec = config.schedule_spec
-            result = plan(costs, stages, m, method=method, schedule=spec.name, kinds=kinds, options=spec.kwargs)
-            slicing = choose_slicing(costs, result.bounds, m, spec.name) if config.slicer else None
+        result = plan_run(costs, stages, config, kinds, config.memory_limit)
     except (ValueError, FileNotFoundError) as err:
         if isinstance(err, SettingError) and err.setting:
             err = named(err)
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    schedule, options = spec.name, spec.kwargs
-    summary = {"costs": source, "plan": result.to_dict()}
-    if choice is not None:
-        summary["schedule_choice"] = choice.to_dict()
-    if slicing is not None:
-        summary["slicer"] = slicing.summary()
-    (out / "plan.json").write_text(json.dumps(summary, indent=1))
-    if options:
-        timeline = simulate(cached_schedule(schedule, stages, m, tuple(sorted(options.items()))), costs, result.bounds)
-    else:
-        timeline = simulate_sliced(costs, result.bounds, m, slicing.sliced if slicing else 0, schedule)
-    gantt(timeline, out / "plan_timeline.png", title=f"predicted: {method} plan, {timeline.schedule.name}, {stages} ranks")
+    (out / "plan.json").write_text(json.dumps({"costs": source, **result.summary()}, indent=1))
+    timeline = result.timeline(costs)
+    gantt(timeline, out / "plan_timeline.png", title=f"predicted: {config.partition} plan, {timeline.schedule.name}, {stages} ranks")
     print(f"costs: {source}")
-    if choice is not None:
-        print(choice.table())
-    print(result.table())
-    if slicing is not None:
-        print(
-            f"slicer: cut {slicing.sliced} warm-up micro-batches in halves: start-up {slicing.baseline_startup * 1e3:.2f} -> "
-            f"{slicing.startup * 1e3:.2f} ms, iteration {slicing.baseline_iteration_time * 1e3:.2f} -> {slicing.iteration_time * 1e3:.2f} ms"
-        )
+    for lines in result.report():
+        print(lines)
     written = [out / "plan.json", out / "plan_timeline.png"]
     if cfg.plan.get("dump_schedule"):
         text = dump(timeline.schedule)
@@ -108,6 +84,13 @@ def _main(cfg: DictConfig) -> None:
         written.append(out / "schedule.txt")
         print(text, end="")
     print(f"written: {', '.join(map(str, written))}")
+
+
+def model_kinds(cfg: DictConfig) -> list[str]:
+    """The recipe's blocks' kinds, as training finds them (the model built on the meta device)."""
+    with torch.device("meta"):
+        module = instantiate(cfg.model)
+    return block_kinds([type(b).__name__ for b in find_pipeline(module)[1]])
 
 
 def main() -> None:

@@ -7,8 +7,9 @@
   may decide to switch; every rank decides alike from the same numbers.
 - ``strategy.repartition(bounds)``: a switch requested by the user (or a test), checked at once.
 - A decided or requested switch runs at the next batch's start, before its training_step
-  (`on_train_batch_start`): 2BW is drained first; the blocks move (`adaptive.switch`), then the
-  stage's gradient groups, schedule and step runner are rebuilt. Checkpoints written afterwards
+  (`on_train_batch_start`): every layer prepares (2BW drains, its stash moves with the blocks); the
+  blocks move (`adaptive.switch`), then the stage's gradient groups, schedule and step runner are
+  rebuilt (`layers.compose.Training.switch`). Checkpoints written afterwards
   hold the new partition, which a resumed run reuses.
 """
 
@@ -20,7 +21,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from ..adaptive.learned import LearnedDecider, load_learned
 from ..adaptive.monitor import IterationMetrics, Monitor, StaticMetrics
 from ..adaptive.policy import SwitchRule
 from ..adaptive.switch import Bounds, check_bounds, plan_moves
+from .context import RankContext
 
 log = logging.getLogger(__name__)
 # set to 1: adaptive=learned records every decision's predictions, also by the offline network (benchmarks)
@@ -70,9 +72,16 @@ class SwitchRecord:
 class Adaptive:
     """The strategy's re-partitioning: monitor (when adaptive), policy, and the switch itself."""
 
-    def __init__(self, strategy: Any, profile: Optional[Any], costs: Optional[Any], scorer: Optional[Scorer] = None):
-        config = strategy.config
-        self.strategy = strategy
+    def __init__(
+        self,
+        ctx: RankContext,
+        switch: Callable[[Bounds], Any],
+        profile: Optional[Any],
+        costs: Optional[Any],
+        scorer: Optional[Scorer] = None,
+    ):
+        config = ctx.config
+        self.ctx, self._switch = ctx, switch  # switch(new): the live switch, collective over the pipeline
         self.kind = config.adaptive  # False, "rule" or "learned"
         self.enabled = bool(self.kind)
         self.decider: Optional[LearnedDecider] = None  # adaptive=learned: predictor + arbiter (decides on pipeline rank 0)
@@ -89,18 +98,10 @@ class Adaptive:
         if self.enabled:
             if profile is None or costs is None:
                 raise RuntimeError("adaptive=True needs the profile (it plans from one); none was made")
-            topo = strategy.topology
+            topo = ctx.topology
             static = StaticMetrics.from_profile(profile)
-            group = strategy.process_groups.pipeline if topo.depth > 1 else None
-            replica = strategy.replica_index
             self.monitor = Monitor(
-                static,
-                strategy.stage_index,
-                topo.depth,
-                group,
-                strategy.root_device,
-                lambda r: topo.global_rank(replica, r),
-                window=config.adaptive_window,
+                static, ctx.stage_index, topo.depth, ctx.pipeline_group, ctx.device, ctx.pipeline_rank, window=config.adaptive_window
             )
             self.scorer = scorer or SimulatorScorer(static, costs)
             if self.kind == "learned":
@@ -108,7 +109,7 @@ class Adaptive:
                 self.decider = LearnedDecider(load_learned(folder, topo.depth), static, config.schedule, config.microbatches)
                 self.offline = copy.deepcopy(self.decider.learned.predictor)  # before online adaptation, for evaluation
                 self.scorer = self.decider.scorer
-            self.root = topo.global_rank(replica, 0)  # pipeline rank 0: the learned decision is taken there
+            self.root = ctx.pipeline_rank(0)  # pipeline rank 0: the learned decision is taken there
 
     # ---- per step -----------------------------------------------------------------------------
     def begin_step(self, transport: Any) -> None:
@@ -119,16 +120,15 @@ class Adaptive:
         """After a training step's schedule (collective over the pipeline when monitoring)."""
         if self.monitor is None:
             return
-        strategy = self.strategy
-        cut = strategy.cut
+        cut = self.ctx.cut
         iteration = self._iteration()
         metrics = self.monitor.end(executor, iteration, microbatches, cut.bounds, cut.placement)
         if metrics is None:
             return
         self._log(metrics)
-        if metrics.microbatches != strategy.config.microbatches or metrics.bounds != cut.bounds or self.pending is not None:
+        if metrics.microbatches != self.ctx.config.microbatches or metrics.bounds != cut.bounds or self.pending is not None:
             return  # a short last batch is a different schedule; a switch since: not a basis for decisions
-        if self.decider is not None and strategy.global_rank == self.root:
+        if self.decider is not None and self.ctx.global_rank == self.root:
             self.decider.observe(list(self.monitor.history))  # the replay buffer of online adaptation
         # scored once per window of fresh measurements (not every step: the scoring is the costly part)
         if self.rule.allows(iteration, len(self.monitor.history)) and (iteration - self._considered) >= self.rule.window:
@@ -140,7 +140,7 @@ class Adaptive:
     def _consider(self, schedule: Any, iteration: int) -> None:
         if self.decider is not None:
             return self._consider_learned(iteration)
-        cut, window = self.strategy.cut, list(self.monitor.history)
+        cut, window = self.ctx.cut, list(self.monitor.history)
         now = self.scorer(window, schedule, cut.bounds)
         scored = [(self.scorer(window, schedule, c), c) for c in neighbour_candidates(cut.bounds, cut.placement)]
         if not scored:
@@ -159,9 +159,9 @@ class Adaptive:
     def _consider_learned(self, iteration: int) -> None:
         """Pipeline rank 0 adapts the predictor, scores the candidates and asks the arbiter; every rank
         of the pipeline gets the verdict (one broadcast per window), so all switch alike."""
-        strategy, window = self.strategy, list(self.monitor.history)
+        ctx, window = self.ctx, list(self.monitor.history)
         box: list[Any] = [None]
-        if strategy.global_rank == self.root:
+        if ctx.global_rank == self.root:
             verdict = self.decider.decide(window, self._left(), iteration - self.rule.last_switch, self._bandwidth(window))
             if verdict is not None:
                 box[0] = {"switch": verdict.switch, "best": verdict.best, "now": verdict.now_s, "best_s": verdict.best_s}
@@ -183,30 +183,30 @@ class Adaptive:
                         "scores": [[[list(x) for x in b], t, t0] for (b, t), t0 in zip(verdict.scores, before)],
                     }
                 )
-        if strategy.topology.depth > 1:
-            dist.broadcast_object_list(box, self.root, group=strategy.process_groups.pipeline)
+        if ctx.depth > 1:
+            dist.broadcast_object_list(box, self.root, group=ctx.groups.pipeline)
         verdict = box[0]
         if verdict is not None and verdict["switch"]:
             now, best = verdict["now"], verdict["best_s"]
             self.pending = (tuple(tuple(b) for b in verdict["best"]), ((now - best) / now, now, best))
 
     def _log_value(self, name: str, value: float) -> None:
-        trainer = self.strategy.lightning_module.trainer
+        trainer = self.ctx.trainer
         for logger in trainer.loggers:
             logger.log_metrics({name: value}, step=trainer.global_step)
 
     def _left(self) -> Optional[float]:
-        trainer = self.strategy.lightning_module.trainer
+        trainer = self.ctx.trainer
         total = trainer.estimated_stepping_batches
         if not isinstance(total, (int, float)) or total == float("inf"):
             return None
         return float(total) * trainer.accumulate_grad_batches - trainer.fit_loop.total_batch_idx
 
     def _iteration(self) -> int:
-        return int(self.strategy.lightning_module.trainer.fit_loop.total_batch_idx)
+        return int(self.ctx.trainer.fit_loop.total_batch_idx)
 
     def _log(self, metrics: IterationMetrics) -> None:
-        trainer = self.strategy.lightning_module.trainer
+        trainer = self.ctx.trainer
         for logger in trainer.loggers:
             logger.log_metrics(metrics.as_log(), step=trainer.global_step)
 
@@ -214,7 +214,7 @@ class Adaptive:
     def request(self, bounds: Sequence[Sequence[int]]) -> Bounds:
         """Switch to `bounds` (one [start, stop) per model chunk) at the next batch's start. Every
         rank of the pipeline must request the same (a callback runs on all of them)."""
-        cut = self.strategy.cut
+        cut = self.ctx.cut
         new = check_bounds(bounds, sum(hi - lo for lo, hi in cut.bounds), cut.placement)
         self.pending = (new, None)
         return new
@@ -225,15 +225,15 @@ class Adaptive:
             return None
         new, why = self.pending
         self.pending = None
-        strategy = self.strategy
-        old = strategy.cut.bounds
+        ctx = self.ctx
+        old = ctx.cut.bounds
         if new == old:
             return None
         if self.monitor is not None:
             self.monitor.flush()  # the gather in flight, of the old partition: read before anything moves
         started = time.perf_counter()
-        result = strategy.switch_partition(new)
-        seconds = torch.tensor([time.perf_counter() - started, float(result.sent_bytes)], dtype=torch.float64, device=strategy.root_device)
+        result = self._switch(new)
+        seconds = torch.tensor([time.perf_counter() - started, float(result.sent_bytes)], dtype=torch.float64, device=ctx.device)
         if dist.is_initialized() and dist.get_world_size() > 1:  # everyone logs the slowest rank's time and all bytes
             slowest = seconds.clone()
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -252,7 +252,7 @@ class Adaptive:
             if record.moved_bytes:
                 self.rule.measured(record.seconds, record.moved_bytes, bandwidth)
             if self.decider is not None:
-                moved = [b for m in plan_moves(old, new, strategy.cut.placement) for b in m.blocks]
+                moved = [b for m in plan_moves(old, new, ctx.cut.placement) for b in m.blocks]
                 params = sum(self.monitor.static.param_bytes[b] for b in moved)
                 self.decider.switched(params, bandwidth, len(moved), record.seconds)
         rank_zero_info(record.line())
@@ -266,7 +266,7 @@ class Adaptive:
     # ---- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         out = {"rule": self.rule.state_dict(), "switches": len(self.switches)}
-        if self.decider is not None and self.strategy.global_rank == self.root:  # learned: adapted online on this rank
+        if self.decider is not None and self.ctx.global_rank == self.root:  # learned: adapted online on this rank
             out["learned"] = self.decider.state_dict()
         return out
 

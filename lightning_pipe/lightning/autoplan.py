@@ -1,5 +1,5 @@
 """`partition="autopipe"` (or any planner), `slicer` or `schedule="auto"`: profile the blocks on the
-real ranks, then (choose the schedule and) plan.
+real ranks, then plan with `planning.entry.plan_run` (the plan command's decision too).
 
 Runs in the strategy's setup, before the model is cut:
 1. A sample micro-batch is taken from the training dataset directly (not through the DataLoader,
@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,16 +25,14 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from ..planning import Plan, plan
-from ..planning.auto import ScheduleChoice, choose_schedule
+from ..planning.entry import BLOCK_KINDS as KINDS  # noqa: F401  (benchmarks read it here)
+from ..planning.entry import DEFAULT_LINKS, RunPlan, block_kinds, link_model, plan_run  # noqa: F401
 from ..planning.partition import partition_blocks
-from ..planning.replay import cached_schedule
-from ..planning.slicer import SlicePlan, choose_slicing, fixed_slicing, simulate_sliced
 from ..profiling import Profile, profile_blocks
 from ..profiling.messages import MessageCosts, measure_messages
 from ..schedules import ScheduleSpec
-from ..simulation import simulate
 from ..simulation.timelines import chrome_trace, gantt, traced_timeline
+from .context import RankContext
 from .stage import _Handoff
 
 log = logging.getLogger(__name__)
@@ -164,9 +161,6 @@ def profile_pipeline(
     )
 
 
-KINDS = {"Embedding": "embedding", "ResidualAttentionBlock": "attention", "ResidualFFNBlock": "ffn", "LMHead": "head", "MLMHead": "head"}
-
-
 # Link models when none is given: a GPU pipeline over NVLink / PCIe, a CPU one over loopback gloo.
 def profile_messages(profile: Profile, chain: list[int], device: torch.device, depth: int) -> MessageCosts:
     """Message costs on the pipeline's ranks (collective): the median block output's size, and a
@@ -178,35 +172,17 @@ def profile_messages(profile: Profile, chain: list[int], device: torch.device, d
     return costs
 
 
-DEFAULT_LINKS = {"cuda": (25e9, 20e-6), "cpu": (2e9, 50e-6)}
-
-
-@dataclass
-class PlanResult:
-    bounds: tuple[tuple[int, int], ...]
-    plan: Optional[Plan]
-    sliced: int
-    spec: ScheduleSpec  # the schedule to run (schedule="auto": the one chosen)
-    choice: Optional[ScheduleChoice] = None
-
-
 class AutoPlanner:
     """Profile -> (choose a schedule) -> plan -> (slice) for the strategy; also keeps and writes
     traces of real steps."""
 
     def __init__(self, config: Any):
         self.config = config
-        self.method = config.partitioner  # None: "uniform" or listed sizes, which need no profile
-        self.slicer, self.profile_path, self.bandwidth, self.latency = config.slicer, config.profile, config.bandwidth, config.latency
+        self.profile_path = config.profile
         self._trace: Optional[tuple[Any, list]] = None
         self.out_dir: Optional[Path] = None
         self.profile: Optional[Profile] = None  # what the plan was made from (adaptive re-partitioning reads them)
         self.costs: Optional[Any] = None
-
-    def prepare(self, strategy: Any) -> None:
-        """On every rank: Lightning's `trainer.log_dir` is a collective (a broadcast from rank 0)."""
-        trainer = strategy.lightning_module.trainer
-        self.out_dir = Path(trainer.log_dir or trainer.default_root_dir)
 
     def memory_limit(self, device: torch.device) -> Optional[float]:
         """schedule="auto"'s limit: as configured, else a GPU's total memory; none on CPU."""
@@ -216,67 +192,43 @@ class AutoPlanner:
             return float(torch.cuda.get_device_properties(device).total_memory)
         return None
 
-    def run(self, strategy: Any, module: Any, pipeline: nn.Sequential, spec: ScheduleSpec) -> PlanResult:
-        topo, rank = strategy.topology, strategy.global_rank
-        depth, m = topo.depth, self.config.microbatches
-        schedule, options = spec.name, spec.kwargs
-        fallback = self.config.fixed_partition
+    def run(self, ctx: RankContext, module: Any, pipeline: nn.Sequential, spec: ScheduleSpec) -> RunPlan:
+        """Profile on the ranks, then `plan_run` (the plan command's decision too); rank 0's result is final."""
+        self.out_dir = ctx.out_dir
+        depth, m = ctx.depth, self.config.microbatches
         sample, mbs = sample_microbatch(module.trainer, m)
         if sample is None and self.profile_path is None:
-            if rank == 0:
-                log.warning(f"no map-style dataset to profile with: running {schedule} on a uniform partition, no slicing")
-            return PlanResult(partition_blocks(fallback, len(pipeline), spec.chunk_count(depth)).bounds, None, 0, spec)
+            if ctx.global_rank == 0:
+                log.warning(f"no map-style dataset to profile with: running {spec.name} on a uniform partition, no slicing")
+            bounds = partition_blocks(self.config.fixed_partition, len(pipeline), spec.chunk_count(depth)).bounds
+            return RunPlan(tuple(map(tuple, bounds)), spec, depth, m)
         start = time.perf_counter()
-        profile, costs = self._profile(strategy, module, pipeline, sample, mbs)
-        kinds = [KINDS.get(type(b).__name__, "block") for b in pipeline]
-        method = self.method or "uniform"
-        kinds_for = kinds if self.method is not None else None  # "uniform" without kinds: equal block counts
-        choice: Optional[ScheduleChoice] = None
-        result: Optional[Plan] = None
-        slicing: Optional[SlicePlan] = None
-        if self.config.auto:
-            choice = choose_schedule(
-                costs, depth, m, method=method, kinds=kinds_for, memory_limit=self.memory_limit(strategy.root_device), slicer=self.slicer
-            )
-            result, schedule, options = choice.plan, choice.chosen.schedule, dict(choice.chosen.options)
-            bounds = result.bounds
-            if choice.chosen.sliced:
-                slicing = fixed_slicing(costs, bounds, m, choice.chosen.sliced, schedule)
-        else:
-            if self.method is not None:
-                result = plan(costs, depth, m, method=self.method, schedule=schedule, kinds=kinds, options=options)
-                bounds = result.bounds
-            else:
-                bounds = partition_blocks(fallback, len(pipeline), spec.chunk_count(depth)).bounds
-            if self.slicer is True:
-                slicing = choose_slicing(costs, bounds, m, schedule)
-            elif self.slicer:  # a fixed count
-                slicing = fixed_slicing(costs, bounds, m, int(self.slicer), schedule)
-        box = [(tuple(map(tuple, bounds)), slicing.sliced if slicing else 0, schedule, options)]
-        if topo.world_size > 1:  # the same numbers everywhere already; rank 0's word is final
+        profile, costs = self._profile(ctx, module, pipeline, sample, mbs)
+        kinds = block_kinds([type(b).__name__ for b in pipeline])
+        result = plan_run(costs, depth, self.config, kinds, self.memory_limit(ctx.device))
+        box = [(result.bounds, result.spec, result.sliced)]
+        if ctx.topology.world_size > 1:  # the same numbers everywhere already; rank 0's word is final
             dist.broadcast_object_list(box, 0)
-        bounds, sliced, schedule, options = box[0]
-        if rank == 0:
-            self._report(strategy, profile, costs, bounds, result, slicing, choice, schedule, options, time.perf_counter() - start)
-        return PlanResult(bounds, result, sliced, ScheduleSpec.of(schedule, **options), choice)
+        if box[0] != (result.bounds, result.spec, result.sliced):
+            result = RunPlan(box[0][0], box[0][1], depth, m, box[0][2])
+        if ctx.global_rank == 0:
+            self._report(profile, costs, result, time.perf_counter() - start)
+        return result
 
-    def _profile(self, strategy: Any, module: Any, pipeline: nn.Sequential, sample: Any, mbs: int) -> tuple[Profile, Any]:
-        topo = strategy.topology
+    def _profile(self, ctx: RankContext, module: Any, pipeline: nn.Sequential, sample: Any, mbs: int) -> tuple[Profile, Any]:
+        topo = ctx.topology
         if self.profile_path is not None:
             profile = Profile.load(self.profile_path)
             profile.check_blocks(len(pipeline))
         else:
-            profile = profile_pipeline(
-                module, pipeline, sample, strategy.root_device, strategy.global_rank, topo.world_size, type(module).__name__, mbs
-            )
+            profile = profile_pipeline(module, pipeline, sample, ctx.device, ctx.global_rank, topo.world_size, type(module).__name__, mbs)
             if self.config.message_costs and topo.depth > 1:
-                profile.messages = profile_messages(profile, topo.pipeline_ranks(0), strategy.root_device, topo.depth).to_dict()
-        default_bw, default_lat = DEFAULT_LINKS.get(strategy.root_device.type, DEFAULT_LINKS["cuda"])
-        costs = profile.costs(self.bandwidth or default_bw, self.latency if self.latency is not None else default_lat)
+                profile.messages = profile_messages(profile, topo.pipeline_ranks(0), ctx.device, topo.depth).to_dict()
+        costs = profile.costs(*link_model(self.config, ctx.device.type))
         self.profile, self.costs = profile, costs
         return profile, costs
 
-    def profile_only(self, strategy: Any, module: Any, pipeline: nn.Sequential) -> None:
+    def profile_only(self, ctx: RankContext, module: Any, pipeline: nn.Sequential) -> None:
         """A profile without a plan (adaptive on a listed or resumed partition)."""
         sample, mbs = sample_microbatch(module.trainer, self.config.microbatches)
         if sample is None and self.profile_path is None:
@@ -284,54 +236,19 @@ class AutoPlanner:
                 "adaptive=True measures each rank against the blocks' profile, and there is no map-style training dataset "
                 "to profile with: pass profile= (a saved profile.json) or a dataset with __getitem__"
             )
-        self._profile(strategy, module, pipeline, sample, mbs)
+        self._profile(ctx, module, pipeline, sample, mbs)
 
-    def _report(
-        self,
-        strategy: Any,
-        profile: Profile,
-        costs: Any,
-        bounds: Any,
-        result: Optional[Plan],
-        slicing: Optional[SlicePlan],
-        choice: Optional[ScheduleChoice],
-        schedule: str,
-        options: dict,
-        seconds: float,
-    ) -> None:
+    def _report(self, profile: Profile, costs: Any, result: RunPlan, seconds: float) -> None:
         out = self._out()
         profile.save(out / "profile.json")
-        summary = {
-            "profile": profile.key,
-            "profiled_and_planned_seconds": seconds,
-            "schedule": schedule,
-            "options": options,
-            "bounds": [list(b) for b in bounds],
-            "plan": result.to_dict() if result else None,
-            "messages": profile.messages,
-        }
-        if choice is not None:
-            summary["schedule_choice"] = choice.to_dict()
-        if slicing is not None:
-            summary["slicer"] = slicing.summary()
+        summary = {"profile": profile.key, "profiled_and_planned_seconds": seconds, **result.summary(), "messages": profile.messages}
         (out / "plan.json").write_text(json.dumps(summary, indent=1))
-        depth, m = strategy.topology.depth, self.config.microbatches
-        if options:
-            timeline = simulate(cached_schedule(schedule, depth, m, tuple(sorted(options.items()))), costs, bounds)
-        else:
-            timeline = simulate_sliced(costs, bounds, m, slicing.sliced if slicing else 0, schedule)
-        gantt(timeline, out / "plan_timeline.png", title=f"predicted: {timeline.schedule.name}, chunks {[b - a for a, b in bounds]}")
+        timeline = result.timeline(costs)
+        gantt(timeline, out / "plan_timeline.png", title=f"predicted: {timeline.schedule.name}, chunks {[b - a for a, b in result.bounds]}")
         if profile.message_costs is not None:
             rank_zero_info("messages (planned with): " + profile.message_costs.summary())
-        if choice is not None:
-            rank_zero_info("\n" + choice.table())
-        if result is not None:
-            rank_zero_info("\n" + result.table())
-        if slicing is not None:
-            rank_zero_info(
-                f"slicer: {slicing.sliced} warm-up micro-batches cut in halves; start-up "
-                f"{slicing.baseline_startup * 1e3:.2f} -> {slicing.startup * 1e3:.2f} ms (simulated)"
-            )
+        for lines in result.report():
+            rank_zero_info("\n" + lines)
         rank_zero_info(f"plan, profile and predicted timeline written to {out}")
 
     def _out(self) -> Path:
@@ -344,17 +261,18 @@ class AutoPlanner:
         origin = min((s for _, s, _ in executor.records), default=0.0)
         self._trace = (executor.schedule, [(i, s - origin, e - origin) for i, s, e in executor.records])
 
-    def write_trace(self, strategy: Any) -> None:
+    def write_trace(self, ctx: RankContext) -> None:
         """Gather the last traced step of replica 0's stages to rank 0; draw it and write a Chrome trace."""
-        if self._trace is None or strategy.replica_index != 0:
+        if self._trace is None or ctx.replica_index != 0:
             return
+        self.out_dir = ctx.out_dir
         schedule, mine = self._trace
-        parts = [None] * strategy.topology.depth if strategy.global_rank == 0 else None
-        if strategy.topology.depth > 1:
-            dist.gather_object(mine, parts, dst=0, group=strategy.process_groups.pipeline)
+        parts = [None] * ctx.depth if ctx.global_rank == 0 else None
+        if ctx.depth > 1:
+            dist.gather_object(mine, parts, dst=0, group=ctx.groups.pipeline)
         else:
             parts = [mine]
-        if strategy.global_rank == 0:
+        if ctx.global_rank == 0:
             timeline = traced_timeline(schedule, parts)
             out = self._out()
             chrome_trace(timeline, out / "trace.json")

@@ -19,12 +19,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from ..adaptive.switch import skeleton
-from ..modes.advance import AdvanceRule
 from ..planning.partition import partition_blocks
-from ..runtime.p2p import Transport
 from ..runtime.tied import TiedParameter, TieGroup, find_tied_parameters, tie_groups
 from ..schedules import ScheduleSpec
-from .checkpoints import resumed_layout
+from .autoplan import AutoPlanner
+from .checkpoint.resume import resumed_layout, resumed_state
+from .context import RankContext
 from .stage import PipelineStage, check_no_outside_parameters, find_pipeline, set_submodule
 
 log = logging.getLogger(__name__)
@@ -54,49 +54,30 @@ class Cut:
         """This rank's chunks -> their block indices."""
         return {c: list(range(*self.bounds[c])) for c in self.stage.chunk_bounds}
 
-    def mode_settings(self, strategy: Any) -> dict[str, Any]:
-        """What a training mode (lightning_pipe.modes) is built from."""
-        topo, replica, config = strategy.topology, strategy.replica_index, strategy.config
-        transport = Transport(lambda r: topo.global_rank(replica, r), strategy.root_device)
-        extra: dict[str, Any] = {}
-        if config.schedule == "advance" and config.advance_num is None:  # AvgPipe's Algorithm 1 chooses it
-            extra["advance"] = AdvanceRule(
-                topo.depth, config.microbatches, strategy.stage_index, config.memory_limit, lambda: held_bytes(strategy)
-            )
-        return dict(
-            **extra,
-            spec=self.spec,
-            stages=topo.depth,
-            microbatches=config.microbatches,
-            rank=strategy.stage_index,
-            transport=transport,
-            prefetch=config.prefetch,
-            trace=config.trace,
-            sliced=self.sliced,
-        )
-
     @property
     def loss_stage(self) -> int:
         """The rank holding the last chunk computes the loss (the last stage, or rank 0 in a wave)."""
         return self.placement[-1]
 
 
-def held_bytes(strategy: Any) -> float:
+def held_bytes(module: nn.Module, optimizers: list[Any]) -> float:
     """What the stage holds whatever the schedule: its parameters, their gradients and the optimizers' state."""
-    params = [p for p in strategy.model.parameters()] if strategy.model is not None else []
-    total = sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1) for p in params)
-    for optimizer in getattr(strategy, "optimizers", []) or []:
-        for state in getattr(optimizer, "state", {}).values():
+    total = sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1) for p in module.parameters())
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
             total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
     return float(total)
 
 
-def choose_layout(strategy: Any, module: Any, pipeline: nn.Sequential) -> tuple[ScheduleSpec, Bounds, int, Any, Any]:
+def choose_layout(
+    ctx: RankContext, planner: AutoPlanner, module: Any, pipeline: nn.Sequential
+) -> tuple[ScheduleSpec, Bounds, int, Any, Any]:
     """(schedule, bounds, sliced, plan, choice) for this run."""
-    config, depth = strategy.config, strategy.topology.depth
+    config, depth = ctx.config, ctx.depth
     spec = config.schedule_spec
     fitting = module.trainer.state.fn == TrainerFn.FITTING
-    resumed = resumed_layout(strategy, strategy.resume_path) if fitting else None
+    listed = not isinstance(config.partition, str)
+    resumed = resumed_layout(resumed_state(ctx.checkpoint_io, ctx.resume_path), depth, listed) if fitting else None
     if resumed is not None:
         if config.auto and resumed.schedule is not None:
             spec = resumed.schedule
@@ -104,30 +85,28 @@ def choose_layout(strategy: Any, module: Any, pipeline: nn.Sequential) -> tuple[
             return spec, resumed.bounds, resumed.sliced, None, None
         # else (another schedule asked for): plan anew; optimizer states follow the parameters' names
     if config.needs_profile:
-        result = strategy.planner.run(strategy, module, pipeline, spec)
+        result = planner.run(ctx, module, pipeline, spec)
         return result.spec, tuple(map(tuple, result.bounds)), result.sliced, result.plan, result.choice
     bounds = partition_blocks(config.fixed_partition, len(pipeline), spec.chunk_count(depth)).bounds
     return spec, bounds, 0, None, None
 
 
-def cut_module(strategy: Any, module: Any) -> Cut:
+def cut_module(ctx: RankContext, planner: AutoPlanner, module: Any) -> Cut:
     path, pipeline = find_pipeline(module)
     check_no_outside_parameters(module, path)
-    spec, bounds, sliced, plan, choice = choose_layout(strategy, module, pipeline)
-    if strategy.config.adaptive and strategy.planner.costs is None:  # the monitor's ratios and the scorer's costs
-        strategy.planner.profile_only(strategy, module, pipeline)
-    placement = spec.placement(strategy.topology.depth, strategy.config.microbatches)
-    mine = {c: bounds[c] for c in range(len(placement)) if placement[c] == strategy.stage_index}
+    spec, bounds, sliced, plan, choice = choose_layout(ctx, planner, module, pipeline)
+    if ctx.config.adaptive and planner.costs is None:  # the monitor's ratios and the scorer's costs
+        planner.profile_only(ctx, module, pipeline)
+    placement = spec.placement(ctx.depth, ctx.config.microbatches)
+    mine = {c: bounds[c] for c in range(len(placement)) if placement[c] == ctx.stage_index}
     blocks = {i: pipeline[i] for start, stop in mine.values() for i in range(start, stop)}
-    recompute = strategy.config.recompute_stages(strategy.topology.depth)[strategy.stage_index]
+    recompute = ctx.config.recompute_stages(ctx.depth)[ctx.stage_index]
     stage = PipelineStage(blocks, mine, len(pipeline), recompute=recompute)
     tied = find_tied_parameters(pipeline, bounds, placement)
     skeletons = {i: skeleton(pipeline[i]) for i in range(len(pipeline)) if i not in blocks}
-    full = pipeline if strategy.global_rank == 0 else None
+    full = pipeline if ctx.global_rank == 0 else None
     set_submodule(module, path, stage)
-    log.info(
-        f"rank {strategy.global_rank}: stage {strategy.stage_index}/{strategy.topology.depth} holds chunks {mine} (blocks [start, stop))"
-    )
+    log.info(f"rank {ctx.global_rank}: stage {ctx.stage_index}/{ctx.depth} holds chunks {mine} (blocks [start, stop))")
     cut = Cut(path, full, stage, spec, tuple(tuple(b) for b in bounds), placement, sliced, plan, choice, tied)
     cut.skeletons, cut.ties = skeletons, tie_groups(pipeline)
     return cut

@@ -31,7 +31,7 @@ class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
         self._strategy = strategy
 
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
-        validate_inputs(self._strategy, args, trainer)
+        _validate(self._strategy, args, trainer)
         # As Lightning's launch, with our watcher of the children instead of Lightning's (which
         # looks every 5 s and then SIGKILLs this process too, so its exit code says nothing).
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
@@ -49,9 +49,14 @@ def _watch_children(period: float = 0.2) -> None:
     faults.end_for_child(*failed)
 
 
+def _validate(strategy: Any, args: tuple, trainer: Optional[Any]) -> None:
+    """The checks before any process starts; the strategy notes fit's ckpt_path (read ahead in setup)."""
+    strategy.resume_path = validate_inputs(strategy.config, strategy.num_nodes * strategy.num_processes, args, trainer)
+
+
 class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
-        validate_inputs(self._strategy, args, trainer)
+        _validate(self._strategy, args, trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -25,11 +26,12 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import BatchSampler, DataLoader
 
+from ..config import PipelineConfig
 from ..errors import SettingError
+from ..planning.entry import block_kinds
 from ..planning.two_bw import NoConfiguration, TwoBWPlan, hardware, optimizer_factor, plan_2bw, refiner
 from ..profiling.sized import profile_sizes
-from .autoplan import KINDS, dataset_sample, pipeline_input, step_loss
-from .checkpoints import resumed_state
+from .autoplan import dataset_sample, pipeline_input, step_loss
 from .stage import find_pipeline
 
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32)  # micro-batch sizes profiled (those <= the global batch)
@@ -72,27 +74,38 @@ def train_loader(trainer: Any) -> Optional[Any]:
     return loader[0] if isinstance(loader, (list, tuple)) and loader else loader
 
 
-def plan_in_setup(strategy: Any) -> tuple[TwoBWChoice, Optional[TwoBWPlan]]:
-    """Plan on global rank 0, broadcast, return the choice on every rank (and the plan on rank 0)."""
-    config, world = strategy.config, strategy.world_size
-    module = strategy.lightning_module
+@dataclass(frozen=True)
+class Where:
+    """Where planner=2bw plans: the job before its topology exists."""
+
+    world: int  # processes in the job
+    processes: int  # per node
+    rank: int  # this process's global rank
+    device: torch.device
+    out_dir: Optional[Path]  # where the plan and the sized profile are written
+
+
+def plan_in_setup(config: PipelineConfig, module: Any, where: Where, resumed: dict[str, Any]) -> tuple[TwoBWChoice, Optional[TwoBWPlan]]:
+    """Plan on global rank 0, broadcast, return the choice on every rank (and the plan on rank 0).
+    `resumed`: the run state of the checkpoint being resumed (`checkpoint.resumed_state`)."""
+    world = where.world
     trainer = module.trainer
     loader = train_loader(trainer)
     batch = config.global_batch or getattr(loader, "batch_size", None)
     box: list[Any] = [None]
     result: Optional[TwoBWPlan] = None
-    resumed = resumed_state(strategy, strategy.resume_path).get("autopipe_2bw_plan")
+    resumed = resumed.get("plan_2bw")
     if resumed is not None and resumed["global_batch"] == batch and resumed["width"] * len(resumed["sizes"]) == world:
         # the resumed run's shape, not a new (noisy) plan: the same batches, partition and schedule
         saved = {**resumed, "recompute": tuple(resumed["recompute"]), "sizes": tuple(resumed["sizes"])}
         return TwoBWChoice(**saved), None
-    if strategy.global_rank == 0:
+    if where.rank == 0:
         try:
             if not batch:
                 raise SettingError(
                     "planner=2bw needs the global batch: set global_batch, or give the training DataLoader a batch_size", "global_batch"
                 )
-            result = _plan(strategy, module, trainer, int(batch))
+            result = _plan(config, where, module, trainer, int(batch))
             c = result.chosen
             sizes = tuple(b - a for a, b in c.bounds)
             box = [TwoBWChoice(c.width, c.microbatches, c.microbatch_size, c.schedule, c.stage_recompute, sizes, int(batch))]
@@ -107,8 +120,8 @@ def plan_in_setup(strategy: Any) -> tuple[TwoBWChoice, Optional[TwoBWPlan]]:
     return box[0], result
 
 
-def _plan(strategy: Any, module: Any, trainer: Any, batch: int) -> TwoBWPlan:
-    config, device = strategy.config, strategy.root_device
+def _plan(config: PipelineConfig, where: Where, module: Any, trainer: Any, batch: int) -> TwoBWPlan:
+    device = where.device
     _, pipeline = find_pipeline(module)
     blocks = list(pipeline)
     sizes = [s for s in PROFILE_SIZES if s <= batch] or [1]
@@ -139,8 +152,8 @@ def _plan(strategy: Any, module: Any, trainer: Any, batch: int) -> TwoBWPlan:
     if limit is None and device.type == "cuda":
         limit = float(torch.cuda.get_device_properties(device).total_memory)
     hw = hardware(
-        strategy.world_size,
-        strategy.num_processes,
+        where.world,
+        where.processes,
         device.type,
         limit,
         config.intra_bandwidth,
@@ -148,11 +161,11 @@ def _plan(strategy: Any, module: Any, trainer: Any, batch: int) -> TwoBWPlan:
         config.latency,
         optimizer_factor(trainer.precision),
     )
-    kinds = [KINDS.get(type(b).__name__, "block") for b in blocks]
+    kinds = block_kinds([type(b).__name__ for b in blocks])
     schedules = ("2bw", "1f1b", "gpipe") if config.auto else (config.schedule,)
     result = plan_2bw(profile, hw, batch, schedules, refine=refiner(config.partition, kinds))
     result.notes.append(f"profiled {len(blocks)} blocks at micro-batch sizes {sizes} in {profiled:.1f} s on {device}")
-    out = strategy.planner.out_dir
+    out = where.out_dir
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         profile.save(out / "sized_profile.json")

@@ -4,6 +4,8 @@ setting or file, raised in the launching process (so nothing is spawned and noth
 
 from __future__ import annotations
 
+from dataclasses import fields
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -11,37 +13,56 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from ..config import PipelineConfig
 from ..errors import SettingError
+from .layers.compose import choose_layers
 from .stage import check_no_outside_parameters, find_pipeline
 
 _LIGHTNING_CKPT_ALIASES = ("last", "best", "hpc", "registry")  # fit resolves these itself
+STRATEGY_SETTINGS = {f.name for f in fields(PipelineConfig)} - {"stages"}  # the strategy's keywords besides Lightning's
 
 
-def validate_inputs(strategy: Any, args: tuple, trainer: Optional[Any]) -> None:
-    """Every trainer function passes the model, then its dataloaders; fit's fifth is ckpt_path."""
-    config = strategy.config
+def strategy_config(settings: dict[str, Any]) -> PipelineConfig:
+    """`AutoPipeStrategy(**settings)`'s config, checked; what a Trainer-built strategy cannot do is refused."""
+    unknown = sorted(set(settings) - STRATEGY_SETTINGS)
+    if unknown:
+        raise SettingError(f"AutoPipeStrategy got unknown settings {unknown}; allowed: {sorted(STRATEGY_SETTINGS)}", unknown[0])
+    if isinstance(settings.get("timeout"), timedelta):
+        settings = {**settings, "timeout": settings["timeout"].total_seconds()}
+    config = PipelineConfig(**{k: v for k, v in settings.items() if not (k == "timeout" and v is None)})
+    if config.tune:
+        raise SettingError(
+            "tune=True: AvgPipe's tuner chooses how many processes run (pipelines x stages) before they start, which a "
+            "Trainer's fixed devices cannot follow; run `python -m lightning_pipe.train ... pipeline.tune=true` (it profiles, "
+            "then trains with the choice), or `python -m lightning_pipe.plan ... pipeline.tune=true` and pass the chosen "
+            "pipelines= and microbatches= here",
+            "tune",
+        )
+    return config
+
+
+def validate_inputs(config: PipelineConfig, world: int, args: tuple, trainer: Optional[Any]) -> Optional[str]:
+    """Every trainer function passes the model, then its dataloaders; fit's fifth is ckpt_path, which
+    is returned (None when not fitting or not resuming). `world`: processes in the job."""
     model = args[0] if args else None
     fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-    strategy.resume_path = str(args[4]) if fitting and len(args) > 4 and args[4] is not None else None
+    resume_path = str(args[4]) if fitting and len(args) > 4 and args[4] is not None else None
     if isinstance(model, nn.Module):
         path, pipeline = find_pipeline(model)
         check_no_outside_parameters(model, path)
-        config.check_model(strategy.num_nodes * strategy.num_processes, len(pipeline))
-        if strategy.resume_path is not None:
-            check_checkpoint(strategy.resume_path, model)
+        config.check_model(world, len(pipeline))
+        if resume_path is not None:
+            check_checkpoint(resume_path, model)
     if fitting and len(args) > 1:
         config.check_batch_size(getattr(args[1], "batch_size", None))
         if config.planner is not None and isinstance(model, nn.Module):
-            config.check_plannable(
-                strategy.num_nodes * strategy.num_processes, len(find_pipeline(model)[1]), getattr(args[1], "batch_size", None)
-            )
+            config.check_plannable(world, len(find_pipeline(model)[1]), getattr(args[1], "batch_size", None))
     accumulate = getattr(trainer, "accumulate_grad_batches", 1)
     if fitting and (isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1):
         raise SettingError(f"accumulate_grad_batches={accumulate!r}: must be an integer >= 1 (Trainer / trainer.accumulate_grad_batches)")
-    if fitting and config.mode == "2bw":
-        from .two_bw import check_trainer
-
-        check_trainer(trainer, model)
+    if fitting:  # what the run's layers refuse (e.g. 2BW: gradient accumulation, fp16)
+        choose_layers(config).check_trainer(config, trainer, model)
+    return resume_path
 
 
 def check_checkpoint(path: str, model: nn.Module) -> None:
@@ -51,7 +72,7 @@ def check_checkpoint(path: str, model: nn.Module) -> None:
     where = Path(path)
     if not where.exists():
         raise SettingError(f"ckpt_path={path!r}: no such file or directory")
-    from .checkpoint_sharded import is_sharded, read_meta
+    from .checkpoint.sharded import is_sharded, read_meta
 
     try:
         if where.is_dir():

@@ -1,75 +1,46 @@
-"""One rank's part of a Lightning step: the batch's micro-batches through the training mode.
+"""One rank's part of a Lightning step: the batch's micro-batches through the composed layers.
 
-Per step the batch is split (the slicer's halves become micro-batches of their own), the mode
-runs this rank's action list with `LightningHost` calling the user's step methods, under the
+Per step the batch is split (the slicer's halves become micro-batches of their own), the runner
+(the weight-versions layer) runs this rank's action list with `LightningHost` calling the user's step methods, under the
 precision plugin's context and with ``module.log`` redirected to a recorder; then the loss and
 everything the last stage logged are broadcast and logged on every rank.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..modes import TrainingMode
 from ..runtime.microbatch import batch_size, signature, split_microbatches
-from .autoplan import AutoPlanner
-from .cutting import Cut
-from .gradients import GradientStash, StageGradients
+from .context import RankContext
+from .gradients import GradientStash
 from .host import LightningHost
 from .logs import LogBroadcaster, replay
 from .outputs import merge_outputs
 
+if TYPE_CHECKING:
+    from .layers.compose import Training
+
 
 class PipelineSteps:
-    def __init__(
-        self,
-        module: Any,
-        cut: Cut,
-        mode: TrainingMode,
-        host: LightningHost,
-        planner: AutoPlanner,
-        device: torch.device,
-        microbatches: int,
-        group: Optional[Any],
-        last: int,
-        is_last: bool,
-        trace: bool = False,
-    ):
-        self.module, self.cut, self.mode, self.host = module, cut, mode, host
-        self.planner, self.device, self.microbatches = planner, device, microbatches
+    def __init__(self, ctx: RankContext, training: "Training", host: LightningHost, group: Optional[Any], last: int):
+        self.ctx, self.training, self.host = ctx, training, host
+        self.module, self.cut, self.device, self.microbatches = ctx.module, ctx.cut, ctx.device, ctx.config.microbatches
         self.group, self.last = group, last  # the pipeline's process group (None: one stage); the last chunk's global rank
-        self.logs = LogBroadcaster(group, last, device, is_last)
-        self.trace_group = group if trace else None
+        self.logs = LogBroadcaster(group, last, ctx.device, ctx.global_rank == last)
+        self.trace_group = group if ctx.config.trace else None
         self.stash = GradientStash()
-        self.replicas = 1  # pipelines side by side, each evaluating its shard
+        self.replicas = ctx.topology.width  # pipelines side by side, each evaluating its shard
         self.recording: Optional[Any] = None  # the tuner's profile run (tune_record.TuneRecording)
-        self.adaptive: Optional[Any] = None  # the monitor and switch rule (adaptive.Adaptive), while fitting
 
     @classmethod
-    def build(cls, strategy: Any, module: Any, mode: TrainingMode, gradients: StageGradients) -> "PipelineSteps":
-        cut, topo = strategy.cut, strategy.topology
-        last = topo.global_rank(strategy.replica_index, cut.loss_stage)
-        group = strategy.process_groups.pipeline if topo.depth > 1 else None
-        host = LightningHost(module, cut.stage, len(cut.placement) - 1, gradients.reduce_chunk)
-        steps = cls(
-            module,
-            cut,
-            mode,
-            host,
-            strategy.planner,
-            strategy.root_device,
-            strategy.config.microbatches,
-            group,
-            last,
-            strategy.global_rank == last,
-            strategy.config.trace,
-        )
-        steps.replicas = topo.width
-        return steps
+    def build(cls, ctx: RankContext, training: "Training") -> "PipelineSteps":
+        cut = ctx.cut
+        host = LightningHost(ctx.module, cut.stage, len(cut.placement) - 1, training.gradients.reduce_chunk)
+        return cls(ctx, training, host, ctx.pipeline_group, ctx.pipeline_rank(cut.loss_stage))
 
     def _run(self, kind: str, step: str, context: Callable, args: tuple, kwargs: dict, m: int, scaler: Any = None) -> float:
         module, host = self.module, self.host
@@ -79,21 +50,21 @@ class PipelineSteps:
         module.log = host.recorder  # type: ignore[method-assign]
         if self.trace_group is not None:
             dist.barrier(group=self.trace_group)  # a common start, so the ranks' traces line up
-        measured = kind == "train" and self.adaptive is not None and self.adaptive.enabled
-        if measured:
-            self.adaptive.begin_step(self.mode.transport)
+        partition, runner = self.training.partition, self.training.runner
+        if kind == "train":
+            partition.begin_step()
         try:
             with context():
                 if self.recording is not None and kind == "train":
-                    executor = self.recording.around(lambda: self.mode.run(kind, host, keys), len(keys), args[0])
+                    executor = self.recording.around(lambda: runner.run(kind, host, keys), len(keys), args[0])
                 else:
-                    executor = self.mode.run(kind, host, keys)
+                    executor = runner.run(kind, host, keys)
         finally:
             del module.log
-        if measured:
-            self.adaptive.end_step(executor, len(keys))
+        if kind == "train":
+            partition.end_step(executor, len(keys))
         if self.trace_group is not None and kind == "train":
-            self.planner.keep_trace(executor)
+            self.training.planner.keep_trace(executor)
         loss, entries = self.logs.exchange(host.recorder, host.loss if host.loss is not None else 0.0)
         replay(module, entries, self.device, sync=kind == "eval" and self.replicas > 1)
         return loss
@@ -109,11 +80,13 @@ class PipelineSteps:
         """The schedule already ran the backward: put its gradients where the optimizer expects them."""
         self.stash.put_back(list(self.module.parameters()), accumulate)
 
-    def evaluate(self, step: str, context: Callable, args: tuple, kwargs: dict, stage_index: int) -> Any:
-        """validation/test/predict: forwards only; the outputs are the last chunk's rank's."""
-        self.mode.drain()
-        self._run("eval", step, context, args, kwargs, min(self.microbatches, batch_size(args[0])))
-        return merge_outputs(self.host.outputs) if stage_index == self.cut.loss_stage else None
+    def evaluate(self, step: str, context: Callable, args: tuple, kwargs: dict) -> Any:
+        """validation/test/predict: forwards only, on the weights the run shows; the outputs are the
+        last chunk's rank's."""
+        self.training.drain()
+        with self.training.showing_model():
+            self._run("eval", step, context, args, kwargs, min(self.microbatches, batch_size(args[0])))
+        return merge_outputs(self.host.outputs) if self.ctx.stage_index == self.cut.loss_stage else None
 
     def from_last_stage(self, output: Any) -> Any:
         """The last chunk's rank's `output` on every rank of the pipeline."""

@@ -17,38 +17,39 @@ from typing import Any, Optional
 
 import torch
 
+from ..layers import Versions
 from ..profiling.link import measure_link
 from ..profiling.saved import SavedBytes
 from ..tuning.record import StageRecorder, in_flight_peak
 from ..tuning.utilisation import UtilisationSampler
+from .context import RankContext
 from .cutting import held_bytes
 
 RECORD_ENV = "LIGHTNING_PIPE_TUNE_RECORD"
 
 
 class TuneRecording:
-    def __init__(self, folder: Path, strategy: Any):
-        self.folder, self.strategy = folder, strategy
-        sampler = UtilisationSampler(device=strategy.root_device).start()
-        self.recorder = StageRecorder(strategy.stage_index, strategy.topology.depth, strategy.config.microbatches, sampler)
-        sync = getattr(strategy.mode, "sync", strategy.mode)  # AvgPipe's mode runs a SyncMode
-        sync.trace = True  # executors are built on first use: every one records its actions' times
-        self.transport = sync.transport
+    def __init__(self, folder: Path, ctx: RankContext, runner: Versions):
+        self.folder, self.ctx = folder, ctx
+        sampler = UtilisationSampler(device=ctx.device).start()
+        self.recorder = StageRecorder(ctx.stage_index, ctx.depth, ctx.config.microbatches, sampler)
+        runner.trace = True  # executors are built on first use: every one records its actions' times
+        self.transport = runner.transport
         self.per_microbatch: Optional[float] = None  # activation bytes autograd saved per micro-batch
         self.inputs = 0.0  # bytes of the stage's micro-batch inputs (the first stage: the batch itself)
         self.peak = 1
         self._steps = 0
 
     @classmethod
-    def from_env(cls, strategy: Any) -> Optional["TuneRecording"]:
+    def from_env(cls, ctx: RankContext, runner: Versions) -> Optional["TuneRecording"]:
         folder = os.environ.get(RECORD_ENV)
-        return cls(Path(folder), strategy) if folder else None
+        return cls(Path(folder), ctx, runner) if folder else None
 
     def around(self, run: Any, microbatches: int, batch: Any) -> Any:
         """One training step of the mode, timed; the second one also counts saved activations."""
         self._steps += 1
         moved, messages = self.transport.moved_bytes, self.transport.messages
-        params = list(self.strategy.model.parameters()) if self._steps == 2 else []
+        params = list(self.ctx.module.parameters()) if self._steps == 2 else []
         saved = SavedBytes(exclude=params) if self._steps == 2 else None
         started = time.perf_counter()
         if saved is not None:
@@ -69,10 +70,9 @@ class TuneRecording:
         st = self.recorder
         steps = st.steps or [{"bytes": 0, "messages": 1}]
         size = int(sum(s["bytes"] for s in steps) / max(1, sum(s["messages"] for s in steps)))
-        topo, replica = self.strategy.topology, self.strategy.replica_index
-        seconds = measure_link(st.stage, st.stages, lambda r: topo.global_rank(replica, r), size, self.strategy.root_device)
+        seconds = measure_link(st.stage, st.stages, self.ctx.pipeline_rank, size, self.ctx.device)
         data = self.peak * (self.per_microbatch or 0.0) + self.inputs
-        out = st.finish(held_bytes(self.strategy), data, seconds)
+        out = st.finish(held_bytes(self.ctx.module, self.ctx.optimizers), data, seconds)
         out.update(
             utilisation_source=st.sampler.source,
             microbatches=st.microbatches,
@@ -81,7 +81,7 @@ class TuneRecording:
             stash_per_microbatch=self.per_microbatch,
         )
         self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / f"rank{self.strategy.global_rank}.json").write_text(json.dumps(out))
+        (self.folder / f"rank{self.ctx.global_rank}.json").write_text(json.dumps(out))
 
 
 def _bytes(value: Any) -> int:

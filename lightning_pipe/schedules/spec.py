@@ -31,7 +31,7 @@ class ScheduleKind:
     options: Mapping[str, int] = field(default_factory=dict)  # option -> default
     chunks: Optional[Callable[..., int]] = None  # (stages, **options) -> model chunks; None: one per rank
     misfit: Optional[Callable[..., str]] = None  # (stages, num_blocks, **options) -> why it does not fit
-    mode: str = "sync"  # the training mode that runs it (lightning_pipe.modes)
+    versions: str = "flush"  # the weight-versions layer that runs it: "flush" or "2bw" (lightning_pipe.layers)
     zero_means_default: frozenset[str] = frozenset()  # options whose 0 stands for a depth-dependent default
 
 
@@ -45,8 +45,8 @@ REGISTRY: dict[str, ScheduleKind] = {
     "hanayo": ScheduleKind(hanayo, {"waves": 1}, wave_chunks, partial(wave_misfit, name="hanayo")),
     # AvgPipe's advance forward propagation: advance_num forwards before the first backward (0: K - 1, i.e. 1F1B)
     "advance": ScheduleKind(advance, {"advance_num": 0}, zero_means_default=frozenset({"advance_num"})),
-    # PipeDream-2BW: no flush, one update per batch from the previous version; runs as its own mode
-    "2bw": ScheduleKind(pipedream_2bw, mode="2bw"),
+    # PipeDream-2BW: no flush, one update per batch from the previous version (its own weight-versions layer)
+    "2bw": ScheduleKind(pipedream_2bw, versions="2bw"),
 }
 ALIASES = {"flush": "1f1b"}  # PipeDream-Flush is our 1F1B (PipeDream-2BW paper, §3.2)
 AUTO = "auto"  # not a schedule: the strategy and the plan command choose one of REGISTRY

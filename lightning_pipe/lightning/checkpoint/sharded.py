@@ -2,7 +2,7 @@
 
 A checkpoint is a directory. torch.distributed.checkpoint (DCP) writes a flat dict of tensors from
 every rank: ``model/<key>`` (the stage's state dict, full-model keys) and
-``optimizer_<i>/<name>/<state key>`` (the name-keyed optimizer state of `checkpoints`); a key held by
+``optimizer_<i>/<name>/<state key>`` (the name-keyed optimizer state of `full`); a key held by
 several ranks (a tied parameter's state, the copies of other replicas) is written once. Global
 rank 0 adds ``meta.pt``: the rest of Lightning's checkpoint (loops, schedulers, callbacks,
 hyper-parameters) with the optimizer states' names, groups, non-tensor values and the layout.
@@ -19,13 +19,16 @@ import warnings
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.cloud_io import _load
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .checkpoints import ALIASES, gather_to_zero, layout, merge_named, parameter_names
+from ..context import RankContext
+from .full import gather_to_zero, layout, merge_named, parameter_names
+from .keys import ALIASES
 
 META = "meta.pt"
 MODEL = "model/"
@@ -50,29 +53,37 @@ def _split(named: dict[str, Any], prefix: str) -> tuple[dict[str, Tensor], dict[
     return tensors, {**named, "state": state}
 
 
-def save(strategy: Any, checkpoint: dict[str, Any], path: Any) -> None:
+def save(ctx: RankContext, checkpoint: dict[str, Any], path: Any, run_state: dict[str, Any]) -> None:
     """Lightning's `checkpoint` of this rank (its stage's model and named optimizer states) into
-    the directory `path`; collective over all ranks."""
-    path = str(strategy.broadcast(str(path)))
+    the directory `path`, the run's state beside them; collective over all ranks."""
+    box = [str(path)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, 0)
+    path = box[0]
     tensors = {MODEL + k: v for k, v in checkpoint.pop("state_dict").items()}
     skeletons = []
     for i, named in enumerate(checkpoint.pop("optimizer_states", [])):
         flat, rest = _split(named, _optimizer_prefix(i))
         tensors.update(flat)
-        skeletons.append(gather_to_zero(strategy, rest))
-    if strategy.global_rank == 0:
+        skeletons.append(gather_to_zero(ctx, rest))
+    if ctx.global_rank == 0:
         if os.path.isdir(path):
             shutil.rmtree(path)
         elif os.path.exists(path):
             os.remove(path)
         os.makedirs(path)
-    strategy.barrier("autopipe_sharded_save")
+    _barrier()
     dcp.save(tensors, checkpoint_id=path)
-    if strategy.global_rank == 0:
-        prefix = strategy.cut.path + "."
-        checkpoint["optimizer_states"] = [{**merge_named(parts, prefix), **layout(strategy)} for parts in skeletons]
+    if ctx.global_rank == 0:
+        prefix = ctx.cut.path + "."
+        checkpoint["optimizer_states"] = [{**merge_named(parts, prefix), **layout(ctx, run_state)} for parts in skeletons]
         torch.save(checkpoint, os.path.join(path, META))
-    strategy.barrier("autopipe_sharded_saved")
+    _barrier()
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _stored_tensors(path: str) -> dict[str, TensorStorageMetadata]:
@@ -94,17 +105,16 @@ def _by_parameter(stored: dict[str, Any], prefix: str) -> dict[str, list[str]]:
     return found
 
 
-def load(strategy: Any, path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-    """Lightning's checkpoint restricted to this rank's stage: its model keys, and (fitting) the
-    named optimizer states of its parameters; collective over all ranks."""
+def load(module: Any, optimizers: list[Any], path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """Lightning's checkpoint restricted to this rank's stage (`module` holds it): its model keys,
+    and (fitting: `optimizers`) the named optimizer states of its parameters; collective over all ranks."""
     path = str(path)
     checkpoint, stored = read_meta(path, weights_only), _stored_tensors(path)
-    module = strategy.lightning_module
     wanted = {MODEL + k: _empty(stored[MODEL + k]) for k in module.state_dict() if MODEL + k in stored}
     mine: list[tuple[str, dict[str, Any], dict[str, list[str]]]] = []
-    if strategy.optimizers and checkpoint.get("optimizer_states"):
+    if optimizers and checkpoint.get("optimizer_states"):
         names = parameter_names(module)
-        for i, (optimizer, named) in enumerate(zip(strategy.optimizers, checkpoint["optimizer_states"])):
+        for i, (optimizer, named) in enumerate(zip(optimizers, checkpoint["optimizer_states"])):
             aliases, prefix, keys = named.get(ALIASES, {}), _optimizer_prefix(i), _by_parameter(stored, _optimizer_prefix(i))
             own = {aliases.get(names[id(p)][0], names[id(p)][0]) for g in optimizer.param_groups for p in g["params"]}
             wanted.update({f"{prefix}{n}/{k}": _empty(stored[f"{prefix}{n}/{k}"]) for n in own for k in keys.get(n, [])})

@@ -1,4 +1,4 @@
-"""The PipeDream-2BW mode: the pipeline stays full across optimizer steps (paper §3.1).
+"""DoubleBuffer, PipeDream-2BW's weight versions: the pipeline stays full across optimizer steps (paper §3.1).
 
 Per optimizer step the rank runs one slice of the continuous 1F1B order (`schedules.two_bw`): the
 forwards of the step's batch b, the backwards paired with them (the previous batch's tail first),
@@ -30,7 +30,8 @@ from ..runtime.p2p import Activation, Transport
 from ..runtime.versions import Version, WeightVersions
 from ..schedules import ScheduleSpec
 from ..schedules.two_bw import drain_actions, step_actions
-from .sync import SyncMode
+from .base import Versions
+from .flush import Flush
 
 
 @dataclass
@@ -62,7 +63,7 @@ class _VersionedHost:
         return getattr(self.host, name)
 
 
-class TwoBWMode:
+class DoubleBuffer(Versions):
     def __init__(
         self,
         spec: ScheduleSpec,
@@ -87,7 +88,7 @@ class TwoBWMode:
         self.in_flight: deque[_Batch] = deque()  # at most one batch between steps
         self.applied = 0  # updates applied to the live weights: they are W(applied)
         self.stashed: Optional[dict[int, Tensor]] = None  # W(applied - 1) after a drain, until no batch reads it
-        self._evaluation = SyncMode(ScheduleSpec.of("1f1b"), stages, microbatches, rank, transport, prefetch, trace)
+        self._evaluation = Flush(ScheduleSpec.of("1f1b"), stages, microbatches, rank, transport, prefetch, trace)
         self._executors: dict[tuple, Executor] = {}
         self._host: Optional[StageHost] = None
 
@@ -98,6 +99,11 @@ class TwoBWMode:
             schedule = drain_actions(self.stages, microbatches) if kind == "drain" else step_actions(self.stages, microbatches, previous)
             self._executors[key] = Executor(schedule, self.rank, self.transport, self.prefetch, trace=self.trace)
         return self._executors[key]
+
+    def executor(self, kind: str, microbatches: int) -> Executor:
+        if kind != "train":
+            return self._evaluation.executor(kind, microbatches)
+        return self._executor("step", microbatches, self.in_flight[-1].microbatches if self.in_flight else None)
 
     def _start(self, microbatches: int) -> _Batch:
         b = self.applied + len(self.in_flight)

@@ -1,4 +1,4 @@
-"""The synchronous mode: GPipe, 1F1B, interleaved, wave (and the slicer's halved warm-up).
+"""Flush: one weight version; GPipe, 1F1B, interleaved, wave, advance (and the slicer's halved warm-up).
 
 The pipeline fills and drains inside one step, so one step's gradients equal one process's on
 the same batch; the optimizer step that follows is the user's, unchanged. Executors are built
@@ -17,9 +17,10 @@ from ..runtime.p2p import Transport
 from ..schedules import ScheduleSpec, forward_only, validate
 from ..schedules.advance import advance_bounds
 from .advance import AdvanceRule
+from .base import Versions
 
 
-class SyncMode:
+class Flush(Versions):
     def __init__(
         self,
         spec: ScheduleSpec,

@@ -1,7 +1,8 @@
-"""AvgPipe's mode: one of N parallel pipelines, joined to the others by elastic averaging.
+"""AvgPipe's elastic averaging: one of N parallel pipelines, joined to the others through the
+stage's reference process.
 
-A step runs the configured synchronous schedule (`SyncMode`), so the pipeline's gradients are one
-process's; the user's optimizer then takes its step, unchanged. Around that step the caller calls
+The pipeline's step runs under its own weight-versions layer (a flushing schedule: the gradients
+are one process's); the user's optimizer then takes its step, unchanged. Around that step the caller calls
 `before_update()` and `after_update()`: the latter turns the step into the local update Δ_n(t),
 sends it to the stage's reference process and pulls the weights towards W_ref
 (`lightning_pipe.runtime.elastic` has the rule). Evaluation and checkpoints see the reference
@@ -11,39 +12,25 @@ model, the centre of the parallel models: `showing_reference()` puts it in the s
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
 
 from ..runtime.elastic import ReferenceLink, elastic_pull_, flat_into, flat_size, write_flat
-from ..runtime.executor import Executor, StageHost
-from ..runtime.p2p import Transport
-from ..schedules import ScheduleSpec
-from .advance import AdvanceRule
-from .sync import SyncMode
 
 
-class AvgPipeMode:
+class ElasticAveraging:
     def __init__(
         self,
-        spec: ScheduleSpec,
-        stages: int,
-        microbatches: int,
-        rank: int,
-        transport: Transport,
         module: nn.Module,
         pipeline: int,
         alpha: float,
         staleness: int,
         link: Callable[[int, torch.dtype], ReferenceLink],
-        prefetch: bool = True,
-        trace: bool = False,
-        sliced: int = 0,
-        advance: Optional[AdvanceRule] = None,
+        rank: int = 0,
     ):
-        self.sync = SyncMode(spec, stages, microbatches, rank, transport, prefetch, trace, sliced, advance)
-        self.spec, self.pipeline, self.alpha, self.staleness = spec, pipeline, alpha, staleness
+        self.pipeline, self.alpha, self.staleness = pipeline, alpha, staleness
         self.params = [p for p in module.parameters() if p.requires_grad]
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) > 1:
@@ -58,10 +45,6 @@ class AvgPipeMode:
         device = self.params[0].device if self.params else torch.device("cpu")
         # flat buffers kept for the whole run: the weights before the step, the update, the own weights
         self._before, self._delta, self._own = (torch.zeros(self.numel, dtype=self.dtype, device=device) for _ in range(3))
-
-    @property
-    def placement(self) -> list[int]:
-        return self.sync.placement
 
     # ---- the reference process, started on first use (after any checkpoint is loaded) ------------
     def _start(self) -> None:
@@ -84,13 +67,7 @@ class AvgPipeMode:
             self.refs[self._next_posted - len(self.link.pending) - 1] = here
         return self.refs[j]
 
-    # ---- a step --------------------------------------------------------------------------------
-    def run(self, kind: str, host: StageHost, keys: Sequence[Any]) -> Executor:
-        if kind == "train":
-            return self.sync.run(kind, host, keys)
-        with self.showing_reference():
-            return self.sync.run(kind, host, keys)
-
+    # ---- around the optimizer step ------------------------------------------------------------
     def before_update(self) -> None:
         self._start()
         flat_into(self.params, self._before)
@@ -148,4 +125,4 @@ class AvgPipeMode:
             link.stop() if graceful else link.close(kill=True)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self.sync.state_dict(), "iteration": self.iteration}
+        return {"iteration": self.iteration}

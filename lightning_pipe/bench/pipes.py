@@ -1,0 +1,120 @@
+"""Pieces of the pipeline benchmarks that measure our runtime on real processes and simulate it
+(bench_2bw, bench_avgpipe, bench_waves, bench_advance): the emulated device that sleeps, the link
+and block profile as the simulator gets them, and the clocks around the executor."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity whose forward sleeps ``t_f`` and whose backward sleeps ``t_b`` seconds."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, t_f: float, t_b: float) -> torch.Tensor:
+        ctx.t_b = t_b
+        if t_f > 0:
+            time.sleep(t_f)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        if ctx.t_b > 0:
+            time.sleep(ctx.t_b)
+        return grad, None, None
+
+
+class SleepBlock(nn.Module):
+    """An emulated device's stage: ``sleep(x * scale + bias)``; real parameters, real gradients
+    (a GPU leaves its host idle while it computes: the sleep is that time)."""
+
+    def __init__(self, width: int, t_f: float, t_b: float):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width))
+        self.bias = nn.Parameter(torch.zeros(width))
+        self.t_f, self.t_b = t_f, t_b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x * self.scale + self.bias, self.t_f, self.t_b)
+
+
+def best_link(rank: int, sizes: Sequence[int], rounds: int = 3, repeats: int = 50) -> dict | None:
+    """The link fit (ping_pong) of the fastest of ``rounds`` rounds, on rank 0 (None elsewhere).
+    Even a quiet ping-pong has phases of ms stalls; the fastest round is the link without them."""
+    from lightning_pipe.profiling.link import ping_pong
+
+    measured = [ping_pong(rank, sizes=tuple(sizes), repeats=repeats) for _ in range(rounds)]
+    return min(measured, key=lambda r: r["samples"][-1][1]) if rank == 0 else None
+
+
+def gather(value: Any, world: int) -> list:
+    """``value`` of every rank (all_gather_object), in rank order."""
+    parts: list = [None] * world
+    dist.all_gather_object(parts, value)
+    return parts
+
+
+def median_costs(parts: list[dict], link: dict, name: str = "bench", fold_loss: bool = False, messages: dict | None = None):
+    """A CostModel from per-rank block profiles: each block's median over the ranks; with
+    ``fold_loss`` the last profiled block is the loss, added to the block before it. Returns the
+    costs, and with ``fold_loss`` also the loss's (forward, backward)."""
+    from lightning_pipe.profiling import Profile
+
+    n = len(parts[0])
+    field = lambda key: [statistics.median(p[i][key] for p in parts) for i in range(n)]  # noqa: E731
+    fwd, bwd, acts, params = field("forward"), field("backward"), field("activation_bytes"), field("param_bytes")
+    loss = None
+    if fold_loss:
+        loss = (fwd.pop(), bwd.pop())
+        fwd[-1] += loss[0]
+        bwd[-1] += loss[1]
+        acts, params = acts[:-1], params[:-1]
+    profile = Profile(name, 0, "float32", "cpu", fwd, bwd, acts, params)
+    if messages is not None:
+        profile.messages = messages
+    costs = profile.costs(link["bandwidth"], link["latency"])
+    return (costs, loss) if fold_loss else costs
+
+
+def equal_bounds(blocks: int, parts: int) -> list[tuple[int, int]]:
+    per = blocks // parts
+    return [(r * per, (r + 1) * per) for r in range(parts)]
+
+
+class Clock(dict):
+    """Seconds spent in wrapped calls, by key (reset per step with `zero`)."""
+
+    def zero(self) -> None:
+        for key in self:
+            self[key] = 0.0
+
+    def wrap(self, fn: Callable, key: str) -> Callable:
+        self.setdefault(key, 0.0)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self[key] += time.perf_counter() - t
+
+        return timed
+
+
+def time_executor(clock: Clock, key: str = "executor") -> None:
+    """Count the time inside ``Executor.run`` (this process only) in ``clock[key]``: what the
+    layers around it spend is the rest."""
+    from lightning_pipe.runtime.executor import Executor
+
+    Executor.run = clock.wrap(Executor.run, key)
+
+
+def compute_seconds(executor: Any) -> float:
+    """The traced executor's time in forward / backward actions."""
+    return sum(e - s for j, s, e in executor.records if executor.actions[j].op.is_compute)

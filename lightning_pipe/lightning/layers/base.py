@@ -1,0 +1,125 @@
+"""The bridge's layer interface: every hook the composition calls on a layer, declared once.
+
+A layer carries what belongs to it in Lightning: the Trainer settings it refuses (before any
+process starts), its checkpoint state (handed to `lightning.checkpoint`, which owns the keys), what
+evaluation and checkpoints see, its part of a live switch, its end. Every hook defaults to
+nothing, so a layer overrides only what it changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
+
+from torch import nn
+
+from ...config import PipelineConfig
+from ...layers.base import Versions
+
+if TYPE_CHECKING:
+    from ..context import RankContext
+    from .compose import Training
+
+
+class Layer:
+    """Every hook has a default; the kinds below add what they require."""
+
+    def __init__(self, ctx: "RankContext", training: "Training"):
+        self.ctx, self.training = ctx, training
+
+    @classmethod
+    def check_trainer(cls, config: PipelineConfig, trainer: Any, model: Any) -> None:
+        """Refuse, with a `SettingError`, Trainer settings this layer cannot honour (before spawning)."""
+
+    def start(self) -> None:
+        """Optimizers and LR schedulers exist (setup's end)."""
+
+    def on_runtime(self) -> None:
+        """The runner, gradients and steps were (re)built over the current cut."""
+
+    def optimizer_step(self, step: Callable[[], Any]) -> Any:
+        """Around Lightning's optimizer step."""
+        return step()
+
+    def showing_model(self) -> ContextManager[None]:
+        """Inside the block the stage holds the weights evaluation, checkpoints and the end of fit see."""
+        return contextlib.nullcontext()
+
+    @property
+    def shows_other_weights(self) -> bool:
+        """`showing_model` puts other weights in the stage (a checkpoint must copy them)."""
+        return False
+
+    def drain(self) -> None:
+        """Apply or receive what is still in flight (before evaluation, a checkpoint, a switch, the end)."""
+
+    def switch_extras(self) -> Optional[Callable[[nn.Parameter], dict[str, Any]]]:
+        """Before a live switch: per-parameter state that moves with a block (None: nothing)."""
+        return None
+
+    def after_switch(self, received: dict[int, dict[str, Any]]) -> None:
+        """After a live switch (runtime rebuilt): `received` are moved parameters' extras by id."""
+
+    def parameter_state(self, stored: dict[int, str], state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Per-parameter checkpoint extras by stored name (`stored`: id -> name; `state`: the stage's named
+        optimizer state). Collective where the layer needs other ranks."""
+        return {}
+
+    def run_state(self) -> dict[str, Any]:
+        """The layer's checkpoint state (short names of `checkpoint.keys.RUN`)."""
+        return {}
+
+    def load(self, run: dict[str, Any], extras: dict[int, dict[str, Any]], checkpoint: dict[str, Any]) -> None:
+        """Resume: the checkpoint's run state, per-parameter extras by id, the whole checkpoint."""
+
+    def close(self, graceful: bool) -> None:
+        """The end of the run (`graceful`: it finished; else it failed)."""
+
+
+class VersionsLayer(Layer, ABC):
+    """Weight versions: builds the runner of a step's action list."""
+
+    @abstractmethod
+    def make_runner(self, settings: dict[str, Any]) -> Versions:
+        """The runner over the current cut (`settings`: spec, stages, microbatches, rank, transport, ...)."""
+
+    def drain(self) -> None:
+        self.training.runner.drain()
+
+    def run_state(self) -> dict[str, Any]:
+        state = self.training.runner.state_dict()
+        return {"schedule": state["schedule"], "sliced": state["sliced"]}
+
+
+class ReplicasLayer(Layer):
+    """Replicas of the pipeline: whether REDUCE averages gradients across them."""
+
+    averages_gradients: bool = False
+
+
+class PartitionLayer(Layer, ABC):
+    """Partition control: may move block boundaries between steps."""
+
+    @abstractmethod
+    def request(self, bounds: Any) -> Any:
+        """Switch to `bounds` at the next batch's start (every rank asks alike)."""
+
+    def before_batch(self) -> None:
+        """A training batch starts: apply a pending switch."""
+
+    def begin_step(self) -> None:
+        """Before a training step's schedule."""
+
+    def end_step(self, executor: Any, microbatches: int) -> None:
+        """After a training step's schedule."""
+
+    def finish(self) -> None:
+        """The end of fit (every rank): nothing left in flight."""
+
+
+class ControllerLayer(Layer):
+    """A per-step controller: hands the runner its rule."""
+
+    def runner_options(self) -> dict[str, Any]:
+        return {}

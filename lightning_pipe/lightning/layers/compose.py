@@ -1,0 +1,225 @@
+"""One builder from a `PipelineConfig` to the layers, and `Training`: their composition on a rank.
+
+The strategy calls `Training` and names no layer. `Training` owns what the layers share (the
+runner of the action lists, the stage's gradients, the step runner) and calls every layer's hooks
+in one order: weight versions, replicas, partition control, controllers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+from torch import Tensor
+
+from ...adaptive.switch import switch_blocks
+from ...config import PipelineConfig
+from ...layers import Versions
+from ...runtime.p2p import Transport
+from ...runtime.tied import tied_from_groups
+from ..checkpoint import full as full_checkpoint
+from ..checkpoint.keys import decode_run
+from ..context import RankContext
+from ..gradients import StageGradients
+from ..steps import PipelineSteps
+from ..tune_record import TuneRecording
+from .base import ControllerLayer, Layer, PartitionLayer, ReplicasLayer, VersionsLayer
+from .controllers import AdvanceController
+from .double_buffer import DoubleBufferLayer
+from .flush import FlushLayer
+from .partition import AdaptivePartition, StaticPartition
+from .replicas import AllReduce, ElasticReplicas, NoReplicas
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """The layer classes a config composes (what the checks before spawning ask too)."""
+
+    versions: type[VersionsLayer]
+    replicas: type[ReplicasLayer]
+    partition: type[PartitionLayer]
+    controllers: tuple[type[ControllerLayer], ...]
+
+    @property
+    def all(self) -> tuple[type[Layer], ...]:
+        return (self.versions, self.replicas, self.partition, *self.controllers)
+
+    def check_trainer(self, config: PipelineConfig, trainer: Any, model: Any) -> None:
+        for layer in self.all:
+            layer.check_trainer(config, trainer, model)
+
+
+VERSIONS: dict[str, type[VersionsLayer]] = {"flush": FlushLayer, "2bw": DoubleBufferLayer}  # ScheduleKind.versions
+
+
+def choose_layers(config: PipelineConfig) -> LayerChoice:
+    """The one place that turns settings into layers."""
+    replicas = ElasticReplicas if config.pipelines is not None else AllReduce if config.width > 1 else NoReplicas
+    partition = AdaptivePartition if config.adaptive else StaticPartition
+    controllers = (AdvanceController,) if config.schedule == "advance" and config.advance_num is None else ()
+    return LayerChoice(VERSIONS[config.schedule_spec.kind.versions], replicas, partition, controllers)
+
+
+class Training:
+    """This rank's composition of the layers, over the current cut."""
+
+    def __init__(self, ctx: RankContext, planner: Any, precision: Any):
+        self.ctx, self.planner = ctx, planner
+        self.precision = precision  # the Trainer's pipeline-aware precision plugin: clips over this stage's gradients
+        choice = choose_layers(ctx.config)
+        self.versions = choice.versions(ctx, self)
+        self.replicas = choice.replicas(ctx, self)
+        self.partition = choice.partition(ctx, self)
+        self.controllers = [c(ctx, self) for c in choice.controllers]
+        self.layers: list[Layer] = [self.versions, self.replicas, self.partition, *self.controllers]
+        self.runner: Optional[Versions] = None
+        self.gradients: Optional[StageGradients] = None
+        self.steps: Optional[PipelineSteps] = None
+
+    # ---- building ---------------------------------------------------------------------------------
+    def build_gradients(self) -> StageGradients:
+        cut = self.ctx.cut
+        self.gradients = StageGradients(
+            cut.stage,
+            cut.chunk_blocks,
+            self.ctx.topology,
+            self.ctx.groups,
+            self.ctx.global_rank,
+            cut.tied,
+            average_replicas=self.replicas.averages_gradients,
+        )
+        self.precision.pipeline = self.gradients
+        return self.gradients
+
+    def build_runtime(self) -> None:
+        """The runner and the step runner over the current cut (again after a live switch)."""
+        ctx, config = self.ctx, self.ctx.config
+        settings: dict[str, Any] = dict(
+            spec=ctx.cut.spec,
+            stages=ctx.depth,
+            microbatches=config.microbatches,
+            rank=ctx.stage_index,
+            transport=Transport(ctx.pipeline_rank, ctx.device),
+            prefetch=config.prefetch,
+            trace=config.trace,
+            sliced=ctx.cut.sliced,
+        )
+        for controller in self.controllers:
+            settings.update(controller.runner_options())
+        self.runner = self.versions.make_runner(settings)
+        previous = self.steps
+        self.steps = PipelineSteps.build(ctx, self)
+        if previous is not None:
+            self.steps.recording = previous.recording
+        for layer in self.layers:
+            layer.on_runtime()
+
+    def start(self, fitting: bool) -> None:
+        """Optimizers exist: the runtime over the cut, every layer started; the tuner's profile run records."""
+        self.build_runtime()
+        for layer in self.layers:
+            layer.start()
+        self.steps.recording = TuneRecording.from_env(self.ctx, self.runner) if fitting else None
+
+    def finish(self) -> None:
+        """The end of fit, on every rank: nothing in flight; the tuner's profile run writes its files."""
+        self.partition.finish()
+        if self.steps.recording is not None:  # the link, then the files
+            self.steps.recording.finish()
+            self.steps.recording = None
+
+    # ---- a step -----------------------------------------------------------------------------------
+    def optimizer_step(self, step: Callable[[], Any]) -> Any:
+        for layer in reversed(self.layers):  # the first layer's wrapper outermost
+            step = _wrapped(layer, step)
+        return step()
+
+    def drain(self) -> None:
+        for layer in self.layers:
+            layer.drain()
+
+    @contextlib.contextmanager
+    def showing_model(self) -> Iterator[None]:
+        """The weights evaluation, checkpoints and the end of fit see (AvgPipe: the reference)."""
+        with contextlib.ExitStack() as stack:
+            for layer in self.layers:
+                stack.enter_context(layer.showing_model())
+            yield
+
+    def model_state(self, read: Callable[[], dict[str, Tensor]]) -> dict[str, Tensor]:
+        """`read()` (a state dict) of the model the run shows, drained; copied when a layer showed
+        other weights, since the stage gets its own back after the block."""
+        self.drain()
+        with self.showing_model():
+            state = read()
+            if any(layer.shows_other_weights for layer in self.layers):
+                state = {k: v.detach().clone() for k, v in state.items()}
+        return state
+
+    # ---- a live switch ----------------------------------------------------------------------------
+    def switch(self, new: Any) -> Any:
+        """Move to partition `new` (collective over the pipeline): blocks, optimizer state, tied weights
+        and the layers' per-parameter state move; gradient groups, runner and step runner are rebuilt."""
+        ctx, cut = self.ctx, self.ctx.cut
+        makers = [m for m in (layer.switch_extras() for layer in self.layers) if m is not None]
+        extras = (lambda p: {k: v for make in makers for k, v in make(p).items()}) if makers else None
+        blocks = cut.stage.blocks()
+        result = switch_blocks(
+            blocks,
+            cut.skeletons,
+            cut.bounds,
+            new,
+            cut.placement,
+            ctx.stage_index,
+            ctx.pipeline_rank,
+            ctx.optimizers,
+            cut.ties,
+            ctx.device,
+            extras,
+        )
+        cut.bounds, cut.switched = tuple(tuple(b) for b in new), True
+        cut.stage.reassign(blocks, {c: cut.bounds[c] for c, r in enumerate(cut.placement) if r == ctx.stage_index})
+        cut.tied = tied_from_groups(cut.ties, cut.bounds, cut.placement, ctx.stage_index, blocks)
+        self.build_gradients()
+        self.build_runtime()
+        for layer in self.layers:
+            layer.after_switch(result.received_extras)
+        return result
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def run_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"plan_2bw": dataclasses.asdict(self.ctx.shape)} if self.ctx.shape is not None else {}
+        for layer in self.layers:
+            state.update(layer.run_state())
+        return state
+
+    def parameter_state(self, stored: dict[int, str], state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for layer in self.layers:
+            for name, extra in layer.parameter_state(stored, state).items():
+                out.setdefault(name, {}).update(extra)
+        return out
+
+    def optimizer_state(self, optimizer: Any, sharded: bool) -> dict[str, Any]:
+        self.drain()
+        if sharded:
+            return full_checkpoint.stage_named_state(self.ctx, optimizer, self.parameter_state)
+        return full_checkpoint.full_optimizer_state(self.ctx, optimizer, self.run_state(), self.parameter_state)
+
+    def load(self, checkpoint: dict[str, Any]) -> None:
+        """The optimizers' states, then every layer's."""
+        extras = full_checkpoint.load_optimizer_states(self.ctx, checkpoint)
+        states = checkpoint.get("optimizer_states") or [{}]
+        run = decode_run(states[0])
+        for layer in self.layers:
+            layer.load(run, extras, checkpoint)
+
+    def close(self, graceful: bool) -> None:
+        for layer in self.layers:
+            layer.close(graceful)
+
+
+def _wrapped(layer: Layer, step: Callable[[], Any]) -> Callable[[], Any]:
+    return lambda: layer.optimizer_step(step)

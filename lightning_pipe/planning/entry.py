@@ -1,0 +1,128 @@
+"""The one planning decision: what `python -m lightning_pipe.plan` prints is what training runs.
+
+`plan_run(costs, stages, config, ...)` turns the settings and a cost model into the run's layout:
+the schedule (schedule="auto": the fastest candidate within memory), the partition (a named
+partitioner, listed sizes or equal block counts) and the slicer's count (True: ours, the fastest
+simulated count; an integer: that count). Both the strategy's setup and the plan command call it,
+and both write `RunPlan.summary()` and draw `RunPlan.timeline(costs)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from ..config import PipelineConfig
+from ..schedules import ScheduleSpec
+from ..simulation import CostModel, Timeline, simulate
+from .auto import ScheduleChoice, choose_schedule
+from .partition import partition_blocks
+from .planner import Plan, plan
+from .replay import cached_schedule
+from .slicer import SlicePlan, choose_slicing, fixed_slicing, simulate_sliced
+
+# The partitioners' block kinds, by the class names of the model's blocks (others: "block")
+BLOCK_KINDS = {
+    "Embedding": "embedding",
+    "ResidualAttentionBlock": "attention",
+    "ResidualFFNBlock": "ffn",
+    "LMHead": "head",
+    "MLMHead": "head",
+}
+
+
+def block_kinds(names: Sequence[str]) -> list[str]:
+    """Each block's kind for the partitioners, from its class name (a profile keeps them as `block_names`)."""
+    return [BLOCK_KINDS.get(name, "block") for name in names]
+
+
+# Link models when none is given or measured: a GPU pipeline over NVLink / PCIe, a CPU one over loopback gloo.
+DEFAULT_LINKS = {"cuda": (25e9, 20e-6), "cpu": (2e9, 50e-6)}
+
+
+def link_model(config: PipelineConfig, device_type: str) -> tuple[float, float]:
+    """(bandwidth, latency) to plan with: the settings, else the default link of the device type."""
+    bandwidth, latency = DEFAULT_LINKS.get(device_type, DEFAULT_LINKS["cuda"])
+    return config.bandwidth or bandwidth, config.latency if config.latency is not None else latency
+
+
+@dataclass
+class RunPlan:
+    bounds: tuple[tuple[int, int], ...]  # block range of every model chunk
+    spec: ScheduleSpec  # the schedule to run (schedule="auto": the one chosen)
+    stages: int  # pipeline ranks
+    microbatches: int
+    sliced: int = 0  # warm-up micro-batches the slicer cuts in halves
+    plan: Optional[Plan] = None  # a named partitioner's plan (None: listed sizes or equal counts)
+    slicing: Optional[SlicePlan] = None
+    choice: Optional[ScheduleChoice] = None
+
+    def timeline(self, costs: CostModel) -> Timeline:
+        """The simulated step of this plan."""
+        if self.spec.options:
+            return simulate(cached_schedule(self.spec.name, self.stages, self.microbatches, self.spec.options), costs, self.bounds)
+        return simulate_sliced(costs, self.bounds, self.microbatches, self.sliced, self.spec.name)
+
+    def summary(self) -> dict[str, Any]:
+        """What plan.json holds of the decision."""
+        out: dict[str, Any] = {
+            "schedule": self.spec.name,
+            "options": self.spec.kwargs,
+            "bounds": [list(b) for b in self.bounds],
+            "sliced": self.sliced,
+            "plan": self.plan.to_dict() if self.plan is not None else None,
+        }
+        if self.choice is not None:
+            out["schedule_choice"] = self.choice.to_dict()
+        if self.slicing is not None:
+            out["slicer"] = self.slicing.summary()
+        return out
+
+    def report(self) -> list[str]:
+        """The tables and lines a user reads (the schedule comparison, the plan, the slicer)."""
+        lines = [self.choice.table()] if self.choice is not None else []
+        if self.plan is not None:
+            lines.append(self.plan.table())
+        else:
+            lines.append(f"partition {[b - a for a, b in self.bounds]} blocks per chunk (as set: no partitioner)")
+        if self.slicing is not None:
+            s = self.slicing
+            lines.append(
+                f"slicer: {s.sliced} warm-up micro-batches cut in halves; start-up {s.baseline_startup * 1e3:.2f} -> "
+                f"{s.startup * 1e3:.2f} ms, iteration {s.baseline_iteration_time * 1e3:.2f} -> {s.iteration_time * 1e3:.2f} ms (simulated)"
+            )
+        return lines
+
+
+def plan_run(
+    costs: CostModel,
+    stages: int,
+    config: PipelineConfig,
+    kinds: Optional[Sequence[str]] = None,
+    memory_limit: Optional[float] = None,
+) -> RunPlan:
+    """The run's schedule, partition and slicing on `stages` pipeline ranks. `kinds`: each block's
+    kind (embedding, attention, ...) for the partitioners that use it."""
+    m, method, num_blocks = config.microbatches, config.partitioner, costs.num_blocks
+    if config.auto:
+        choice = choose_schedule(
+            costs, stages, m, method=method or "uniform", kinds=kinds if method else None, memory_limit=memory_limit, slicer=config.slicer
+        )
+        chosen = choice.chosen
+        spec = ScheduleSpec.of(chosen.schedule, **chosen.schedule_options)
+        bounds = tuple(map(tuple, choice.plan.bounds))
+        slicing = fixed_slicing(costs, bounds, m, chosen.sliced, spec.name) if chosen.sliced else None
+        return RunPlan(bounds, spec, stages, m, chosen.sliced, choice.plan, slicing, choice)
+    spec = config.schedule_spec
+    result = None
+    if method is not None:
+        result = plan(costs, stages, m, method=method, schedule=spec.name, kinds=kinds, options=spec.kwargs)
+        bounds = tuple(map(tuple, result.bounds))
+    else:
+        bounds = tuple(map(tuple, partition_blocks(config.fixed_partition, num_blocks, spec.chunk_count(stages)).bounds))
+    slicing = None
+    if config.slicer is True:  # ours: every count simulated, the fastest kept
+        slicing = choose_slicing(costs, bounds, m, spec.name)
+    elif config.slicer:  # a fixed count
+        slicing = fixed_slicing(costs, bounds, m, int(config.slicer), spec.name)
+    return RunPlan(bounds, spec, stages, m, slicing.sliced if slicing else 0, result, slicing)
