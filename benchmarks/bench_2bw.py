@@ -6,9 +6,9 @@ with one thread each, at m = 2 (= d) and m = 8 (= 4d) micro-batches of 64 rows p
 64 m rows, as bench_runtime's micro-batches):
 
 - ``single``  one process, the whole model, the whole batch (the baseline);
-- ``gpipe``   SyncMode over build_schedule("gpipe", 2, m) (fill and flush every step);
-- ``1f1b``    SyncMode over build_schedule("1f1b", 2, m): PipeDream-Flush;
-- ``2bw``     TwoBWMode, driven as tests/test_two_bw_runtime.py drives it with the plain-PyTorch
+- ``gpipe``   Flush over build_schedule("gpipe", 2, m) (fill and flush every step);
+- ``1f1b``    Flush over build_schedule("1f1b", 2, m): PipeDream-Flush;
+- ``2bw``     DoubleBuffer, driven as tests/test_two_bw_runtime.py drives it with the plain-PyTorch
               SequentialHost: ``mode.run("train", ...)`` runs one optimizer step's slice of the
               continuous 1F1B order, the caller's ``optimizer.step()`` follows, and a final
               ``mode.drain()`` applies the last batch's update.
@@ -40,67 +40,37 @@ GPipe, 1F1B and 2BW run at m = d and m = 4d; the measured speed-up of 2BW over 1
 next to the simulator's on the profiled sleeping block (the same costs).
 
 The machine may be shared: each run waits (at most --quiet-wait s) for other processes to go quiet
-and is repeated when they disturbed it (lightning_pipe.bench.launch.run_undisturbed), as bench_runtime.
+and is repeated when they disturbed it (lightning_pipe.bench.harness.Bench.run), as bench_runtime.
+    python benchmarks/bench_2bw.py --quick                  # smoke: every part, the fewest steps
 
     python benchmarks/bench_2bw.py                          # everything, defaults (< 10 minutes)
     python benchmarks/bench_2bw.py --part real --microbatches 2 --repeats 3
     python benchmarks/bench_2bw.py --part emulated --depths 2,4 --tf 8
+    python benchmarks/bench_2bw.py --quick                  # smoke: both parts, m = d = 2, 2 steps
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import datetime
 import os
 import statistics
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
-for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")
+from lightning_pipe.bench.harness import Bench, Table, ints, ms, names, pin_threads
+
+pin_threads(1)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lightning_pipe.bench.launch import machine_description, run_undisturbed, timed_steps  # noqa: E402
+from lightning_pipe.bench.launch import timed_steps  # noqa: E402
 from lightning_pipe.bench.mlp import loss_fn, make_data, make_model, single_job, stage_half, summarize  # noqa: E402
-from lightning_pipe.profiling.link import ping_pong  # noqa: E402
+from lightning_pipe.bench.pipes import Clock, SleepBlock, best_link, compute_seconds, equal_bounds, gather, median_costs, time_executor  # noqa: E402
 
 SCHEDULES = ["gpipe", "1f1b", "2bw"]
 MODES = ["single"] + SCHEDULES
-
-
-# ---- the emulated device: a block that sleeps -------------------------------------------------
-class _Sleep(torch.autograd.Function):
-    """Identity whose forward sleeps ``t_f`` and whose backward sleeps ``t_b`` seconds."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, t_f: float, t_b: float) -> torch.Tensor:
-        ctx.t_b = t_b
-        if t_f > 0:
-            time.sleep(t_f)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        if ctx.t_b > 0:
-            time.sleep(ctx.t_b)
-        return grad, None, None
-
-
-class SleepBlock(nn.Module):
-    """One emulated device's stage: ``sleep(x * scale + bias)``; real parameters, real gradients."""
-
-    def __init__(self, width: int, t_f: float, t_b: float):
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(width))
-        self.bias = nn.Parameter(torch.zeros(width))
-        self.t_f, self.t_b = t_f, t_b
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(x * self.scale + self.bias, self.t_f, self.t_b)
 
 
 def make_emulated(cfg: dict, sleep: bool = True) -> nn.Sequential:
@@ -121,21 +91,14 @@ def stage_of(model: nn.Sequential, rank: int, world: int) -> nn.Sequential:
     """Rank `rank`'s equal share of the blocks (keeps the whole model's block indices in its state)."""
     if world == 2 and len(model) % 2 == 0:
         return stage_half(model, rank)
-    per = len(model) // world
-    return model[rank * per : (rank + 1) * per]
+    lo, hi = equal_bounds(len(model), world)[rank]
+    return model[lo:hi]
 
 
-def block_ids(rank: int, world: int, blocks: int) -> range:
-    per = blocks // world
-    return range(rank * per, (rank + 1) * per)
-
-
-# ---- workers (run in the spawned processes) ----------------------------------------------------
+# ---- workers -------------------------------------------------------------------------------------
 def _pipeline(rank: int, world: int, cfg: dict, name: str) -> dict:
     """Train `cfg`'s model with schedule `name` on `world` ranks; per-step traces; 2BW's drain timed."""
-    from lightning_pipe.modes.sync import SyncMode
-    from lightning_pipe.modes.two_bw import TwoBWMode
-    from lightning_pipe.runtime.executor import Executor
+    from lightning_pipe.layers import DoubleBuffer, Flush
     from lightning_pipe.runtime.microbatch import signature, split_microbatches
     from lightning_pipe.runtime.p2p import Transport
     from lightning_pipe.runtime.sequential import SequentialHost
@@ -148,111 +111,85 @@ def _pipeline(rank: int, world: int, cfg: dict, name: str) -> dict:
     host = SequentialHost({rank: chunk}, world - 1, loss_fn)
     transport = Transport(lambda r: r, torch.device("cpu"))
     opt = torch.optim.SGD(chunk.parameters(), lr=cfg["lr"])
-    clock = {"executor": 0.0, "copy": 0.0}
-
-    # instrumentation of this process only: time inside Executor.run (vs the mode's bookkeeping)
-    inner = Executor.run
-
-    def timed_run(self, *a, **k):
-        t = time.perf_counter()
-        try:
-            return inner(self, *a, **k)
-        finally:
-            clock["executor"] += time.perf_counter() - t
-
-    Executor.run = timed_run
-
+    clock = Clock(copy=0.0)
+    time_executor(clock)  # time inside Executor.run vs the layer's bookkeeping
     if name == "2bw":
 
         def apply() -> None:  # the drain's update (what the caller's optimizer step does)
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        mode = TwoBWMode(ScheduleSpec.of("2bw"), world, m, rank, transport, chunk, apply, trace=True)
-        detach = mode.versions.detach_live
-
-        def timed_detach() -> None:  # the live weights' copy before an update a batch still reads
-            t = time.perf_counter()
-            detach()
-            clock["copy"] += time.perf_counter() - t
-
-        mode.versions.detach_live = timed_detach
+        layer = DoubleBuffer(ScheduleSpec.of("2bw"), world, m, rank, transport, chunk, apply, trace=True)
+        # the live weights' copy before an update a batch still reads
+        layer.versions.detach_live = clock.wrap(layer.versions.detach_live, "copy")
     else:
-        mode = SyncMode(ScheduleSpec.of(name), world, m, rank, transport, trace=True)
+        layer = Flush(ScheduleSpec.of(name), world, m, rank, transport, trace=True)
     trace: list[dict] = []
 
     def step(i: int) -> None:
         x, y = data[i % len(data)]
-        clock["executor"] = clock["copy"] = 0.0
+        clock.zero()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         host.inputs, host.weights = split_microbatches(x, m)
         host.targets, _ = split_microbatches(y, m)
         host.losses = []
-        keys = [("train", signature(mb)) for mb in host.inputs]
-        executor = mode.run("train", host, keys)
+        executor = layer.run("train", host, [("train", signature(mb)) for mb in host.inputs])
         t1 = time.perf_counter()
         opt.step()
         t2 = time.perf_counter()
-        busy = sum(e - s for j, s, e in executor.records if executor.actions[j].op.is_compute)
+        acts = executor.actions
         trace.append(
             {
-                "step": t2 - t0,
-                "pipe": t1 - t0,
-                "executor": clock["executor"],
-                "busy": busy,
-                "copy": clock["copy"],
-                "opt": t2 - t1,
-                # absolute perf_counter times (one clock for all processes): a timeline of the step
-                "t0": t0,
+                **{"step": t2 - t0, "pipe": t1 - t0, "executor": clock["executor"], "copy": clock["copy"], "opt": t2 - t1},
+                "busy": compute_seconds(executor),
+                "t0": t0,  # absolute perf_counter times (one clock for all processes): a timeline of the step
                 "t1": t1,
                 "t2": t2,
                 "actions": [
-                    (executor.actions[j].op.value, executor.actions[j].microbatch, s, e)
+                    (acts[j].op.value, acts[j].microbatch, s, e)
                     for j, s, e in executor.records
-                    if executor.actions[j].op.is_compute or executor.actions[j].op.is_send
+                    if acts[j].op.is_compute or acts[j].op.is_send
                 ],
             }
         )
 
     timing = timed_steps(step, cfg["steps"], cfg["warmup"], dist.barrier)
     t = time.perf_counter()
-    mode.drain()  # 2BW: the last batch's remaining backwards and its update; sync modes: nothing
+    layer.drain()  # 2BW: the last batch's remaining backwards and its update; flushing schedules: nothing
     dist.barrier()
     drain = time.perf_counter() - t
-    state = {k: v.detach().clone() for k, v in model.state_dict().items() if int(k.split(".")[0]) in block_ids(rank, world, len(model))}
+    mine = range(*equal_bounds(len(model), world)[rank])
+    state = {k: v.detach().clone() for k, v in model.state_dict().items() if int(k.split(".")[0]) in mine}
     return {"timing": timing, "params": state, "trace": trace[cfg["warmup"] :], "drain": drain}
 
 
 def _profile(rank: int, world: int, cfg: dict) -> dict:
-    """The link fit at the one message size, and every block profiled at the micro-batch size with
-    the ranks profiling at once (as they compute in training; on 2 cores for the real part)."""
+    """The link at the one message size, and every block at the micro-batch size, the ranks profiling at once."""
     from lightning_pipe.profiling import profile_blocks
 
     rows = cfg["rows"]
-    rounds = [ping_pong(rank, sizes=(4, rows * cfg["hidden"] * 4), repeats=50) for _ in range(3)]
-    # the fastest round: the link without the occasional stalls of a shared machine (as bench_waves)
-    link = min(rounds, key=lambda r: r["samples"][-1][1]) if rank == 0 else None
-    model = model_of(cfg)
+    link = best_link(rank, (4, rows * cfg["hidden"] * 4))
     x, y = make_data(cfg)[0]
     dist.barrier()
     measured = profile_blocks(
-        list(model), x[:rows], torch.device("cpu"), repeats=cfg["profile_repeats"], warmup=3, loss_fn=lambda out: loss_fn(out, y[:rows])
+        list(model_of(cfg)),
+        x[:rows],
+        torch.device("cpu"),
+        repeats=cfg["profile_repeats"],
+        warmup=3,
+        loss_fn=lambda out: loss_fn(out, y[:rows]),
     )
-    parts: list = [None] * world
-    dist.all_gather_object(parts, measured)
-    return {"timing": [1.0, 1.0], "params": {}, "link": link, "blocks": parts}
+    return {"timing": [1.0, 1.0], "params": {}, "link": link, "blocks": gather(measured, world)}
 
 
 def job(rank: int, world: int, mode: str, cfg: dict) -> dict:
     if mode == "single":
         return single_job(rank, world, cfg)
-    if mode == "profile":
-        return _profile(rank, world, cfg)
-    return _pipeline(rank, world, cfg, mode)
+    return _profile(rank, world, cfg) if mode == "profile" else _pipeline(rank, world, cfg, mode)
 
 
-# ---- the parent: references, costs, simulation ------------------------------------------------------
+# ---- the parent: references, simulation -----------------------------------------------------------
 def reference(cfg: dict, total: int, rule: str) -> dict:
     """The final weights of `total` steps on one process (no sleeping): plain SGD ("sgd"), or the
     2BW rule ("2bw": batch b's gradient taken at W(max(b - 1, 0)) and applied to W(b))."""
@@ -274,22 +211,21 @@ def reference(cfg: dict, total: int, rule: str) -> dict:
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
+def references(cfg: dict) -> Callable[[str], dict]:
+    """The reference weights of a mode (2BW's rule or plain SGD), each computed once."""
+    cache: dict[str, dict] = {}
+
+    def of(mode: str) -> dict:
+        rule = "2bw" if mode == "2bw" else "sgd"
+        if rule not in cache:
+            cache[rule] = reference(cfg, cfg["warmup"] + cfg["steps"], rule)
+        return cache[rule]
+
+    return of
+
+
 def initial_weights(cfg: dict) -> dict:
     return {k: v.detach().clone() for k, v in model_of(cfg, sleep=False).state_dict().items()}
-
-
-def build_costs(prof: dict):
-    """CostModel from the profile job: per block the median over the ranks (the loss is in the last block's times)."""
-    from lightning_pipe.profiling import Profile
-
-    parts = prof["blocks"]
-    n = len(parts[0])
-    field = lambda key: [statistics.median(p[i][key] for p in parts) for i in range(n)]  # noqa: E731
-    profile = Profile(
-        "bench-2bw", 0, "float32", "cpu", field("forward"), field("backward"), field("activation_bytes"), field("param_bytes")
-    )
-    link = prof["link"]
-    return profile.costs(link["bandwidth"], link["latency"])
 
 
 def simulated(name: str, depth: int, m: int, costs) -> dict:
@@ -299,44 +235,20 @@ def simulated(name: str, depth: int, m: int, costs) -> dict:
     from lightning_pipe.schedules.two_bw import pipedream_2bw
     from lightning_pipe.simulation import chunk_costs, simulate
 
-    per = costs.num_blocks // depth
-    bounds = [(r * per, (r + 1) * per) for r in range(depth)]
+    bounds = equal_bounds(costs.num_blocks, depth)
     f, b, _ = chunk_costs(costs, bounds)
     busy = [m * (fr + br) for fr, br in zip(f, b)]
     if name == "2bw":
-        k = 3
-        t = [simulate(pipedream_2bw(depth, m, batches=n), costs, bounds, critical_path=False).iteration_time for n in (k, k + 1)]
+        t = [simulate(pipedream_2bw(depth, m, batches=n), costs, bounds, critical_path=False).iteration_time for n in (3, 4)]
         return {"step": t[1] - t[0], "busy": busy}
     return {"step": simulate(build_schedule(name, depth, m), costs, bounds, critical_path=False).iteration_time, "busy": busy}
 
 
-# ---- running --------------------------------------------------------------------------------------
-class Runner:
-    def __init__(self, args: argparse.Namespace):
-        self.args, self.started = args, time.monotonic()
-
-    def __call__(self, mode: str, cfg: dict, world: int, label: str) -> tuple[list[dict], float]:
-        a = self.args
-        return run_undisturbed(
-            job,
-            world,
-            mode,
-            cfg,
-            retries=a.retries,
-            max_foreign=a.max_foreign,
-            quiet_wait=a.quiet_wait,
-            patient=time.monotonic() - self.started < a.budget,  # past the budget: no waits, no retries
-            label=label,
-            timeout=a.timeout,
-            backend="gloo" if world > 1 else None,
-            pin=a.pin,
-        )
-
-
+# ---- measuring -----------------------------------------------------------------------------------
 def trace_stats(results: list[dict]) -> dict:
-    """Per rank, the median over the timed steps of each traced quantity (seconds): the step, the
-    pipeline part (the mode's run), compute, the rest of the executor's time (waiting for messages,
-    issuing them, Python), 2BW's weight copy, the rest outside the executor, the optimizer step."""
+    """Per rank, the median over the timed steps of: the step, the pipeline part, compute, the rest of
+    the executor's time (waiting for messages, issuing them, Python), 2BW's weight copy, the rest
+    outside the executor, the optimizer step."""
     derived = {
         "step": lambda s: s["step"],
         "pipe": lambda s: s["pipe"],
@@ -350,9 +262,8 @@ def trace_stats(results: list[dict]) -> dict:
 
 
 def update_error(results: list[dict], reference: dict, initial: dict) -> float:
-    """Largest relative difference of the ranks' weight *changes* over the run from the reference's
-    (the weights themselves hardly move in a short run: comparing them would not tell 2BW's
-    1-stale update from plain SGD)."""
+    """Largest relative difference of the ranks' weight *changes* from the reference's (the weights
+    hardly move in a short run: comparing them would not tell 2BW's stale update from SGD)."""
     err = 0.0
     for r in results:
         for k, v in r["params"].items():
@@ -361,31 +272,24 @@ def update_error(results: list[dict], reference: dict, initial: dict) -> float:
     return err
 
 
-def measure(
-    runner: Runner, cfg: dict, modes: list[str], world: int, repeats: int, tag: str, refs: Callable[[str], Optional[dict]]
-) -> dict[str, dict]:
-    """Run each mode `repeats` times (interleaved); keep the best run's figures, its traces, and the
-    worst weight error over all runs against ``refs(mode)``."""
+def measure(bench: Bench, cfg: dict, modes: list[str], world: int, rounds: int, tag: str, refs: Callable[[str], Optional[dict]]) -> dict:
+    """Every mode in interleaved rounds; the best run's figures and traces, the worst weight error."""
     best: dict[str, dict] = {}
-    for rep in range(repeats):
+    initial = initial_weights(cfg)
+    for rep in range(rounds):
         for mode in modes:
-            results, foreign = runner(mode, cfg, 1 if mode == "single" else world, f"{tag} {mode}")
-            stats = summarize(mode, results, cfg)
-            stats["foreign"] = foreign
-            ref = refs(mode) if mode != "single" else None
-            err = update_error(results, ref, initial_weights(cfg)) if ref is not None else None
+            results, foreign = bench.run(job, 1 if mode == "single" else world, mode, cfg, label=f"{tag} {mode}")
+            stats = dict(summarize(mode, results, cfg), foreign=foreign)
+            err = update_error(results, refs(mode), initial) if mode != "single" else None
             if mode == "2bw":  # the check can tell the rules apart: 2BW's updates are not plain SGD's
-                stats["vs_sgd"] = update_error(results, refs("1f1b"), initial_weights(cfg))
+                stats["vs_sgd"] = update_error(results, refs("1f1b"), initial)
             if mode != "single":
-                stats["trace"] = trace_stats(results)
-                stats["raw"] = [r["trace"] for r in results]
-                stats["drain"] = max(r["drain"] for r in results)
-            print(
-                f"  {tag} run {rep + 1}/{repeats} {mode:6s} {stats['total']:8.1f} samples/s ({stats['step_ms']:.1f} ms/step"
+                stats.update(trace=trace_stats(results), raw=[r["trace"] for r in results], drain=max(r["drain"] for r in results))
+            bench.log(
+                f"  {tag} run {rep + 1}/{rounds} {mode:6s} {stats['total']:8.1f} samples/s ({stats['step_ms']:.1f} ms/step"
                 f"{', drain %.1f ms' % (1e3 * stats['drain']) if mode == '2bw' else ''}, foreign load {foreign:.2f} CPUs"
                 f"{', updates vs reference %.1e' % err if err is not None else ''}"
-                f"{', vs plain SGD %.1e' % stats['vs_sgd'] if 'vs_sgd' in stats else ''})",
-                flush=True,
+                f"{', vs plain SGD %.1e' % stats['vs_sgd'] if 'vs_sgd' in stats else ''})"
             )
             prev = best.get(mode)
             if prev is None or stats["total"] > prev["total"]:
@@ -396,49 +300,41 @@ def measure(
     return best
 
 
-def ms(v: float) -> str:
-    return f"{1e3 * v:.1f}"
-
-
 def pair(vs: list[float]) -> str:
     return " / ".join(ms(v) for v in vs)
 
 
-def print_traces(best: dict[str, dict], sims: dict[str, dict], depth: int) -> None:
-    print(
-        "\nper-step trace of the best run, median step, ms"
-        + (" (rank 0 / rank 1)" if depth == 2 else " (ranks 0 / .. / d-1)")
-        + "; simulated compute per rank = m (f + b) of its stage:\n"
+def print_traces(bench: Bench, best: dict[str, dict], sims: dict[str, dict], depth: int) -> None:
+    who = " (rank 0 / rank 1)" if depth == 2 else " (ranks 0 / .. / d-1)"
+    t = Table(
+        "schedule",
+        "simulated step (no opt)",
+        "measured pipeline step",
+        "simulated compute",
+        "measured compute",
+        "measured in executor, not computing",
+        "outside the executor (2BW: weight copy + rest)",
+        "optimizer step",
     )
-    print(
-        "| schedule | simulated step (no opt) | measured pipeline step | simulated compute | measured compute | "
-        "measured in executor, not computing | outside the executor (2BW: weight copy + rest) | optimizer step |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name in SCHEDULES:
-        if name not in best:
-            continue
-        t, s = best[name]["trace"], sims[name]
-        book = " / ".join(f"{ms(c)} + {ms(o)}" for c, o in zip(t["copy"], t["outside"])) if name == "2bw" else pair(t["outside"])
-        print(
-            f"| {name} | {ms(s['step'])} | {pair(t['pipe'])} | {pair(s['busy'])} | {pair(t['busy'])} | {pair(t['waiting'])} | "
-            f"{book} | {pair(t['opt'])} |"
-        )
+    for name in (n for n in SCHEDULES if n in best):
+        tr, s = best[name]["trace"], sims[name]
+        book = " / ".join(f"{ms(c)} + {ms(o)}" for c, o in zip(tr["copy"], tr["outside"])) if name == "2bw" else pair(tr["outside"])
+        t.add(name, ms(s["step"]), pair(tr["pipe"]), pair(s["busy"]), pair(tr["busy"]), pair(tr["waiting"]), book, pair(tr["opt"]))
+    bench.say()
+    bench.table(t, f"per-step trace of the best run, median step, ms{who}; simulated compute per rank = m (f + b) of its stage:")
 
 
-def print_timeline(best: dict[str, dict], names: tuple[str, ...] = ("1f1b", "2bw")) -> None:
-    """One timed step (the median of rank 0's) of each schedule as each rank ran it: its computes
-    (F / B and micro-batch; negative: the previous batch's), the end of the mode's run and the
-    optimizer step, in ms from rank 0's step start (one clock for all processes)."""
-    print("\ntimeline of one timed step (rank 0's median), ms from rank 0's step start; [x] = idle gap before a compute > 0.3 ms:\n")
-    for name in names:
-        if name not in best:
-            continue
+def print_timeline(bench: Bench, best: dict[str, dict], names: tuple[str, ...] = ("1f1b", "2bw")) -> None:
+    """One timed step (rank 0's median) of each schedule as each rank ran it: its computes (F / B and
+    micro-batch; negative: the previous batch's), the end of the run and the optimizer step, in ms
+    from rank 0's step start (one clock for all processes)."""
+    bench.say("\ntimeline of one timed step (rank 0's median), ms from rank 0's step start; [x] = idle gap before a compute > 0.3 ms:\n")
+    for name in (n for n in names if n in best):
         raw = best[name]["raw"]
         order = sorted(range(len(raw[0])), key=lambda i: raw[0][i]["step"])
         k = order[len(order) // 2]
         base = raw[0][k]["t0"]
-        print(f"{name}:")
+        bench.say(f"{name}:")
         for rank, steps in enumerate(raw):
             st = steps[k]
             parts, last = [], st["t0"]
@@ -448,196 +344,164 @@ def print_timeline(best: dict[str, dict], names: tuple[str, ...] = ("1f1b", "2bw
                     parts.append(f"{'[%.1f] ' % (1e3 * gap) if gap > 3e-4 else ''}{op}{mb} {1e3 * (a - base):.1f}-{1e3 * (b - base):.1f}")
                     last = b
             tail = f"run ends {1e3 * (st['t1'] - base):.1f}" + (f" (weight copy {1e3 * st['copy']:.1f})" if name == "2bw" else "")
-            print(
+            bench.say(
                 f"  rank {rank}: start {1e3 * (st['t0'] - base):.1f} | "
                 + " | ".join(parts)
                 + f" | {tail} | opt to {1e3 * (st['t2'] - base):.1f}"
             )
-        print()
+        bench.say()
 
 
-def real_part(args: argparse.Namespace, runner: Runner) -> None:
-    base = dict(
-        kind="real",
-        hidden=args.hidden,
-        mlp_ratio=args.mlp_ratio,
-        blocks=args.blocks,
-        rows=args.rows,
-        steps=args.steps,
-        warmup=args.warmup,
-        lr=args.lr,
-        profile_repeats=args.profile_repeats,
-    )
-    print(f"\n## real processes: 2 ranks x 1 thread, gloo; {base}\n", flush=True)
-    prof, foreign = runner("profile", dict(base, microbatches=1, batch=args.rows), 2, "profile")
-    costs = build_costs(prof[0])
+# ---- the parts -----------------------------------------------------------------------------------
+def real_part(bench: Bench, args) -> None:
+    base = dict(kind="real", hidden=args.hidden, mlp_ratio=args.mlp_ratio, blocks=args.blocks, rows=args.rows, steps=args.steps)
+    base.update(warmup=args.warmup, lr=args.lr, profile_repeats=args.profile_repeats)
+    bench.say(f"\n## real processes: 2 ranks x 1 thread, gloo; {base}\n")
+    prof, foreign = bench.run(job, 2, "profile", dict(base, microbatches=1, batch=args.rows), label="profile")
     link = prof[0]["link"]
-    print(
+    costs = median_costs(prof[0]["blocks"], link, "bench-2bw")
+    bench.say(
         f"profile (foreign load {foreign:.2f}): per block f {ms(statistics.median(costs.forward))} ms, "
         f"b {ms(statistics.median(costs.backward))} ms (last block with the loss: f {ms(costs.forward[-1])}, b {ms(costs.backward[-1])}); "
-        f"link {1e6 * link['latency']:.0f} us + {link['bandwidth'] / 1e9:.2f} GB/s",
-        flush=True,
+        f"link {1e6 * link['latency']:.0f} us + {link['bandwidth'] / 1e9:.2f} GB/s"
     )
     modes = [m for m in MODES if m in args.modes]
     summary = []
     for m in args.microbatches:
         cfg = dict(base, microbatches=m, batch=args.rows * m)
-        total = args.warmup + args.steps
-        refs_cache: dict[str, dict] = {}
-
-        def refs(mode: str, cfg=cfg, total=total, cache=refs_cache) -> Optional[dict]:
-            rule = "2bw" if mode == "2bw" else "sgd"
-            if rule not in cache:
-                cache[rule] = reference(cfg, total, rule)
-            return cache[rule]
-
-        best = measure(runner, cfg, modes, 2, args.repeats, f"m={m}", refs)
+        best = measure(bench, cfg, modes, 2, args.rounds, f"m={m}", references(cfg))
+        bench.keep(f"real m={m}", {mode: {k: v for k, v in s.items() if k != "raw"} for mode, s in best.items()})
         sims = {name: simulated(name, 2, m, costs) for name in SCHEDULES}
         # the simulator has no optimizer: add the one measured (the same work in every schedule, a half per rank)
         opt = max(best["1f1b"]["trace"]["opt"]) if "1f1b" in best else 0.0
         sim_step = {name: s["step"] + opt for name, s in sims.items()}
-        sim_single = m * (sum(costs.forward) + sum(costs.backward)) + 2 * opt  # m micro-batches on one process, no pipeline
+        sim_single = m * (sum(costs.forward) + sum(costs.backward)) + 2 * opt  # m micro-batches on one process
         single = best["single"]["total"]
-        print(
-            f"\n### m = {m} micro-batches of {args.rows} rows (batch {args.rows * m}), {args.blocks} blocks, hidden {args.hidden}; "
-            f"best of {args.repeats} runs of {args.steps} timed steps after {args.warmup} warm-up; simulated step = "
-            f"simulator + {ms(opt)} ms optimizer step (measured); 2BW: steady steps, the drain excluded (shown apart)\n"
+        t = Table(
+            "mode",
+            "samples/s",
+            "ms/step",
+            "simulated ms/step",
+            "vs single",
+            "simulated vs single",
+            "weight updates (max rel. error vs reference)",
+            "2BW drain (ms, excluded)",
+            "other load (CPUs)",
         )
-        print(
-            "| mode | samples/s | ms/step | simulated ms/step | vs single | simulated vs single | "
-            "weight updates (max rel. error vs reference) | 2BW drain (ms, excluded) | other load (CPUs) |"
-        )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for mode in modes:
             s = best[mode]
             sim = sim_step.get(mode, sim_single)
             ref = "2BW rule" if mode == "2bw" else "single (SGD)"
             err = f"{s['error']:.1e} vs {ref}" if s.get("error") is not None else ""
-            drain = ms(s["drain"]) if mode == "2bw" else ""
-            print(
-                f"| {mode} | {s['total']:.1f} | {s['step_ms']:.1f} | {ms(sim)} | {s['total'] / single:.2f}x | "
-                f"{sim_single / sim:.2f}x | {err} | {drain} | {s['foreign']:.2f} |"
-            )
-        print()
+            t.add(
+                mode, f"{s['total']:.1f}", f"{s['step_ms']:.1f}", ms(sim), f"{s['total'] / single:.2f}x", f"{sim_single / sim:.2f}x", err,
+                ms(s["drain"]) if mode == "2bw" else "", f"{s['foreign']:.2f}",
+            )  # fmt: skip
+        bench.table(
+            t,
+            f"\n### m = {m} micro-batches of {args.rows} rows (batch {args.rows * m}), {args.blocks} blocks, hidden {args.hidden}; "
+            f"best of {args.rounds} runs of {args.steps} timed steps after {args.warmup} warm-up; simulated step = "
+            f"simulator + {ms(opt)} ms optimizer step (measured); 2BW: steady steps, the drain excluded (shown apart)",
+        )
         for other in ("1f1b", "gpipe"):
             if "2bw" in best and other in best:
-                meas = best["2bw"]["total"] / best[other]["total"]
-                simr = sim_step[other] / sim_step["2bw"]
-                print(f"2bw/{other} at m={m}: measured {meas:.3f}x, simulated {simr:.3f}x")
+                meas, simr = best["2bw"]["total"] / best[other]["total"], sim_step[other] / sim_step["2bw"]
+                bench.say(f"2bw/{other} at m={m}: measured {meas:.3f}x, simulated {simr:.3f}x")
                 summary.append((m, other, meas, simr))
         if "2bw" in best:
-            print(
-                f"2bw at m={m} including its drain once over the {args.steps} timed steps: "
-                f"{args.steps * cfg['batch'] / (args.steps * best['2bw']['step_ms'] / 1e3 + best['2bw']['drain']):.1f} samples/s"
-            )
-        print_traces(best, sims, 2)
+            with_drain = args.steps * cfg["batch"] / (args.steps * best["2bw"]["step_ms"] / 1e3 + best["2bw"]["drain"])
+            bench.say(f"2bw at m={m} including its drain once over the {args.steps} timed steps: {with_drain:.1f} samples/s")
+        print_traces(bench, best, sims, 2)
         if m == min(args.microbatches):
-            print_timeline(best)
+            print_timeline(bench, best)
     if summary:
-        print("\nreal processes, 2BW vs Flush (1F1B) and GPipe, measured (simulated):")
+        bench.say("\nreal processes, 2BW vs Flush (1F1B) and GPipe, measured (simulated):")
         for m, other, meas, simr in summary:
-            print(f"  m={m}: 2bw/{other} = {meas:.3f}x ({simr:.3f}x)")
+            bench.say(f"  m={m}: 2bw/{other} = {meas:.3f}x ({simr:.3f}x)")
         for m, other, meas, _ in summary:
             if other == "1f1b" and m == 2:
-                verdict = "met" if meas >= 1.2 else "NOT met"
-                print(f"  target 2BW >= 1.2x Flush at m = d = 2: {verdict} ({meas:.3f}x)")
+                bench.say(f"  target 2BW >= 1.2x Flush at m = d = 2: {'met' if meas >= 1.2 else 'NOT met'} ({meas:.3f}x)")
 
 
-def emulated_part(args: argparse.Namespace, runner: Runner) -> None:
-    t_f = args.tf / 1e3
-    t_b = (args.tb if args.tb is not None else 2 * args.tf) / 1e3
-    base = dict(
-        kind="emulated",
-        hidden=args.emu_hidden,
-        rows=args.rows,
-        steps=args.emu_steps,
-        warmup=args.emu_warmup,
-        lr=args.lr,
-        t_f=t_f,
-        t_b=t_b,
-        profile_repeats=args.profile_repeats,
-    )
-    print(
-        f"\n## emulated devices (sleep): d processes on {os.cpu_count()} cores, one sleeping block per stage "
-        f"(forward sleeps {ms(t_f)} ms, backward {ms(t_b)} ms), real runtime and gloo p2p of {args.rows} x {args.emu_hidden} float32; {base}\n",
-        flush=True,
-    )
-    # the sleeping block and the link, profiled once (on 2 ranks: the link between two processes)
-    prof, foreign = runner("profile", dict(base, depth=2, microbatches=1, batch=args.rows), 2, "emulated profile")
-    costs2 = build_costs(prof[0])
-    f_blk, b_blk = statistics.median(costs2.forward), statistics.median(costs2.backward)
-    print(
-        f"emulated profile (foreign load {foreign:.2f}): sleeping block f {f_blk * 1e3:.2f} ms, b {b_blk * 1e3:.2f} ms "
-        f"(last, with the loss: f {costs2.forward[-1] * 1e3:.2f}, b {costs2.backward[-1] * 1e3:.2f}); "
-        f"link {1e6 * costs2.latency:.0f} us + {costs2.bandwidth / 1e9:.2f} GB/s",
-        flush=True,
-    )
+def emulated_part(bench: Bench, args) -> None:
     from lightning_pipe.simulation import CostModel
 
+    t_f = args.tf / 1e3
+    t_b = (args.tb if args.tb is not None else 2 * args.tf) / 1e3
+    base = dict(kind="emulated", hidden=args.emu_hidden, rows=args.rows, steps=args.emu_steps, warmup=args.emu_warmup, lr=args.lr)
+    base.update(t_f=t_f, t_b=t_b, profile_repeats=args.profile_repeats)
+    bench.say(
+        f"\n## emulated devices (sleep): d processes on {os.cpu_count()} cores, one sleeping block per stage "
+        f"(forward sleeps {ms(t_f)} ms, backward {ms(t_b)} ms), real runtime and gloo p2p of {args.rows} x {args.emu_hidden} float32; {base}\n"
+    )
+    # the sleeping block and the link, profiled once (on 2 ranks: the link between two processes)
+    prof, foreign = bench.run(job, 2, "profile", dict(base, depth=2, microbatches=1, batch=args.rows), label="emulated profile")
+    c2 = median_costs(prof[0]["blocks"], prof[0]["link"], "bench-2bw")
+    f_blk, b_blk = statistics.median(c2.forward), statistics.median(c2.backward)
+    bench.say(
+        f"emulated profile (foreign load {foreign:.2f}): sleeping block f {f_blk * 1e3:.2f} ms, b {b_blk * 1e3:.2f} ms "
+        f"(last, with the loss: f {c2.forward[-1] * 1e3:.2f}, b {c2.backward[-1] * 1e3:.2f}); "
+        f"link {1e6 * c2.latency:.0f} us + {c2.bandwidth / 1e9:.2f} GB/s"
+    )
     rows = []
     for depth in args.depths:
         for factor in args.emu_factors:
             m = factor * depth
             cfg = dict(base, depth=depth, microbatches=m, batch=args.rows * m)
-            costs = CostModel(
-                (f_blk,) * (depth - 1) + (costs2.forward[-1],),
-                (b_blk,) * (depth - 1) + (costs2.backward[-1],),
-                (costs2.activation_bytes[0],) * depth,
-                (costs2.param_bytes[0],) * depth,
-                costs2.bandwidth,
-                costs2.latency,
-            )
-            total = args.emu_warmup + args.emu_steps
-            cache: dict[str, dict] = {}
-
-            def refs(mode: str, cfg=cfg, total=total, cache=cache) -> dict:
-                rule = "2bw" if mode == "2bw" else "sgd"
-                if rule not in cache:
-                    cache[rule] = reference(cfg, total, rule)
-                return cache[rule]
-
-            names = [n for n in SCHEDULES if n in args.modes or n == "1f1b"]
-            best = measure(runner, cfg, names, depth, args.emu_repeats, f"emulated d={depth} m={m}", refs)
+            fwd, bwd = (f_blk,) * (depth - 1) + (c2.forward[-1],), (b_blk,) * (depth - 1) + (c2.backward[-1],)
+            costs = CostModel(fwd, bwd, (c2.activation_bytes[0],) * depth, (c2.param_bytes[0],) * depth, c2.bandwidth, c2.latency)
+            schedules = [n for n in SCHEDULES if n in args.modes or n == "1f1b"]
+            best = measure(bench, cfg, schedules, depth, args.emu_repeats, f"emulated d={depth} m={m}", references(cfg))
             sims = {name: simulated(name, depth, m, costs) for name in SCHEDULES}
             rows.append((depth, m, best, sims))
-            print_traces(best, sims, depth)
-    print(
-        "\n### emulated devices (sleep): samples/s, measured (simulated); speed-up of 2BW over 1F1B (Flush) and GPipe\n\n"
-        "Devices were emulated by sleeping blocks: each stage sleeps its forward / backward time instead of computing.\n"
+            print_traces(bench, best, sims, depth)
+    t = Table(
+        "d",
+        "m",
+        "gpipe samples/s",
+        "1f1b samples/s",
+        "2bw samples/s",
+        "2bw/1f1b measured",
+        "2bw/1f1b simulated",
+        "2bw/gpipe measured",
+        "2bw/gpipe simulated",
+        "2bw drain ms",
+        "weight updates (max rel. error: sync vs SGD, 2bw vs 2BW rule)",
+        align="r" * 11,
     )
-    print(
-        "| d | m | gpipe samples/s | 1f1b samples/s | 2bw samples/s | 2bw/1f1b measured | 2bw/1f1b simulated | "
-        "2bw/gpipe measured | 2bw/gpipe simulated | 2bw drain ms | weight updates (max rel. error: sync vs SGD, 2bw vs 2BW rule) |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for depth, m, best, sims in rows:
         batch = args.rows * m
         cell = lambda n: f"{best[n]['total']:.0f} ({batch / sims[n]['step']:.0f})" if n in best else ""  # noqa: E731
         ratio = lambda a, b: f"{best[a]['total'] / best[b]['total']:.3f}" if a in best and b in best else ""  # noqa: E731
         sim_ratio = lambda a, b: f"{sims[b]['step'] / sims[a]['step']:.3f}"  # noqa: E731
         errs = ", ".join(f"{n} {best[n]['error']:.0e}" for n in SCHEDULES if n in best and best[n].get("error") is not None)
-        drain = ms(best["2bw"]["drain"]) if "2bw" in best else ""
-        print(
-            f"| {depth} | {m} | {cell('gpipe')} | {cell('1f1b')} | {cell('2bw')} | {ratio('2bw', '1f1b')} | {sim_ratio('2bw', '1f1b')} | "
-            f"{ratio('2bw', 'gpipe')} | {sim_ratio('2bw', 'gpipe')} | {drain} | {errs} |"
-        )
+        t.add(
+            depth, m, cell("gpipe"), cell("1f1b"), cell("2bw"), ratio("2bw", "1f1b"), sim_ratio("2bw", "1f1b"),
+            ratio("2bw", "gpipe"), sim_ratio("2bw", "gpipe"), ms(best["2bw"]["drain"]) if "2bw" in best else "", errs,
+        )  # fmt: skip
+    bench.table(
+        t,
+        "\n### emulated devices (sleep): samples/s, measured (simulated); speed-up of 2BW over 1F1B (Flush) and GPipe\n\n"
+        "Devices were emulated by sleeping blocks: each stage sleeps its forward / backward time instead of computing.",
+    )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ints = lambda s: [int(v) for v in s.split(",") if v.strip()]  # noqa: E731
+    quick = dict(microbatches=[2], depths=[2], emu_factors=[1], emu_steps=2, emu_warmup=1, emu_repeats=1, profile_repeats=3)
+    bench = Bench(
+        __doc__, quick, rounds=3, steps=20, warmup=5, retries=2, max_foreign=0.1, budget=300.0, quiet_wait=10.0, timeout=300.0, pin=False
+    )
+    p = bench.parser
     p.add_argument("--part", choices=["real", "emulated", "all"], default="all")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES} (1f1b always runs: the ratios' base)")
+    p.add_argument("--modes", type=names, default=MODES, help=f"comma-separated subset of {MODES} (1f1b always runs: the ratios' base)")
     p.add_argument("--rows", type=int, default=64, help="rows per micro-batch (batch = rows x m), both parts")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--profile-repeats", type=int, default=30)
     g = p.add_argument_group("real processes")
     g.add_argument("--hidden", type=int, default=512)
     g.add_argument("--mlp-ratio", type=int, default=1)
     g.add_argument("--blocks", type=int, default=8, help="even: each rank gets half")
     g.add_argument("--microbatches", type=ints, default=[2, 8], help="m values (comma-separated); 2BW needs m >= 2")
-    g.add_argument("--steps", type=int, default=20, help="timed steps per run")
-    g.add_argument("--warmup", type=int, default=5, help="untimed steps before timing (2BW's fill is the first)")
-    g.add_argument("--repeats", type=int, default=3, help="runs per mode and m (interleaved); the best is reported")
     g = p.add_argument_group("emulated devices (sleep)")
     g.add_argument("--depths", type=ints, default=[2, 4, 8], help="pipeline depths d = processes")
     g.add_argument("--emu-factors", type=ints, default=[1, 4], help="m = factor x d")
@@ -647,33 +511,21 @@ def main() -> None:
     g.add_argument("--emu-steps", type=int, default=8)
     g.add_argument("--emu-warmup", type=int, default=2)
     g.add_argument("--emu-repeats", type=int, default=1)
-    g = p.add_argument_group("measurement")
-    g.add_argument("--profile-repeats", type=int, default=30)
-    g.add_argument("--retries", type=int, default=2, help="re-runs of a run disturbed by other processes")
-    g.add_argument("--max-foreign", type=float, default=0.1, help="a run during which other processes used more CPUs is disturbed")
-    g.add_argument("--budget", type=float, default=300.0, help="seconds after which disturbed runs are kept and nobody is waited for")
-    g.add_argument("--quiet-wait", type=float, default=10.0, help="seconds to wait at most, before each run, for a quiet machine")
-    g.add_argument("--pin", action="store_true", help="pin rank r to CPU r mod the CPU count (every mode alike)")
-    g.add_argument("--timeout", type=float, default=300.0, help="seconds per run before its processes are killed")
-    args = p.parse_args()
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args = bench.parse()
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
-        p.error(f"unknown modes {unknown}; allowed: {MODES}")
+        bench.error(f"unknown modes {unknown}; allowed: {MODES}")
     args.modes = sorted(set(args.modes) | {"single", "1f1b"}, key=MODES.index)
     if args.blocks % 2:
-        p.error("--blocks must be even")
+        bench.error("--blocks must be even")
     if any(m < 2 for m in args.microbatches) or any(f < 1 for f in args.emu_factors):
-        p.error("2BW needs m >= d: --microbatches >= 2 and --emu-factors >= 1")
-
-    print(f"# bench_2bw, {datetime.datetime.now().isoformat(timespec='seconds')}")
-    print(f"{machine_description()}; {os.cpu_count()} cores; one thread per process; gloo", flush=True)
-    runner = Runner(args)
+        bench.error("2BW needs m >= d: --microbatches >= 2 and --emu-factors >= 1")
+    bench.say(f"{os.cpu_count()} cores; one thread per process; gloo")
     if args.part in ("real", "all"):
-        real_part(args, runner)
+        real_part(bench, args)
     if args.part in ("emulated", "all"):
-        emulated_part(args, runner)
-    print(f"\ntotal {time.monotonic() - runner.started:.0f} s")
+        emulated_part(bench, args)
+    bench.finish()
 
 
 if __name__ == "__main__":
