@@ -291,7 +291,7 @@ class AutoPipeStrategy(ProcessGroupStrategy):
                 uncut_module(module, self.cut, state)
                 self.ctx.cut = None
         if self.layers is not None:
-            self.layers.close(graceful=finished)  # AvgPipe: the reference processes stop (killed after a failure)
+            self.layers.close(graceful=finished)  # e.g. reference processes stop (killed after a failure)
         self._active = False
         self._finished = finished
         super().teardown()
