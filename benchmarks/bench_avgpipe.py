@@ -6,16 +6,16 @@ Workload: bench_2bw.py's (lightning_pipe.bench.mlp: the balanced residual MLP, d
 8 blocks, float32, MSE), K = 2 stages (4 blocks each), one thread per process, gloo. Every
 configuration trains S samples per optimizer step (default S = 256 rows):
 
-- ``gpipe`` / ``1f1b``  one pipeline, 2 processes, SyncMode over build_schedule(name, 2, M), batch S
+- ``gpipe`` / ``1f1b``  one pipeline, 2 processes, Flush over build_schedule(name, 2, M), batch S
                         in M micro-batches;
-- ``avg N``             AvgPipeMode (wrapping SyncMode over 1F1B, ``--avg-schedule``): N pipelines x
+- ``avg N``             ElasticAveraging around Flush over 1F1B (``--avg-schedule``): N pipelines x
                         K = 2 stages = 2N worker processes (rank r = stage r % 2 of pipeline r // 2,
                         the transport maps a stage to the same pipeline's rank) plus one reference
                         process per stage (started by pipeline 0, ``python -m
                         lightning_pipe.runtime.reference``, on the job's TCPStore under a per-run
                         prefix); each pipeline trains its own batches of S / N rows in M
-                        micro-batches; per step ``mode.run`` (the pipeline), ``mode.before_update()``,
-                        ``optimizer.step()``, ``mode.after_update()``; ``mode.close()`` at the end.
+                        micro-batches; per step ``Flush.run`` (the pipeline), ``before_update()``,
+                        ``optimizer.step()``, ``after_update()``; ``close()`` at the end.
                         alpha = 1 / N; staleness s (default 0; ``--staleness`` lists the extra values
                         measured at ``--stale-pipelines`` and ``--stale-microbatches``).
 
@@ -49,25 +49,25 @@ the design intends at s = 0). A simulation of more hardware, not a speed-up on t
 
     python benchmarks/bench_avgpipe.py --retries 1 --budget 480      # everything (~14 minutes on 2 cores)
     python benchmarks/bench_avgpipe.py --microbatches 2 --pipelines 1,2 --staleness '' --repeats 1 --steps 5
+    python benchmarks/bench_avgpipe.py --quick     # smoke: N = 2, M = 2, s = 1, malloc kept, 2 steps
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
 import statistics
 import time
 
-for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")
+from lightning_pipe.bench.harness import Bench, ints, ms, pin_threads
+
+pin_threads(1)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from lightning_pipe.bench.launch import machine_description, run_undisturbed, timed_steps  # noqa: E402
+from lightning_pipe.bench.launch import timed_steps  # noqa: E402
 from lightning_pipe.bench.mlp import loss_fn, make_model, stage_half  # noqa: E402
-from lightning_pipe.profiling.link import ping_pong  # noqa: E402
+from lightning_pipe.bench.pipes import Clock, best_link, compute_seconds, equal_bounds, gather, median_costs, time_executor  # noqa: E402
 
 K = 2  # stages per pipeline
 # glibc malloc kept from returning freed memory to the OS: the "malloc kept" variant (fresh pages for the
@@ -93,10 +93,8 @@ def make_batches(cfg: dict, pipeline: int, rows: int) -> list[tuple[torch.Tensor
 
 # ---- workers ------------------------------------------------------------------------------------
 def _train(rank: int, world: int, cfg: dict) -> dict:
-    from lightning_pipe.modes.avgpipe import AvgPipeMode
-    from lightning_pipe.modes.sync import SyncMode
+    from lightning_pipe.layers import ElasticAveraging, Flush
     from lightning_pipe.runtime.elastic import ReferenceLink, flat_into, flat_size
-    from lightning_pipe.runtime.executor import Executor
     from lightning_pipe.runtime.microbatch import signature, split_microbatches
     from lightning_pipe.runtime.p2p import Transport
     from lightning_pipe.runtime.sequential import SequentialHost
@@ -113,29 +111,9 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
         opt = torch.optim.Adam(chunk.parameters(), lr=cfg["lr"])
     else:
         opt = torch.optim.SGD(chunk.parameters(), lr=cfg["lr"])
-    clock = {"executor": 0.0, "send": 0.0, "wait": 0.0}
+    clock = Clock(send=0.0, wait=0.0)
+    time_executor(clock)  # time inside the executor, as bench_2bw
     refs: list = []
-
-    inner = Executor.run
-
-    def timed_run(self, *a, **k):  # time inside the executor, as bench_2bw
-        t = time.perf_counter()
-        try:
-            return inner(self, *a, **k)
-        finally:
-            clock["executor"] += time.perf_counter() - t
-
-    Executor.run = timed_run
-
-    def timed(fn, key):
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                clock[key] += time.perf_counter() - t
-
-        return wrapper
 
     def link(numel: int, dtype: torch.dtype) -> ReferenceLink:
         made = ReferenceLink(
@@ -149,17 +127,16 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
             dtype,
             cfg["timeout"],
         )
-        made.send_delta = timed(made.send_delta, "send")  # building the message + the isend (+ reaping old ones)
-        made.take_reference = timed(made.take_reference, "wait")  # waiting for W_ref
+        made.send_delta = clock.wrap(made.send_delta, "send")  # building the message + the isend (+ reaping old ones)
+        made.take_reference = clock.wrap(made.take_reference, "wait")  # waiting for W_ref
         refs.append(made)
         return made
 
-    spec = ScheduleSpec.of(cfg["schedule"])
+    mode = Flush(ScheduleSpec.of(cfg["schedule"]), K, m, stage, transport, trace=True)
+    elastic = None
     if n:
         alpha = cfg["alpha"] if cfg["alpha"] is not None else 1.0 / n
-        mode = AvgPipeMode(spec, K, m, stage, transport, chunk, pipeline, alpha, cfg["staleness"], link, trace=True)
-    else:
-        mode = SyncMode(spec, K, m, stage, transport, trace=True)
+        elastic = ElasticAveraging(chunk, pipeline, alpha, cfg["staleness"], link, rank=stage)
     trace: list[dict] = []
     cpu_at: dict[str, float] = {}
 
@@ -167,8 +144,7 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
         if i == cfg["warmup"]:  # the first timed step: the reference process's CPU clock starts here
             cpu_at["ref0"] = _proc_cpu(refs[0].proc.pid) if refs and refs[0].proc is not None else 0.0
         x, y = data[i % len(data)]
-        for key in clock:
-            clock[key] = 0.0
+        clock.zero()
         c0 = time.process_time()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -177,15 +153,15 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
         host.losses = []
         executor = mode.run("train", host, [("train", signature(mb)) for mb in host.inputs])
         t1 = time.perf_counter()
-        if n:
-            mode.before_update()
+        if elastic:
+            elastic.before_update()
         t2 = time.perf_counter()
         opt.step()
         t3 = time.perf_counter()
-        if n:
-            mode.after_update()
+        if elastic:
+            elastic.after_update()
         t4 = time.perf_counter()
-        busy = sum(e - s for j, s, e in executor.records if executor.actions[j].op.is_compute)
+        busy = compute_seconds(executor)
         trace.append(
             {
                 "step": t4 - t0,
@@ -206,11 +182,11 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
     timing = timed_steps(step, cfg["steps"], cfg["warmup"], dist.barrier)
     ref_cpu = _proc_cpu(refs[0].proc.pid) - cpu_at.get("ref0", 0.0) if refs and refs[0].proc is not None else 0.0
     out = {"timing": timing, "trace": trace[cfg["warmup"] :], "ref_cpu": ref_cpu, "pipeline": pipeline, "stage": stage}
-    if n:
-        mode.drain()
-        out["own"] = flat_into(mode.params, torch.empty(flat_size(mode.params)))
-        out["reference"] = mode.refs[mode.iteration].clone()
-        mode.close()
+    if elastic:
+        elastic.drain()
+        out["own"] = flat_into(elastic.params, torch.empty(flat_size(elastic.params)))
+        out["reference"] = elastic.refs[elastic.iteration].clone()
+        elastic.close()
     return out
 
 
@@ -219,8 +195,7 @@ def _profile(rank: int, world: int, cfg: dict) -> dict:
     from lightning_pipe.profiling import profile_blocks
 
     sizes = (4, *sorted({r * cfg["hidden"] * 4 for r in cfg["profile_rows"]} | {1 << 20, 1 << 22}))
-    rounds = [ping_pong(rank, sizes=sizes, repeats=50) for _ in range(3)]
-    link = min(rounds, key=lambda r: r["samples"][-1][1]) if rank == 0 else None
+    link = best_link(rank, sizes)
     model = make_model(cfg)
     x, y = make_batches(cfg, 0, max(cfg["profile_rows"]))[0]
     blocks = {}
@@ -234,9 +209,7 @@ def _profile(rank: int, world: int, cfg: dict) -> dict:
             warmup=3,
             loss_fn=lambda out, rows=rows: loss_fn(out, y[:rows]),
         )
-    parts: list = [None] * world
-    dist.all_gather_object(parts, blocks)
-    return {"timing": [1.0, 1.0], "link": link, "blocks": parts}
+    return {"timing": [1.0, 1.0], "link": link, "blocks": gather(blocks, world)}
 
 
 class StubLink:
@@ -271,33 +244,20 @@ class StubLink:
 
 
 def local_update(cfg: dict, stage: int, repeats: int = 30) -> dict:
-    """AvgPipeMode's before_update + after_update on one stage's weights, in this (single-threaded)
+    """ElasticAveraging's before_update + after_update on one stage's weights, in this (single-threaded)
     process, with StubLink: the elastic update's local work (copies, Δ, pull) without messages or
     waiting; median ms and minor page faults per update (fresh stage-sized buffers)."""
     import resource
 
-    from lightning_pipe.modes.avgpipe import AvgPipeMode
+    from lightning_pipe.layers import ElasticAveraging
     from lightning_pipe.runtime.elastic import flat_into, flat_size
-    from lightning_pipe.runtime.p2p import Transport
-    from lightning_pipe.schedules import ScheduleSpec
 
     torch.set_num_threads(1)
     chunk = stage_half(make_model(cfg), stage)
     params = list(chunk.parameters())
     numel = sum(p.numel() for p in params)
     ref = flat_into(params, torch.empty(flat_size(params)))
-    mode = AvgPipeMode(
-        ScheduleSpec.of("1f1b"),
-        K,
-        2,
-        stage,
-        Transport(lambda s: s, torch.device("cpu")),
-        chunk,
-        0,
-        0.5,
-        0,
-        lambda n, d: StubLink(n, d, ref),
-    )
+    mode = ElasticAveraging(chunk, 0, 0.5, 0, lambda n, d: StubLink(n, d, ref), rank=stage)
     opt = torch.optim.SGD(params, lr=1e-6)
     for p in params:
         p.grad = torch.randn_like(p)
@@ -323,28 +283,14 @@ def job(rank: int, world: int, kind: str, cfg: dict) -> dict:
 # ---- the parent ---------------------------------------------------------------------------------
 def costs_at(prof: dict, rows: int):
     """CostModel of the blocks at `rows` rows per micro-batch: per block the median over the ranks."""
-    from lightning_pipe.profiling import Profile
-
-    parts = [p[rows] for p in prof["blocks"]]
-    nb = len(parts[0])
-    field = lambda key: [statistics.median(p[i][key] for p in parts) for i in range(nb)]  # noqa: E731
-    profile = Profile(
-        "bench-avgpipe", 0, "float32", "cpu", field("forward"), field("backward"), field("activation_bytes"), field("param_bytes")
-    )
-    return profile.costs(prof["link"]["bandwidth"], prof["link"]["latency"])
+    return median_costs([p[rows] for p in prof["blocks"]], prof["link"], "bench-avgpipe")
 
 
 def sim_iteration(name: str, m: int, costs) -> float:
     from lightning_pipe.schedules import build_schedule
     from lightning_pipe.simulation import simulate
 
-    per = costs.num_blocks // K
-    bounds = [(r * per, (r + 1) * per) for r in range(K)]
-    return simulate(build_schedule(name, K, m), costs, bounds, critical_path=False).iteration_time
-
-
-def ms(v: float) -> str:
-    return f"{1e3 * v:.1f}"
+    return simulate(build_schedule(name, K, m), costs, equal_bounds(costs.num_blocks, K), critical_path=False).iteration_time
 
 
 def per_stage(results: list[dict], key: str) -> list[float]:
@@ -383,40 +329,23 @@ def summarize(results: list[dict], cfg: dict, foreign: float) -> dict:
     return stats
 
 
-class Runner:
-    def __init__(self, args: argparse.Namespace):
-        self.args, self.started, self.serial = args, time.monotonic(), 0
+def runner(bench: Bench):
+    """bench.run, each run with a store prefix of its own and, for "malloc kept", glibc's settings."""
+    serial = [0]
 
-    def __call__(self, kind: str, cfg: dict, world: int, label: str) -> tuple[list[dict], float]:
-        self.serial += 1
-        cfg = dict(cfg, prefix=f"bench_avgpipe/{os.getpid()}/{self.serial}")
+    def run(kind: str, cfg: dict, world: int, label: str) -> tuple[list[dict], float]:
+        serial[0] += 1
+        cfg = dict(cfg, prefix=f"bench_avgpipe/{os.getpid()}/{serial[0]}")
         saved = {k: os.environ.get(k) for k in MALLOC}
         if cfg.get("malloc"):  # the spawned workers (and their reference processes) read it at start
             os.environ.update(MALLOC)
         try:
-            return self._run(kind, cfg, world, label)
+            return bench.run(job, world, kind, cfg, label=label)
         finally:
             for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
-    def _run(self, kind: str, cfg: dict, world: int, label: str) -> tuple[list[dict], float]:
-        a = self.args
-        return run_undisturbed(
-            job,
-            world,
-            kind,
-            cfg,
-            retries=a.retries,
-            max_foreign=a.max_foreign,
-            quiet_wait=a.quiet_wait,
-            patient=time.monotonic() - self.started < a.budget,
-            label=label,
-            timeout=a.timeout,
-            backend="gloo",
-        )
+    return run
 
 
 def label(c: dict) -> str:
@@ -426,8 +355,10 @@ def label(c: dict) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ints = lambda s: [int(v) for v in s.split(",") if v.strip()]  # noqa: E731
+    quick = dict(pipelines=[2], microbatches=[2], staleness=[1], stale_pipelines=[2], stale_microbatches=[2])
+    quick.update(malloc_pipelines=[2], malloc_microbatches=[2], profile_repeats=3)
+    bench = Bench(__doc__, quick, rounds=2, steps=20, warmup=4, retries=2, max_foreign=0.1, budget=600.0, quiet_wait=10.0, timeout=300.0)
+    p = bench.parser
     p.add_argument("--samples", type=int, default=256, help="S: total samples (rows) per optimizer step, every configuration")
     p.add_argument("--pipelines", type=ints, default=[1, 2, 4], help="AvgPipe N values")
     p.add_argument("--microbatches", type=ints, default=[2, 4], help="M values (per pipeline)")
@@ -443,24 +374,16 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--mlp-ratio", type=int, default=1)
     p.add_argument("--blocks", type=int, default=8)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=4, help="untimed steps (the reference processes start in the first)")
-    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--profile-repeats", type=int, default=20)
-    p.add_argument("--retries", type=int, default=2)
-    p.add_argument("--max-foreign", type=float, default=0.1)
-    p.add_argument("--budget", type=float, default=600.0, help="seconds after which disturbed runs are kept and nobody is waited for")
-    p.add_argument("--quiet-wait", type=float, default=10.0)
-    p.add_argument("--timeout", type=float, default=300.0)
-    args = p.parse_args()
+    args = bench.parse()
+    args.repeats = args.rounds
     S = args.samples
     for n in set(args.pipelines) | set(args.stale_pipelines):
         for m in set(args.microbatches) | set(args.stale_microbatches):
             if S % (n * m):
-                p.error(f"--samples {S} must divide into N x M = {n} x {m} micro-batches")
+                bench.error(f"--samples {S} must divide into N x M = {n} x {m} micro-batches")
 
-    print(f"# bench_avgpipe, {datetime.datetime.now().isoformat(timespec='seconds')}")
-    print(f"{machine_description()}; {os.cpu_count()} cores; one thread per process; gloo", flush=True)
+    bench.say(f"{os.cpu_count()} cores; one thread per process; gloo")
     base = dict(
         hidden=args.hidden,
         mlp_ratio=args.mlp_ratio,
@@ -474,8 +397,8 @@ def main() -> None:
         timeout=args.timeout,
         staleness=0,
     )
-    print(f"S = {S} samples per step; K = {K} stages; {base}\n", flush=True)
-    runner = Runner(args)
+    bench.say(f"S = {S} samples per step; K = {K} stages; {base}\n")
+    run = runner(bench)
 
     configs = []
     for m in args.microbatches:
@@ -493,26 +416,25 @@ def main() -> None:
 
     # the profile: blocks at every micro-batch size used, the link at the activation sizes
     rows = sorted({S // (max(c["pipelines"], 1) * c["microbatches"]) for c in configs} | {S // m for m in args.microbatches})
-    prof, foreign = runner("profile", dict(base, profile_rows=rows, profile_repeats=args.profile_repeats), K, "profile")
+    prof, foreign = run("profile", dict(base, profile_rows=rows, profile_repeats=args.profile_repeats), K, "profile")
     prof = prof[0]
-    print(
+    bench.say(
         f"profile (foreign load {foreign:.2f}): link {1e6 * prof['link']['latency']:.0f} us + {prof['link']['bandwidth'] / 1e9:.2f} GB/s; "
         + ", ".join(
             f"{r} rows: block f {ms(statistics.median(costs_at(prof, r).forward))} b {ms(statistics.median(costs_at(prof, r).backward))} ms"
             for r in rows
-        ),
-        flush=True,
+        )
     )
 
+    bench.keep("profile", {"link": prof["link"]})
     # the elastic update's local work, one process, no messages (the "own devices" simulation adds it)
     locals_ = [local_update(base, k) for k in range(K)]
     elastic = max(u["ms"] for u in locals_)
-    print(
+    bench.say(
         "elastic update's local work (before_update + after_update without messages, one quiet process): "
         + ", ".join(
             f"stage {k} ({u['mb']:.1f} MB of weights) {u['ms']:.1f} ms, {u['faults']:.0f} minor page faults" for k, u in enumerate(locals_)
-        ),
-        flush=True,
+        )
     )
 
     best: dict[tuple, dict] = {}
@@ -521,13 +443,12 @@ def main() -> None:
         for c in configs:
             world = K * max(c["pipelines"], 1)
             tag = f"{label(c)} M={c['microbatches']}"
-            results, foreign = runner("train", c, world, tag)
+            results, foreign = run("train", c, world, tag)
             st = summarize(results, c, foreign)
             inv = f", mean(W_n) vs W_ref {st['invariant']:.1e}" if "invariant" in st else ""
-            print(
+            bench.log(
                 f"  run {rep + 1}/{args.repeats} {tag:18s} {st['samples']:7.1f} samples/s ({st['step_ms']:.1f} ms/step, "
-                f"CPU use {st['util']:.2f} of the cores, foreign load {foreign:.2f}{inv})",
-                flush=True,
+                f"CPU use {st['util']:.2f} of the cores, foreign load {foreign:.2f}{inv})"
             )
             prev = best.get(key(c))
             if prev is None or st["samples"] > prev["samples"]:
@@ -545,47 +466,47 @@ def main() -> None:
     seen = set()
     main_cfgs = [c for c in main_cfgs if not (key(c) in seen or seen.add(key(c)))]
 
-    print(
+    bench.say(
         f"\n## measured on {os.cpu_count()} shared cores: samples/s at S = {S} samples per step (best of {args.repeats}, {args.steps} timed steps)\n"
     )
-    print(
+    bench.say(
         "| config | M | rows / micro-batch | worker + reference processes | samples/s | ms/step | vs 1F1B (same M) | vs GPipe (same M) | "
         "CPU use (of all cores) | mean(W_n) vs W_ref | foreign load |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    bench.say("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for c in main_cfgs + [c for c in extra_cfgs if c.get("malloc")]:
         st, m = best[key(c)], c["microbatches"]
         n = max(c["pipelines"], 1)
         procs = f"{K * n}" + (f" + {K} ref" if c["pipelines"] else "")
         vs = lambda name: st["samples"] / best[(name, 0, m, 0, False)]["samples"]  # noqa: E731
         inv = f"{st['invariant']:.0e}" if "invariant" in st else ""
-        print(
+        bench.say(
             f"| {label(c)} | {m} | {S // (n * m)} | {procs} | {st['samples']:.1f} | {st['step_ms']:.1f} | {vs('1f1b'):.2f}x | "
             f"{vs('gpipe'):.2f}x | {st['util']:.2f} | {inv} | {st['foreign']:.2f} |"
         )
 
-    print(
+    bench.say(
         "\n## where the time goes, per worker and step, ms (stage 0 / stage 1; median step, mean over the pipelines)\n\n"
         "compute = F/B wall time; executor not computing = AvgPipe's T_com + T_bub (waiting for activations / "
         "gradients, p2p, Python; on shared cores also waiting for a core); elastic = before_update's copy + "
         "Δ built and sent + wait for W_ref + pull and the rest; CPU = the process's CPU time per step; "
         "ref CPU = both reference processes' CPU per step\n"
     )
-    print(
+    bench.say(
         "| config | M | step | compute | executor, not computing | optimizer | elastic: copy | Δ + send | wait W_ref | pull + rest | "
         "worker CPU | ref CPU (sum) |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    bench.say("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for c in main_cfgs + extra_cfgs:
         st = best[key(c)]
         el = [pair(st[k]) for k in ("before", "send", "wait_ref", "pull")] if c["pipelines"] else ["", "", "", ""]
-        print(
+        bench.say(
             f"| {label(c)} | {c['microbatches']} | {pair(st['step'])} | {pair(st['busy'])} | {pair(st['waiting'])} | {pair(st['opt'])} | "
             f"{' | '.join(el)} | {pair(st['cpu'])} | {ms(st['ref_cpu']) if c['pipelines'] else ''} |"
         )
 
     # ---- simulated: N pipelines with devices of their own ----
-    print(
+    bench.say(
         f"\n## SIMULATED, not measured: N pipelines with K = {K} devices of their own each (N x {K} devices), "
         f"vs the plain pipeline on {K} devices\n\n"
         "lightning_pipe.simulation (one pipeline's iteration) on the blocks profiled at each micro-batch size, + the optimizer "
@@ -593,11 +514,11 @@ def main() -> None:
         f"{ms(elastic / 1e3)} ms, measured in one quiet process without messages; the exchange with the reference assumed "
         "hidden, as the design intends at s = 0). A simulation of more hardware, NOT a speed-up on this machine.\n"
     )
-    print(
+    bench.say(
         "| config | M | devices | rows / micro-batch | simulated pipeline iteration, ms | + optimizer | + elastic update | "
         "samples/s (simulated, with elastic) | vs 1F1B on 2 devices | vs GPipe on 2 devices | vs 1F1B without the elastic update |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    bench.say("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     sim_rows = []
     for m in args.microbatches:
         opt = max(best[("1f1b", 0, m, 0, False)]["opt"])
@@ -607,7 +528,7 @@ def main() -> None:
             plain[name] = iters[name] + opt
         for name in ("gpipe", "1f1b"):
             total = plain[name]
-            print(
+            bench.say(
                 f"| {name} | {m} | {K} | {S // m} | {ms(iters[name])} | {ms(total)} | | {S / total:.0f} | "
                 f"{plain['1f1b'] / total:.2f}x | {plain['gpipe'] / total:.2f}x | |"
             )
@@ -615,34 +536,35 @@ def main() -> None:
             t_it = sim_iteration(args.avg_schedule, m, costs_at(prof, S // (n * m)))
             total = t_it + opt + elastic / 1e3
             sim_rows.append((n, m, plain["1f1b"] / total, plain["gpipe"] / total, plain["1f1b"] / (t_it + opt)))
-            print(
+            bench.say(
                 f"| avg N={n} | {m} | {K * n} | {S // (n * m)} | {ms(t_it)} | {ms(t_it + opt)} | {ms(total)} | {S / total:.0f} | "
                 f"{plain['1f1b'] / total:.2f}x | {plain['gpipe'] / total:.2f}x | {plain['1f1b'] / (t_it + opt):.2f}x |"
             )
 
     if args.staleness:
-        print("\n## staleness s (measured, shared cores): samples/s, best run; time per step waiting for W_ref (stage 0 / stage 1)\n")
-        print("| N | M | s | samples/s | vs s = 0 | wait W_ref, ms | ms/step |")
-        print("|---:|---:|---:|---:|---:|---:|---:|")
+        bench.say("\n## staleness s (measured, shared cores): samples/s, best run; time per step waiting for W_ref (stage 0 / stage 1)\n")
+        bench.say("| N | M | s | samples/s | vs s = 0 | wait W_ref, ms | ms/step |")
+        bench.say("|---:|---:|---:|---:|---:|---:|---:|")
         for m in args.stale_microbatches:
             for n in args.stale_pipelines:
                 b0 = best[(args.avg_schedule, n, m, 0, False)]
                 for s in [0] + args.staleness:
                     st = best[(args.avg_schedule, n, m, s, False)]
-                    print(
+                    bench.say(
                         f"| {n} | {m} | {s} | {st['samples']:.1f} | {st['samples'] / b0['samples']:.3f}x | {pair(st['wait_ref'])} | {st['step_ms']:.1f} |"
                     )
 
-    print("\nsummary (measured on the shared cores; simulated = own devices):")
+    bench.say("\nsummary (measured on the shared cores; simulated = own devices):")
     for m in args.microbatches:
         for n in args.pipelines:
             st = best[(args.avg_schedule, n, m, 0, False)]
             sim = next(r for r in sim_rows if r[0] == n and r[1] == m)
-            print(
+            bench.say(
                 f"  M={m} N={n}: measured {st['samples'] / best[('1f1b', 0, m, 0, False)]['samples']:.2f}x 1F1B, "
                 f"{st['samples'] / best[('gpipe', 0, m, 0, False)]['samples']:.2f}x GPipe; simulated with own devices {sim[2]:.2f}x 1F1B"
             )
-    print(f"\ntotal {time.monotonic() - runner.started:.0f} s")
+    bench.keep("best", {" ".join(map(str, k)): v for k, v in best.items()})
+    bench.finish()
 
 
 if __name__ == "__main__":
