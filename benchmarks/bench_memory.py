@@ -32,22 +32,22 @@ profiler defines it (`profiler.py`: the bytes of the block's output), i.e. what 
 
     python benchmarks/bench_memory.py                 # about a minute on 2 cores
     python benchmarks/bench_memory.py --hidden 512 --mlp-ratio 4 --stages 2
+    python benchmarks/bench_memory.py --quick         # smoke: d = 2 only
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import time
 import weakref
 
-for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")
+from lightning_pipe.bench.harness import Bench, Table, ints, names, pin_threads
+
+pin_threads(1)
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lightning_pipe.bench.launch import machine_description, run_distributed  # noqa: E402
+from lightning_pipe.bench.launch import run_distributed  # noqa: E402
 from lightning_pipe.bench.mlp import loss_fn, make_model  # noqa: E402
 from lightning_pipe.simulation import CostModel, simulate  # noqa: E402
 
@@ -270,7 +270,7 @@ def job(rank: int, world: int, runs: list[tuple[str, int]], cfg: dict) -> list[d
 
 def _measure(rank: int, world: int, schedule: str, m: int, cfg: dict) -> dict:
     """One stage of a run: warm-up steps, measured steps (and 2BW's drain); the peaks."""
-    from lightning_pipe.modes.two_bw import TwoBWMode
+    from lightning_pipe.layers import DoubleBuffer
     from lightning_pipe.runtime.executor import Executor
     from lightning_pipe.runtime.microbatch import signature, split_microbatches
     from lightning_pipe.runtime.p2p import Transport
@@ -294,7 +294,7 @@ def _measure(rank: int, world: int, schedule: str, m: int, cfg: dict) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        mode = TwoBWMode(ScheduleSpec.of("2bw"), world, m, rank, transport, stage, apply, prefetch=cfg["prefetch"])
+        mode = DoubleBuffer(ScheduleSpec.of("2bw"), world, m, rank, transport, stage, apply, prefetch=cfg["prefetch"])
         versions = mode.versions
         detach_live, snapshot = versions.detach_live, versions.snapshot
 
@@ -385,60 +385,48 @@ def kib(n: float) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench = Bench(__doc__, {"stages": [2], "steps_2bw": 2}, steps=2, warmup=1, timeout=240.0)
+    p = bench.parser
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--mlp-ratio", type=int, default=2, help="inner width of a block = hidden * mlp_ratio")
     p.add_argument("--blocks", type=int, default=8, help="divisible by every stage count")
     p.add_argument("--rows", type=int, default=32, help="rows per micro-batch")
-    p.add_argument("--stages", default="2,4", help="comma-separated d")
-    p.add_argument("--schedules", default=",".join(SCHEDULES))
-    p.add_argument("--warmup", type=int, default=1, help="steps before the peaks are taken")
-    p.add_argument("--steps", type=int, default=2, help="measured steps (GPipe, 1F1B)")
+    p.add_argument("--stages", type=ints, default=[2, 4], help="comma-separated d")
+    p.add_argument("--schedules", type=names, default=SCHEDULES)
     p.add_argument("--steps-2bw", type=int, default=4, help="measured steps (2BW; then a drain)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--no-prefetch", action="store_true", help="the executor posts each receive when it is due (prefetch=False)")
-    p.add_argument("--timeout", type=float, default=240.0)
-    args = p.parse_args()
-    stages = [int(s) for s in args.stages.split(",")]
-    schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    args = bench.parse()
+    stages, schedules = args.stages, args.schedules
     if any(args.blocks % d for d in stages) or any(s not in SCHEDULES for s in schedules):
-        p.error(f"--blocks must be divisible by every d, and schedules in {SCHEDULES}")
-    cfg = dict(
-        hidden=args.hidden,
-        mlp_ratio=args.mlp_ratio,
-        blocks=args.blocks,
-        rows=args.rows,
-        warmup=args.warmup,
-        steps=args.steps,
-        steps_2bw=args.steps_2bw,
-        lr=args.lr,
-        prefetch=not args.no_prefetch,
-    )
-    print(f"{machine_description()}; 1 thread per process, gloo; config: {cfg}", flush=True)
-    torch.set_num_threads(1)
+        bench.error(f"--blocks must be divisible by every d, and schedules in {SCHEDULES}")
+    cfg = dict(hidden=args.hidden, mlp_ratio=args.mlp_ratio, blocks=args.blocks, rows=args.rows, warmup=args.warmup, steps=args.steps)
+    cfg.update(steps_2bw=args.steps_2bw, lr=args.lr, prefetch=not args.no_prefetch)
+    bench.say(f"1 thread per process, gloo; config: {cfg}")
     saved, output, params = block_costs(cfg)
-    print(
-        f"per block, one micro-batch: saves {kib(saved[0])} KiB, outputs {kib(output[0])} KiB, parameters {kib(params[0])} KiB", flush=True
-    )
+    bench.say(f"per block, one micro-batch: saves {kib(saved[0])} KiB, outputs {kib(output[0])} KiB, parameters {kib(params[0])} KiB")
     blocks = cfg["blocks"]
     costs = CostModel.uniform(blocks, 1.0, 2.0, activation_bytes=tuple(map(float, saved)), param_bytes=tuple(map(float, params)))
     costs_out = CostModel.uniform(blocks, 1.0, 2.0, activation_bytes=tuple(map(float, output)), param_bytes=tuple(map(float, params)))
-
-    acts = [
-        "| schedule | d | m | stage | in flight meas/pred | saved + stash KiB | predicted KiB | ratio | alive KiB | alive / pred "
-        "| excess of alive at its peak (KiB) | pred (output bytes) KiB |",
-        "|" + "---|" * 4 + "---:|" * 7 + "---:|",
-    ]
-    weights = [
-        "| schedule | d | m | stage | weights measured KiB | versions_held() max | measured peak set by | predicted KiB | ratio |",
-        "|" + "---|" * 4 + "---:|" * 2 + "---|" + "---:|" * 2,
-    ]
+    key = ("schedule", "d", "m", "stage")
+    acts = Table(
+        *key,
+        *("in flight meas/pred", "saved + stash KiB", "predicted KiB", "ratio", "alive KiB", "alive / pred"),
+        *("excess of alive at its peak (KiB)", "pred (output bytes) KiB"),
+        align="llll" + "r" * 8,
+    )
+    weights = Table(
+        *key,
+        *("weights measured KiB", "versions_held() max", "measured peak set by", "predicted KiB", "ratio"),
+        align="llll" + "rrlrr",
+    )
     started = time.monotonic()
     for d in stages:
         runs = [(schedule, m) for schedule in schedules for m in (d, 4 * d)]
         t0 = time.monotonic()
         per_rank = run_distributed(job, d, runs, cfg, timeout=args.timeout)
-        print(f"d={d}: {len(runs)} runs in {time.monotonic() - t0:.1f} s", flush=True)
+        bench.log(f"d={d}: {len(runs)} runs in {time.monotonic() - t0:.1f} s")
+        bench.keep(f"d={d}", {f"{s} m={m}": [r[i] for r in per_rank] for i, (s, m) in enumerate(runs)})
         for i, (schedule, m) in enumerate(runs):
             t = predict(schedule, d, m, cfg, costs)
             t_out = predict(schedule, d, m, cfg, costs_out)
@@ -448,19 +436,18 @@ def main() -> None:
                     raise RuntimeError("saved > saved + stash: the accounting is wrong")
                 pred, pred_w = t.peak_activation_bytes[s], t.weight_bytes[s]
                 excess = ", ".join(f"{k} {kib(v)}" for k, v in sorted(r["excess"].items())) or "-"
-                key = f"| {schedule} | {d} | {m} | {s} |"
-                acts.append(
-                    f"{key} {r['in_flight']}/{t.peak_activations[s]} | {kib(r['held'])} | {kib(pred)} | {r['held'] / pred:.2f} | "
-                    f"{kib(r['alive'])} | {r['alive'] / pred:.2f} | {excess} | {kib(t_out.peak_activation_bytes[s])} |"
-                )
+                acts.add(
+                    schedule, d, m, s, f"{r['in_flight']}/{t.peak_activations[s]}", kib(r["held"]), kib(pred), f"{r['held'] / pred:.2f}",
+                    kib(r["alive"]), f"{r['alive'] / pred:.2f}", excess, kib(t_out.peak_activation_bytes[s]),
+                )  # fmt: skip
                 versions = str(r["versions_held"]) if schedule == "2bw" else "-"
-                weights.append(
-                    f"{key} {kib(r['weights'])} | {versions} | {r['weights_peak_at']} | {kib(pred_w)} | {r['weights'] / pred_w:.2f} |"
+                weights.add(
+                    schedule, d, m, s, kib(r["weights"]), versions, r["weights_peak_at"], kib(pred_w), f"{r['weights'] / pred_w:.2f}"
                 )
-    print(f"\n{len(acts) - 2} stage rows in {time.monotonic() - started:.0f} s\n")
-    print("\n".join(acts))
-    print()
-    print("\n".join(weights))
+    bench.say(f"\n{len(acts.rows)} stage rows in {time.monotonic() - started:.0f} s\n")
+    bench.table(acts)
+    bench.table(weights)
+    bench.finish()
 
 
 if __name__ == "__main__":
