@@ -29,15 +29,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from bench_adaptive import rolling_samples_per_s, run, samples_per_s  # noqa: E402
-
-from lightning_pipe.adaptive.offline import spearman  # noqa: E402
-from lightning_pipe.bench import provenance  # noqa: E402
+from lightning_pipe.adaptive.offline import spearman
+from lightning_pipe.bench import provenance
+from lightning_pipe.bench.harness import Bench
+from lightning_pipe.bench.shared_cluster import rolling_samples_per_s, run, samples_per_s
 
 CUTS = list(range(1, 10))
 
@@ -118,7 +115,8 @@ def decision_time(model: str, depth: int, microbatches: int, repeats: int = 20) 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    bench = Bench(__doc__, dict(steps=48, t1=12, t2=24, t3=36, dwell=2))
+    p = bench.parser
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--t1", type=int, default=100)
     p.add_argument("--t2", type=int, default=200)
@@ -129,7 +127,7 @@ def main() -> None:
     p.add_argument("--load", default=None)
     p.add_argument("--out", default=None)
     p.add_argument("--decision-time", action="store_true", help="only time a learned decision for paper-size models (the shipped depths)")
-    args = p.parse_args()
+    args = bench.parse()
     os.environ["LIGHTNING_PIPE_ADAPTIVE_EVALUATE"] = "1"  # the learned run records its predictions (inherited by the workers)
     if args.decision_time:
         for model, depth in (("gpt2-1.3b", 4), ("bert-large", 4), ("gpt2-1.3b", 2)):
@@ -153,9 +151,12 @@ def main() -> None:
         results["oracle"] = run("oracle", args, plan, False, first, jobs=jobs(args))
         if args.save:
             Path(args.save).write_text(json.dumps(results, indent=1))
-    report(results, args)
+    with bench.recording():
+        report(results, args)
     if args.out:
         figure(results, args, Path(args.out))
+    bench.keep("results", results)
+    bench.finish()
 
 
 def load_at(args, iteration: int) -> int:

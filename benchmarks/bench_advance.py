@@ -79,13 +79,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmar
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from bench_2bw import SleepBlock  # noqa: E402  (the emulated device)
-from bench_autopipe_speedup import gather_profile  # noqa: E402  (every block and the loss, both ranks at once)
 from torch import nn  # noqa: E402
 
 from lightning_pipe.bench import REPO, provenance  # noqa: E402
-from lightning_pipe.bench.gpt import add_model_arguments, build_model, describe, lm_loss, make_batch, segment  # noqa: E402
+from lightning_pipe.bench.gpt import add_model_arguments, build_model, describe, gather_profile, lm_loss, make_batch, segment  # noqa: E402
 from lightning_pipe.bench.launch import OTHER_JOBS, rank_zero_log, run_distributed, wait_for_quiet  # noqa: E402
+from lightning_pipe.bench.pipes import SleepBlock  # noqa: E402  (the emulated device)
 from lightning_pipe.profiling.link import ping_pong  # noqa: E402
 from lightning_pipe.profiling.saved import SavedBytes  # noqa: E402
 from lightning_pipe.runtime.p2p import Transport  # noqa: E402

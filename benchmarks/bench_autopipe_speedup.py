@@ -30,7 +30,6 @@ import argparse
 import os
 import statistics
 import time
-from collections.abc import Sequence
 from typing import Any
 
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
@@ -47,6 +46,7 @@ from lightning_pipe.bench.gpt import (  # noqa: E402
     block_kinds,
     build_model,
     describe,
+    gather_profile,
     lm_loss,
     make_batch,
     segment,
@@ -58,54 +58,6 @@ METHODS = ("uniform", "autopipe")
 
 
 # ---- the profile (in the job) -------------------------------------------------------------------
-class LossBlock(nn.Module):
-    """The last stage's loss as a block, so the profile times it too: SequentialHost runs the loss
-    function after the last block, inside the last stage's forward, and backward starts from it."""
-
-    def __init__(self, target: torch.Tensor):
-        super().__init__()
-        self.target = target
-
-    def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        return lm_loss(logits, self.target)
-
-
-def gather_profile(
-    blocks: Sequence[nn.Module], sample: Any, target: Any, rank: int, world: int, repeats: int, alone: bool, name: str, mbs: int
-):
-    """Profile every block, and the loss (folded into the last block's times); concurrently on all
-    ranks (``alone=False``) or on rank 0 while the others wait. Every rank returns the same Profile
-    (per block the median over the ranks that measured) and the loss's forward / backward seconds."""
-    from lightning_pipe.profiling import Profile, profile_blocks
-
-    dist.barrier()
-    measured = None
-    if not alone or rank == 0:
-        measured = profile_blocks(list(blocks) + [LossBlock(target)], sample, torch.device("cpu"), model=name, repeats=repeats, warmup=2)
-    parts: list = [None] * world
-    dist.all_gather_object(parts, measured)
-    parts = [p for p in parts if p is not None]
-    n = len(blocks)
-    field = lambda key: [statistics.median(p[i][key] for p in parts) for i in range(n + 1)]  # noqa: E731
-    forward, backward = field("forward"), field("backward")
-    loss = (forward.pop(), backward.pop())
-    forward[-1] += loss[0]
-    backward[-1] += loss[1]
-    profile = Profile(
-        name,
-        mbs,
-        "float32",
-        "cpu",
-        forward,
-        backward,
-        field("activation_bytes")[:n],
-        field("param_bytes")[:n],
-        field("peak_memory")[:n],
-        [type(b).__name__ for b in blocks],
-    )
-    return profile, loss
-
-
 # ---- training (in the job) ----------------------------------------------------------------------
 def train_partition(model: nn.Sequential, bounds, rank: int, world: int, x, y, args: Any) -> list[tuple[float, float, float]]:
     """Warm-up, then timed training steps of this rank's stage; per step (start, pipeline end, step end)."""

@@ -44,6 +44,9 @@ def test_bench_quick_json_and_markdown(tmp_path, capsys):
     t = Table("x", "y")
     t.add(1, 2)
     bench.table(t, "## part")
+    with bench.recording():
+        print("printed inside\nand a second line")
+    print("printed outside")
     bench.keep("samples", [0.5, 0.25])
     bench.finish()
     record = json.loads(out.read_text())
@@ -52,4 +55,5 @@ def test_bench_quick_json_and_markdown(tmp_path, capsys):
     assert record["options"]["rounds"] == 3 and "commit" in record["provenance"]
     text = md.read_text()
     assert text.startswith("# ") and "| x | y |\n|---|---:|\n| 1 | 2 |" in text
+    assert "printed inside\nand a second line\n" in text and "outside" not in text
     assert "| 1 | 2 |" in capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""The small GPT of bench_simulator.py and bench_autopipe_speedup.py, and their common options.
+"""The small GPT of bench_simulator.py, bench_autopipe_speedup.py and bench_advance.py, their common options, and
+the profile of its blocks with the loss (`gather_profile`).
 
 ``args`` is a benchmark's parsed command line: vocab, layers, heads, hidden, seq, mbs (micro-batch
 size in sequences), microbatches (see `add_model_arguments` / `add_common_arguments`).
@@ -7,9 +8,11 @@ size in sequences), microbatches (see `add_model_arguments` / `add_common_argume
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import statistics
+from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -80,3 +83,52 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
 def segment(run, rank: int, world: int, args: Any, log) -> tuple[Any, float]:
     """`lightning_pipe.bench.launch.quiet_segment` with the policy of `add_common_arguments`."""
     return quiet_segment(run, rank, world, retries=args.retries, max_foreign=args.max_foreign, quiet_wait=args.quiet_wait, log=log)
+
+
+# ---- the profile of every block and the loss (bench_autopipe_speedup, bench_advance) ----------------
+class LossBlock(nn.Module):
+    """The last stage's loss as a block, so the profile times it too: SequentialHost runs the loss
+    function after the last block, inside the last stage's forward, and backward starts from it."""
+
+    def __init__(self, target: torch.Tensor):
+        super().__init__()
+        self.target = target
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, self.target)
+
+
+def gather_profile(
+    blocks: Sequence[nn.Module], sample: Any, target: Any, rank: int, world: int, repeats: int, alone: bool, name: str, mbs: int
+):
+    """Profile every block, and the loss (folded into the last block's times); concurrently on all
+    ranks (``alone=False``) or on rank 0 while the others wait. Every rank returns the same Profile
+    (per block the median over the ranks that measured) and the loss's forward / backward seconds."""
+    from lightning_pipe.profiling import Profile, profile_blocks
+
+    dist.barrier()
+    measured = None
+    if not alone or rank == 0:
+        measured = profile_blocks(list(blocks) + [LossBlock(target)], sample, torch.device("cpu"), model=name, repeats=repeats, warmup=2)
+    parts: list = [None] * world
+    dist.all_gather_object(parts, measured)
+    parts = [p for p in parts if p is not None]
+    n = len(blocks)
+    field = lambda key: [statistics.median(p[i][key] for p in parts) for i in range(n + 1)]  # noqa: E731
+    forward, backward = field("forward"), field("backward")
+    loss = (forward.pop(), backward.pop())
+    forward[-1] += loss[0]
+    backward[-1] += loss[1]
+    profile = Profile(
+        name,
+        mbs,
+        "float32",
+        "cpu",
+        forward,
+        backward,
+        field("activation_bytes")[:n],
+        field("param_bytes")[:n],
+        field("peak_memory")[:n],
+        [type(b).__name__ for b in blocks],
+    )
+    return profile, loss

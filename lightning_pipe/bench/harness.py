@@ -14,6 +14,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
@@ -21,7 +23,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -148,7 +150,7 @@ class Bench:
     given (``--rounds`` is also ``--repeats``); ``bench.parser`` takes the script's own. `parse`
     applies ``--quick`` (the `QUICK` values of the common options, then the script's ``quick``
     overrides) and prints the provenance header. Everything printed with `say` / `table` is
-    recorded; `keep` stores raw results; `finish` writes ``--json`` and ``--markdown``.
+    recorded (and what is printed inside `recording`); `keep` stores raw results; `finish` writes ``--json`` and ``--markdown``.
     """
 
     def __init__(self, doc: str | None, quick: dict[str, Any] | None = None, **defaults: Any):
@@ -170,6 +172,7 @@ class Bench:
         self.quick = dict(quick or {})
         self.args: argparse.Namespace | None = None
         self.lines: list[str] = []
+        self._pending = ""
         self.tables: list[dict] = []
         self.raw: dict[str, Any] = {}
         self.started = time.monotonic()
@@ -220,6 +223,30 @@ class Bench:
         self.say()
         self.tables.append({"title": title, **table.as_dict()})
         return table
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Inside: what is printed is also recorded for ``--markdown`` (a report written with print)."""
+        bench, out = self, sys.stdout
+
+        class Tee(io.TextIOBase):
+            def write(self, text: str) -> int:
+                bench._pending += text
+                *done, bench._pending = bench._pending.split("\n")
+                bench.lines.extend(done)
+                return out.write(text)
+
+            def flush(self) -> None:
+                out.flush()
+
+        sys.stdout = Tee()
+        try:
+            yield
+        finally:
+            sys.stdout = out
+            if self._pending:
+                self.lines.append(self._pending)
+                self._pending = ""
 
     def keep(self, key: str, value: Any) -> None:
         self.raw[key] = value
