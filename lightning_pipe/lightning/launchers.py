@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 import threading
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch.distributed as dist
 from lightning.fabric.strategies.launchers.subprocess_script import _set_num_threads_if_needed
@@ -15,6 +15,9 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 
 from .. import faults
 from .preflight import validate_inputs
+
+if TYPE_CHECKING:
+    from .strategy import AutoPipeStrategy
 
 
 def close_process_groups() -> None:
@@ -26,7 +29,7 @@ def close_process_groups() -> None:
 
 
 class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
-    def __init__(self, strategy: Any, *args: Any):
+    def __init__(self, strategy: "AutoPipeStrategy", *args: Any):
         super().__init__(*args)
         self._strategy = strategy
 
@@ -49,7 +52,7 @@ def _watch_children(period: float = 0.2) -> None:
     faults.end_for_child(*failed)
 
 
-def _validate(strategy: Any, args: tuple, trainer: Optional[Any]) -> None:
+def _validate(strategy: "AutoPipeStrategy", args: tuple, trainer: Optional[Any]) -> None:
     """The checks before any process starts; the strategy notes fit's ckpt_path (read ahead in setup)."""
     strategy.resume_path = validate_inputs(strategy.config, strategy.num_nodes * strategy.num_processes, args, trainer)
 
