@@ -57,6 +57,7 @@ class DoubleBufferLayer(VersionsLayer):
     def __init__(self, *args: Any):
         super().__init__(*args)
         self._carried: Optional[tuple[int, Optional[dict[int, Tensor]]]] = None  # (applied, stash) across a switch
+        self.buffer: Optional[DoubleBuffer] = None  # the runner this layer made (the composition's runner)
 
     @classmethod
     def check_trainer(cls, config: PipelineConfig, trainer: Any, model: Any) -> None:
@@ -64,14 +65,14 @@ class DoubleBufferLayer(VersionsLayer):
 
     def make_runner(self, settings: dict[str, Any]) -> Versions:
         # a drain's update is Lightning's optimizer step (clipping, the user's optimizer), then the deferred schedulers
-        return DoubleBuffer(**settings, module=self.ctx.cut.stage, apply=lambda: (self._apply_update(), self._catch_up()))
+        self.buffer = DoubleBuffer(**settings, module=self.ctx.cut.stage, apply=lambda: (self._apply_update(), self._catch_up()))
+        return self.buffer
 
     def start(self) -> None:
         """LR schedulers step after the update they follow (read the runner each time: a switch rebuilds it)."""
 
         def progress() -> tuple[int, int]:
-            runner = self.training.runner
-            return runner.applied + len(runner.in_flight), runner.applied
+            return self.buffer.applied + len(self.buffer.in_flight), self.buffer.applied
 
         for config in self.ctx.lr_scheduler_configs:
             if not isinstance(config.scheduler, DeferredScheduler):
@@ -96,10 +97,9 @@ class DoubleBufferLayer(VersionsLayer):
 
     # ---- a live switch: drained, the stash moves with its parameter ------------------------------
     def switch_extras(self) -> Optional[Callable[[nn.Parameter], dict[str, Any]]]:
-        runner = self.training.runner
-        runner.drain()  # the update in flight is applied; the stash is what the next batch reads
-        stashed = runner.stashed
-        self._carried = (runner.applied, stashed)
+        self.buffer.drain()  # the update in flight is applied; the stash is what the next batch reads
+        stashed = self.buffer.stashed
+        self._carried = (self.buffer.applied, stashed)
         return (lambda p: {"stash": stashed[id(p)]} if id(p) in stashed else {}) if stashed else None
 
     def after_switch(self, received: dict[int, dict[str, Any]]) -> None:
@@ -107,27 +107,26 @@ class DoubleBufferLayer(VersionsLayer):
         self._carried = None
         if stashed is None:
             return
-        runner = self.training.runner
-        live = {id(p) for p in runner.versions.live}
+        live = {id(p) for p in self.buffer.versions.live}  # the runner rebuilt over the new cut
         carried = {pid: t for pid, t in stashed.items() if pid in live}
         carried.update({pid: e["stash"] for pid, e in received.items() if pid in live and "stash" in e})
-        runner.load_state(applied, carried)
+        self.buffer.load_state(applied, carried)
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def parameter_state(self, stored: dict[int, str], state: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """The stashed W(applied - 1), per parameter (it follows the parameter to any stage)."""
-        stashed = self.training.runner.stashed
+        stashed = self.buffer.stashed
         if stashed is None:
             return {}
         return {stored[pid]: {"stash": tensor.detach().cpu()} for pid, tensor in stashed.items() if pid in stored}
 
     def run_state(self) -> dict[str, Any]:
-        return {**super().run_state(), "applied": self.training.runner.applied}
+        return {**super().run_state(), "applied": self.buffer.applied}
 
     def load(self, run: dict[str, Any], extras: dict[int, dict[str, Any]], checkpoint: dict[str, Any]) -> None:
         """Resume the same trajectory: the checkpoint's update count and stashed version. A checkpoint of
         a flushing schedule (no 2BW state) starts 2BW afresh from its weights."""
-        runner = self.training.runner
+        runner = self.buffer
         applied = int(run.get("applied", 0))
         live = {id(p): p for p in runner.versions.live}
         stashed = {pid: e["stash"].to(live[pid].device, live[pid].dtype) for pid, e in extras.items() if "stash" in e and pid in live}
