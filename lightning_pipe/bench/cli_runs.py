@@ -1,0 +1,77 @@
+"""Training runs through the CLI (``python -m lightning_pipe.train``) and their logged losses: what
+bench_2bw_convergence.py and bench_avgpipe_convergence.py share."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+Points = list[tuple[int, float]]
+
+
+def cli_command(overrides: list[str], steps: int, val_every: int, run_dir: str, extra: list[str] = ()) -> list[str]:
+    """The CLI with ``overrides``, ``steps`` optimizer steps, validation every ``val_every``, a loss
+    logged every step, into ``run_dir``."""
+    return [
+        *(sys.executable, "-m", "lightning_pipe.train", *overrides),
+        *(f"trainer.max_steps={steps}", f"trainer.val_check_interval={val_every}", "trainer.log_every_n_steps=1"),
+        *("trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}", *extra),
+    ]
+
+
+def train(name: str, cmd: list[str], run_dir: str, timeout: float) -> tuple[str, float, str]:
+    """Run one configuration; its metrics.csv, wall seconds, and "" or the error line of a run that
+    exited non-zero after training had finished (seen with AvgPipe: a rank's heartbeat killing rank 0
+    while it tore down; the results are complete and used)."""
+    print(f"[{name}] {' '.join(cmd[1:])}", flush=True)
+    log_path = run_dir + ".log"
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        try:
+            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=tempfile.gettempdir())
+        except subprocess.TimeoutExpired:
+            sys.exit(f"[{name}] did not finish within {timeout:.0f} s (hung?); its output: {log_path}")
+    wall = time.perf_counter() - start
+    text = open(log_path).read()
+    found = glob.glob(os.path.join(run_dir, "logs", "version_*", "metrics.csv"))
+    note = ""
+    if done.returncode != 0:
+        finished = "`Trainer.fit` stopped: `max_steps=" in text and os.path.exists(os.path.join(run_dir, "checkpoints", "last.ckpt"))
+        if not (finished and len(found) == 1):
+            sys.exit(f"[{name}] exited with code {done.returncode}; its output ({log_path}) ends with:\n{text[-3000:]}")
+        errors = [line.strip() for line in text.splitlines() if line.startswith("error:")]
+        note = f"exit code {done.returncode} after training finished: {errors[-1] if errors else 'no error line'}"
+        print(f"[{name}] WARNING: {note}; results used", flush=True)
+    if len(found) != 1:
+        sys.exit(f"[{name}] expected one logs/version_*/metrics.csv in {run_dir}, found {found}")
+    summary = [line.strip() for line in text.splitlines() if line.startswith("[lightning-pipe]")]
+    print(f"[{name}] {wall:.0f} s; {summary[-1] if summary else '(no summary line)'}", flush=True)
+    return found[0], wall, note
+
+
+def read_metrics(path: str) -> tuple[Points, Points]:
+    """(steps completed, train_loss) and (steps completed, val_loss): Lightning's ``step`` column is
+    the 0-based batch index, so the validation after 300 steps is logged under 299."""
+    train_loss, val_loss = [], []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            step = int(row["step"]) + 1
+            if row.get("train_loss"):
+                train_loss.append((step, float(row["train_loss"])))
+            if row.get("val_loss"):
+                val_loss.append((step, float(row["val_loss"])))
+    return sorted(train_loss), sorted(val_loss)
+
+
+def moving_average(points: Points, window: int) -> tuple[list[int], list[float]]:
+    """Trailing mean over ``window`` consecutive logged values (the first window-1 points dropped)."""
+    steps, values = [s for s, _ in points], [v for _, v in points]
+    if window <= 1 or len(values) < window:
+        return steps, values
+    means = [sum(values[i - window + 1 : i + 1]) / window for i in range(window - 1, len(values))]
+    return steps[window - 1 :], means
