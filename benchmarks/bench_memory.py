@@ -1,37 +1,13 @@
 """Peak memory per stage, measured on real processes, against the simulator's prediction.
 
-GPipe, 1F1B and PipeDream-2BW train the residual MLP of lightning_pipe.bench.mlp (float32, MSE,
-SGD) on d = 2 and d = 4 gloo processes (1 thread each), with m = d and m = 4d micro-batches of
-``--rows`` rows, the model cut into d equal stages. Per stage it measures:
+GPipe, 1F1B and PipeDream-2BW train lightning_pipe.bench.mlp's residual MLP on d = 2, 4 gloo
+processes at m = d, 4d. Per stage: "saved + stash" (autograd's saved tensors through
+saved_tensors_hooks, plus the executor's stashed outputs), "alive" (the same and every communication
+buffer until torch frees its storage), the weight buffers (2BW: versions_held()); predicted:
+simulate() on per-block bytes measured with the same hooks. Feeds docs/memory.md (method there).
 
-- **saved + stash**: the bytes of activations the runtime holds for backward. Autograd's saved
-  tensors are counted with `torch.autograd.graph.saved_tensors_hooks`: pack records the tensor's
-  storage (deduplicated by storage data_ptr, reference counted) and returns a small holder; when
-  autograd releases the saved tensor (after the node's backward) the holder dies and a
-  `weakref.finalize` on it subtracts the bytes. Parameters (and 2BW's weight versions, which alias
-  the same buffers) are weights, not activations: their storages are left out. The executor also
-  stashes each micro-batch's chunk output until its backward (`stash_out`; the input it stashes is
-  the tensor autograd saves anyway): counted from the forward to the gradient hook on that output.
-  The peak is taken over the measured steps (after one warm-up step; for 2BW over several steady
-  steps and the final drain, since in-flight micro-batches span steps).
-- **alive**: the same storages plus the communication buffers (activations and gradients sent,
-  receive buffers), each counted until its storage is actually freed (a `weakref.finalize` on the
-  `UntypedStorage`, which torch keeps alive as long as any tensor, or a gloo work, holds the
-  storage). This is what the process really holds; the difference to "saved + stash" is what the
-  runtime keeps beyond the stashes.
-- **weights**: bytes of distinct weight buffers alive (the live parameters, and for 2BW the
-  stashed version buffers, watched the same way: storages of the live parameters at the start and
-  after every `detach_live`, and of every `snapshot`), maxed over the run; and for 2BW
-  `mode.versions_held()` maxed over the run (sampled after each step and drain, as the tests do).
-
-The prediction is `simulate(...)` on a `CostModel` whose ``activation_bytes`` / ``param_bytes`` are
-measured for each block on one process with the same hooks (what the block's forward saves for one
-micro-batch; its parameter bytes): `Timeline.peak_activations`, `peak_activation_bytes` and
-`weight_bytes`. The column "pred (output)" is the same prediction with ``activation_bytes`` as the
-profiler defines it (`profiler.py`: the bytes of the block's output), i.e. what the planners get.
-
-    python benchmarks/bench_memory.py                 # about a minute on 2 cores
-    python benchmarks/bench_memory.py --hidden 512 --mlp-ratio 4 --stages 2
+    python benchmarks/bench_memory.py
+    python benchmarks/bench_memory.py --no-prefetch   # Executor(prefetch=False)
     python benchmarks/bench_memory.py --quick         # smoke: d = 2 only
 """
 
