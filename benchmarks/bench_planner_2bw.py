@@ -1,61 +1,16 @@
-"""PipeDream-2BW's planner (issue 16): its pick against every feasible configuration run for real,
-paper-size decisions from analytic profiles, and planning time.
+"""PipeDream-2BW's planner (issue 16): its pick against every feasible configuration run for real
+(part a: GPT-tiny-64 on 2 CPU processes, global batch 32), paper-size decisions from analytic
+profiles (part b), and cold planning time (part time). Method and results: docs/planner_2bw.md.
 
-Part ``a`` (real, CPU): a GPT-tiny-like CausalLM (4 layers, hidden 128, 4 heads, seq 64, byte
-vocabulary: 10 blocks), global batch 32, 2 gloo processes x 1 thread on 2 cores (rank r pinned to
-core r, every thread of the process).
-
-1. This process (1 thread) measures a `SizedProfile` with `profile_sizes` at micro-batch sizes 1,
-   2, 4, 8, 16, 32 (as planner=2bw in the strategy does; the loss is charged to the last block).
-2. `plan_2bw` for 2 devices (2 per node, the CPU defaults: 2 GB/s within a node), schedules 2bw,
-   1f1b and gpipe, recompute off / on / per stage, AutoPipe refining the chosen one, first
-   without a cap; the memory limit is then ``--limit-fraction`` (default 0.5) of the largest
-   footprint among those candidates (footprints come from byte counts, not timings: the same
-   limit every run), and the plan is made again under it.
-3. Every feasible candidate (verdict runs / chosen) of the capped plan is trained for real through
-   ``Trainer(strategy=AutoPipeStrategy(width=w, microbatches=g, schedule=s, recompute=[per stage],
-   partition=[blocks per stage]))`` with a DataLoader of B / w rows per replica (``--rows best``:
-   only the best row per (w, d, schedule, r) group, `two_bw._best_rows`, plus the chosen one).
-   Each run: ``--warmup`` steps, then ``--steps`` timed steps; measured samples/s = B / the median
-   start-to-start period of rank 0's steps (Lightning's loop, the optimizer step and 2BW's
-   bookkeeping included). Before each run the benchmark waits (at most ``--quiet-wait`` s) for
-   other processes to go quiet; a run during which other processes used more than
-   ``--max-foreign`` CPUs (over the timed steps: /proc/stat less both ranks' own CPU time) is
-   repeated, at most ``--retries`` times. ``--rounds`` runs every configuration that many times,
-   round-robin; a configuration's figure is the median over its rounds. The Trainer's processes
-   are forked from this one (``--start-method``).
-4. Printed: per configuration predicted and measured samples/s and their ratio (and the paper's
-   closed-form THROUGHPUT of the same configuration, `planning/two_bw_closed.py`); Spearman's rank
-   correlation of predicted vs measured; the pick's measured rank and its measured throughput over
-   the measured best (target >= 0.90). ``--save`` appends each run to the JSON; ``--report`` then
-   also pools the runs (a configuration's measured figure = the median of all its rounds).
-
-Part ``b`` (analytic, no hardware): planner decisions for gpt2-1.3b (seq 512, global batch 512)
-and bert-large (seq 128, global batch 1024, the paper's §5.1 batch sizes) on 8, 16, 32 and 64 devices
-(8 per node, the CUDA defaults: 100 GB/s within a node, 12.5 GB/s across), 8, 16 and 80 GB caps,
-mixed-precision Adam (optimizer_factor 6), schedules 2bw only (the paper's planner) and auto
-(2bw / 1f1b / gpipe), and the paper's closed forms (``cost_model="closed"``, 2bw), from
-`analytic_profile` (FLOPs at 100 TFLOP/s with the assumed arithmetic-intensity curve
-half_rate_tokens=512, Korthikanti's activation bytes).
-
-Part ``time``: planning time cold for gpt2-1.3b on 64 devices: ``--cold`` fresh processes each
-building the analytic profile and calling `plan_2bw` (schedules 2bw, 1f1b, gpipe, AutoPipe refine),
-reporting `plan.planning_seconds` and the process's wall time; and the whole CLI command
-``python -m lightning_pipe.plan recipe=gpt2-1.3b data.seq_len=512 trainer.devices=8
-trainer.num_nodes=8 pipeline.planner=2bw pipeline.memory_limit=16GB pipeline.schedule=auto``
-timed the same number of times.
-
-    flock /tmp/bench.lock python benchmarks/bench_planner_2bw.py --save out.json        # a, b, time (~15 min)
-    flock /tmp/bench.lock python benchmarks/bench_planner_2bw.py --part a --save out.json  # one more part-a run
-    flock /tmp/bench.lock python benchmarks/bench_planner_2bw.py --part a --rows best --rounds 1
-    python benchmarks/bench_planner_2bw.py --report docs/planner_2bw_results.json --plot pic.png   # saved runs
+    flock /tmp/bench.lock python benchmarks/bench_planner_2bw.py --part a --quiet-wait 300 --retries 3 --save out.json   # x 3
+    flock /tmp/bench.lock python benchmarks/bench_planner_2bw.py --part b,time --save out.json
+    python benchmarks/bench_planner_2bw.py --report out.json --plot docs/img/planner_2bw_predicted_vs_measured.png
+    python benchmarks/bench_planner_2bw.py --quick       # smoke: every part, best rows, 2 steps
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -64,52 +19,48 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")
+from lightning_pipe.bench.harness import Bench, Table, interleave, names, pin_threads
+
+pin_threads(1)
 
 import torch  # noqa: E402
 
-from lightning_pipe.bench import provenance  # noqa: E402
-from lightning_pipe.bench.launch import busy_seconds, own_seconds, wait_for_quiet  # noqa: E402
 from lightning_pipe.bench.stats import spearman  # noqa: E402
-from lightning_pipe.planning.two_bw import Candidate, TwoBWPlan, _best_rows, hardware, plan_2bw, refiner, size_text  # noqa: E402
+from lightning_pipe.bench.trainer_runs import fit_timed, undisturbed  # noqa: E402
+from lightning_pipe.planning.entry import block_kinds  # noqa: E402
+from lightning_pipe.planning.two_bw import Candidate, _best_rows, hardware, plan_2bw, refiner, size_text  # noqa: E402
 
 CFG = dict(vocab_size=260, n_layer=4, n_head=4, d_model=128, max_seq_len=64)
-SEQ = 64
-KINDS = ["embedding"] + ["attention", "ffn"] * CFG["n_layer"] + ["head"]
-SIZES = (1, 2, 4, 8, 16, 32)
-GiB = 2**30
-MiB = 2**20
+SEQ, SIZES, GiB = 64, (1, 2, 4, 8, 16, 32), 2**30
+MODELS_B = {"gpt2-1.3b": {"seq_len": 512, "batch": 512}, "bert-large": {"seq_len": 128, "batch": 1024}}
+CAPS_GB = (8, 16, 80)  # 16 and 80: the issue's; 8: ours, to see recomputation chosen
+DEVICES_B = (8, 16, 32, 64)  # 8, 16, 64: the issue's; 32: Table 1's BERT-24 on 4 x 8 V100
+KEY = ("width", "depth", "microbatch_size", "microbatches", "schedule", "recompute")
 
 
 # ---- part a: measured profile, plan, every feasible configuration for real ----------------------
 def tokens(rows: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (rows, SEQ + 1), generator=g)
+    return torch.randint(0, 256, (rows, SEQ + 1), generator=torch.Generator().manual_seed(seed))
 
 
 def measured_profile(repeats: int) -> Any:
-    """The model's blocks profiled in this process (1 thread) at SIZES, the loss on the last block."""
+    """The blocks profiled in this process (1 thread) at SIZES, the loss charged to the last block."""
     import torch.nn.functional as F
 
     from lightning_pipe.models import CausalLM, ModelConfig
     from lightning_pipe.profiling.sized import profile_sizes
 
-    torch.set_num_threads(1)
     torch.manual_seed(0)
-    module = CausalLM(model=ModelConfig(**CFG))
     ids = tokens(max(SIZES))
     x, y = ids[:, :-1], ids[:, 1:]
-
-    def loss_of(b: int):
-        return lambda out: F.cross_entropy(out.flatten(0, 1), y[:b].flatten())
-
-    return profile_sizes(list(module.model), lambda b: x[:b], SIZES, "cpu", model="gpt-tiny-64", repeats=repeats, loss_fn_of=loss_of)
+    loss_of = lambda b: lambda out: F.cross_entropy(out.flatten(0, 1), y[:b].flatten())  # noqa: E731
+    blocks = list(CausalLM(model=ModelConfig(**CFG)).model)
+    return profile_sizes(blocks, lambda b: x[:b], SIZES, "cpu", model="gpt-tiny-64", repeats=repeats, loss_fn_of=loss_of)
 
 
-def plan(profile: Any, batch: int, limit: Optional[float], schedules: tuple = ("2bw", "1f1b", "gpipe"), **kw: Any) -> TwoBWPlan:
-    refine = None if kw.get("cost_model") == "closed" else refiner("autopipe", KINDS)
-    return plan_2bw(profile, hardware(2, 2, "cpu", limit), batch, schedules, refine=refine, **kw)
+def plan(profile: Any, batch: int, limit: Optional[float], **kw: Any):
+    refine = None if kw.get("cost_model") == "closed" else refiner("autopipe", block_kinds(profile.block_names))
+    return plan_2bw(profile, hardware(2, 2, "cpu", limit), batch, ("2bw", "1f1b", "gpipe"), refine=refine, **kw)
 
 
 def closed_throughput(profile: Any, c: Candidate, limit: Optional[float]) -> Optional[float]:
@@ -118,8 +69,10 @@ def closed_throughput(profile: Any, c: Candidate, limit: Optional[float]) -> Opt
 
     if c.recompute not in ("off", "on"):
         return None
-    step = closed_step(profile.at(c.microbatch_size), c.depth, c.width, c.microbatches, c.recompute == "on", hardware(2, 2, "cpu", limit))
-    return c.width * c.microbatch_size / step
+    hw = hardware(2, 2, "cpu", limit)
+    return (
+        c.width * c.microbatch_size / closed_step(profile.at(c.microbatch_size), c.depth, c.width, c.microbatches, c.recompute == "on", hw)
+    )
 
 
 def label(c: Candidate) -> str:
@@ -129,166 +82,62 @@ def label(c: Candidate) -> str:
     )
 
 
-def _pin(core: int) -> None:
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), {core})
-        except OSError:
-            pass
-    torch.set_num_threads(1)
-
-
-def _clock_callback(out: str, warmup: int):
-    from lightning.pytorch.callbacks import Callback
-
-    class StepClock(Callback):
-        """Pins the rank; records the end of every step, and this rank's CPU seconds and the machine's
-        busy seconds at the end of the warm-up and of the last step (foreign load over the timed steps)."""
-
-        def __init__(self) -> None:
-            self.ends: list[float] = []
-            self.marks: dict[str, Any] = {}
-
-        def setup(self, trainer, pl_module, stage):
-            _pin(trainer.global_rank % os.cpu_count())
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            now = time.perf_counter()
-            self.ends.append(now)
-            if len(self.ends) == warmup:
-                self.marks["start"] = (now, own_seconds(), busy_seconds())
-
-        def on_train_end(self, trainer, pl_module):
-            self.marks["end"] = (self.ends[-1], own_seconds(), busy_seconds())
-            record = {"ends": self.ends, "marks": self.marks, "threads": torch.get_num_threads()}
-            Path(f"{out}.rank{trainer.global_rank}").write_text(json.dumps(record))
-
-    return StepClock()
-
-
-def train_once(c: Candidate, args: argparse.Namespace, out: Path) -> dict:
-    """One configuration through the Trainer on 2 processes; rank 0's step periods and the foreign load."""
-    import lightning as L
+def train(c: Candidate, args: Any, out: Path) -> dict:
+    """One configuration through the Trainer on 2 processes: samples/s = B / rank 0's median step period."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_pipe import AutoPipeStrategy
     from lightning_pipe.models import CausalLM, ModelConfig
 
-    steps = args.warmup + args.steps
     torch.manual_seed(0)
     module = CausalLM(model=ModelConfig(**CFG), lr=1e-3)
-    ids = tokens(steps * args.batch, seed=1)
+    ids = tokens((args.warmup + args.steps) * args.batch, seed=1)
     loader = DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=args.batch // c.width)
     strategy = AutoPipeStrategy(
-        width=c.width,
-        microbatches=c.microbatches,
-        schedule=c.schedule,
-        recompute=list(c.stage_recompute),
-        partition=[b - a for a, b in c.bounds],
-        start_method=args.start_method,
-    )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[_clock_callback(str(out), args.warmup)],
-        default_root_dir=str(out.parent),
-    )
-    started = time.perf_counter()
-    trainer.fit(module, loader)
-    wall = time.perf_counter() - started
-    ranks = [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
-    ends = ranks[0]["ends"][args.warmup - 1 :]
-    periods = [b - a for a, b in zip(ends, ends[1:])]
-    (t0, _, busy0), (t1, _, busy1) = ranks[0]["marks"]["start"], ranks[0]["marks"]["end"]
-    own = sum(r["marks"]["end"][1] - r["marks"]["start"][1] for r in ranks)
-    foreign = max(0.0, (busy1 - busy0) - own) / max(t1 - t0, 1e-9) if busy0 is not None and busy1 is not None else 0.0
-    return {
-        "samples_per_s": args.batch / statistics.median(periods),
-        "mean_samples_per_s": args.batch * len(periods) / sum(periods),
-        "median_step_ms": statistics.median(periods) * 1e3,
-        "periods_ms": [round(p * 1e3, 3) for p in periods],
-        "foreign_cpus": foreign,
-        "threads": [r["threads"] for r in ranks],
-        "wall_s": wall,
-    }
+        width=c.width, microbatches=c.microbatches, schedule=c.schedule, recompute=list(c.stage_recompute),
+        partition=[b - a for a, b in c.bounds], start_method="fork",
+    )  # fmt: skip
+    r = fit_timed(module, {"train_dataloaders": loader}, strategy, args.warmup, args.steps, out)
+    periods = [p / 1e3 for p in r["periods_ms"]]
+    return dict(r, samples_per_s=args.batch / statistics.median(periods), mean_samples_per_s=args.batch * len(periods) / sum(periods))
 
 
-def measure(c: Candidate, args: argparse.Namespace, out: Path) -> dict:
-    """`train_once`, repeated while other processes disturbed it (at most --retries more times)."""
-    tries = []
-    for attempt in range(args.retries + 1):
-        wait_for_quiet(args.quiet_wait, args.max_foreign, log=print)
-        result = train_once(c, args, out)
-        tries.append(round(result["foreign_cpus"], 2))
-        if result["foreign_cpus"] <= args.max_foreign or attempt == args.retries:
-            result["foreign_tries"] = tries
-            return result
-        print(f"    disturbed ({result['foreign_cpus']:.2f} CPUs of other work): again", flush=True)
-    raise AssertionError("unreachable")
-
-
-def part_a(args: argparse.Namespace) -> dict:
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    wait_for_quiet(args.quiet_wait, args.max_foreign, log=print)
+def part_a(bench: Bench, args: Any) -> dict:
     started = time.perf_counter()
     profile = measured_profile(args.profile_repeats)
     profiled = time.perf_counter() - started
-    print(f"profiled {profile.num_blocks} blocks at sizes {profile.sizes} in {profiled:.1f} s")
-    for i, s in enumerate(profile.sizes):
-        total = sum(profile.forward[i]) + sum(profile.backward[i])
-        print(f"  b={s}: forward + backward of the model {total * 1e3:.1f} ms ({total / s * 1e3:.2f} ms per sample)")
+    bench.log(f"profiled {profile.num_blocks} blocks at sizes {profile.sizes} in {profiled:.1f} s")
     free = plan(profile, args.batch, None)
     largest = max(c.memory for c in free.candidates if c.feasible)
     limit = args.limit_fraction * largest
     capped = plan(profile, args.batch, limit)
-    print(
-        f"memory limit {size_text(limit)} = {args.limit_fraction} x the largest footprint planned without a cap ({size_text(largest)}); "
-        f"uncapped pick {label(free.chosen)}"
-    )
-    print(capped.table())
+    bench.log(capped.table())
     feasible = [c for c in capped.candidates if c.feasible]
-    chosen = capped.chosen
     if args.rows == "best":
-        keep = {id(c) for c in _best_rows(capped.candidates) if c.feasible} | {id(chosen)}
+        keep = {id(c) for c in _best_rows(capped.candidates) if c.feasible} | {id(capped.chosen)}
         feasible = [c for c in feasible if id(c) in keep]
-    print(
-        f"running {len(feasible)} configurations x {args.rounds} round(s), {args.warmup} warm-up + {args.steps} timed steps each",
-        flush=True,
-    )
-    runs: dict[int, list[dict]] = {i: [] for i in range(len(feasible))}
-    for rnd in range(args.rounds):
-        for i, c in enumerate(feasible):
-            result = measure(c, args, work / f"cfg{i}.json")
-            runs[i].append(result)
-            print(
-                f"  [{rnd + 1}/{args.rounds}] {label(c):<52} predicted {c.throughput:7.1f}  measured {result['samples_per_s']:7.1f} samples/s "
-                f"(median step {result['median_step_ms']:.1f} ms, other load {result['foreign_cpus']:.2f} CPUs, {result['wall_s']:.0f} s)",
-                flush=True,
-            )
-    rows = []
-    for i, c in enumerate(feasible):
-        measured = statistics.median(r["samples_per_s"] for r in runs[i])
-        rows.append(
-            {
-                "config": label(c),
-                "candidate": c.to_dict(),
-                "chosen": c.verdict == "chosen",
-                "measured": measured,
-                "closed": closed_throughput(profile, c, limit),
-                "runs": runs[i],
-            }
-        )
+    bench.log(f"running {len(feasible)} configurations x {args.rounds} round(s), {args.warmup} warm-up + {args.steps} timed steps")
+
+    def run(i_c: tuple[int, Candidate], rnd: int) -> dict:
+        i, c = i_c
+        fit = lambda attempt: train(c, args, Path(args.work) / f"cfg{i}")  # noqa: E731
+        r = undisturbed(fit, args, bench.patient, log=bench.log)
+        bench.log(f"  [{rnd + 1}/{args.rounds}] {label(c):<52} predicted {c.throughput:7.1f}  measured {r['samples_per_s']:7.1f} samples/s")
+        return {
+            k: r[k]
+            for k in ("samples_per_s", "mean_samples_per_s", "step_ms", "periods_ms", "foreign_cpus", "threads", "wall_s", "foreign_tries")
+        }
+
+    runs = interleave(list(enumerate(feasible)), args.rounds, run)
+    rows = [
+        {"config": label(c), "candidate": c.to_dict(), "chosen": c.verdict == "chosen", "measured": statistics.median(x["samples_per_s"] for x in rs),
+         "closed": closed_throughput(profile, c, limit), "runs": rs}
+        for c, rs in zip(feasible, runs)
+    ]  # fmt: skip
     closed = plan(profile, args.batch, limit, cost_model="closed").chosen
     return {
         "profile": {**asdict(profile), "seconds": profiled},
-        "closed_chosen": [closed.width, closed.depth, closed.microbatch_size, closed.microbatches, closed.schedule, closed.recompute],
+        "closed_chosen": [getattr(closed, k) for k in KEY],
         "uncapped_chosen": label(free.chosen),
         "largest_footprint": largest,
         "memory_limit": limit,
@@ -297,172 +146,101 @@ def part_a(args: argparse.Namespace) -> dict:
         "candidates": len(capped.candidates),
         "feasible_total": sum(c.feasible for c in capped.candidates),
         "rows": rows,
-        "settings": {k: getattr(args, k) for k in ("batch", "warmup", "steps", "rounds", "rows", "limit_fraction", "start_method")},
+        "settings": {k: getattr(args, k) for k in ("batch", "warmup", "steps", "rounds", "rows", "limit_fraction")},
         "wall_s": time.perf_counter() - started,
     }
 
 
-def summarize_a(res: dict) -> dict:
+def report_a(bench: Bench, res: dict, title: str) -> None:
     rows = res["rows"]
-    predicted = [r["candidate"]["throughput"] for r in rows]
-    measured = [r["measured"] for r in rows]
-    best = max(rows, key=lambda r: r["measured"])
-    pick = next(r for r in rows if r["chosen"])
+    predicted, measured = [r["candidate"]["throughput"] for r in rows], [r["measured"] for r in rows]
     order = sorted(rows, key=lambda r: -r["measured"])
-    return {
-        "spearman": spearman(predicted, measured),
-        "pick": pick["config"],
-        "pick_measured": pick["measured"],
-        "best": best["config"],
-        "best_measured": best["measured"],
-        "pick_over_best": pick["measured"] / best["measured"],
-        "pick_rank": order.index(pick) + 1,
-        "configurations": len(rows),
-        "predicted_over_measured_median": statistics.median(p / m for p, m in zip(predicted, measured)),
-        "spearman_per_round": [
-            spearman(predicted, [r["runs"][k]["samples_per_s"] for r in rows]) for k in range(min(len(r["runs"]) for r in rows))
-        ],
-        "closed": _closed_summary(res, rows),
-        "pick_over_best_per_round": [
-            pick["runs"][k]["samples_per_s"] / max(r["runs"][k]["samples_per_s"] for r in rows)
-            for k in range(min(len(r["runs"]) for r in rows))
-        ],
-    }
-
-
-def _closed_summary(res: dict, rows: list[dict]) -> Optional[dict]:
-    """The paper's closed forms on the same configurations: their rank correlation with the
-    measurements (ours on the same subset beside it) and the measured throughput of their pick."""
-    if "closed_chosen" not in res:
-        return None
-    both = [r for r in rows if r.get("closed") is not None]
-    w, d, b, g, schedule, recompute = res["closed_chosen"]
-    key = (w, d, b, g, schedule, recompute)
-    match = [r for r in rows if tuple(r["candidate"][k] for k in _KEY) == key]
-    best = max(r["measured"] for r in rows)
-    return {
-        "configurations": len(both),
-        "spearman_closed": spearman([r["closed"] for r in both], [r["measured"] for r in both]),
-        "spearman_ours_same": spearman([r["candidate"]["throughput"] for r in both], [r["measured"] for r in both]),
-        "pick": key,
-        "pick_over_best": match[0]["measured"] / best if match else None,
-    }
-
-
-_KEY = ("width", "depth", "microbatch_size", "microbatches", "schedule", "recompute")
-
-
-def report_a(res: dict) -> str:
-    s = summarize_a(res)
-    lines = [
-        f"memory limit {size_text(res['memory_limit'])} (= {res['settings']['limit_fraction']} x the largest uncapped footprint "
-        f"{size_text(res['largest_footprint'])}): {res['discarded']} of {res['candidates']} candidates over it; "
-        f"uncapped pick {res['uncapped_chosen']}",
-        "| configuration [blocks per stage] | predicted samples/s | measured samples/s | per round | predicted / measured | "
-        "measured rank | memory (predicted) | other load (CPUs) | closed form samples/s |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|",
-    ]
-    order = sorted(res["rows"], key=lambda r: -r["measured"])
-    for r in sorted(res["rows"], key=lambda r: -r["candidate"]["throughput"]):
+    best, pick = order[0], next(r for r in rows if r["chosen"])
+    t = Table("configuration [blocks per stage]", "predicted samples/s", "measured samples/s", "per round", "predicted / measured",
+              "measured rank", "memory (predicted)", "other load (CPUs)", "closed form samples/s", align="lrrlrrrrr")  # fmt: skip
+    for r in sorted(rows, key=lambda r: -r["candidate"]["throughput"]):
         c = r["candidate"]
-        name = ("**" + r["config"] + " (chosen)**") if r["chosen"] else r["config"]
-        rounds = ", ".join(f"{x['samples_per_s']:.0f}" for x in r["runs"])
-        load = max(x["foreign_cpus"] for x in r["runs"])
-        lines.append(
-            f"| {name} | {c['throughput']:.1f} | {r['measured']:.1f} | {rounds} | {c['throughput'] / r['measured']:.2f} | "
-            f"{order.index(r) + 1} | {size_text(c['memory'])} | {load:.2f} | "
-            f"{'-' if r.get('closed') is None else format(r['closed'], '.1f')} |"
-        )
-    lines.append(
-        f"Spearman (predicted vs measured samples/s, {s['configurations']} configurations): {s['spearman']:+.2f}; "
-        f"pick {s['pick']}: measured rank {s['pick_rank']}, {s['pick_measured']:.1f} samples/s = {s['pick_over_best']:.2f} of the "
-        f"measured best ({s['best']}, {s['best_measured']:.1f}) (target >= 0.90: {'met' if s['pick_over_best'] >= 0.9 else 'NOT met'}); "
-        f"predicted / measured median {s['predicted_over_measured_median']:.2f}; per round: Spearman "
-        f"{', '.join(f'{x:+.2f}' for x in s['spearman_per_round'])}, pick / best {', '.join(f'{x:.2f}' for x in s['pick_over_best_per_round'])}"
+        t.add(
+            f"**{r['config']} (chosen)**" if r["chosen"] else r["config"], f"{c['throughput']:.1f}", f"{r['measured']:.1f}",
+            ", ".join(f"{x['samples_per_s']:.0f}" for x in r["runs"]), f"{c['throughput'] / r['measured']:.2f}", order.index(r) + 1,
+            size_text(c["memory"]), f"{max(x['foreign_cpus'] for x in r['runs']):.2f}", "-" if r.get("closed") is None else f"{r['closed']:.1f}",
+        )  # fmt: skip
+    limits = (
+        f"memory limit {size_text(res['memory_limit'])} (= {res['settings']['limit_fraction']} x the largest uncapped footprint "
+        f"{size_text(res['largest_footprint'])}): {res['discarded']} of {res['candidates']} candidates over it; uncapped pick {res['uncapped_chosen']}"
     )
-    closed = s["closed"]
-    if closed is not None:
-        lines.append(
-            f"the paper's closed forms (r off / on, {closed['configurations']} configurations): Spearman {closed['spearman_closed']:+.2f} "
-            f"(ours on the same: {closed['spearman_ours_same']:+.2f}); their pick {closed['pick']}: "
-            + (
-                "not among the runs (over memory_limit by our MEMORY, which counts optimizer state; the closed form does not)"
-                if closed["pick_over_best"] is None
-                else f"{closed['pick_over_best']:.2f} of the measured best"
-            )
-        )
-    return "\n".join(lines)
+    bench.table(t, f"{title}\n\n{limits}")
+    n = min(len(r["runs"]) for r in rows)
+    ratio = pick["measured"] / best["measured"]
+    bench.say(
+        f"Spearman (predicted vs measured samples/s, {len(rows)} configurations): {spearman(predicted, measured):+.2f}; pick {pick['config']}: "
+        f"measured rank {order.index(pick) + 1}, {pick['measured']:.1f} samples/s = {ratio:.2f} of the measured best ({best['config']}, "
+        f"{best['measured']:.1f}) (target >= 0.90: {'met' if ratio >= 0.9 else 'NOT met'}); predicted / measured median "
+        f"{statistics.median(p / m for p, m in zip(predicted, measured)):.2f}; per round: Spearman "
+        + ", ".join(f"{spearman(predicted, [r['runs'][k]['samples_per_s'] for r in rows]):+.2f}" for k in range(n))
+        + ", pick / best "
+        + ", ".join(f"{pick['runs'][k]['samples_per_s'] / max(r['runs'][k]['samples_per_s'] for r in rows):.2f}" for k in range(n))
+    )
+    if "closed_chosen" in res:  # the paper's closed forms on the same configurations, and their pick
+        both = [r for r in rows if r.get("closed") is not None]
+        key = tuple(res["closed_chosen"])
+        match = [r for r in rows if tuple(r["candidate"][k] for k in KEY) == key]
+        bench.say(
+            f"the paper's closed forms (r off / on, {len(both)} configurations): Spearman "
+            f"{spearman([r['closed'] for r in both], [r['measured'] for r in both]):+.2f} (ours on the same: "
+            f"{spearman([r['candidate']['throughput'] for r in both], [r['measured'] for r in both]):+.2f}); their pick {key}: "
+            + (f"{match[0]['measured'] / best['measured']:.2f} of the measured best" if match else
+               "not among the runs (over memory_limit by our MEMORY, which counts optimizer state; the closed form does not)")
+        )  # fmt: skip
 
 
 def pooled(runs: list[dict]) -> Optional[dict]:
-    """Over several part-a runs: every configuration's measured samples/s as the median of all its
-    rounds in all runs (less noise than one run), against each run's prediction and pick."""
+    """Over several part-a runs: each configuration's measured samples/s = the median of all its rounds in all runs."""
     if len(runs) < 2:
         return None
     common = set.intersection(*({r["config"] for r in run["rows"]} for run in runs))
     measured = {
         k: statistics.median(x["samples_per_s"] for run in runs for r in run["rows"] if r["config"] == k for x in r["runs"]) for k in common
     }
-    best = max(measured, key=measured.get)
-    order = sorted(measured, key=lambda k: -measured[k])
-    out = {"configurations": len(common), "best": best, "best_measured": measured[best], "runs": []}
-    for run in runs:
-        rows = [r for r in run["rows"] if r["config"] in common]
+    return {"measured": measured, "best": max(measured, key=measured.get), "order": sorted(measured, key=lambda k: -measured[k])}
+
+
+def report_pooled(bench: Bench, runs: list[dict]) -> None:
+    p = pooled(runs)
+    if p is None:
+        return
+    measured, best = p["measured"], p["best"]
+    t = Table("run", "Spearman (pooled measured)", "pick", "pooled rank", "pick / pooled best", align="rrlrr")
+    for i, run in enumerate(runs):
+        rows = [r for r in run["rows"] if r["config"] in measured]
         pick = next((r["config"] for r in run["rows"] if r["chosen"]), None)
-        out["runs"].append(
-            {
-                "spearman": spearman([r["candidate"]["throughput"] for r in rows], [measured[r["config"]] for r in rows]),
-                "pick": pick,
-                "pick_rank": order.index(pick) + 1 if pick in measured else None,
-                "pick_over_best": measured[pick] / measured[best] if pick in measured else None,
-            }
+        sp = spearman([r["candidate"]["throughput"] for r in rows], [measured[r["config"]] for r in rows])
+        found = pick in measured
+        t.add(
+            i + 1,
+            f"{sp:+.2f}",
+            pick,
+            p["order"].index(pick) + 1 if found else "-",
+            f"{measured[pick] / measured[best]:.2f}" if found else "-",
         )
-    out["measured"] = measured
-    return out
-
-
-def report_pooled(res: dict) -> str:
-    lines = [
-        f"pooled over {len(res['runs'])} runs ({res['configurations']} configurations in all of them; measured = median of all rounds "
-        f"of all runs): best {res['best']} at {res['best_measured']:.1f} samples/s"
-    ]
-    for i, r in enumerate(res["runs"]):
-        ratio = "-" if r["pick_over_best"] is None else f"{r['pick_over_best']:.2f}"
-        lines.append(
-            f"  run {i + 1}: Spearman {r['spearman']:+.2f}; pick {r['pick']}: pooled rank {r['pick_rank']}, {ratio} of the pooled best"
-        )
-    return "\n".join(lines)
+    bench.table(
+        t, f"## part a, pooled over {len(runs)} runs ({len(measured)} configurations): best {best} at {measured[best]:.1f} samples/s"
+    )
 
 
 # ---- part b: paper-size decisions from analytic profiles ---------------------------------------
-MODELS_B = {"gpt2-1.3b": {"seq_len": 512, "batch": 512}, "bert-large": {"seq_len": 128, "batch": 1024}}
+def short(c: Any) -> dict:
+    return {"w": c.width, "d": c.depth, "b": c.microbatch_size, "g": c.microbatches, "r": c.recompute, "stages_recomputed": sum(c.stage_recompute),
+            "schedule": c.schedule, "throughput": c.throughput, "memory": c.memory, "blocks": [b - a for a, b in c.bounds]}  # fmt: skip
 
 
-CAPS_GB = (8, 16, 80)  # 16 and 80: the issue's; 8: ours, to see recomputation chosen
-DEVICES_B = (8, 16, 32, 64)  # 8, 16, 64: the issue's; 32: Table 1's BERT-24 on 4 x 8 V100
-
-
-def _short(c: Any) -> dict:
-    return {
-        "w": c.width,
-        "d": c.depth,
-        "b": c.microbatch_size,
-        "g": c.microbatches,
-        "r": c.recompute,
-        "stages_recomputed": sum(c.stage_recompute),
-        "schedule": c.schedule,
-        "throughput": c.throughput,
-        "memory": c.memory,
-        "blocks": [b - a for a, b in c.bounds],
-    }
-
-
-def part_b(args: argparse.Namespace) -> dict:
+def part_b(bench: Bench, args: Any) -> dict:
     from lightning_pipe.planning.sized import analytic_profile
 
     rows = []
     for model, spec in MODELS_B.items():
-        profile = analytic_profile(model, (1, 2, 4, 8, 16, 32), spec["seq_len"], device_flops=args.device_flops)
+        profile = analytic_profile(model, SIZES, spec["seq_len"], device_flops=1e14)
+        refine = {"refine": refiner("autopipe", profile.block_names)}
         for devices in DEVICES_B:
             for cap_gb in CAPS_GB:
                 hw = hardware(devices, 8, "cuda", cap_gb * GiB, optimizer_factor=6.0)
@@ -474,8 +252,8 @@ def part_b(args: argparse.Namespace) -> dict:
                     "cap_gb": cap_gb,
                 }
                 for name, schedules, kw in (
-                    ("2bw", ("2bw",), {"refine": refiner("autopipe", profile.block_names)}),
-                    ("auto", ("2bw", "1f1b", "gpipe"), {"refine": refiner("autopipe", profile.block_names)}),
+                    ("2bw", ("2bw",), refine),
+                    ("auto", ("2bw", "1f1b", "gpipe"), refine),
                     ("closed", ("2bw",), {"cost_model": "closed"}),
                 ):
                     try:
@@ -483,52 +261,38 @@ def part_b(args: argparse.Namespace) -> dict:
                     except ValueError as err:
                         row[name] = {"error": str(err).split(";")[0]}
                         continue
-                    c = p.chosen
-                    row[name] = {**_short(c), "planning_seconds": p.planning_seconds, "candidates": len(p.candidates)}
-                    if name == "2bw":
-                        row["per_grid"] = _best_per_grid(p)
-                        off = [x for x in p.candidates if x.feasible and x.recompute == "off" and (x.width, x.depth) == (c.width, c.depth)]
-                        row["best_off_same_grid"] = _short(max(off, key=lambda x: x.throughput)) if off else None
+                    row[name] = {**short(p.chosen), "planning_seconds": p.planning_seconds, "candidates": len(p.candidates)}
+                    if name == "2bw":  # the fastest feasible candidate of each (w, d): Table 1's rows
+                        grids = sorted({(c.width, c.depth) for c in p.candidates}, key=lambda x: x[1])
+                        fits = [[c for c in p.candidates if c.feasible and (c.width, c.depth) == wd] for wd in grids]
+                        row["per_grid"] = [
+                            short(max(f, key=lambda c: c.throughput)) if f else {"w": w, "d": d, "b": None}
+                            for (w, d), f in zip(grids, fits)
+                        ]
                 rows.append(row)
-                print(f"{model} {devices} devices {cap_gb} GB: " + "; ".join(f"{k} {_text(row[k])}" for k in ("2bw", "auto", "closed")))
-    return {"rows": rows, "device_flops": args.device_flops, "half_rate_tokens": 512.0, "bandwidth": "cuda defaults"}
+                bench.log(f"{model} {devices} devices {cap_gb} GB: " + "; ".join(f"{k} {text(row[k])}" for k in ("2bw", "auto", "closed")))
+    return {"rows": rows, "device_flops": 1e14, "half_rate_tokens": 512.0, "bandwidth": "cuda defaults"}
 
 
-def _text(c: dict) -> str:
+def text(c: dict) -> str:
     if "error" in c:
         return "nothing fits"
     r = c["r"] if c["r"] != "stages" else f"stages {c['stages_recomputed']}/{c['d']}"
     return f"({c['w']}, {c['d']}, {c['b']}, {c['g']}, {r}, {c['schedule']})"
 
 
-def _best_per_grid(p: TwoBWPlan) -> list[dict]:
-    """The fastest feasible candidate of each (w, d): Table 1's rows."""
-    out = []
-    for w, d in sorted({(c.width, c.depth) for c in p.candidates}, key=lambda x: x[1]):
-        feasible = [c for c in p.candidates if c.feasible and (c.width, c.depth) == (w, d)]
-        out.append(_short(max(feasible, key=lambda c: c.throughput)) if feasible else {"w": w, "d": d, "b": None})
-    return out
-
-
-def report_b(res: dict) -> str:
-    lines = [
-        "| model | devices | cap | 2bw only: chosen (w, d, b, g, r, schedule) | samples/s | memory | auto (2bw/1f1b/gpipe) | "
-        "samples/s | paper's closed forms (2bw) | planning s (2bw, auto) |",
-        "|---|---:|---:|---|---:|---:|---|---:|---|---:|",
-    ]
+def report_b(bench: Bench, res: dict) -> None:
+    t = Table("model", "devices", "cap", "2bw only: chosen (w, d, b, g, r, schedule)", "samples/s", "memory", "auto (2bw/1f1b/gpipe)",
+              "samples/s", "paper's closed forms (2bw)", "planning s (2bw, auto)", align="lrrlrrlrlr")  # fmt: skip
     for r in res["rows"]:
         ours, auto, closed = r["2bw"], r["auto"], r["closed"]
-        same = "error" not in ours and "error" not in auto and _text(ours) == _text(auto)
-        lines.append(
-            f"| {r['model']} | {r['devices']} | {r['cap_gb']} GB | {_text(ours)} | "
-            + ("- | - | " if "error" in ours else f"{ours['throughput']:.1f} | {size_text(ours['memory'])} | ")
-            + ("same | " if same else f"{_text(auto)} | ")
-            + ("- | " if "error" in auto else f"{auto['throughput']:.1f} | ")
-            + f"{_text(closed)} | "
-            + " / ".join("-" if "error" in x else f"{x['planning_seconds']:.2f}" for x in (ours, auto))
-            + " |"
-        )
-    return "\n".join(lines)
+        fits = "error" not in ours
+        t.add(
+            r["model"], r["devices"], f"{r['cap_gb']} GB", text(ours), f"{ours['throughput']:.1f}" if fits else "-", size_text(ours["memory"]) if fits else "-",
+            "same" if fits and "error" not in auto and text(ours) == text(auto) else text(auto), "-" if "error" in auto else f"{auto['throughput']:.1f}",
+            text(closed), " / ".join("-" if "error" in x else f"{x['planning_seconds']:.2f}" for x in (ours, auto)),
+        )  # fmt: skip
+    bench.table(t, "## part b (analytic profiles)")
 
 
 # ---- planning time: cold processes ------------------------------------------------------------
@@ -540,65 +304,49 @@ from lightning_pipe.planning.two_bw import hardware, plan_2bw, refiner
 profile = analytic_profile("gpt2-1.3b", (1, 2, 4, 8, 16, 32), 512, device_flops=1e14)
 p = plan_2bw(profile, hardware(64, 8, "cuda", 16 * 2**30, optimizer_factor=6.0), 512, ("2bw", "1f1b", "gpipe"),
              refine=refiner("autopipe", profile.block_names))
-print(json.dumps({"planning_seconds": p.planning_seconds, "in_process_s": time.perf_counter() - t0,
-                  "candidates": len(p.candidates), "chosen": [p.chosen.width, p.chosen.depth, p.chosen.microbatch_size,
-                  p.chosen.microbatches, p.chosen.recompute, p.chosen.schedule]}))
+print(json.dumps({"planning_seconds": p.planning_seconds, "in_process_s": time.perf_counter() - t0, "candidates": len(p.candidates)}))
 """
-CLI = [
-    "-m",
-    "lightning_pipe.plan",
-    "recipe=gpt2-1.3b",
-    "data.seq_len=512",
-    "trainer.devices=8",
-    "trainer.num_nodes=8",
-    "pipeline.planner=2bw",
-    "pipeline.memory_limit=16GB",
-    "pipeline.schedule=auto",
-]
+CLI = "-m lightning_pipe.plan recipe=gpt2-1.3b data.seq_len=512 trainer.devices=8 trainer.num_nodes=8 pipeline.planner=2bw pipeline.memory_limit=16GB pipeline.schedule=auto"
 
 
-def part_time(args: argparse.Namespace) -> dict:
+def part_time(bench: Bench, args: Any) -> dict:
+    from lightning_pipe.bench.launch import wait_for_quiet
+
     work = Path(args.work) / "cli"
     work.mkdir(parents=True, exist_ok=True)
     cold, cli = [], []
     for _ in range(args.cold):
-        wait_for_quiet(args.quiet_wait, args.max_foreign, log=print)
+        if bench.patient:
+            wait_for_quiet(args.quiet_wait, args.max_foreign, log=bench.log)
         t = time.perf_counter()
         out = subprocess.run([sys.executable, "-c", COLD], capture_output=True, text=True, check=True, cwd=work)
-        record = json.loads(out.stdout.strip().splitlines()[-1])
-        record["process_wall_s"] = time.perf_counter() - t
-        cold.append(record)
+        cold.append(dict(json.loads(out.stdout.strip().splitlines()[-1]), process_wall_s=time.perf_counter() - t))
         t = time.perf_counter()
-        out = subprocess.run([sys.executable, *CLI], capture_output=True, text=True, check=True, cwd=work)
-        table = out.stdout + out.stderr
+        out = subprocess.run([sys.executable, *CLI.split()], capture_output=True, text=True, check=True, cwd=work)
         cli.append({"wall_s": time.perf_counter() - t})
-        print(
-            f"  cold plan_2bw {record['planning_seconds']:.3f} s (process {record['process_wall_s']:.1f} s); CLI {cli[-1]['wall_s']:.1f} s"
-        )
-    return {"cold": cold, "cli": cli, "cli_command": "python " + " ".join(CLI), "cli_output": table}
+    return {"cold": cold, "cli": cli, "cli_command": "python " + CLI, "cli_output": out.stdout + out.stderr}
 
 
-def report_time(res: dict) -> str:
-    plan_s = [r["planning_seconds"] for r in res["cold"]]
-    proc = [r["process_wall_s"] for r in res["cold"]]
-    cli = [r["wall_s"] for r in res["cli"]]
-    return (
-        f"gpt2-1.3b, 64 devices, {res['cold'][0]['candidates']} candidates, {len(plan_s)} cold processes: plan.planning_seconds "
+def report_time(bench: Bench, res: dict) -> None:
+    plan_s, proc, cli = (
+        [r[k] for r in res[part]] for part, k in (("cold", "planning_seconds"), ("cold", "process_wall_s"), ("cli", "wall_s"))
+    )
+    bench.say(
+        f"## planning time\n\ngpt2-1.3b, 64 devices, {res['cold'][0]['candidates']} candidates, {len(plan_s)} cold processes: plan.planning_seconds "
         f"median {statistics.median(plan_s):.3f} s, worst {max(plan_s):.3f} s (target < 1 s: {'met' if max(plan_s) < 1 else 'NOT met'}); "
         f"process (imports + profile + plan) median {statistics.median(proc):.2f} s, worst {max(proc):.2f} s; "
         f"CLI command wall median {statistics.median(cli):.2f} s, worst {max(cli):.2f} s"
     )
 
 
-def plot(results: dict, path: Path) -> None:
-    """Predicted vs measured samples/s of every configuration, measured pooled over the runs (their
-    range as a bar), the picks marked."""
+def plot(runs: list[dict], path: Path) -> None:
+    """Predicted vs measured samples/s of every configuration, measured pooled over the runs (range as a bar), picks starred."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    runs = results["part_a"]
     summary = pooled(runs)
     if summary is None:
         return
@@ -607,104 +355,72 @@ def plot(results: dict, path: Path) -> None:
     for k, measured in summary["measured"].items():
         predicted = statistics.median(r["candidate"]["throughput"] for run in runs for r in run["rows"] if r["config"] == k)
         values = [x["samples_per_s"] for run in runs for r in run["rows"] if r["config"] == k for x in r["runs"]]
-        color = "tab:blue" if " d=1 " in k else "tab:orange"
-        marker = "*" if k in picks else ("o" if "r=off" in k else "s")
+        color, pick = ("tab:blue" if " d=1 " in k else "tab:orange"), k in picks
         ax.plot([predicted, predicted], [min(values), max(values)], color=color, alpha=0.3, lw=1)
-        ax.plot(
-            predicted, measured, marker=marker, color=color, ms=14 if k in picks else 6, ls="none", mec="black" if k in picks else color
-        )
+        marker = "*" if pick else ("o" if "r=off" in k else "s")
+        ax.plot(predicted, measured, marker=marker, color=color, ms=14 if pick else 6, ls="none", mec="black" if pick else color)
     lo, hi = ax.get_xlim()
     ax.plot([lo, hi], [lo, hi], color="gray", lw=0.8, ls="--")
     ax.set_xlabel("predicted samples/s (planner, median of the runs)")
     ax.set_ylabel("measured samples/s (median of every round of every run; bar: range)")
     ax.set_title("planner=2bw on 2 CPU processes: GPT-tiny-64, global batch 32")
-    from matplotlib.lines import Line2D
-
-    ax.legend(
-        handles=[
-            Line2D([], [], color="tab:blue", marker="o", ls="none", label="w=2, d=1 (data parallel)"),
-            Line2D([], [], color="tab:orange", marker="o", ls="none", label="w=1, d=2 (pipeline)"),
-            Line2D([], [], color="gray", marker="o", ls="none", label="r off"),
-            Line2D([], [], color="gray", marker="s", ls="none", label="r on / per stage"),
-            Line2D([], [], color="tab:orange", marker="*", ms=12, mec="black", ls="none", label="the planner's pick"),
-            Line2D([], [], color="gray", ls="--", label="measured = predicted"),
-        ],
-        loc="upper left",
-        fontsize=8,
-    )
+    legend = [("tab:blue", "o", "w=2, d=1 (data parallel)"), ("tab:orange", "o", "w=1, d=2 (pipeline)"), ("gray", "o", "r off"),
+              ("gray", "s", "r on / per stage"), ("tab:orange", "*", "the planner's pick")]  # fmt: skip
+    handles = [
+        Line2D([], [], color=c, marker=m, ls="none", label=t, **({"ms": 12, "mec": "black"} if m == "*" else {})) for c, m, t in legend
+    ]
+    ax.legend(handles=handles + [Line2D([], [], color="gray", ls="--", label="measured = predicted")], loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    print(f"written: {path}")
 
 
-# ---- main ---------------------------------------------------------------------------------------
-def report(results: dict) -> None:
+def report(bench: Bench, results: dict) -> None:
     for i, run in enumerate(results.get("part_a", [])):
-        print(f"\n## part a, run {i + 1}: {run['provenance']}")
-        print(report_a(run))
-    summary = pooled(results.get("part_a", []))
-    if summary is not None:
-        print("\n## part a, pooled")
-        print(report_pooled(summary))
+        report_a(bench, run, f"## part a, run {i + 1}: {run['provenance']}")
+    report_pooled(bench, results.get("part_a", []))
     if "part_b" in results:
-        print("\n## part b (analytic profiles)")
-        print(report_b(results["part_b"]))
+        report_b(bench, results["part_b"])
     if "time" in results:
-        print("\n## planning time")
-        print(report_time(results["time"]))
+        report_time(bench, results["time"])
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", default="a,b,time", help="comma-separated: a, b, time")
+    quick = dict(rows="best", profile_repeats=1, cold=1, limit_fraction=0.5)
+    bench = Bench(__doc__, quick, rounds=2, steps=24, warmup=6, retries=2, max_foreign=0.3, quiet_wait=120.0, budget=float("inf"))
+    p = bench.parser
+    p.add_argument("--part", type=names, default=["a", "b", "time"], help="comma-separated: a, b, time")
     p.add_argument("--batch", type=int, default=32, help="part a: global batch")
-    p.add_argument("--limit-fraction", type=float, default=0.5, help="part a: memory limit as a fraction of the largest uncapped footprint")
+    p.add_argument("--limit-fraction", type=float, default=0.5, help="part a: memory limit, a fraction of the largest uncapped footprint")
     p.add_argument(
         "--rows", choices=("all", "best"), default="all", help="part a: every feasible candidate, or the best per group + chosen"
     )
-    p.add_argument("--rounds", type=int, default=2, help="part a: runs of every configuration (round-robin); median")
-    p.add_argument("--warmup", type=int, default=6)
-    p.add_argument("--steps", type=int, default=24)
     p.add_argument("--profile-repeats", type=int, default=5)
-    p.add_argument("--start-method", default="fork", choices=("fork", "spawn"))
-    p.add_argument("--retries", type=int, default=2)
-    p.add_argument("--max-foreign", type=float, default=0.3)
-    p.add_argument("--quiet-wait", type=float, default=120.0)
-    p.add_argument("--device-flops", type=float, default=1e14, help="part b: sustained FLOP/s of one device")
     p.add_argument("--cold", type=int, default=5, help="part time: fresh processes")
     p.add_argument("--work", default="/tmp/bench_planner_2bw")
     p.add_argument("--save", default=None, help="merge this run into a results JSON (part a runs are appended)")
-    p.add_argument("--report", default=None, help="print the tables of a saved results JSON and exit")
-    p.add_argument("--plot", default=None, help="with --report: predicted vs measured picture here")
-    args = p.parse_args()
+    p.add_argument("--report", default=None, help="print the tables of a saved results JSON; run nothing")
+    p.add_argument("--plot", default=None, help="with --report: the predicted vs measured picture here")
+    args = bench.parse()
     if args.report:
         results = json.loads(Path(args.report).read_text())
-        report(results)
+        report(bench, results)
         if args.plot:
-            plot(results, Path(args.plot))
-        return
-    parts = set(args.part.split(","))
-    results: dict = {}
-    if args.save and Path(args.save).exists():
-        results = json.loads(Path(args.save).read_text())
-    stamp = provenance()
-    print(stamp, flush=True)
-    if "a" in parts:
-        run = part_a(args)
-        run["provenance"] = stamp
-        results.setdefault("part_a", []).append(run)
-        print(report_a(run))
-    if "b" in parts:
-        results["part_b"] = part_b(args)
-        results["part_b"]["provenance"] = stamp
-        print(report_b(results["part_b"]))
-    if "time" in parts:
-        results["time"] = part_time(args)
-        results["time"]["provenance"] = stamp
-        print(report_time(results["time"]))
+            plot(results.get("part_a", []), Path(args.plot))
+        return bench.finish()
+    results = json.loads(Path(args.save).read_text()) if args.save and Path(args.save).exists() else {}
+    new: dict = {}
+    if "a" in args.part:
+        results.setdefault("part_a", []).append(dict(part_a(bench, args), provenance=bench.provenance))
+        new["part_a"] = results["part_a"][-1:]
+    if "b" in args.part:
+        new["part_b"] = results["part_b"] = dict(part_b(bench, args), provenance=bench.provenance)
+    if "time" in args.part:
+        new["time"] = results["time"] = dict(part_time(bench, args), provenance=bench.provenance)
+    report(bench, new)
     if args.save:
         Path(args.save).write_text(json.dumps(results))
-        print(f"saved: {args.save}")
+    bench.keep("results", new)
+    bench.finish()
 
 
 if __name__ == "__main__":
