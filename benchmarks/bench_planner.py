@@ -1,39 +1,23 @@
 """Partitioners compared on the paper's models (AutoPipe §IV-D, Fig. 10 / 13): simulated iteration
-time, balance, gap to exhaustive search, planning time.
+time, gap to exhaustive search, planning time and balance for GPT-2 345M / 762M / 1.3B and
+BERT-large (analytic profiles) at 2-16 stages, m = 2 x stages, 1F1B; the gap over random small
+profiles; planning GPT-2 1.3B / 16 stages in fresh processes. Results: docs/planner.md.
 
-For GPT-2 345M / 762M / 1.3B and BERT-large (analytic profiles, `transformer_costs`) at 2, 4, 8, 16
-stages with 2 x stages micro-batches (the paper's Fig. 10 setting), 1F1B:
-
-- ``uniform``       Megatron-LM: equal transformer layers per stage
-- ``parameters``    DeepSpeed's 'parameters': balanced parameter bytes
-- ``dp``            AutoPipe Algorithm 1 (min-max of f + b)
-- ``autopipe``      AutoPipe's planner as the paper defines it: Algorithm 1 + its master-stage
-                    heuristic (rule (1), master-stage moves)
-- ``autopipe+refine`` ours: the above, then our boundary local search (planning/refine.py)
-- ``exhaustive``    every split simulated, where C(n-1, p-1) <= 200k (2-4 stages on the full
-                    models; 8 and 16 stages on the same models cut to 10 layers)
-
-One column per method: iteration time (simulated, ms) and its gap to the best split (exhaustive's
-where it ran, else the best of the methods); then planning time (ms, schedule and replay caches
-cleared before each call; median of 3) and balance (standard deviation of per-stage f + b, ms;
-Fig. 13). Then the gap of dp, autopipe and autopipe+refine to exhaustive over random small cost
-profiles, and the planning time of GPT-2 1.3B / 16 stages / 32 micro-batches in 5 fresh processes.
-
-    python benchmarks/bench_planner.py                  # prints the tables (about a minute)
-    python benchmarks/bench_planner.py --update-docs    # also writes them into docs/planner.md
+    python benchmarks/bench_planner.py --random 2000 --update-docs   # the tables, also into docs/planner.md
+    python benchmarks/bench_planner.py --closure                     # the paper's heuristic unbounded (~2 min)
+    python benchmarks/bench_planner.py --quick                       # smoke: one model, 20 random profiles
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import random
 import statistics
 import subprocess
 import sys
 import time
 
-from lightning_pipe.bench.launch import machine_description
+from lightning_pipe.bench import REPO
+from lightning_pipe.bench.harness import Bench, Table, names
 from lightning_pipe.models import get_model_config
 from lightning_pipe.planning import plan, transformer_costs
 from lightning_pipe.planning.exhaustive import EXHAUSTIVE_LIMIT, count_splits
@@ -41,77 +25,61 @@ from lightning_pipe.planning.partitioners import PARTITIONERS
 from lightning_pipe.planning.replay import Evaluator, cached_schedule, compiled
 from lightning_pipe.simulation import CostModel
 
-MODELS = [("gpt2-345m", 4), ("gpt2-762m", 4), ("gpt2-1.3b", 16), ("bert-large", 16)]  # (name, micro-batch size)
+MODELS = {"gpt2-345m": 4, "gpt2-762m": 4, "gpt2-1.3b": 16, "bert-large": 16}  # name: micro-batch size
 STAGES = (2, 4, 8, 16)
 METHODS = ("uniform", "parameters", "dp", "autopipe", "autopipe+refine", "exhaustive")
 LABELS = {"dp": "dp (Algorithm 1)", "autopipe": "autopipe (paper)", "autopipe+refine": "autopipe+refine (ours)"}
 SEARCHES = ("dp", "autopipe", "autopipe+refine")  # compared with exhaustive search
 REDUCED_LAYERS = 10  # 22 blocks: 8 and 16 stages stay within the exhaustive limit
-DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "planner.md")
+DOC = REPO / "docs" / "planner.md"
 BEGIN, END = "<!-- bench_planner:begin -->", "<!-- bench_planner:end -->"
 
 
-def cold() -> None:
-    compiled.cache_clear()
-    cached_schedule.cache_clear()
-
-
 def run_method(method: str, costs: CostModel, kinds, p: int, m: int, repeats: int = 3):
-    """(iteration s, balance s, median planning s) or None when the method does not apply; the
-    machine is shared, so one run's time can be an outlier."""
-    runs = [run_once(method, costs, kinds, p, m) for _ in range(1 if method == "exhaustive" else repeats)]
-    if runs[0] is None:
+    """(iteration s, balance s, median planning s; caches cleared before each call) or None where the method does not apply."""
+    if (method == "exhaustive" and count_splits(costs.num_blocks, p) > EXHAUSTIVE_LIMIT) or (
+        method == "uniform" and kinds.count("attention") < p
+    ):
         return None
-    return runs[0][0], runs[0][1], statistics.median(r[2] for r in runs)
+    runs = []
+    for _ in range(1 if method == "exhaustive" else repeats):
+        compiled.cache_clear()
+        cached_schedule.cache_clear()
+        runs.append(plan(costs, p, m, method, kinds=kinds))
+    return runs[0].iteration_time, runs[0].balance, statistics.median(r.planning_seconds for r in runs)
 
 
-def run_once(method: str, costs: CostModel, kinds, p: int, m: int):
-    if method == "exhaustive" and count_splits(costs.num_blocks, p) > EXHAUSTIVE_LIMIT:
-        return None
-    if method == "uniform" and kinds.count("attention") < p:
-        return None
-    cold()
-    result = plan(costs, p, m, method, kinds=kinds)
-    return result.iteration_time, result.balance, result.planning_seconds
-
-
-def model_rows(name: str, mbs: int, layers=None):
+def model_rows(name: str, mbs: int, layers=None) -> list[tuple]:
     cfg = get_model_config(name) if layers is None else get_model_config(name, n_layer=layers)
     costs, kinds = transformer_costs(cfg, mbs, family="bert" if name.startswith("bert") else "gpt")
-    label = name if layers is None else f"{name} ({layers} layers)"
     rows = []
     for p in STAGES:
         if p > costs.num_blocks or (layers is not None and p < 8):
             continue
-        m = 2 * p
-        results = {method: run_method(method, costs, kinds, p, m) for method in METHODS}
-        reference = results["exhaustive"][0] if results["exhaustive"] else min(r[0] for r in results.values() if r)
-        rows.append((label, costs.num_blocks, p, m, results, reference, results["exhaustive"] is not None))
+        results = {method: run_method(method, costs, kinds, p, 2 * p) for method in METHODS}
+        exact = results["exhaustive"] is not None
+        reference = results["exhaustive"][0] if exact else min(r[0] for r in results.values() if r)
+        rows.append((name if layers is None else f"{name} ({layers} layers)", costs.num_blocks, p, 2 * p, results, reference, exact))
     return rows
 
 
 def format_rows(rows) -> list[str]:
     """Two tables: iteration time and gap per method; planning time and balance per method."""
-    head = "| model | blocks | stages | m | " + " | ".join(LABELS.get(x, x) for x in METHODS) + " |"
-    lines = ["Simulated iteration ms (gap to exhaustive, or * to the best method where exhaustive cannot run):", ""]
-    lines += [head, "|---" * (4 + len(METHODS)) + "|"]
+    tables = (Table("model", "blocks", "stages", "m", *(LABELS.get(x, x) for x in METHODS), align="l" * 10) for _ in range(2))
+    gaps, plans = tables
     for label, n, p, m, results, reference, exact in rows:
-        cells = []
-        for method in METHODS:
-            r = results[method]
-            cells.append("-" if r is None else f"{r[0] * 1e3:.1f} ({(r[0] / reference - 1) * 100:+.2f}%{'' if exact else '*'})")
-        lines.append(f"| {label} | {n} | {p} | {m} | " + " | ".join(cells) + " |")
-    lines += ["", "Planning ms (median of 3, caches cleared; exhaustive once) / balance ms (std of per-stage f + b):", ""]
-    lines += [head, "|---" * (4 + len(METHODS)) + "|"]
-    for label, n, p, m, results, reference, exact in rows:
-        cells = ["-" if results[x] is None else f"{results[x][2] * 1e3:.1f} / {results[x][1] * 1e3:.2f}" for x in METHODS]
-        lines.append(f"| {label} | {n} | {p} | {m} | " + " | ".join(cells) + " |")
-    return lines
+        cell = lambda r: "-" if r is None else f"{r[0] * 1e3:.1f} ({(r[0] / reference - 1) * 100:+.2f}%{'' if exact else '*'})"  # noqa: E731
+        gaps.add(label, n, p, m, *(cell(results[x]) for x in METHODS))
+        plans.add(
+            label, n, p, m, *("-" if results[x] is None else f"{results[x][2] * 1e3:.1f} / {results[x][1] * 1e3:.2f}" for x in METHODS)
+        )
+    return ["Simulated iteration ms (gap to exhaustive, or * to the best method where exhaustive cannot run):", "", gaps.markdown(), "",
+            "Planning ms (median of 3, caches cleared; exhaustive once) / balance ms (std of per-stage f + b):", "", plans.markdown()]  # fmt: skip
 
 
 def random_profiles(count: int, seed: int = 0):
-    """Small random profiles (3-12 blocks, 2-5 stages, 1..3p micro-batches, 1F1B or GPipe); message
-    sizes none, the same at every cut (as in a transformer) or per block."""
+    """Small random profiles (3-12 blocks, 2-5 stages, 1..3p micro-batches, 1F1B or GPipe); messages
+    none, the same at every cut (as in a transformer) or a size per block."""
     rng = random.Random(seed)
     for _ in range(count):
         n = rng.randint(3, 12)
@@ -124,23 +92,20 @@ def random_profiles(count: int, seed: int = 0):
         if messages != "none":
             sizes = (1.0,) * n if messages == "same" else tuple(rng.uniform(0, 1) for _ in range(n))
             kwargs = dict(activation_bytes=sizes, bandwidth=rng.uniform(1, 20), latency=rng.uniform(0, 0.05))
-        yield CostModel(tuple(f), tuple(b), **kwargs), p, m, rng.choice(["1f1b", "gpipe"]), messages
+        yield CostModel(tuple(f), tuple(b), **kwargs), p, m, rng.choice(["1f1b", "gpipe"])
 
 
-def random_summary(count: int) -> list[str]:
+def random_summary(count: int) -> str:
     gaps: dict[tuple[str, str], list[float]] = {}
-    for costs, p, m, schedule, messages in random_profiles(count):
+    for costs, p, m, schedule in random_profiles(count):
         ev = Evaluator(costs, schedule, p, m)
         best = ev.time(PARTITIONERS["exhaustive"](costs, p, m, schedule))
         for method in SEARCHES:
-            bounds = PARTITIONERS[method](costs, p, m, schedule)
-            gaps.setdefault((method, schedule), []).append(ev.time(bounds) / best - 1)
-    lines = ["| method | schedule | profiles | mean gap | worst gap | over 1% |", "|---|---|---|---|---|---|"]
+            gaps.setdefault((method, schedule), []).append(ev.time(PARTITIONERS[method](costs, p, m, schedule)) / best - 1)
+    t = Table("method", "schedule", "profiles", "mean gap", "worst gap", "over 1%", align="l" * 6)
     for (method, schedule), g in sorted(gaps.items()):
-        lines.append(
-            f"| {method} | {schedule} | {len(g)} | {statistics.mean(g) * 100:.3f}% | {max(g) * 100:.2f}% | {sum(x > 0.01 for x in g)} |"
-        )
-    return lines
+        t.add(method, schedule, len(g), f"{statistics.mean(g) * 100:.3f}%", f"{max(g) * 100:.2f}%", sum(x > 0.01 for x in g))
+    return t.markdown()
 
 
 TIMING = """
@@ -152,19 +117,18 @@ print(first, plan(costs, 16, 32, sys.argv[1], kinds=kinds).planning_seconds)
 """
 
 
-def target_timing(method: str, repeats: int = 5) -> tuple[float, float, float]:
+def target_timing(method: str, repeats: int) -> tuple[float, float, float]:
     """GPT-2 1.3B at sub-layer granularity (50 blocks), 16 stages, 32 micro-batches, each run in a
     fresh process: (median cold, worst cold, median warm) planning seconds."""
-    colds, warms = [], []
-    for _ in range(repeats):
-        out = subprocess.run([sys.executable, "-c", TIMING, method], capture_output=True, text=True, check=True).stdout
-        c, w = map(float, out.split())
-        colds.append(c)
-        warms.append(w)
+    runs = [
+        subprocess.run([sys.executable, "-c", TIMING, method], capture_output=True, text=True, check=True).stdout.split()
+        for _ in range(repeats)
+    ]
+    colds, warms = [float(c) for c, _ in runs], [float(w) for _, w in runs]
     return statistics.median(colds), max(colds), statistics.median(warms)
 
 
-def closure() -> None:
+def closure(bench: Bench) -> None:
     from lightning_pipe.planning.heuristic import MAX_EXPANSIONS_PER_STAGE, autopipe_search
 
     costs, _ = transformer_costs("gpt2-1.3b", 16)
@@ -172,55 +136,33 @@ def closure() -> None:
         ev = Evaluator(costs, "1f1b", 16, 32)
         started = time.perf_counter()
         found = autopipe_search(ev, 16, bound)
-        print(
+        bench.say(
             f"autopipe (paper), GPT-2 1.3B, 16 stages, 32 micro-batches, at most {bound} splits through step 2): "
             f"{ev.evaluations} splits simulated in {time.perf_counter() - started:.1f} s, iteration {ev.time(found) * 1e3:.1f} ms"
         )
 
 
-def commit() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True)
-    mine = ["lightning_pipe/planning", "benchmarks/bench_planner.py"]
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", *mine], cwd=os.path.dirname(here)).returncode
-    return (out.stdout.strip() or "unknown") + (" + uncommitted planner changes (committed with this table)" if dirty else "")
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--random", type=int, default=600, help="random small profiles compared with exhaustive search")
-    parser.add_argument("--update-docs", action="store_true", help=f"write the results into {DOC}")
-    parser.add_argument(
-        "--closure",
-        action="store_true",
-        help="only: run the paper's heuristic on GPT-2 1.3B / 16 stages without our bound on its length and print "
-        "how many splits it simulates (about two minutes)",
-    )
-    args = parser.parse_args()
+    bench = Bench(__doc__, dict(random=20, models=["gpt2-345m"], cold=1))
+    p = bench.parser
+    p.add_argument("--random", type=int, default=600, help="random small profiles compared with exhaustive search")
+    p.add_argument("--models", type=names, default=list(MODELS), help=f"comma-separated subset of {list(MODELS)}")
+    p.add_argument("--cold", type=int, default=5, help="fresh processes timing GPT-2 1.3B's planning")
+    p.add_argument("--update-docs", action="store_true", help=f"write the results into {DOC}")
+    p.add_argument("--closure", action="store_true", help="only: the paper's heuristic on GPT-2 1.3B / 16 stages without our bound")
+    args = bench.parse(header=False)
     if args.closure:
-        closure()
-        return
-
-    when = subprocess.run(["date"], capture_output=True, text=True).stdout.strip() or time.ctime()
+        closure(bench)
+        return bench.finish()
     started = time.perf_counter()
-    rows = []
-    for name, mbs in MODELS:
-        rows += model_rows(name, mbs)
-        print(f"{name}: done", file=sys.stderr)
-    for name, mbs in MODELS:
-        rows += model_rows(name, mbs, layers=REDUCED_LAYERS)
-    timings = {method: target_timing(method) for method in ("autopipe", "autopipe+refine")}
+    rows = [r for name in args.models for r in model_rows(name, MODELS[name])]
+    rows += [r for name in args.models for r in model_rows(name, MODELS[name], layers=REDUCED_LAYERS)]
+    timings = {method: target_timing(method, args.cold) for method in ("autopipe", "autopipe+refine")}
     summary = random_summary(args.random)
-
-    def exact_gaps(method):
-        return [(r[4][method][0] / r[5] - 1) for r in rows if r[6]]
-
-    def wins(method, other):
-        return sum(r[4][method][0] < r[4][other][0] * (1 - 1e-9) for r in rows)
-
+    exact_gaps = lambda method: [(r[4][method][0] / r[5] - 1) for r in rows if r[6]]  # noqa: E731
+    wins = lambda method, other: sum(r[4][method][0] < r[4][other][0] * (1 - 1e-9) for r in rows)  # noqa: E731
     out = [
-        f"Run: {when}; {machine_description()} (2 shared cores); commit {commit()}; "
-        f"`python benchmarks/bench_planner.py --random {args.random}` ({time.perf_counter() - started:.0f} s).",
+        f"Run: {bench.provenance}; `{bench.command}` ({time.perf_counter() - started:.0f} s).",
         "",
         "Micro-batch size 4 (GPT-2 345M / 762M) or 16 (GPT-2 1.3B, BERT-large), full sequence length "
         "(1024 / 512), 100 TFLOP/s, 100 Gb/s links with 10 us latency, 1F1B, m = 2 x stages. "
@@ -238,7 +180,7 @@ def main() -> None:
         f"slower in {wins('autopipe', 'autopipe+refine')}; autopipe (paper) is faster than dp in {wins('autopipe', 'dp')}.",
         "",
         *[
-            f"Target 2 (GPT-2 1.3B, 50 sub-layer blocks, 16 stages, 32 micro-batches, {method}, <= 0.1 s in the worst of 5 "
+            f"Target 2 (GPT-2 1.3B, 50 sub-layer blocks, 16 stages, 32 micro-batches, {method}, <= 0.1 s in the worst of {args.cold} "
             f"fresh processes): median {t[0] * 1e3:.1f} ms, worst {t[1] * 1e3:.1f} ms ({t[2] * 1e3:.1f} ms planned again "
             f"with the schedule cached) -> {'met' if t[1] <= 0.1 else 'NOT met'}."
             for method, t in timings.items()
@@ -247,20 +189,18 @@ def main() -> None:
         f"Random small profiles ({args.random}; 3-12 blocks, 2-5 stages, 1..3p micro-batches; messages none, "
         "the same at every cut, or a size per block), gap to exhaustive:",
         "",
-        *summary,
+        summary,
     ]
     text = "\n".join(out)
-    print(text)
+    bench.say(text)
     if args.update_docs:
-        with open(DOC) as fh:
-            doc = fh.read()
+        doc = DOC.read_text()
         if BEGIN not in doc or END not in doc:
             raise SystemExit(f"{DOC} has no {BEGIN} ... {END} section to replace")
         head, rest = doc.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        with open(DOC, "w") as fh:
-            fh.write(f"{head}{BEGIN}\n{text}\n{END}{tail}")
-        print(f"\nwrote {DOC}", file=sys.stderr)
+        DOC.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+        bench.log(f"\nwrote {DOC}")
+    bench.finish()
 
 
 if __name__ == "__main__":
