@@ -1,97 +1,89 @@
-"""AutoPipe slicer (paper §III-C): start-up overhead and iteration time with and without slicing.
+"""AutoPipe slicer (paper §III-C): start-up and iteration time with and without slicing.
 
-    python benchmarks/bench_slicer.py [--models gpt2-345m gpt2-1.3b] [--stages 2 4 8 16]
+Simulated on FLOP-based profiles (`transformer_costs`) with each depth's AutoPipe plan, 1F1B,
+m = 2 x stages: ours (`choose_slicing`) vs the paper's Algorithm 2. ``--measure``: the runtime
+(SequentialHost + traced Executor, gloo, 1 thread) with and without slicing, start-up and
+iteration off the trace, at 2 ranks on the residual MLP and 4 / 8 ranks on emulated devices whose
+time scales with the rows, against the simulator on the same costs. Feeds docs/autopipe.md.
+
+    python benchmarks/bench_slicer.py --pictures docs/img
     flock /tmp/bench.lock python benchmarks/bench_slicer.py --measure   # real processes, ~3 min
-
-Simulated on FLOP-based cost profiles (lightning_pipe.planning.transformer_costs) with the
-AutoPipe plan of each depth, 1F1B, m = 2 x stages micro-batches: k and the figures of ours
-(`choose_slicing`: every k simulated, the fastest kept) and of the paper's Algorithm 2
-(`algorithm2_slicing`: its count, its schedule with the merged messages). Start-up = time until
-the last stage starts its first forward. Target: start-up cut by >= 45% at >= 4 stages.
-
-``--measure`` runs the runtime (`SequentialHost` + `Executor(trace=True)`, gloo, one thread per
-process) with and without slicing and reads start-up and iteration time off the trace (one
-machine-wide monotonic clock): at 2 ranks on real compute (the residual MLP of bench_runtime),
-and at 4 and 8 ranks on emulated devices (blocks that sleep for their time, scaled with the rows
-of the micro-batch, as a GPU leaves its host idle), each against the simulator on the same costs.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 
-for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")
+from lightning_pipe.bench.harness import Bench, Table, pin_threads
+
+pin_threads(1)
 
 import torch  # noqa: E402
 
-from lightning_pipe.bench.emulated import EmulatedBlock  # noqa: E402
+from lightning_pipe.bench.emulated import EmulatedBlock, _Occupy  # noqa: E402
 from lightning_pipe.planning import plan, transformer_costs  # noqa: E402
-from lightning_pipe.planning.slicer import algorithm2_slicing, choose_slicing  # noqa: E402
+from lightning_pipe.planning.slicer import algorithm2_slicing, choose_slicing, simulate_sliced  # noqa: E402
+from lightning_pipe.planning.slicer_algorithm2 import algorithm2, paper_schedule, simulate_paper, stage_times  # noqa: E402
+from lightning_pipe.simulation import CostModel  # noqa: E402
+
+pct = "{:.1%}".format
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--models", nargs="+", default=["gpt2-345m", "gpt2-762m", "gpt2-1.3b", "bert-large"])
-    parser.add_argument("--stages", nargs="+", type=int, default=[2, 4, 8, 16])
-    parser.add_argument("--microbatch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--pictures", default=None, help="folder for timelines of gpt2-345m at 4 stages, without and with slicing")
-    parser.add_argument("--measure", action="store_true", help="measure on real processes (2 real, 4 and 8 emulated ranks)")
-    parser.add_argument("--steps", type=int, default=12, help="--measure: timed steps per variant (in rounds of 4)")
-    args = parser.parse_args()
-    if args.measure:
-        measure(args.steps)
-        return
-    print("simulated; ours = every k simulated, the fastest kept; alg2 = the paper's Algorithm 2 (count, schedule, merge)")
-    print(
-        f"{'model':<11} {'p':>3} {'m':>3} {'k':>3} {'start-up ms':>12} {'sliced':>9} {'cut':>6} {'iteration ms':>13} {'sliced':>9} {'gain':>6}"
-        f" | {'alg2 k':>6} {'start-up':>9} {'cut':>6} {'iteration':>10} {'gain':>6}"
+def simulated(bench: Bench, args) -> None:
+    table = Table(
+        "model",
+        "p",
+        "m",
+        "k",
+        "start-up ms",
+        "sliced",
+        "cut",
+        "iteration ms",
+        "sliced",
+        "gain",
+        "alg2 k",
+        "start-up",
+        "cut",
+        "iteration",
+        "gain",
     )
-    worst_cut = worst_alg2 = 1.0
+    worst = [1.0, 1.0]
     for name in args.models:
-        seq = min(args.seq_len, 512) if name.startswith("bert") else args.seq_len
-        costs, kinds = transformer_costs(name, args.microbatch, seq)
+        costs, kinds = transformer_costs(name, args.microbatch, min(args.seq_len, 512) if name.startswith("bert") else args.seq_len)
         for p in args.stages:
-            m = 2 * p
-            best = plan(costs, p, m, method="autopipe", kinds=kinds)
-            s = choose_slicing(costs, best.bounds, m)
+            best = plan(costs, p, 2 * p, method="autopipe", kinds=kinds)
+            s, a = choose_slicing(costs, best.bounds, 2 * p), algorithm2_slicing(costs, best.bounds, 2 * p)
             if p >= 4:
-                worst_cut = min(worst_cut, s.startup_cut)
-            a = algorithm2_slicing(costs, best.bounds, m)
-            if p >= 4:
-                worst_alg2 = min(worst_alg2, a.startup_cut)
-            gain = 1 - s.iteration_time / s.baseline_iteration_time
-            print(
-                f"{name:<11} {p:>3} {m:>3} {s.sliced:>3} {s.baseline_startup * 1e3:>12.2f} {s.startup * 1e3:>9.2f} {s.startup_cut:>6.1%} "
-                f"{s.baseline_iteration_time * 1e3:>13.2f} {s.iteration_time * 1e3:>9.2f} {gain:>6.1%}"
-                f" | {a.sliced:>6} {a.startup * 1e3:>9.2f} {a.startup_cut:>6.1%} {a.iteration_time * 1e3:>10.2f} "
-                f"{1 - a.iteration_time / a.baseline_iteration_time:>6.1%}"
-            )
-    print(f"\nsmallest start-up cut at >= 4 stages: ours {worst_cut:.1%}, Algorithm 2 {worst_alg2:.1%} (target >= 45%)")
+                worst = [min(worst[0], s.startup_cut), min(worst[1], a.startup_cut)]
+            row = [f"{1e3 * t:.2f}" for t in (s.baseline_startup, s.startup)] + [pct(s.startup_cut)]
+            row += [f"{1e3 * t:.2f}" for t in (s.baseline_iteration_time, s.iteration_time)] + [
+                pct(1 - s.iteration_time / s.baseline_iteration_time)
+            ]
+            row += [
+                a.sliced,
+                f"{1e3 * a.startup:.2f}",
+                pct(a.startup_cut),
+                f"{1e3 * a.iteration_time:.2f}",
+                pct(1 - a.iteration_time / a.baseline_iteration_time),
+            ]
+            table.add(name, p, 2 * p, s.sliced, *row)
+    bench.table(table, "simulated; ours = every k simulated, the fastest kept; alg2 = the paper's Algorithm 2 (count, schedule, merge)")
+    bench.say(f"smallest start-up cut at >= 4 stages: ours {pct(worst[0])}, Algorithm 2 {pct(worst[1])} (target >= 45%)")
     if args.pictures:
-        from lightning_pipe.planning.slicer import simulate_sliced
         from lightning_pipe.simulation.timelines import gantt
 
         costs, kinds = transformer_costs("gpt2-345m", args.microbatch, args.seq_len)
         best = plan(costs, 4, 8, method="autopipe", kinds=kinds)
-        k = choose_slicing(costs, best.bounds, 8).sliced
-        for name, sliced in (("off", 0), ("on", k)):
+        for name, sliced in (("off", 0), ("on", choose_slicing(costs, best.bounds, 8).sliced)):
             t = simulate_sliced(costs, best.bounds, 8, sliced)
-            gantt(
-                t,
-                f"{args.pictures}/slicer_{name}.png",
-                title=f"gpt2-345m, 4 stages, 1F1B, m=8, slicer {name} "
-                f"(k={sliced}): start-up {t.startup * 1e3:.1f} ms, iteration {t.iteration_time * 1e3:.1f} ms",
-            )
-        print(f"pictures written to {args.pictures}")
+            title = f"gpt2-345m, 4 stages, 1F1B, m=8, slicer {name} (k={sliced}): start-up {t.startup * 1e3:.1f} ms, iteration {t.iteration_time * 1e3:.1f} ms"
+            gantt(t, f"{args.pictures}/slicer_{name}.png", title=title)
+        bench.log(f"pictures written to {args.pictures}")
 
 
 # ---- measured on real processes ----------------------------------------------------------------
 class RowScaledBlock(EmulatedBlock):
-    """An emulated block whose device time scales with the micro-batch's rows (`rows` = one whole
+    """An emulated block whose device time scales with the micro-batch's rows (`rows` = a whole
     micro-batch): the simulator's linear model, so a half occupies its rank for half the time."""
 
     def __init__(self, width: int, forward_s: float, backward_s: float, rows: int):
@@ -99,8 +91,6 @@ class RowScaledBlock(EmulatedBlock):
         self.rows = rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from lightning_pipe.bench.emulated import _Occupy
-
         share = x.shape[0] / self.rows
         return _Occupy.apply(x + torch.tanh(self.linear(x)), self.forward_s * share, self.backward_s * share)
 
@@ -109,23 +99,18 @@ def _stage(cfg: dict, rank: int) -> torch.nn.Module:
     if cfg["kind"] == "mlp":
         from lightning_pipe.bench.mlp import make_model
 
-        model = make_model(cfg)
-        per = len(model) // cfg["stages"]
-        return model[rank * per : (rank + 1) * per]
+        per = cfg["blocks"] // cfg["stages"]
+        return make_model(cfg)[rank * per : (rank + 1) * per]
     torch.manual_seed(rank)
-    rows = cfg["batch"] // cfg["microbatches"]
-    blocks = cfg["blocks_per_stage"]
-    return torch.nn.Sequential(*[RowScaledBlock(cfg["hidden"], cfg["f"] / blocks, cfg["b"] / blocks, rows) for _ in range(blocks)])
+    rows, n = cfg["batch"] // cfg["microbatches"], cfg["blocks_per_stage"]
+    return torch.nn.Sequential(*[RowScaledBlock(cfg["hidden"], cfg["f"] / n, cfg["b"] / n, rows) for _ in range(n)])
 
 
 def _schedule(p: int, m: int, variant: tuple[str, int]):
-    from lightning_pipe.planning.slicer_algorithm2 import paper_schedule
     from lightning_pipe.schedules import build_schedule
 
     name, k = variant
-    if name.startswith("alg2"):
-        return paper_schedule(p, m, k, merge=not name.endswith("nomerge"))
-    return build_schedule("1f1b", p, m + k)
+    return paper_schedule(p, m, k, merge=not name.endswith("nomerge")) if name.startswith("alg2") else build_schedule("1f1b", p, m + k)
 
 
 def _measure_job(rank: int, world: int, cfg: dict, variants: list) -> dict:
@@ -139,179 +124,129 @@ def _measure_job(rank: int, world: int, cfg: dict, variants: list) -> dict:
     from lightning_pipe.runtime.sequential import SequentialHost
 
     link = ping_pong(rank) if cfg.get("ping") else None
-    stage = _stage(cfg, rank)
+    stage, m = _stage(cfg, rank), cfg["microbatches"]
     host = SequentialHost({rank: stage}, world - 1, lambda out, y: F.mse_loss(out, y))
-    transport = Transport(lambda r: r, torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(cfg["batch"], cfg["hidden"], generator=g), torch.randn(cfg["batch"], cfg["hidden"], generator=g)
-    executors = {v: Executor(_schedule(world, cfg["microbatches"], v), rank, transport, trace=True) for v in variants}
+    executors = {v: Executor(_schedule(world, m, v), rank, Transport(lambda r: r, torch.device("cpu")), trace=True) for v in variants}
     out: dict = {v: [] for v in variants}
-    for rnd in range(cfg["rounds"]):
-        for v in variants:
-            ex = executors[v]
+    for _ in range(cfg["rounds"]):
+        for v, ex in executors.items():
             for step in range(cfg["warmup"] + cfg["per_round"]):
-                host.inputs, host.weights = split_microbatches(x, cfg["microbatches"], v[1])
-                host.targets, _ = split_microbatches(y, cfg["microbatches"], v[1])
+                (host.inputs, host.weights), (host.targets, _) = split_microbatches(x, m, v[1]), split_microbatches(y, m, v[1])
                 host.losses = []
                 stage.zero_grad(set_to_none=True)
                 dist.barrier()
                 ex.run(host, [signature(t) for t in host.inputs])
                 if step >= cfg["warmup"]:
-                    comp = [(ex.actions[i], s, e) for i, s, e in ex.records if ex.actions[i].op.is_compute]
+                    comp = [
+                        (ex.actions[i].op.value, ex.actions[i].microbatch, s, e) for i, s, e in ex.records if ex.actions[i].op.is_compute
+                    ]
                     out[v].append(
                         {
-                            "first_f": min(s for a, s, _ in comp if a.op.value == "F"),
-                            "start": min(s for _, s, _ in comp),
-                            "end": max(e for _, _, e in comp),
-                            "f": [(a.microbatch, e - s) for a, s, e in comp if a.op.value == "F"],
-                            "b": [(a.microbatch, e - s) for a, s, e in comp if a.op.value == "B"],
+                            "first_f": min(s for op, _, s, _ in comp if op == "F"),
+                            "start": min(s for *_, s, _ in comp),
+                            "end": max(e for *_, e in comp),
+                            **{k: [(mb, e - s) for op, mb, s, e in comp if op == k.upper()] for k in ("f", "b")},
                         }
                     )
     return {"steps": out, "link": link}
 
 
-def _run(cfg: dict, variants: list) -> tuple[dict, dict]:
-    """{variant: (median start-up, median iteration)} in seconds, and the raw records."""
-    from lightning_pipe.bench.launch import run_undisturbed
-
-    ranks, foreign = run_undisturbed(_measure_job, cfg["stages"], cfg, variants, retries=1, max_foreign=0.15, quiet_wait=60.0, timeout=900)
-    print(f"  (segment of {cfg['stages']} ranks: other processes used {foreign:.2f} CPUs meanwhile)", flush=True)
+def _run(bench: Bench, cfg: dict, variants: list) -> tuple[dict, list]:
+    """{variant: (median start-up, median iteration)} in seconds, and every rank's records."""
+    ranks, foreign = bench.run(_measure_job, cfg["stages"], cfg, variants, label=f"{cfg['stages']} ranks")
+    bench.say(f"  (segment of {cfg['stages']} ranks: other processes used {foreign:.2f} CPUs meanwhile)")
     result = {}
     for v in variants:
-        startups, iterations = [], []
-        for i in range(len(ranks[0]["steps"][v])):
-            steps = [r["steps"][v][i] for r in ranks]
-            startups.append(steps[-1]["first_f"] - steps[0]["first_f"])
-            iterations.append(max(s["end"] for s in steps) - min(s["start"] for s in steps))
-        result[v] = (statistics.median(startups), statistics.median(iterations))
-    return result, {"ranks": ranks}
+        steps = list(zip(*(r["steps"][v] for r in ranks)))
+        startups = [s[-1]["first_f"] - s[0]["first_f"] for s in steps]
+        result[v] = (statistics.median(startups), statistics.median(max(x["end"] for x in s) - min(x["start"] for x in s) for s in steps))
+    return result, ranks
 
 
-def _print_rows(title: str, cfg: dict, costs, bounds, variants: list, measured: dict) -> None:
-    from lightning_pipe.planning.slicer import simulate_sliced
-    from lightning_pipe.planning.slicer_algorithm2 import simulate_paper
+def _profile(ranks: list, kind: str, v=("off", 0)) -> list[float]:
+    """Per rank, the median traced time of a whole micro-batch's forward ("f") or backward ("b")."""
+    return [statistics.median(d for s in r["steps"][v] for _, d in s[kind]) for r in ranks]
 
-    m = cfg["microbatches"]
-    print(f"\n{title}")
-    print(
-        f"{'variant':<16} {'k':>2} {'start-up ms':>12} {'simulated':>10} {'cut':>6} {'sim cut':>8} {'iteration ms':>13} {'simulated':>10} {'error':>7}"
-    )
+
+def _variants(costs: CostModel, bounds: list, m: int, force: bool) -> tuple[list, int, int]:
+    ours, alg2 = choose_slicing(costs, bounds, m).sliced, algorithm2(*stage_times(costs, bounds), m).sliced
+    variants = [("off", 0), ("ours", ours) if ours or not force else ("ours-forced", 1), ("alg2", alg2)]
+    variants += [("alg2-nomerge", alg2)] if alg2 >= 2 else []
+    return list(dict.fromkeys(v if v[1] else ("off", 0) for v in variants)), ours, alg2
+
+
+def _print_rows(bench: Bench, title: str, m: int, costs, bounds, variants: list, measured: dict) -> None:
+    table = Table("variant", "k", "start-up ms", "simulated", "cut", "sim cut", "iteration ms", "simulated", "error")
     base_meas, base_sim = measured[("off", 0)][0], simulate_sliced(costs, bounds, m, 0).startup
-    for v in variants:
-        name, k = v
-        t = (
-            simulate_paper(costs, bounds, m, k, merge=not name.endswith("nomerge"))
-            if name.startswith("alg2")
-            else simulate_sliced(costs, bounds, m, k)
-        )
-        su, it = measured[v]
-        print(
-            f"{name:<16} {k:>2} {su * 1e3:>12.2f} {t.startup * 1e3:>10.2f} {1 - su / base_meas:>6.1%} {1 - t.startup / base_sim:>8.1%} "
-            f"{it * 1e3:>13.2f} {t.iteration_time * 1e3:>10.2f} {it / t.iteration_time - 1:>+7.1%}"
-        )
+    for name, k in variants:
+        alg2 = name.startswith("alg2")
+        t = simulate_paper(costs, bounds, m, k, merge=not name.endswith("nomerge")) if alg2 else simulate_sliced(costs, bounds, m, k)
+        su, it = measured[(name, k)]
+        row = [f"{su * 1e3:.2f}", f"{t.startup * 1e3:.2f}", pct(1 - su / base_meas), pct(1 - t.startup / base_sim)]
+        table.add(name, k, *row, f"{it * 1e3:.2f}", f"{t.iteration_time * 1e3:.2f}", f"{it / t.iteration_time - 1:+.1%}")
+    bench.table(table, title)
 
 
-def measure(steps: int) -> None:
-    import subprocess
-
-    from lightning_pipe.bench.launch import machine_description
-    from lightning_pipe.planning.slicer_algorithm2 import algorithm2, stage_times
-    from lightning_pipe.simulation import CostModel
-
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-    import datetime
-
-    print(f"run {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M:%S} UTC, commit {commit}; {machine_description()}")
-    rounds = max(1, steps // 4)
-
-    # -- 2 ranks, real compute: profile from an unsliced traced run, then every variant interleaved
+def measure(bench: Bench, args) -> None:
+    rounds, per_round = max(1, args.steps // 4), min(4, args.steps)
+    # 2 ranks, real compute: profile from an unsliced traced run, then every variant interleaved
     cfg = dict(
         kind="mlp", stages=2, hidden=512, mlp_ratio=4, blocks=8, batch=256, microbatches=4, rounds=1, per_round=6, warmup=2, ping=True
     )
-    prof, raw = _run(cfg, [("off", 0)])
-    steps0 = [r["steps"][("off", 0)] for r in raw["ranks"]]
-    f = [statistics.median(d for s in st for _, d in s["f"]) for st in steps0]
-    b = [statistics.median(d for s in st for _, d in s["b"]) for st in steps0]
-    link = raw["ranks"][0]["link"]
-    rows = cfg["batch"] // cfg["microbatches"]
-    costs = CostModel(
-        tuple(f), tuple(b), activation_bytes=(rows * cfg["hidden"] * 4.0,) * 2, latency=link["latency"], bandwidth=link["bandwidth"]
-    )
-    bounds = [(0, 1), (1, 2)]
-    print(
-        f"\nlink {link['latency'] * 1e6:.0f} us, {link['bandwidth'] / 1e9:.1f} GB/s; profile to choose k (traced, unsliced, median): "
-        f"f = {[round(t * 1e3, 2) for t in f]} ms, b = {[round(t * 1e3, 2) for t in b]} ms per micro-batch of {rows} rows"
-    )
-    ours = choose_slicing(costs, bounds, cfg["microbatches"]).sliced
-    alg2 = algorithm2(*stage_times(costs, bounds), cfg["microbatches"]).sliced
-    variants = [("off", 0), ("ours", ours) if ours else ("ours-forced", 1), ("alg2", alg2)] + (
-        [("alg2-nomerge", alg2)] if alg2 >= 2 else []
-    )
-    variants = list(dict.fromkeys(v if v[1] else ("off", 0) for v in variants))
-    cfg.update(rounds=rounds, per_round=4, warmup=1, ping=False)
-    measured, raw = _run(cfg, variants)
-    steps0 = [r["steps"][("off", 0)] for r in raw["ranks"]]  # the simulated columns: the profile of this same run
-    f = [statistics.median(d for s in st for _, d in s["f"]) for st in steps0]
-    b = [statistics.median(d for s in st for _, d in s["b"]) for st in steps0]
-    costs = CostModel(tuple(f), tuple(b), activation_bytes=costs.activation_bytes, latency=link["latency"], bandwidth=link["bandwidth"])
-    print(
-        f"profile of the measured run (unsliced steps, traced, median): f = {[round(t * 1e3, 2) for t in f]} ms, b = {[round(t * 1e3, 2) for t in b]} ms"
-    )
-    _print_rows(
-        f"2 ranks, real compute (residual MLP, hidden 256, 8 blocks, batch 256, m = 4): k ours = {ours}, Algorithm 2 = {alg2}",
-        cfg,
-        costs,
-        bounds,
-        variants,
-        measured,
-    )
+    rows, m, bounds = 64, 4, [(0, 1), (1, 2)]
+    _, ranks = _run(bench, cfg, [("off", 0)])
+    link = ranks[0]["link"]
+    lk = dict(latency=link["latency"], bandwidth=link["bandwidth"])
+    f, b = _profile(ranks, "f"), _profile(ranks, "b")
+    costs = CostModel(tuple(f), tuple(b), activation_bytes=(rows * cfg["hidden"] * 4.0,) * 2, **lk)
+    fmt = lambda ts: [round(t * 1e3, 2) for t in ts]  # noqa: E731
+    head = f"link {link['latency'] * 1e6:.0f} us, {link['bandwidth'] / 1e9:.1f} GB/s; profile to choose k (traced, unsliced, median): "
+    bench.say(head + f"f = {fmt(f)} ms, b = {fmt(b)} ms per micro-batch of {rows} rows")
+    variants, ours, alg2 = _variants(costs, bounds, m, force=True)
+    cfg.update(rounds=rounds, per_round=per_round, warmup=1, ping=False)
+    measured, ranks = _run(bench, cfg, variants)
+    f, b = _profile(ranks, "f"), _profile(ranks, "b")  # the simulated columns: the profile of this same run
+    costs = CostModel(tuple(f), tuple(b), activation_bytes=costs.activation_bytes, **lk)
+    bench.say(f"profile of the measured run (unsliced steps, traced, median): f = {fmt(f)} ms, b = {fmt(b)} ms")
+    title = f"2 ranks, real compute (residual MLP, hidden 512, 8 blocks, batch 256, m = 4): k ours = {ours}, Algorithm 2 = {alg2}"
+    _print_rows(bench, title, m, costs, bounds, variants, measured)
     for v in variants[1:]:
         ratios = []
-        for st in [r["steps"] for r in raw["ranks"]]:
+        for r in ranks:
             for kind in ("f", "b"):
-                whole = statistics.median(d for s in st[("off", 0)] for _, d in s[kind])
-                half = statistics.median(d for s in st[v] for mb, d in s[kind] if mb < 2 * v[1])
-                ratios.append(round(half / whole, 2))
-        print(f"{v[0]}: a half's time / a whole micro-batch's (traced; rank 0 f, b, rank 1 f, b): {ratios} (the simulator assumes 0.5)")
-
-    # -- 4 and 8 ranks, emulated devices
-    for p in (4, 8):
-        cfg = dict(
-            kind="emulated",
-            stages=p,
-            hidden=16,
-            blocks_per_stage=2,
-            f=0.006,
-            b=0.012,
-            batch=8 * 2 * p,
-            microbatches=2 * p,
-            rounds=rounds,
-            per_round=4,
-            warmup=1,
-        )
-        rows = cfg["batch"] // cfg["microbatches"]
-        costs = CostModel(
-            (cfg["f"],) * p,
-            (cfg["b"],) * p,
-            activation_bytes=(rows * cfg["hidden"] * 4.0,) * p,
-            latency=link["latency"],
-            bandwidth=link["bandwidth"],
-        )
+                whole = statistics.median(d for s in r["steps"][("off", 0)] for _, d in s[kind])
+                ratios.append(round(statistics.median(d for s in r["steps"][v] for mb, d in s[kind] if mb < 2 * v[1]) / whole, 2))
+        bench.say(f"{v[0]}: a half's time / a whole micro-batch's (traced; rank 0 f, b, rank 1 f, b): {ratios} (the simulator assumes 0.5)")
+    # 4 and 8 ranks, emulated devices
+    for p in (4,) if args.quick else (4, 8):
+        cfg = dict(kind="emulated", stages=p, hidden=16, blocks_per_stage=2, f=0.006, b=0.012, batch=16 * p, microbatches=2 * p)
+        cfg.update(rounds=rounds, per_round=per_round, warmup=1)
+        costs = CostModel((cfg["f"],) * p, (cfg["b"],) * p, activation_bytes=(8 * cfg["hidden"] * 4.0,) * p, **lk)
         bounds = [(i, i + 1) for i in range(p)]
-        ours = choose_slicing(costs, bounds, cfg["microbatches"]).sliced
-        alg2 = algorithm2(*stage_times(costs, bounds), cfg["microbatches"]).sliced
-        variants = [("off", 0), ("ours", ours), ("alg2", alg2)] + ([("alg2-nomerge", alg2)] if alg2 >= 2 else [])
-        variants = list(dict.fromkeys(v if v[1] else ("off", 0) for v in variants))
-        measured, _ = _run(cfg, variants)
-        _print_rows(
+        variants, ours, alg2 = _variants(costs, bounds, 2 * p, force=False)
+        measured, _ = _run(bench, cfg, variants)
+        title = (
             f"{p} ranks on EMULATED devices (blocks sleep for their time, scaled with the rows; f = 6 ms, b = 12 ms per stage "
-            f"and micro-batch; m = {2 * p}): k ours = {ours}, Algorithm 2 = {alg2}",
-            cfg,
-            costs,
-            bounds,
-            variants,
-            measured,
+            f"and micro-batch; m = {2 * p}): k ours = {ours}, Algorithm 2 = {alg2}"
         )
+        _print_rows(bench, title, 2 * p, costs, bounds, variants, measured)
+
+
+def main() -> None:
+    bench = Bench(__doc__, steps=12, retries=1, max_foreign=0.15, quiet_wait=60.0, timeout=900.0)
+    bench.quick.update(models=["gpt2-345m"], stages=[2, 4])
+    p = bench.parser
+    p.add_argument("--models", nargs="+", default=["gpt2-345m", "gpt2-762m", "gpt2-1.3b", "bert-large"])
+    p.add_argument("--stages", nargs="+", type=int, default=[2, 4, 8, 16])
+    p.add_argument("--microbatch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--pictures", default=None, help="folder for timelines of gpt2-345m at 4 stages, without and with slicing")
+    p.add_argument("--measure", action="store_true", help="measure on real processes (2 real, 4 and 8 emulated ranks)")
+    args = bench.parse()
+    (measure if args.measure else simulated)(bench, args)
+    bench.finish()
 
 
 if __name__ == "__main__":
