@@ -1,50 +1,12 @@
 """PipeDream-2BW vs PipeDream-Flush (1F1B) vs GPipe vs one process: samples/s, measured and simulated.
 
-Part ``real`` trains bench_runtime.py's workload (lightning_pipe.bench.mlp: the balanced residual
-MLP, default hidden 512, 8 blocks, float32, MSE, SGD, the same fixed batches) on 2 gloo processes
-with one thread each, at m = 2 (= d) and m = 8 (= 4d) micro-batches of 64 rows per step (batch =
-64 m rows, as bench_runtime's micro-batches):
+Part ``real``: bench_runtime's residual MLP (lightning_pipe.bench.mlp) on 2 gloo processes at
+m = 2 and 8; part ``emulated``: d = 2, 4, 8 processes of sleeping stages (SleepBlock) at m = d, 4d.
+Per mode: samples/s, the simulator's step on the profiled costs, final weights against one process
+(2BW: against the 2BW rule), per-rank traces and one step's timeline. Feeds docs/benchmarks_2bw.md
+(method and results there).
 
-- ``single``  one process, the whole model, the whole batch (the baseline);
-- ``gpipe``   Flush over build_schedule("gpipe", 2, m) (fill and flush every step);
-- ``1f1b``    Flush over build_schedule("1f1b", 2, m): PipeDream-Flush;
-- ``2bw``     DoubleBuffer, driven as tests/test_two_bw_runtime.py drives it with the plain-PyTorch
-              SequentialHost: ``mode.run("train", ...)`` runs one optimizer step's slice of the
-              continuous 1F1B order, the caller's ``optimizer.step()`` follows, and a final
-              ``mode.drain()`` applies the last batch's update.
-
-A step is zero_grad, the pipeline step and the optimizer step. samples/s counts ``steps x batch``
-over the wall time of the timed steps (lightning_pipe.bench.launch.timed_steps: warm-up steps excluded,
-a barrier before and after). For 2BW the warm-up holds the fill (the first step, whose backwards
-are not all done); the timed steps are steady ones, and the final drain is timed separately
-(barrier to barrier) and NOT counted in samples/s: it is printed beside it. Final weights are
-checked: GPipe and 1F1B against the one-process run (plain SGD), 2BW against the 2BW rule run on
-one process here (gradient of batch b at W(max(b - 1, 0)) applied to W(b)).
-
-Simulated figures: a 2-process job measures the link (ping_pong at 4 B and the activation size) and
-profiles every block at the micro-batch size on both ranks at once (lightning_pipe.profiling,
-the loss folded into the last block); lightning_pipe.simulation.simulate replays the schedules on
-that CostModel: the iteration of build_schedule(name, 2, m) for GPipe / 1F1B, and for 2BW the
-steady time per step T(k + 1) - T(k) of pipedream_2bw(2, m, batches=k) unrolled. Each simulated
-step adds the optimizer step measured in the run (the simulator has no optimizer). Every run is
-traced (Executor trace=True): per rank and step the compute time, the time in the executor spent
-otherwise (waiting for messages, issuing them, Python), the optimizer step, and for 2BW the
-bookkeeping outside the executor (the live weights' copy before each update, version swaps).
-
-Part ``emulated`` emulates accelerators on this 2-core machine: d = 2, 4, 8 processes, one stage
-each, where a stage is a block that *sleeps* for its forward (t_f) and backward (t_b = 2 t_f)
-time instead of computing, as a GPU leaves its host idle while it computes; around the sleeps
-everything is real: a cheap elementwise map (``x * scale + bias``, real parameters and
-gradients), the runtime, and gloo p2p of real 64 x 512 float32 activations and gradients.
-GPipe, 1F1B and 2BW run at m = d and m = 4d; the measured speed-up of 2BW over 1F1B is printed
-next to the simulator's on the profiled sleeping block (the same costs).
-
-The machine may be shared: each run waits (at most --quiet-wait s) for other processes to go quiet
-and is repeated when they disturbed it (lightning_pipe.bench.harness.Bench.run), as bench_runtime.
-    python benchmarks/bench_2bw.py --quick                  # smoke: every part, the fewest steps
-
-    python benchmarks/bench_2bw.py                          # everything, defaults (< 10 minutes)
-    python benchmarks/bench_2bw.py --part real --microbatches 2 --repeats 3
+    python benchmarks/bench_2bw.py
     python benchmarks/bench_2bw.py --part emulated --depths 2,4 --tf 8
     python benchmarks/bench_2bw.py --quick                  # smoke: both parts, m = d = 2, 2 steps
 """
@@ -52,12 +14,11 @@ and is repeated when they disturbed it (lightning_pipe.bench.harness.Bench.run),
 from __future__ import annotations
 
 import copy
-import os
 import statistics
 import time
-from typing import Callable, Optional
+from typing import Callable
 
-from lightning_pipe.bench.harness import Bench, Table, ints, ms, names, pin_threads
+from lightning_pipe.bench.harness import Bench, Table, interleave, ints, ms, pin_threads
 
 pin_threads(1)
 
@@ -70,7 +31,7 @@ from lightning_pipe.bench.mlp import loss_fn, make_data, make_model, single_job,
 from lightning_pipe.bench.pipes import Clock, SleepBlock, best_link, compute_seconds, equal_bounds, gather, median_costs, time_executor  # noqa: E402
 
 SCHEDULES = ["gpipe", "1f1b", "2bw"]
-MODES = ["single"] + SCHEDULES
+MODES = ["single", *SCHEDULES]
 
 
 def make_emulated(cfg: dict, sleep: bool = True) -> nn.Sequential:
@@ -139,20 +100,11 @@ def _pipeline(rank: int, world: int, cfg: dict, name: str) -> dict:
         opt.step()
         t2 = time.perf_counter()
         acts = executor.actions
-        trace.append(
-            {
-                **{"step": t2 - t0, "pipe": t1 - t0, "executor": clock["executor"], "copy": clock["copy"], "opt": t2 - t1},
-                "busy": compute_seconds(executor),
-                "t0": t0,  # absolute perf_counter times (one clock for all processes): a timeline of the step
-                "t1": t1,
-                "t2": t2,
-                "actions": [
-                    (acts[j].op.value, acts[j].microbatch, s, e)
-                    for j, s, e in executor.records
-                    if acts[j].op.is_compute or acts[j].op.is_send
-                ],
-            }
+        actions = [(acts[j].op.value, acts[j].microbatch, s, e) for j, s, e in executor.records if acts[j].op.is_compute]
+        times = dict(
+            step=t2 - t0, pipe=t1 - t0, executor=clock["executor"], copy=clock["copy"], opt=t2 - t1, busy=compute_seconds(executor)
         )
+        trace.append(dict(times, t0=t0, t1=t1, t2=t2, actions=actions))  # t0..t2: one clock for all processes (the timeline)
 
     timing = timed_steps(step, cfg["steps"], cfg["warmup"], dist.barrier)
     t = time.perf_counter()
@@ -249,15 +201,8 @@ def trace_stats(results: list[dict]) -> dict:
     """Per rank, the median over the timed steps of: the step, the pipeline part, compute, the rest of
     the executor's time (waiting for messages, issuing them, Python), 2BW's weight copy, the rest
     outside the executor, the optimizer step."""
-    derived = {
-        "step": lambda s: s["step"],
-        "pipe": lambda s: s["pipe"],
-        "busy": lambda s: s["busy"],
-        "waiting": lambda s: s["executor"] - s["busy"],
-        "copy": lambda s: s["copy"],
-        "outside": lambda s: s["pipe"] - s["executor"] - s["copy"],
-        "opt": lambda s: s["opt"],
-    }
+    derived = {k: (lambda s, k=k: s[k]) for k in ("step", "pipe", "busy", "copy", "opt")}
+    derived.update(waiting=lambda s: s["executor"] - s["busy"], outside=lambda s: s["pipe"] - s["executor"] - s["copy"])
     return {k: [statistics.median(f(s) for s in r["trace"]) for r in results] for k, f in derived.items()}
 
 
@@ -272,31 +217,29 @@ def update_error(results: list[dict], reference: dict, initial: dict) -> float:
     return err
 
 
-def measure(bench: Bench, cfg: dict, modes: list[str], world: int, rounds: int, tag: str, refs: Callable[[str], Optional[dict]]) -> dict:
-    """Every mode in interleaved rounds; the best run's figures and traces, the worst weight error."""
-    best: dict[str, dict] = {}
+def measure(bench: Bench, cfg: dict, modes: list[str], world: int, rounds: int, tag: str, refs: Callable[[str], dict]) -> dict:
+    """Every mode in interleaved rounds; each mode's fastest run with its traces, and its worst weight error."""
     initial = initial_weights(cfg)
-    for rep in range(rounds):
-        for mode in modes:
-            results, foreign = bench.run(job, 1 if mode == "single" else world, mode, cfg, label=f"{tag} {mode}")
-            stats = dict(summarize(mode, results, cfg), foreign=foreign)
-            err = update_error(results, refs(mode), initial) if mode != "single" else None
-            if mode == "2bw":  # the check can tell the rules apart: 2BW's updates are not plain SGD's
-                stats["vs_sgd"] = update_error(results, refs("1f1b"), initial)
-            if mode != "single":
-                stats.update(trace=trace_stats(results), raw=[r["trace"] for r in results], drain=max(r["drain"] for r in results))
-            bench.log(
-                f"  {tag} run {rep + 1}/{rounds} {mode:6s} {stats['total']:8.1f} samples/s ({stats['step_ms']:.1f} ms/step"
-                f"{', drain %.1f ms' % (1e3 * stats['drain']) if mode == '2bw' else ''}, foreign load {foreign:.2f} CPUs"
-                f"{', updates vs reference %.1e' % err if err is not None else ''}"
-                f"{', vs plain SGD %.1e' % stats['vs_sgd'] if 'vs_sgd' in stats else ''})"
-            )
-            prev = best.get(mode)
-            if prev is None or stats["total"] > prev["total"]:
-                stats["error"] = max(err, prev["error"]) if prev is not None and err is not None else err
-                best[mode] = stats
-            elif err is not None:
-                prev["error"] = max(prev["error"] or 0.0, err)
+
+    def one(mode: str, rep: int) -> dict:
+        results, foreign = bench.run(job, 1 if mode == "single" else world, mode, cfg, label=f"{tag} {mode}")
+        st = dict(summarize(mode, results, cfg), foreign=foreign, error=None)
+        if mode != "single":
+            st.update(error=update_error(results, refs(mode), initial), trace=trace_stats(results), raw=[r["trace"] for r in results])
+            st["drain"] = max(r["drain"] for r in results)
+        if mode == "2bw":  # the check tells the rules apart: 2BW's updates are not plain SGD's
+            st["vs_sgd"] = update_error(results, refs("1f1b"), initial)
+        extra = "".join(f", {k} {st[k]:.1e}" for k in ("error", "vs_sgd") if st.get(k) is not None)
+        bench.log(
+            f"  {tag} run {rep + 1}/{rounds} {mode:6s} {st['total']:8.1f} samples/s ({st['step_ms']:.1f} ms/step, foreign {foreign:.2f}{extra})"
+        )
+        return st
+
+    best = {}
+    for mode, runs in zip(modes, interleave(modes, rounds, one)):
+        best[mode] = max(runs, key=lambda st: st["total"])
+        if best[mode]["error"] is not None:
+            best[mode]["error"] = max(st["error"] for st in runs)
     return best
 
 
@@ -307,14 +250,8 @@ def pair(vs: list[float]) -> str:
 def print_traces(bench: Bench, best: dict[str, dict], sims: dict[str, dict], depth: int) -> None:
     who = " (rank 0 / rank 1)" if depth == 2 else " (ranks 0 / .. / d-1)"
     t = Table(
-        "schedule",
-        "simulated step (no opt)",
-        "measured pipeline step",
-        "simulated compute",
-        "measured compute",
-        "measured in executor, not computing",
-        "outside the executor (2BW: weight copy + rest)",
-        "optimizer step",
+        *"schedule;simulated step (no opt);measured pipeline step;simulated compute;measured compute;"
+        "measured in executor, not computing;outside the executor (2BW: weight copy + rest);optimizer step".split(";")
     )
     for name in (n for n in SCHEDULES if n in best):
         tr, s = best[name]["trace"], sims[name]
@@ -344,146 +281,98 @@ def print_timeline(bench: Bench, best: dict[str, dict], names: tuple[str, ...] =
                     parts.append(f"{'[%.1f] ' % (1e3 * gap) if gap > 3e-4 else ''}{op}{mb} {1e3 * (a - base):.1f}-{1e3 * (b - base):.1f}")
                     last = b
             tail = f"run ends {1e3 * (st['t1'] - base):.1f}" + (f" (weight copy {1e3 * st['copy']:.1f})" if name == "2bw" else "")
-            bench.say(
-                f"  rank {rank}: start {1e3 * (st['t0'] - base):.1f} | "
-                + " | ".join(parts)
-                + f" | {tail} | opt to {1e3 * (st['t2'] - base):.1f}"
-            )
+            parts = [f"start {1e3 * (st['t0'] - base):.1f}", *parts, tail, f"opt to {1e3 * (st['t2'] - base):.1f}"]
+            bench.say(f"  rank {rank}: " + " | ".join(parts))
         bench.say()
 
 
 # ---- the parts -----------------------------------------------------------------------------------
 def real_part(bench: Bench, args) -> None:
-    base = dict(kind="real", hidden=args.hidden, mlp_ratio=args.mlp_ratio, blocks=args.blocks, rows=args.rows, steps=args.steps)
-    base.update(warmup=args.warmup, lr=args.lr, profile_repeats=args.profile_repeats)
+    base = dict(kind="real", hidden=512, mlp_ratio=1, blocks=8, rows=args.rows, steps=args.steps, warmup=args.warmup, lr=1e-3)
+    base["profile_repeats"] = args.profile_repeats
     bench.say(f"\n## real processes: 2 ranks x 1 thread, gloo; {base}\n")
     prof, foreign = bench.run(job, 2, "profile", dict(base, microbatches=1, batch=args.rows), label="profile")
     link = prof[0]["link"]
     costs = median_costs(prof[0]["blocks"], link, "bench-2bw")
     bench.say(
-        f"profile (foreign load {foreign:.2f}): per block f {ms(statistics.median(costs.forward))} ms, "
-        f"b {ms(statistics.median(costs.backward))} ms (last block with the loss: f {ms(costs.forward[-1])}, b {ms(costs.backward[-1])}); "
-        f"link {1e6 * link['latency']:.0f} us + {link['bandwidth'] / 1e9:.2f} GB/s"
+        f"profile (foreign load {foreign:.2f}): per block f {ms(statistics.median(costs.forward))} ms, b {ms(statistics.median(costs.backward))} ms "
+        f"(last, with the loss: f {ms(costs.forward[-1])}, b {ms(costs.backward[-1])}); link {1e6 * link['latency']:.0f} us + {link['bandwidth'] / 1e9:.2f} GB/s"
     )
-    modes = [m for m in MODES if m in args.modes]
     summary = []
     for m in args.microbatches:
         cfg = dict(base, microbatches=m, batch=args.rows * m)
-        best = measure(bench, cfg, modes, 2, args.rounds, f"m={m}", references(cfg))
+        best = measure(bench, cfg, MODES, 2, args.rounds, f"m={m}", references(cfg))
         bench.keep(f"real m={m}", {mode: {k: v for k, v in s.items() if k != "raw"} for mode, s in best.items()})
         sims = {name: simulated(name, 2, m, costs) for name in SCHEDULES}
-        # the simulator has no optimizer: add the one measured (the same work in every schedule, a half per rank)
-        opt = max(best["1f1b"]["trace"]["opt"]) if "1f1b" in best else 0.0
+        opt = max(best["1f1b"]["trace"]["opt"])  # the simulator has no optimizer: add the one measured
         sim_step = {name: s["step"] + opt for name, s in sims.items()}
-        sim_single = m * (sum(costs.forward) + sum(costs.backward)) + 2 * opt  # m micro-batches on one process
-        single = best["single"]["total"]
+        sim_step["single"] = m * (sum(costs.forward) + sum(costs.backward)) + 2 * opt  # m micro-batches on one process
         t = Table(
-            "mode",
-            "samples/s",
-            "ms/step",
-            "simulated ms/step",
-            "vs single",
-            "simulated vs single",
-            "weight updates (max rel. error vs reference)",
-            "2BW drain (ms, excluded)",
-            "other load (CPUs)",
+            *("mode", "samples/s", "ms/step", "simulated ms/step", "vs single", "simulated vs single"),
+            *("weight updates (max rel. error vs reference)", "2BW drain (ms, excluded)", "other load (CPUs)"),
         )
-        for mode in modes:
-            s = best[mode]
-            sim = sim_step.get(mode, sim_single)
-            ref = "2BW rule" if mode == "2bw" else "single (SGD)"
-            err = f"{s['error']:.1e} vs {ref}" if s.get("error") is not None else ""
+        for mode, s in best.items():
+            err = f"{s['error']:.1e} vs {'2BW rule' if mode == '2bw' else 'single (SGD)'}" if s["error"] is not None else ""
             t.add(
-                mode, f"{s['total']:.1f}", f"{s['step_ms']:.1f}", ms(sim), f"{s['total'] / single:.2f}x", f"{sim_single / sim:.2f}x", err,
-                ms(s["drain"]) if mode == "2bw" else "", f"{s['foreign']:.2f}",
+                mode, f"{s['total']:.1f}", f"{s['step_ms']:.1f}", ms(sim_step[mode]), f"{s['total'] / best['single']['total']:.2f}x",
+                f"{sim_step['single'] / sim_step[mode]:.2f}x", err, ms(s["drain"]) if mode == "2bw" else "", f"{s['foreign']:.2f}",
             )  # fmt: skip
-        bench.table(
-            t,
-            f"\n### m = {m} micro-batches of {args.rows} rows (batch {args.rows * m}), {args.blocks} blocks, hidden {args.hidden}; "
-            f"best of {args.rounds} runs of {args.steps} timed steps after {args.warmup} warm-up; simulated step = "
-            f"simulator + {ms(opt)} ms optimizer step (measured); 2BW: steady steps, the drain excluded (shown apart)",
+        title = (
+            f"\n### m = {m} micro-batches of {args.rows} rows; best of {args.rounds} runs of {args.steps} timed steps after {args.warmup} "
+            f"warm-up; simulated step = simulator + {ms(opt)} ms optimizer step (measured); 2BW: steady steps, the drain apart"
         )
+        bench.table(t, title)
         for other in ("1f1b", "gpipe"):
-            if "2bw" in best and other in best:
-                meas, simr = best["2bw"]["total"] / best[other]["total"], sim_step[other] / sim_step["2bw"]
-                bench.say(f"2bw/{other} at m={m}: measured {meas:.3f}x, simulated {simr:.3f}x")
-                summary.append((m, other, meas, simr))
-        if "2bw" in best:
-            with_drain = args.steps * cfg["batch"] / (args.steps * best["2bw"]["step_ms"] / 1e3 + best["2bw"]["drain"])
-            bench.say(f"2bw at m={m} including its drain once over the {args.steps} timed steps: {with_drain:.1f} samples/s")
+            meas, simr = best["2bw"]["total"] / best[other]["total"], sim_step[other] / sim_step["2bw"]
+            bench.say(f"2bw/{other} at m={m}: measured {meas:.3f}x, simulated {simr:.3f}x")
+            summary.append((m, other, meas, simr))
+        with_drain = args.steps * cfg["batch"] / (args.steps * best["2bw"]["step_ms"] / 1e3 + best["2bw"]["drain"])
+        bench.say(f"2bw at m={m} including its drain once over the {args.steps} timed steps: {with_drain:.1f} samples/s")
         print_traces(bench, best, sims, 2)
         if m == min(args.microbatches):
             print_timeline(bench, best)
-    if summary:
-        bench.say("\nreal processes, 2BW vs Flush (1F1B) and GPipe, measured (simulated):")
-        for m, other, meas, simr in summary:
-            bench.say(f"  m={m}: 2bw/{other} = {meas:.3f}x ({simr:.3f}x)")
-        for m, other, meas, _ in summary:
-            if other == "1f1b" and m == 2:
-                bench.say(f"  target 2BW >= 1.2x Flush at m = d = 2: {'met' if meas >= 1.2 else 'NOT met'} ({meas:.3f}x)")
+    bench.say("\nreal processes, 2BW vs Flush (1F1B) and GPipe, measured (simulated):")
+    for m, other, meas, simr in summary:
+        bench.say(f"  m={m}: 2bw/{other} = {meas:.3f}x ({simr:.3f}x)")
 
 
 def emulated_part(bench: Bench, args) -> None:
     from lightning_pipe.simulation import CostModel
 
-    t_f = args.tf / 1e3
-    t_b = (args.tb if args.tb is not None else 2 * args.tf) / 1e3
-    base = dict(kind="emulated", hidden=args.emu_hidden, rows=args.rows, steps=args.emu_steps, warmup=args.emu_warmup, lr=args.lr)
-    base.update(t_f=t_f, t_b=t_b, profile_repeats=args.profile_repeats)
-    bench.say(
-        f"\n## emulated devices (sleep): d processes on {os.cpu_count()} cores, one sleeping block per stage "
-        f"(forward sleeps {ms(t_f)} ms, backward {ms(t_b)} ms), real runtime and gloo p2p of {args.rows} x {args.emu_hidden} float32; {base}\n"
-    )
+    t_f, t_b = args.tf / 1e3, 2 * args.tf / 1e3
+    base = dict(kind="emulated", hidden=512, rows=args.rows, steps=args.emu_steps, warmup=args.emu_warmup, lr=1e-3, t_f=t_f, t_b=t_b)
+    base["profile_repeats"] = args.profile_repeats
+    bench.say(f"\n## emulated devices (sleep): d processes, one sleeping block per stage; {base}\n")
     # the sleeping block and the link, profiled once (on 2 ranks: the link between two processes)
     prof, foreign = bench.run(job, 2, "profile", dict(base, depth=2, microbatches=1, batch=args.rows), label="emulated profile")
     c2 = median_costs(prof[0]["blocks"], prof[0]["link"], "bench-2bw")
     f_blk, b_blk = statistics.median(c2.forward), statistics.median(c2.backward)
     bench.say(
-        f"emulated profile (foreign load {foreign:.2f}): sleeping block f {f_blk * 1e3:.2f} ms, b {b_blk * 1e3:.2f} ms "
-        f"(last, with the loss: f {c2.forward[-1] * 1e3:.2f}, b {c2.backward[-1] * 1e3:.2f}); "
-        f"link {1e6 * c2.latency:.0f} us + {c2.bandwidth / 1e9:.2f} GB/s"
+        f"emulated profile (foreign load {foreign:.2f}): sleeping block f {f_blk * 1e3:.2f} ms, b {b_blk * 1e3:.2f} ms (last, with the loss: "
+        f"f {c2.forward[-1] * 1e3:.2f}, b {c2.backward[-1] * 1e3:.2f}); link {1e6 * c2.latency:.0f} us + {c2.bandwidth / 1e9:.2f} GB/s"
     )
-    rows = []
+    t = Table(
+        *("d", "m", "gpipe samples/s", "1f1b samples/s", "2bw samples/s", "2bw/1f1b measured", "2bw/1f1b simulated"),
+        *("2bw/gpipe measured", "2bw/gpipe simulated", "2bw drain ms", "weight updates (max rel. error: sync vs SGD, 2bw vs 2BW rule)"),
+        align="r" * 11,
+    )
     for depth in args.depths:
-        for factor in args.emu_factors:
-            m = factor * depth
+        for m in (factor * depth for factor in args.emu_factors):
             cfg = dict(base, depth=depth, microbatches=m, batch=args.rows * m)
             fwd, bwd = (f_blk,) * (depth - 1) + (c2.forward[-1],), (b_blk,) * (depth - 1) + (c2.backward[-1],)
             costs = CostModel(fwd, bwd, (c2.activation_bytes[0],) * depth, (c2.param_bytes[0],) * depth, c2.bandwidth, c2.latency)
-            schedules = [n for n in SCHEDULES if n in args.modes or n == "1f1b"]
-            best = measure(bench, cfg, schedules, depth, args.emu_repeats, f"emulated d={depth} m={m}", references(cfg))
+            best = measure(bench, cfg, SCHEDULES, depth, args.emu_repeats, f"emulated d={depth} m={m}", references(cfg))
             sims = {name: simulated(name, depth, m, costs) for name in SCHEDULES}
-            rows.append((depth, m, best, sims))
             print_traces(bench, best, sims, depth)
-    t = Table(
-        "d",
-        "m",
-        "gpipe samples/s",
-        "1f1b samples/s",
-        "2bw samples/s",
-        "2bw/1f1b measured",
-        "2bw/1f1b simulated",
-        "2bw/gpipe measured",
-        "2bw/gpipe simulated",
-        "2bw drain ms",
-        "weight updates (max rel. error: sync vs SGD, 2bw vs 2BW rule)",
-        align="r" * 11,
-    )
-    for depth, m, best, sims in rows:
-        batch = args.rows * m
-        cell = lambda n: f"{best[n]['total']:.0f} ({batch / sims[n]['step']:.0f})" if n in best else ""  # noqa: E731
-        ratio = lambda a, b: f"{best[a]['total'] / best[b]['total']:.3f}" if a in best and b in best else ""  # noqa: E731
-        sim_ratio = lambda a, b: f"{sims[b]['step'] / sims[a]['step']:.3f}"  # noqa: E731
-        errs = ", ".join(f"{n} {best[n]['error']:.0e}" for n in SCHEDULES if n in best and best[n].get("error") is not None)
-        t.add(
-            depth, m, cell("gpipe"), cell("1f1b"), cell("2bw"), ratio("2bw", "1f1b"), sim_ratio("2bw", "1f1b"),
-            ratio("2bw", "gpipe"), sim_ratio("2bw", "gpipe"), ms(best["2bw"]["drain"]) if "2bw" in best else "", errs,
-        )  # fmt: skip
-    bench.table(
-        t,
-        "\n### emulated devices (sleep): samples/s, measured (simulated); speed-up of 2BW over 1F1B (Flush) and GPipe\n\n"
-        "Devices were emulated by sleeping blocks: each stage sleeps its forward / backward time instead of computing.",
-    )
+            cell = lambda n: f"{best[n]['total']:.0f} ({args.rows * m / sims[n]['step']:.0f})"  # noqa: E731
+            ratio = lambda a, b: f"{best[a]['total'] / best[b]['total']:.3f}"  # noqa: E731
+            sim_ratio = lambda a, b: f"{sims[b]['step'] / sims[a]['step']:.3f}"  # noqa: E731
+            errs = ", ".join(f"{n} {best[n]['error']:.0e}" for n in SCHEDULES)
+            t.add(
+                depth, m, cell("gpipe"), cell("1f1b"), cell("2bw"), ratio("2bw", "1f1b"), sim_ratio("2bw", "1f1b"),
+                ratio("2bw", "gpipe"), sim_ratio("2bw", "gpipe"), ms(best["2bw"]["drain"]), errs,
+            )  # fmt: skip
+    bench.table(t, "\n### emulated devices (sleep): samples/s, measured (simulated); speed-up of 2BW over 1F1B (Flush) and GPipe")
 
 
 def main() -> None:
@@ -493,34 +382,15 @@ def main() -> None:
     )
     p = bench.parser
     p.add_argument("--part", choices=["real", "emulated", "all"], default="all")
-    p.add_argument("--modes", type=names, default=MODES, help=f"comma-separated subset of {MODES} (1f1b always runs: the ratios' base)")
     p.add_argument("--rows", type=int, default=64, help="rows per micro-batch (batch = rows x m), both parts")
-    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--profile-repeats", type=int, default=30)
-    g = p.add_argument_group("real processes")
-    g.add_argument("--hidden", type=int, default=512)
-    g.add_argument("--mlp-ratio", type=int, default=1)
-    g.add_argument("--blocks", type=int, default=8, help="even: each rank gets half")
-    g.add_argument("--microbatches", type=ints, default=[2, 8], help="m values (comma-separated); 2BW needs m >= 2")
-    g = p.add_argument_group("emulated devices (sleep)")
-    g.add_argument("--depths", type=ints, default=[2, 4, 8], help="pipeline depths d = processes")
-    g.add_argument("--emu-factors", type=ints, default=[1, 4], help="m = factor x d")
-    g.add_argument("--tf", type=float, default=5.0, help="forward sleep per stage and micro-batch, ms")
-    g.add_argument("--tb", type=float, default=None, help="backward sleep, ms (default 2 x --tf)")
-    g.add_argument("--emu-hidden", type=int, default=512, help="activation width of the emulated stages")
-    g.add_argument("--emu-steps", type=int, default=8)
-    g.add_argument("--emu-warmup", type=int, default=2)
-    g.add_argument("--emu-repeats", type=int, default=1)
+    p.add_argument("--microbatches", type=ints, default=[2, 8], help="real part: m values (2BW needs m >= 2)")
+    p.add_argument("--depths", type=ints, default=[2, 4, 8], help="emulated part: pipeline depths d = processes")
+    p.add_argument("--tf", type=float, default=5.0, help="emulated part: forward sleep per stage and micro-batch, ms (backward twice)")
+    p.set_defaults(emu_factors=[1, 4], emu_steps=8, emu_warmup=2, emu_repeats=1)  # emulated part: m = factor x d, one run each
     args = bench.parse()
-    unknown = [m for m in args.modes if m not in MODES]
-    if unknown:
-        bench.error(f"unknown modes {unknown}; allowed: {MODES}")
-    args.modes = sorted(set(args.modes) | {"single", "1f1b"}, key=MODES.index)
-    if args.blocks % 2:
-        bench.error("--blocks must be even")
-    if any(m < 2 for m in args.microbatches) or any(f < 1 for f in args.emu_factors):
-        bench.error("2BW needs m >= d: --microbatches >= 2 and --emu-factors >= 1")
-    bench.say(f"{os.cpu_count()} cores; one thread per process; gloo")
+    if any(m < 2 for m in args.microbatches):
+        bench.error("2BW needs m >= d = 2")
     if args.part in ("real", "all"):
         real_part(bench, args)
     if args.part in ("emulated", "all"):
