@@ -1,51 +1,26 @@
 """Depth on EMULATED devices: every schedule at P = 2..16 ranks, measured against the simulator.
 
-    flock /tmp/bench.lock python benchmarks/bench_emulated.py            # ~17 min
-    flock /tmp/bench.lock python benchmarks/bench_emulated.py --quick    # P = 2, 4, ~2 min
+Each block is a PacedBlock (lightning_pipe.bench.emulated: it sleeps its time around a float64
+Linear), everything else the real runtime over gloo, one process per rank, 8 blocks per rank. Per
+(P, m, schedule): the median iteration, the simulator's ("plain", and with measure_messages' terms),
+extra time per compute, exactness against one process; then the targets (within 5%, Spearman,
+schedule="auto"'s pick, wave's share of its simulated gain). Feeds docs/emulated.md (all tables) and
+docs/predictions.md (the summary); method there.
 
-A 2-core machine cannot run 16 ranks of real compute, so every block here is an EMULATED device
-(lightning_pipe.bench.emulated.EmulatedBlock): it sleeps for its forward / backward time, as a GPU
-leaves its host idle, around a small float64 Linear that keeps the arithmetic real. Everything
-else is the real runtime: SequentialPipeline / Executor / Transport over gloo p2p, one process and
-one thread per rank, the schedules from build_schedule. One process group per P runs every case.
-
-The model: 8 blocks per rank (8P blocks, so wave W = 4's 2PW chunks hold one block each), each
---block-ms forward and twice that backward. A rank's stage is 8 blocks at every P (weak scaling), so
-the finest cut (wave W = 4: one block per chunk) is the same at every depth.
-
-Cases: GPipe, 1F1B, interleaved v = 2, 4, wave W = 1, 2, 4 in our greedy order ("wave") and in
-Hanayo's ("hanayo"), m = P, 2P, 4P micro-batches of a fixed batch (--rows). A combination the
-schedule rejects is skipped with its reason. Each case: --warmup untimed steps, then --steps timed
-ones, each after a barrier; iteration = the last rank's end of the step minus rank 0's start (one
-machine-wide monotonic clock); the median is reported. SGD steps between (not timed). Each case's
-final weights are compared with one process training the same model on the same data (float64):
-a run that is not exact is flagged and never counted.
-
-Predictions (lightning_pipe.simulation.simulate on the very schedule and the uniform partition the
-run used): "plain" = the blocks' emulated times and the link of a ping-pong (latency + bytes /
-bandwidth); "msgs" = the same with the message terms of lightning_pipe.profiling.messages.measure_messages
-(send / receive overhead on the rank's thread, hand-off delay), measured in the same process group,
-when that module exists. Printed: measured / simulated, Spearman's rank correlation across the
-schedules per (P, m), schedule="auto"'s pick (P = 4, 8) vs the measured fastest, and wave's
-measured speed-up over 1F1B as a share of the simulated one. Raw results: --json.
-
-Timing hygiene: run under flock /tmp/bench.lock; each process group waits for a quiet machine
-first and reports the CPUs other processes used while it ran (lightning_pipe.bench.launch).
+    flock /tmp/bench.lock python benchmarks/bench_emulated.py --json docs/emulated_results.json --markdown <file>
+    python benchmarks/bench_emulated.py --quick     # smoke: P = 2, m = P, 2 steps
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import math
-import os
 import statistics
-import sys
 import time
 
-for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")
+from lightning_pipe.bench.harness import Bench, Table, pin_threads
+
+pin_threads(1)
 
 import torch  # noqa: E402
 
@@ -108,16 +83,6 @@ def reference_weights(cfg: dict) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _message_costs(world: int, nbytes: int, think: float):
-    """lightning_pipe.profiling.messages.measure_messages on these ranks (the chain 0..P-1, messages of one
-    boundary's size, sleeping `think` s per hop as an emulated rank does), if that module exists."""
-    try:
-        from lightning_pipe.profiling.messages import measure_messages
-    except ImportError:
-        return None
-    return measure_messages(list(range(world)), nbytes, torch.device("cpu"), think=think, sleep=True)
-
-
 def _job(rank: int, world: int, cfg: dict, cases: list[dict], reference: dict[str, torch.Tensor]) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -125,25 +90,26 @@ def _job(rank: int, world: int, cfg: dict, cases: list[dict], reference: dict[st
     from lightning_pipe.bench.emulated import emulated_model, fine_timer_slack
     from lightning_pipe.bench.launch import CpuClock, foreign_load, wait_for_quiet
     from lightning_pipe.profiling.link import ping_pong
+    from lightning_pipe.profiling.messages import measure_messages
     from lightning_pipe.runtime.p2p import Transport
     from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
     from lightning_pipe.schedules import Op, build_schedule
 
-    slack = fine_timer_slack() if cfg["timer_slack"] else False
+    slack = fine_timer_slack()
     if rank == 0:
         wait_for_quiet(cfg["quiet_wait"], 0.15, poll=5.0, log=lambda s: print(s, flush=True))
     dist.barrier()
     start = CpuClock.now()
     act_bytes = cfg["rows"] // (2 * world) * cfg["width"] * 8  # a boundary's message at m = 2P
     link = ping_pong(rank, sizes=(8, act_bytes, 1 << 16), repeats=40, warmup=5)
-    msgs = _message_costs(world, act_bytes, cfg["f"]) if cfg["messages"] else None
+    msgs = measure_messages(list(range(world)), act_bytes, torch.device("cpu"), think=cfg["f"], sleep=True)  # sleeping per hop, as a rank
     transport = Transport(lambda r: r, torch.device("cpu"))
     x, y = _data(cfg["rows"], cfg["width"])
     out = []
     for case in cases:
         schedule = build_schedule(case["schedule"], world, case["m"], **case["options"])
         bounds = uniform_bounds(cfg["blocks"], schedule.num_chunks)
-        model = emulated_model(cfg["blocks"], cfg["width"], cfg["f"], cfg["b"], seed=cfg["seed"], paced=cfg["paced"], gain=cfg["gain"])
+        model = emulated_model(cfg["blocks"], cfg["width"], cfg["f"], cfg["b"], seed=cfg["seed"], paced=True, gain=cfg["gain"])
         chunks = {c: model[bounds[c][0] : bounds[c][1]] for c in schedule.chunks_of(rank)}
         host = SequentialHost(chunks, schedule.num_chunks - 1, F.mse_loss)
         pipe = SequentialPipeline(schedule, rank, host, transport)
@@ -211,7 +177,7 @@ def simulated(case: dict, costs, blocks: int) -> float:
     return simulate(schedule, costs, uniform_bounds(blocks, schedule.num_chunks), critical_path=False).iteration_time
 
 
-def run_depth(p: int, args, multipliers: list[int]) -> dict:
+def run_depth(bench: Bench, p: int, args, multipliers: list[int]) -> dict:
     from lightning_pipe.bench.launch import run_distributed
 
     blocks = args.blocks_per_rank * p
@@ -226,14 +192,11 @@ def run_depth(p: int, args, multipliers: list[int]) -> dict:
         "gain": min(1.0, 16 / blocks),  # deep stacks well-conditioned: exactness stays checkable at 1e-10 (emulated_model)
         "warmup": args.warmup,
         "steps": args.steps,
-        "timer_slack": not args.default_slack,
-        "messages": not args.no_messages,
         "quiet_wait": args.quiet_wait,
-        "paced": args.block == "paced",
     }
     cases, skipped = cases_for(p, blocks, multipliers)
     for s in skipped:
-        print(f"  P={p} m={s['m']} {s['label']}: skipped: {s['reason']}", flush=True)
+        bench.log(f"  P={p} m={s['m']} {s['label']}: skipped: {s['reason']}")
     reference = reference_weights(cfg)
     t = time.monotonic()
     ranks = run_distributed(_job, p, cfg, cases, reference, timeout=args.timeout, threads=1)
@@ -259,8 +222,7 @@ def run_depth(p: int, args, multipliers: list[int]) -> dict:
             "exact": diff <= 1e-10,
             "extra_per_compute": extra / max(count, 1),
         }
-        if msgs is not None:
-            row["simulated_msgs"] = simulated(case, msgs.apply(costs), blocks)
+        row["simulated_msgs"] = simulated(case, msgs.apply(costs), blocks)
         rows.append(row)
     return {
         "p": p,
@@ -268,7 +230,7 @@ def run_depth(p: int, args, multipliers: list[int]) -> dict:
         "rows": rows,
         "skipped": skipped,
         "link": {"latency": link["latency"], "bandwidth": link["bandwidth"]} if link else None,
-        "messages": _messages_dict(msgs),
+        "messages": msgs.to_dict(),
         "foreign_load": max(r["foreign"] for r in ranks),
         "own_cpus": zero["own_cpu"],
         "timer_slack_1us": zero["slack"],
@@ -282,45 +244,35 @@ def _chunks(case: dict) -> int:
     return ScheduleSpec.of(case["schedule"], **case["options"]).chunk_count(case["p"])
 
 
-def _messages_dict(msgs) -> dict | None:
-    if msgs is None:
-        return None
-    return msgs.to_dict()
+def print_depth(bench: Bench, res: dict) -> None:
+    from lightning_pipe.profiling.messages import MessageCosts
 
-
-def print_depth(res: dict) -> None:
-    p, cfg = res["p"], res["config"]
-    link = res["link"]
-    print(
-        f"\nP = {p} EMULATED ranks: {cfg['blocks']} blocks of f = {cfg['f'] * 1e3:g} ms, b = {cfg['b'] * 1e3:g} ms "
-        f"({cfg['blocks'] // p} per rank); link {link['latency'] * 1e6:.0f} us, {link['bandwidth'] / 1e9:.2f} GB/s; "
-        f"other processes used {res['foreign_load']:.2f} CPUs, ours {res['own_cpus']:.2f}; {res['wall_s']:.0f} s",
-        flush=True,
-    )
-    if res["messages"]:
-        from lightning_pipe.profiling.messages import MessageCosts
-
-        msgs = MessageCosts.from_dict(res["messages"])
-        delay = msgs.handoff_delay(costs_for(cfg, 2 * p, link))
-        print(
-            f"  message costs (measure_messages, sleeping {msgs.think * 1e3:g} ms per hop): {msgs.summary()}; hand-off delay {delay * 1e6:.0f} us"
-        )
-    has_msgs = any("simulated_msgs" in r for r in res["rows"])
-    head = f"  {'m':>3} {'schedule':<13} {'chunks':>6} {'measured ms':>12} {'sim ms':>9} {'meas/sim':>9}"
-    head += f" {'sim+msgs':>9} {'meas/sim+m':>10}" if has_msgs else ""
-    print(head + f" {'extra/compute us':>16} {'exact':>6}")
+    p, cfg, link = res["p"], res["config"], res["link"]
+    msgs = MessageCosts.from_dict(res["messages"])
+    bench.log(f"P = {p}: ours {res['own_cpus']:.2f} CPUs, {res['wall_s']:.0f} s; message costs (sleeping {msgs.think * 1e3:g} ms per hop): "
+              f"{msgs.summary()}; hand-off delay {msgs.handoff_delay(costs_for(cfg, 2 * p, link)) * 1e6:.0f} us")  # fmt: skip
+    t = Table(
+        "m", "schedule", "chunks", "measured ms", "simulated ms", "meas / sim", "sim + msgs ms", "meas / (sim + msgs)", "extra per compute us",
+        "exact", align="l" * 10,
+    )  # fmt: skip
     for r in res["rows"]:
-        line = f"  {r['m']:>3} {r['label']:<13} {r['chunks']:>6} {r['measured'] * 1e3:>12.1f} {r['simulated'] * 1e3:>9.1f} {r['measured'] / r['simulated']:>9.3f}"
-        if has_msgs:
-            line += f" {r['simulated_msgs'] * 1e3:>9.1f} {r['measured'] / r['simulated_msgs']:>10.3f}"
-        print(line + f" {r['extra_per_compute'] * 1e6:>16.0f} {'yes' if r['exact'] else 'NO ' + format(r['max_rel_diff'], '.1e'):>6}")
+        t.add(
+            r["m"], r["label"], r["chunks"], f"{r['measured'] * 1e3:.1f}", f"{r['simulated'] * 1e3:.1f}", f"{r['measured'] / r['simulated']:.3f}",
+            f"{r['simulated_msgs'] * 1e3:.1f}", f"{r['measured'] / r['simulated_msgs']:.3f}", f"{r['extra_per_compute'] * 1e6:.0f}",
+            f"{'yes' if r['exact'] else 'NO'} ({r['max_rel_diff']:.0e})",
+        )  # fmt: skip
+    title = (
+        f"\n#### P = {p} EMULATED ranks ({cfg['blocks']} blocks, {cfg['f'] * 1e3:g} / {cfg['b'] * 1e3:g} ms; link "
+        f"{link['latency'] * 1e6:.0f} us; other processes {res['foreign_load']:.2f} CPUs)"
+    )
+    bench.table(t, title)
+    for s in res["skipped"]:
+        bench.say(f"m = {s['m']} {s['label']}: skipped ({s['reason']})")
     for m in sorted({r["m"] for r in res["rows"]}):
         sub = [r for r in res["rows"] if r["m"] == m and r["exact"]]
-        rho = correlation(sub, "simulated")
-        text = f"  P={p} m={m}: Spearman measured vs simulated {rho:+.3f}"
-        if has_msgs:
-            text += f", vs simulated+msgs {correlation(sub, 'simulated_msgs'):+.3f}"
-        print(text)
+        bench.log(
+            f"  P={p} m={m}: Spearman measured vs simulated {correlation(sub, 'simulated'):+.3f}, vs simulated+msgs {correlation(sub, 'simulated_msgs'):+.3f}"
+        )
 
 
 def correlation(rows: list[dict], key: str) -> float:
@@ -391,9 +343,8 @@ def wave_shares(res: dict, key: str) -> list[dict]:
 
 
 def summary(results: list[dict]) -> dict:
-    keys = ["simulated"] + (["simulated_msgs"] if any("simulated_msgs" in r for res in results for r in res["rows"]) else [])
     out: dict = {}
-    for key in keys:
+    for key in ("simulated", "simulated_msgs"):
         rows = [r for res in results for r in res["rows"] if r["exact"]]
         errors = [r["measured"] / r[key] - 1 for r in rows]
         within = sum(abs(e) <= 0.05 for e in errors)
@@ -431,106 +382,55 @@ def summary(results: list[dict]) -> dict:
     return out
 
 
-def print_summary(s: dict) -> None:
+def print_summary(bench: Bench, s: dict) -> None:
     for key, v in s.items():
         if key == "inexact":
             continue
-        name = "plain CostModel" if key == "simulated" else "CostModel with message costs"
-        print(f"\n== targets, {name} (EMULATED devices) ==")
-        print(
+        bench.say(f"\n== targets, {'plain CostModel' if key == 'simulated' else 'CostModel with message costs'} (EMULATED devices) ==")
+        bench.say(
             f"measured vs simulated within 5%: {v['within_5pct']} of {v['cases']} cases; |error| median {v['median_abs_error']:.1%}, "
             f"max {v['max_abs_error']:.1%}"
         )
         for p, d in v["per_p"].items():
-            print(
+            bench.say(
                 f"  P={p}: |error| median {d['median_abs_error']:.1%}, max {d['max_abs_error']:.1%}, within 5%: {d['within_5pct']}/{d['cases']}"
             )
-        print("Spearman per (P, m): " + ", ".join(f"{r['p']}/{r['m']}: {r['rho']:+.2f}" for r in v["spearman"]))
+        bench.say("Spearman per (P, m): " + ", ".join(f"{r['p']}/{r['m']}: {r['rho']:+.2f}" for r in v["spearman"]))
         for a in v["auto"]:
             cut = "" if a["same_partition_as_run"] else " (auto planned another partition than the run's uniform one)"
-            print(
+            bench.say(
                 f"auto P={a['p']} m={a['m']}: pick {a['pick']} ({a['pick_measured'] * 1e3:.1f} ms), measured fastest {a['fastest']} "
                 f"({a['fastest_measured'] * 1e3:.1f} ms): gap {a['gap']:+.1%}{cut}"
             )
         for w in v["wave_share"]:
             share = "n/a (no simulated gain)" if w["share"] is None else f"{w['share']:.0%}"
-            print(
+            bench.say(
                 f"wave share P={w['p']} m={w['m']} {w['schedule']}: measured {w['measured_speedup']:+.1%}, simulated "
                 f"{w['simulated_speedup']:+.1%} over 1F1B: {share}"
             )
     if s["inexact"]:
-        print("NOT EXACT (excluded): " + "; ".join(s["inexact"]))
-
-
-def markdown(results: list[dict]) -> str:
-    """The per-depth tables as markdown (docs/emulated.md)."""
-    out = []
-    for res in results:
-        cfg, link = res["config"], res["link"]
-        has_msgs = any("simulated_msgs" in r for r in res["rows"])
-        out.append(
-            f"\n#### P = {res['p']} EMULATED ranks ({cfg['blocks']} blocks, {cfg['f'] * 1e3:g} / {cfg['b'] * 1e3:g} ms; link "
-            f"{link['latency'] * 1e6:.0f} us; other processes {res['foreign_load']:.2f} CPUs)\n"
-        )
-        head = "| m | schedule | chunks | measured ms | simulated ms | meas / sim |"
-        rule = "|---|---|---|---|---|---|"
-        if has_msgs:
-            head += " sim + msgs ms | meas / (sim + msgs) |"
-            rule += "---|---|"
-        out += [head + " extra per compute us | exact |", rule + "---|---|"]
-        for r in res["rows"]:
-            line = f"| {r['m']} | {r['label']} | {r['chunks']} | {r['measured'] * 1e3:.1f} | {r['simulated'] * 1e3:.1f} | {r['measured'] / r['simulated']:.3f} |"
-            if has_msgs:
-                line += f" {r['simulated_msgs'] * 1e3:.1f} | {r['measured'] / r['simulated_msgs']:.3f} |"
-            out.append(line + f" {r['extra_per_compute'] * 1e6:.0f} | {'yes' if r['exact'] else 'NO'} ({r['max_rel_diff']:.0e}) |")
-        for s in res["skipped"]:
-            out.append(f"\nm = {s['m']} {s['label']}: skipped ({s['reason']})")
-    return "\n".join(out) + "\n"
+        bench.say("NOT EXACT (excluded): " + "; ".join(s["inexact"]))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4, 8, 16])
-    parser.add_argument("--multipliers", nargs="+", type=int, default=[1, 2, 4], help="m = k x P for each k")
-    parser.add_argument("--block-ms", type=float, default=1.5, help="forward ms per block (backward: twice)")
-    parser.add_argument("--blocks-per-rank", type=int, default=8)
-    parser.add_argument(
-        "--block", choices=["paced", "sleep"], default="paced", help="PacedBlock (arithmetic inside the time) or EmulatedBlock"
-    )
-    parser.add_argument("--width", type=int, default=16)
-    parser.add_argument("--rows", type=int, default=64, help="batch rows (split into m micro-batches)")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--quick", action="store_true", help="P = 2, 4 and 3 timed steps")
-    parser.add_argument("--default-slack", action="store_true", help="keep Linux's 50 us timer slack on sleeps")
-    parser.add_argument("--no-messages", action="store_true", help="do not measure message costs")
-    parser.add_argument("--quiet-wait", type=float, default=30.0, help="s to wait for a quiet machine per process group")
-    parser.add_argument("--timeout", type=float, default=900.0, help="s per process group")
-    parser.add_argument("--json", default=None, help="write the raw results here")
-    parser.add_argument("--markdown", default=None, help="write the tables as markdown here")
-    args = parser.parse_args()
-    if args.quick:
-        args.ranks, args.steps = [r for r in args.ranks if r <= 4], min(args.steps, 3)
-    from lightning_pipe.bench import provenance
-
-    print(f"bench_emulated (EMULATED devices): {provenance()}")
-    print(f"command: {' '.join(['python'] + sys.argv)}")
+    bench = Bench(__doc__, dict(ranks=[2], multipliers=[1]), steps=4, warmup=1, quiet_wait=30.0, timeout=900.0)
+    p = bench.parser
+    p.add_argument("--ranks", nargs="+", type=int, default=[2, 4, 8, 16])
+    p.add_argument("--multipliers", nargs="+", type=int, default=[1, 2, 4], help="m = k x P for each k")
+    p.add_argument("--block-ms", type=float, default=1.5, help="forward ms per block (backward: twice)")
+    p.add_argument("--blocks-per-rank", type=int, default=8)
+    p.add_argument("--width", type=int, default=16)
+    p.add_argument("--rows", type=int, default=64, help="batch rows (split into m micro-batches)")
+    args = bench.parse()
     results = []
     for p in args.ranks:
-        res = run_depth(p, args, args.multipliers)
-        print_depth(res)
-        results.append(res)
+        results.append(run_depth(bench, p, args, args.multipliers))
+        print_depth(bench, results[-1])
     s = summary(results)
-    print_summary(s)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {"provenance": provenance(), "command": " ".join(["python"] + sys.argv), "depths": results, "summary": s}, f, indent=1
-            )
-        print(f"raw results written to {args.json}")
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(markdown(results))
+    print_summary(bench, s)
+    bench.keep("depths", results)
+    bench.keep("summary", s)
+    bench.finish()
 
 
 if __name__ == "__main__":
