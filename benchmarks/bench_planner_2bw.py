@@ -123,10 +123,7 @@ def part_a(bench: Bench, args: Any) -> dict:
         fit = lambda attempt: train(c, args, Path(args.work) / f"cfg{i}")  # noqa: E731
         r = undisturbed(fit, args, bench.patient, log=bench.log)
         bench.log(f"  [{rnd + 1}/{args.rounds}] {label(c):<52} predicted {c.throughput:7.1f}  measured {r['samples_per_s']:7.1f} samples/s")
-        return {
-            k: r[k]
-            for k in ("samples_per_s", "mean_samples_per_s", "step_ms", "periods_ms", "foreign_cpus", "threads", "wall_s", "foreign_tries")
-        }
+        return {k: r[k] for k in ("samples_per_s", "mean_samples_per_s", "step_ms", "periods_ms", "foreign_cpus", "threads", "wall_s", "foreign_tries")}  # fmt: skip
 
     runs = interleave(list(enumerate(feasible)), args.rounds, run)
     rows = [
@@ -135,20 +132,11 @@ def part_a(bench: Bench, args: Any) -> dict:
         for c, rs in zip(feasible, runs)
     ]  # fmt: skip
     closed = plan(profile, args.batch, limit, cost_model="closed").chosen
-    return {
-        "profile": {**asdict(profile), "seconds": profiled},
-        "closed_chosen": [getattr(closed, k) for k in KEY],
-        "uncapped_chosen": label(free.chosen),
-        "largest_footprint": largest,
-        "memory_limit": limit,
-        "plan_table": capped.table(),
-        "discarded": sum(c.verdict == "over memory_limit" for c in capped.candidates),
-        "candidates": len(capped.candidates),
-        "feasible_total": sum(c.feasible for c in capped.candidates),
-        "rows": rows,
-        "settings": {k: getattr(args, k) for k in ("batch", "warmup", "steps", "rounds", "rows", "limit_fraction")},
-        "wall_s": time.perf_counter() - started,
-    }
+    over = sum(c.verdict == "over memory_limit" for c in capped.candidates)
+    return {"profile": {**asdict(profile), "seconds": profiled}, "closed_chosen": [getattr(closed, k) for k in KEY], "uncapped_chosen": label(free.chosen),
+            "largest_footprint": largest, "memory_limit": limit, "plan_table": capped.table(), "discarded": over, "candidates": len(capped.candidates),
+            "feasible_total": len([c for c in capped.candidates if c.feasible]), "rows": rows, "wall_s": time.perf_counter() - started,
+            "settings": {k: getattr(args, k) for k in ("batch", "warmup", "steps", "rounds", "rows", "limit_fraction")}}  # fmt: skip
 
 
 def report_a(bench: Bench, res: dict, title: str) -> None:
