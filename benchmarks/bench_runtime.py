@@ -67,9 +67,8 @@ def job(rank: int, world: int, mode: str, cfg: dict) -> dict:
 
 
 def main() -> None:
-    bench = Bench(
-        __doc__, rounds=2, steps=20, warmup=5, retries=2, max_foreign=0.1, quiet_wait=10.0, budget=120.0, timeout=300.0, pin=False
-    )
+    policy = dict(retries=2, max_foreign=0.1, quiet_wait=10.0, budget=120.0, timeout=300.0, pin=False)
+    bench = Bench(__doc__, rounds=2, steps=20, warmup=5, **policy)
     p = bench.parser
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--mlp-ratio", type=int, default=1, help="inner width of a block = hidden * mlp_ratio")
@@ -107,15 +106,8 @@ def main() -> None:
     for mode in modes:
         s, err = best[mode], f"{errors[mode]:.1e}" if mode in errors else ""
         name = mode + (" per process" if mode == "pair" else "")
-        table.add(
-            name,
-            f"{s['total']:.1f}",
-            f"{s['step_ms']:.1f}",
-            f"{s['median']:.1f}",
-            f"{s['total'] / single:.2f}x",
-            err,
-            f"{s['foreign']:.2f}",
-        )
+        figures = (f"{s['total']:.1f}", f"{s['step_ms']:.1f}", f"{s['median']:.1f}", f"{s['total'] / single:.2f}x")
+        table.add(name, *figures, err, f"{s['foreign']:.2f}")
     bench.table(table)
     for sched in ("gpipe", "1f1b"):
         if f"ours-{sched}" in best and f"torch-{sched}" in best:
