@@ -19,10 +19,12 @@ from ...config import PipelineConfig
 from ...layers import Versions
 from ...runtime.p2p import Transport
 from ...runtime.tied import tied_from_groups
+from ..autoplan import AutoPlanner
 from ..checkpoint import full as full_checkpoint
 from ..checkpoint.keys import decode_run
 from ..context import RankContext
 from ..gradients import StageGradients
+from ..precision import PipelinePrecisionMixin
 from ..steps import PipelineSteps
 from ..tune_record import TuneRecording
 from .base import ControllerLayer, Layer, PartitionLayer, ReplicasLayer, VersionsLayer
@@ -65,7 +67,7 @@ def choose_layers(config: PipelineConfig) -> LayerChoice:
 class Training:
     """This rank's composition of the layers, over the current cut."""
 
-    def __init__(self, ctx: RankContext, planner: Any, precision: Any):
+    def __init__(self, ctx: RankContext, planner: AutoPlanner, precision: PipelinePrecisionMixin):
         self.ctx, self.planner = ctx, planner
         self.precision = precision  # the Trainer's pipeline-aware precision plugin: clips over this stage's gradients
         choice = choose_layers(ctx.config)
