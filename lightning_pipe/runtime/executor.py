@@ -131,6 +131,8 @@ class Executor:
         if self.crossing and carry is None:
             raise ValueError(f"{self.schedule.name}: sends received in a later run need a Carry to outlive this one")
         actions, handlers = self.actions, self._handlers
+        if torch.autograd.profiler._is_profiler_enabled:  # a user's torch.profiler records: every action labelled
+            handlers = {op: _labelled(handler) for op, handler in handlers.items()}
         trace = self.trace  # read once: a caller may switch tracing on between runs
         st = _Run(host, keys, len(actions), trace, trace and self.transport.device.type == "cuda", carry)
         self.records = st.records
@@ -321,3 +323,14 @@ def _crossing_sends(schedule: PipelineSchedule, rank: int) -> frozenset[int]:
         elif a.op is Op.SEND_GRAD and ("grad", a.chunk, a.microbatch) not in received:
             out.add(i)
     return frozenset(out)
+
+
+def _labelled(handler: Callable[[_Run, int, Action], None]) -> Callable[[_Run, int, Action], None]:
+    """`handler` inside a `record_function` naming the action, so a profiler trace shows the schedule
+    (a communication action's label covers adding it to its group; the group is issued after)."""
+
+    def run(st: _Run, index: int, a: Action) -> None:
+        with torch.profiler.record_function(f"lightning_pipe/{a.op.value} chunk={a.chunk} mb={a.microbatch}"):
+            handler(st, index, a)
+
+    return run
