@@ -1,11 +1,10 @@
 """Soak: long CLI runs, checking that memory, file descriptors and step time stay flat.
 
-Runs ``python -m lightning_pipe.train`` (GPT-tiny on synthetic tokens, validation and a checkpoint
-every 250 steps) for `--steps` steps per configuration, with `lightning_pipe.bench.soak.SoakMonitor`
-recording every rank's RSS, open file descriptors and mean step time every 50 steps, then prints
-per configuration and rank: first / last / max RSS, the RSS growth over the second half (after
-warm-up: allocator caches fill in the first hundred steps), fds first / last, and the step time of
-the first and last quarter.
+``python -m lightning_pipe.train`` (GPT-tiny, synthetic tokens, validation and a checkpoint every
+250 steps) for --steps steps per configuration; `lightning_pipe.bench.soak.SoakMonitor` records
+every rank's RSS, open fds and mean step time every 50 steps. Per configuration and rank: RSS
+first -> last (max), its growth over the second half, fds, step time of the first / last quarter.
+Feeds docs/faults.md ("Soak").
 
     python benchmarks/soak.py                        # 1F1B on 4 ranks and 2BW on 2 ranks, 1000 steps each
     python benchmarks/soak.py --steps 200 --configs 1f1b-4
@@ -13,81 +12,63 @@ the first and last quarter.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-from datetime import date
+
+from lightning_pipe.bench.harness import Bench, Table
 
 CONFIGS = {
     "1f1b-4": ["trainer.devices=4", "pipeline.schedule=1f1b", "pipeline.microbatches=4"],
     "2bw-2": ["trainer.devices=2", "pipeline.schedule=2bw", "pipeline.microbatches=2"],
 }
+TRAIN = "recipe=gpt-tiny-cpu data=synthetic data.synthetic_samples=4096 data.batch_size=8 data.seq_len=64 partition=uniform"
+TRAIN += " trainer.val_check_interval=250 trainer.limit_val_batches=4 trainer.enable_progress_bar=false"
 
 
 def run(name: str, steps: int, folder: str) -> list[dict]:
     log = os.path.join(folder, f"{name}.jsonl")
-    command = [
-        sys.executable,
-        "-m",
-        "lightning_pipe.train",
-        "recipe=gpt-tiny-cpu",
-        "data=synthetic",
-        "data.synthetic_samples=4096",
-        "data.batch_size=8",
-        "data.seq_len=64",
-        "partition=uniform",
-        f"trainer.max_steps={steps}",
-        "trainer.val_check_interval=250",
-        "trainer.limit_val_batches=4",
-        "trainer.enable_progress_bar=false",
-        f"hydra.run.dir={os.path.join(folder, name)}",
-        "+callbacks.soak._target_=lightning_pipe.bench.soak.SoakMonitor",
-        f"+callbacks.soak.path={log}",
-        *CONFIGS[name],
-    ]
+    command = [sys.executable, "-m", "lightning_pipe.train", *TRAIN.split(), f"trainer.max_steps={steps}"]
+    command += [f"hydra.run.dir={os.path.join(folder, name)}", f"+callbacks.soak.path={log}", *CONFIGS[name]]
+    command += ["+callbacks.soak._target_=lightning_pipe.bench.soak.SoakMonitor"]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     with open(log) as lines:
         return [json.loads(line) for line in lines]
 
 
-def summary(name: str, rows: list[dict]) -> list[str]:
-    out = []
-    for rank in sorted({r["rank"] for r in rows}):
-        mine = sorted((r for r in rows if r["rank"] == rank), key=lambda r: r["step"])
-        rss = [r["rss_mb"] for r in mine]
-        half = len(mine) // 2
-        quarter = max(1, len(mine) // 4)
-        times = [r["step_ms"] for r in mine[1:]]  # the first line includes setup
-        out.append(
-            f"{name:7s} rank {rank}: RSS {rss[0]:.1f} -> {rss[-1]:.1f} MB (max {max(rss):.1f}; second half "
-            f"{rss[-1] - rss[half]:+.1f} MB), fds {mine[0]['fds']} -> {mine[-1]['fds']} (max {max(r['fds'] for r in mine)}), "
-            f"step {statistics.mean(times[:quarter]):.1f} ms first quarter, {statistics.mean(times[-quarter:]):.1f} ms last"
-        )
-    return out
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--keep", help="a folder to keep the runs and their per-rank series (<config>.jsonl) in")
-    args = parser.parse_args()
-    from lightning_pipe.bench.launch import machine_description
-
-    print(f"soak, {date.today()}, {machine_description()}, {args.steps} steps per configuration")
+    bench = Bench(__doc__, steps=1000, quick={"steps": 100, "configs": ["2bw-2"]})
+    bench.parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    bench.parser.add_argument("--keep", help="a folder to keep the runs and their per-rank series (<config>.jsonl) in")
+    args = bench.parse()
+    table = Table("run", "rank", "RSS start -> end (MB)", "RSS over the second half", "fds start -> end", "step ms, first / last quarter")
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.keep or scratch
         os.makedirs(folder, exist_ok=True)
         for name in args.configs:
             rows = run(name, args.steps, folder)
-            for line in summary(name, rows):
-                print(line, flush=True)
-            series = sorted((r for r in rows if r["rank"] == 0), key=lambda r: r["step"])[1:]
-            print(f"{name:7s} rank 0 step ms every {series[1]['step'] - series[0]['step']} steps: {[r['step_ms'] for r in series]}")
+            bench.keep(name, rows)
+            for rank in sorted({r["rank"] for r in rows}):
+                mine = sorted((r for r in rows if r["rank"] == rank), key=lambda r: r["step"])
+                rss, fds = [r["rss_mb"] for r in mine], [r["fds"] for r in mine]
+                half, quarter = len(mine) // 2, max(1, len(mine) // 4)
+                times = [r["step_ms"] for r in mine[1:]] or [mine[0]["step_ms"]]  # the first line includes setup
+                first, last = statistics.mean(times[:quarter]), statistics.mean(times[-quarter:])
+                table.add(
+                    f"{name}, {args.steps} steps" if rank == 0 else "",
+                    rank,
+                    f"{rss[0]:.1f} -> {rss[-1]:.1f} (max {max(rss):.1f})",
+                    f"{rss[-1] - rss[half]:+.1f} MB",
+                    f"{fds[0]} -> {fds[-1]} (max {max(fds)})",
+                    f"{first:.1f} / {last:.1f}",
+                )
+            series = [r["step_ms"] for r in sorted((r for r in rows if r["rank"] == 0), key=lambda r: r["step"])[1:]]
+            bench.log(f"{name} rank 0 step ms, one value per logged interval: {series}")
+    bench.table(table, f"soak, {args.steps} steps per configuration")
+    bench.finish()
 
 
 if __name__ == "__main__":
