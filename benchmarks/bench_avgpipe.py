@@ -1,54 +1,12 @@
-"""AvgPipe (N parallel pipelines, elastic averaging) vs plain GPipe / 1F1B: samples/s at the same
-total samples per step, where the time goes, the staleness bound, and a simulation of N pipelines
-with devices of their own.
+"""AvgPipe (N parallel pipelines, elastic averaging) vs plain GPipe / 1F1B at the same samples per step.
 
-Workload: bench_2bw.py's (lightning_pipe.bench.mlp: the balanced residual MLP, default hidden 512,
-8 blocks, float32, MSE), K = 2 stages (4 blocks each), one thread per process, gloo. Every
-configuration trains S samples per optimizer step (default S = 256 rows):
+bench_2bw's residual MLP (lightning_pipe.bench.mlp), K = 2 stages, gloo, one thread per process,
+S = 256 rows per optimizer step in every configuration; all pipelines share this machine's cores.
+Measured: samples/s, where the time goes per worker (compute, executor not computing, the elastic
+update's parts, CPU), the staleness bound, "malloc kept" runs; simulated: N pipelines with devices
+of their own. Feeds docs/benchmarks_avgpipe.md (method and results there).
 
-- ``gpipe`` / ``1f1b``  one pipeline, 2 processes, Flush over build_schedule(name, 2, M), batch S
-                        in M micro-batches;
-- ``avg N``             ElasticAveraging around Flush over 1F1B (``--avg-schedule``): N pipelines x
-                        K = 2 stages = 2N worker processes (rank r = stage r % 2 of pipeline r // 2,
-                        the transport maps a stage to the same pipeline's rank) plus one reference
-                        process per stage (started by pipeline 0, ``python -m
-                        lightning_pipe.runtime.reference``, on the job's TCPStore under a per-run
-                        prefix); each pipeline trains its own batches of S / N rows in M
-                        micro-batches; per step ``Flush.run`` (the pipeline), ``before_update()``,
-                        ``optimizer.step()``, ``after_update()``; ``close()`` at the end.
-                        alpha = 1 / N; staleness s (default 0; ``--staleness`` lists the extra values
-                        measured at ``--stale-pipelines`` and ``--stale-microbatches``).
-
-Everything runs on this machine's cores: the N pipelines *share* them (as the paper's N processes
-share each GPU). samples/s = steps x S over the wall time of the timed steps (warm-up excluded,
-barrier before and after; lightning_pipe.bench.launch.timed_steps), best of ``--repeats`` interleaved
-runs; runs disturbed by other processes are repeated (lightning_pipe.bench.launch.run_undisturbed).
-
-Where the time goes, per worker and step (Executor trace=True; medians over the timed steps, then
-the mean over the pipelines of each stage): compute (the F / B actions' wall time), the rest of the
-executor's time (AvgPipe §5.2's T_com + T_bub: waiting for activations / gradients, issuing
-messages, Python, and on shared cores waiting for a core), the elastic update (before_update's
-copy of the weights; in after_update: building and sending Δ, waiting for W_ref, the rest = the pull
-and bookkeeping), the optimizer step; and the CPU time of each process per step (workers and
-reference processes), i.e. how busy the 2 cores were.
-
-The elastic update's local work is also measured alone (``local_update``: before_update +
-after_update on one stage's weights in this process, with a StubLink that builds the Δ message and
-fills a fresh receive buffer as the real link does, but sends nothing): its time and its minor page
-faults. A variant of the AvgPipe runs (``--malloc-pipelines``, ``--malloc-microbatches``) starts the
-workers with glibc malloc told to keep freed memory (MALLOC_TRIM_THRESHOLD_ / MALLOC_MMAP_THRESHOLD_
-= 1 GiB), labelled "malloc kept": the update's stage-sized temporaries then stop costing fresh pages.
-
-Simulated "own devices": lightning_pipe.simulation.simulate of one pipeline (build_schedule(name, 2,
-M)) on blocks profiled at each micro-batch size (S / M rows for the plain pipeline, S / (N M) for a
-pipeline of AvgPipe N; both ranks profiling at once), link from ping_pong. With N x K devices of
-their own, AvgPipe's throughput is N x (S / N) / T_iter(S / N, M); the plain pipeline's on K
-devices S / T_iter(S, M). Both add the optimizer step measured in the 1F1B run; AvgPipe's also the
-elastic update's local work (``local_update``; the exchange with the reference assumed hidden, as
-the design intends at s = 0). A simulation of more hardware, not a speed-up on this machine.
-
-    python benchmarks/bench_avgpipe.py --retries 1 --budget 480      # everything (~14 minutes on 2 cores)
-    python benchmarks/bench_avgpipe.py --microbatches 2 --pipelines 1,2 --staleness '' --repeats 1 --steps 5
+    python benchmarks/bench_avgpipe.py --retries 1 --budget 480
     python benchmarks/bench_avgpipe.py --quick     # smoke: N = 2, M = 2, s = 1, malloc kept, 2 steps
 """
 
@@ -58,7 +16,7 @@ import os
 import statistics
 import time
 
-from lightning_pipe.bench.harness import Bench, ints, ms, pin_threads
+from lightning_pipe.bench.harness import Bench, Table, interleave, ints, ms, pin_threads
 
 pin_threads(1)
 
@@ -70,6 +28,8 @@ from lightning_pipe.bench.mlp import loss_fn, make_model, stage_half  # noqa: E4
 from lightning_pipe.bench.pipes import Clock, best_link, compute_seconds, equal_bounds, gather, median_costs, time_executor  # noqa: E402
 
 K = 2  # stages per pipeline
+S = 256  # samples (rows) per optimizer step, every configuration
+STALE_MICROBATCHES = [4]  # M of the staleness runs
 # glibc malloc kept from returning freed memory to the OS: the "malloc kept" variant (fresh pages for the
 # elastic update's stage-sized temporaries are what its time is mostly spent on otherwise)
 MALLOC = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 30)}
@@ -107,26 +67,14 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
     data = make_batches(cfg, pipeline, cfg["batch"] // max(n, 1))
     host = SequentialHost({stage: chunk}, K - 1, loss_fn)
     transport = Transport(lambda s: pipeline * K + s, torch.device("cpu"))
-    if cfg["optimizer"] == "adam":
-        opt = torch.optim.Adam(chunk.parameters(), lr=cfg["lr"])
-    else:
-        opt = torch.optim.SGD(chunk.parameters(), lr=cfg["lr"])
+    opt = torch.optim.SGD(chunk.parameters(), lr=cfg["lr"])
     clock = Clock(send=0.0, wait=0.0)
     time_executor(clock)  # time inside the executor, as bench_2bw
     refs: list = []
 
     def link(numel: int, dtype: torch.dtype) -> ReferenceLink:
-        made = ReferenceLink(
-            os.environ["MASTER_ADDR"],  # the job's TCPStore (run_distributed's)
-            int(os.environ["MASTER_PORT"]),
-            f"{cfg['prefix']}/{stage}/",
-            stage,
-            pipeline,
-            n,
-            numel,
-            dtype,
-            cfg["timeout"],
-        )
+        store = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])  # the job's TCPStore (run_distributed's)
+        made = ReferenceLink(*store, f"{cfg['prefix']}/{stage}/", stage, pipeline, n, numel, dtype, cfg["timeout"])
         made.send_delta = clock.wrap(made.send_delta, "send")  # building the message + the isend (+ reaping old ones)
         made.take_reference = clock.wrap(made.take_reference, "wait")  # waiting for W_ref
         refs.append(made)
@@ -135,8 +83,7 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
     mode = Flush(ScheduleSpec.of(cfg["schedule"]), K, m, stage, transport, trace=True)
     elastic = None
     if n:
-        alpha = cfg["alpha"] if cfg["alpha"] is not None else 1.0 / n
-        elastic = ElasticAveraging(chunk, pipeline, alpha, cfg["staleness"], link, rank=stage)
+        elastic = ElasticAveraging(chunk, pipeline, 1.0 / n, cfg["staleness"], link, rank=stage)
     trace: list[dict] = []
     cpu_at: dict[str, float] = {}
 
@@ -163,20 +110,9 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
         t4 = time.perf_counter()
         busy = compute_seconds(executor)
         trace.append(
-            {
-                "step": t4 - t0,
-                "busy": busy,
-                "waiting": clock["executor"] - busy,
-                "outside": t1 - t0 - clock["executor"],
-                "before": t2 - t1,
-                "opt": t3 - t2,
-                "send": clock["send"],
-                "wait_ref": clock["wait"],
-                "pull": t4 - t3 - clock["send"] - clock["wait"],
-                "update": t4 - t3 + t2 - t1,
-                "cpu": time.process_time() - c0,
-                "loss": float(sum(host.losses)),
-            }
+            dict(step=t4 - t0, busy=busy, waiting=clock["executor"] - busy, outside=t1 - t0 - clock["executor"], before=t2 - t1)
+            | dict(opt=t3 - t2, send=clock["send"], wait_ref=clock["wait"], pull=t4 - t3 - clock["send"] - clock["wait"])
+            | dict(update=t4 - t3 + t2 - t1, cpu=time.process_time() - c0, loss=float(sum(host.losses)))
         )
 
     timing = timed_steps(step, cfg["steps"], cfg["warmup"], dist.barrier)
@@ -354,81 +290,77 @@ def label(c: dict) -> str:
     return f"avg N={c['pipelines']}" + (f" s={c['staleness']}" if c["staleness"] else "") + (" malloc kept" if c.get("malloc") else "")
 
 
+def key(c: dict) -> tuple:
+    return c["schedule"], c["pipelines"], c["microbatches"], c["staleness"], bool(c.get("malloc"))
+
+
+def configs_of(args, base: dict) -> list[dict]:
+    cfg = lambda n, m, **kw: dict(base, pipelines=n, schedule="1f1b", microbatches=m, **kw)  # noqa: E731
+    configs = []
+    for m in args.microbatches:
+        configs += [dict(cfg(0, m), schedule=name) for name in ("gpipe", "1f1b")] + [cfg(n, m) for n in args.pipelines]
+    for m in STALE_MICROBATCHES:
+        for n in args.stale_pipelines:
+            configs += [cfg(n, m, staleness=s) for s in args.staleness]
+            if m not in args.microbatches or n not in args.pipelines:  # the s = 0 base of the comparison
+                configs.append(cfg(n, m))
+    configs += [cfg(n, m, malloc=True) for m in args.malloc_microbatches for n in args.malloc_pipelines]  # glibc keeping freed memory
+    return configs
+
+
+def measure(bench: Bench, args, run, configs: list[dict]) -> dict:
+    """Every configuration in interleaved rounds; each one's fastest run, with the largest mean(W_n) vs W_ref."""
+
+    def one(c: dict, rep: int) -> dict:
+        tag = f"{label(c)} M={c['microbatches']}"
+        results, foreign = run("train", c, K * max(c["pipelines"], 1), tag)
+        st = summarize(results, c, foreign)
+        inv = f", mean(W_n) vs W_ref {st['invariant']:.1e}" if "invariant" in st else ""
+        bench.log(
+            f"  run {rep + 1}/{args.rounds} {tag:18s} {st['samples']:7.1f} samples/s ({st['step_ms']:.1f} ms/step, CPU use {st['util']:.2f}, foreign {foreign:.2f}{inv})"
+        )
+        return st
+
+    best = {}
+    for c, runs in zip(configs, interleave(configs, args.rounds, one)):
+        best[key(c)] = max(runs, key=lambda st: st["samples"])
+        if "invariant" in runs[0]:
+            best[key(c)]["invariant"] = max(st["invariant"] for st in runs)
+    return best
+
+
 def main() -> None:
-    quick = dict(pipelines=[2], microbatches=[2], staleness=[1], stale_pipelines=[2], stale_microbatches=[2])
-    quick.update(malloc_pipelines=[2], malloc_microbatches=[2], profile_repeats=3)
+    quick = dict(pipelines=[2], microbatches=[2], staleness=[1], stale_pipelines=[2], malloc_pipelines=[2], malloc_microbatches=[2])
+    quick["profile_repeats"] = 3
     bench = Bench(__doc__, quick, rounds=2, steps=20, warmup=4, retries=2, max_foreign=0.1, budget=600.0, quiet_wait=10.0, timeout=300.0)
     p = bench.parser
-    p.add_argument("--samples", type=int, default=256, help="S: total samples (rows) per optimizer step, every configuration")
     p.add_argument("--pipelines", type=ints, default=[1, 2, 4], help="AvgPipe N values")
     p.add_argument("--microbatches", type=ints, default=[2, 4], help="M values (per pipeline)")
-    p.add_argument("--avg-schedule", default="1f1b", help="AvgPipe's pipelines' schedule")
-    p.add_argument("--staleness", type=ints, default=[1, 2], help="extra staleness bounds s (besides 0)")
+    p.add_argument("--staleness", type=ints, default=[1, 2], help="extra staleness bounds s (besides 0), at M = 4")
     p.add_argument("--stale-pipelines", type=ints, default=[2, 4], help="N values of the staleness runs")
-    p.add_argument("--stale-microbatches", type=ints, default=[4], help="M values of the staleness runs")
     p.add_argument("--malloc-pipelines", type=ints, default=[2, 4], help="N values run again with glibc malloc keeping freed memory")
     p.add_argument("--malloc-microbatches", type=ints, default=[4], help="M values of the malloc runs ('' for none)")
-    p.add_argument("--alpha", type=float, default=None, help="default 1 / N")
-    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--mlp-ratio", type=int, default=1)
-    p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--profile-repeats", type=int, default=20)
     args = bench.parse()
-    args.repeats = args.rounds
-    S = args.samples
-    for n in set(args.pipelines) | set(args.stale_pipelines):
-        for m in set(args.microbatches) | set(args.stale_microbatches):
-            if S % (n * m):
-                bench.error(f"--samples {S} must divide into N x M = {n} x {m} micro-batches")
-
-    bench.say(f"{os.cpu_count()} cores; one thread per process; gloo")
     base = dict(
-        hidden=args.hidden,
-        mlp_ratio=args.mlp_ratio,
-        blocks=args.blocks,
-        batch=S,
-        steps=args.steps,
-        warmup=args.warmup,
-        lr=args.lr,
-        optimizer=args.optimizer,
-        alpha=args.alpha,
-        timeout=args.timeout,
-        staleness=0,
+        hidden=512, mlp_ratio=1, blocks=8, batch=S, steps=args.steps, warmup=args.warmup, lr=1e-3, timeout=args.timeout, staleness=0
     )
     bench.say(f"S = {S} samples per step; K = {K} stages; {base}\n")
     run = runner(bench)
-
-    configs = []
-    for m in args.microbatches:
-        configs += [dict(base, pipelines=0, schedule=name, microbatches=m) for name in ("gpipe", "1f1b")]
-        configs += [dict(base, pipelines=n, schedule=args.avg_schedule, microbatches=m) for n in args.pipelines]
-    for m in args.stale_microbatches:
-        for n in args.stale_pipelines:
-            for s in args.staleness:
-                configs.append(dict(base, pipelines=n, schedule=args.avg_schedule, microbatches=m, staleness=s))
-            if m not in args.microbatches or n not in args.pipelines:  # the s = 0 base of the comparison
-                configs.append(dict(base, pipelines=n, schedule=args.avg_schedule, microbatches=m))
-
-    for m in args.malloc_microbatches:  # the same runs with glibc keeping freed memory (MALLOC above)
-        configs += [dict(base, pipelines=n, schedule=args.avg_schedule, microbatches=m, malloc=True) for n in args.malloc_pipelines]
-
+    configs = configs_of(args, base)
     # the profile: blocks at every micro-batch size used, the link at the activation sizes
-    rows = sorted({S // (max(c["pipelines"], 1) * c["microbatches"]) for c in configs} | {S // m for m in args.microbatches})
+    rows = sorted({S // (max(c["pipelines"], 1) * c["microbatches"]) for c in configs})
     prof, foreign = run("profile", dict(base, profile_rows=rows, profile_repeats=args.profile_repeats), K, "profile")
     prof = prof[0]
-    bench.say(
-        f"profile (foreign load {foreign:.2f}): link {1e6 * prof['link']['latency']:.0f} us + {prof['link']['bandwidth'] / 1e9:.2f} GB/s; "
-        + ", ".join(
-            f"{r} rows: block f {ms(statistics.median(costs_at(prof, r).forward))} b {ms(statistics.median(costs_at(prof, r).backward))} ms"
-            for r in rows
-        )
+    per_rows = ", ".join(
+        f"{r} rows: block f {ms(statistics.median(costs_at(prof, r).forward))} b {ms(statistics.median(costs_at(prof, r).backward))} ms"
+        for r in rows
     )
-
+    bench.say(
+        f"profile (foreign load {foreign:.2f}): link {1e6 * prof['link']['latency']:.0f} us + {prof['link']['bandwidth'] / 1e9:.2f} GB/s; {per_rows}"
+    )
     bench.keep("profile", {"link": prof["link"]})
-    # the elastic update's local work, one process, no messages (the "own devices" simulation adds it)
-    locals_ = [local_update(base, k) for k in range(K)]
+    locals_ = [local_update(base, k) for k in range(K)]  # the elastic update's local work, one process, no messages
     elastic = max(u["ms"] for u in locals_)
     bench.say(
         "elastic update's local work (before_update + after_update without messages, one quiet process): "
@@ -436,134 +368,116 @@ def main() -> None:
             f"stage {k} ({u['mb']:.1f} MB of weights) {u['ms']:.1f} ms, {u['faults']:.0f} minor page faults" for k, u in enumerate(locals_)
         )
     )
-
-    best: dict[tuple, dict] = {}
-    key = lambda c: (c["schedule"], c["pipelines"], c["microbatches"], c["staleness"], bool(c.get("malloc")))  # noqa: E731
-    for rep in range(args.repeats):
-        for c in configs:
-            world = K * max(c["pipelines"], 1)
-            tag = f"{label(c)} M={c['microbatches']}"
-            results, foreign = run("train", c, world, tag)
-            st = summarize(results, c, foreign)
-            inv = f", mean(W_n) vs W_ref {st['invariant']:.1e}" if "invariant" in st else ""
-            bench.log(
-                f"  run {rep + 1}/{args.repeats} {tag:18s} {st['samples']:7.1f} samples/s ({st['step_ms']:.1f} ms/step, "
-                f"CPU use {st['util']:.2f} of the cores, foreign load {foreign:.2f}{inv})"
-            )
-            prev = best.get(key(c))
-            if prev is None or st["samples"] > prev["samples"]:
-                if prev is not None and "invariant" in prev:
-                    st["invariant"] = max(st["invariant"], prev["invariant"])
-                best[key(c)] = st
-            elif "invariant" in st:
-                prev["invariant"] = max(prev["invariant"], st["invariant"])
-
+    best = measure(bench, args, run, configs)
+    bench.keep("best", {" ".join(map(str, k)): v for k, v in best.items()})
     pair = lambda v: " / ".join(ms(x) for x in v)  # noqa: E731
-    main_cfgs = [
-        c for c in configs if c["staleness"] == 0 and not c.get("malloc") and (not c["pipelines"] or c["microbatches"] in args.microbatches)
-    ]
+    plain = lambda name, m: best[(name, 0, m, 0, False)]  # noqa: E731
+    main_cfgs = list(
+        {key(c): c for c in configs if not c["staleness"] and not c.get("malloc") and c["microbatches"] in args.microbatches}.values()
+    )
     extra_cfgs = [c for c in configs if c["staleness"] or c.get("malloc")]
-    seen = set()
-    main_cfgs = [c for c in main_cfgs if not (key(c) in seen or seen.add(key(c)))]
 
-    bench.say(
-        f"\n## measured on {os.cpu_count()} shared cores: samples/s at S = {S} samples per step (best of {args.repeats}, {args.steps} timed steps)\n"
-    )
-    bench.say(
-        "| config | M | rows / micro-batch | worker + reference processes | samples/s | ms/step | vs 1F1B (same M) | vs GPipe (same M) | "
-        "CPU use (of all cores) | mean(W_n) vs W_ref | foreign load |"
-    )
-    bench.say("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    t = Table(
+        "config", "M", "rows / micro-batch", "worker + reference processes", "samples/s", "ms/step", "vs 1F1B (same M)",
+        "vs GPipe (same M)", "CPU use (of all cores)", "mean(W_n) vs W_ref", "foreign load",
+    )  # fmt: skip
     for c in main_cfgs + [c for c in extra_cfgs if c.get("malloc")]:
-        st, m = best[key(c)], c["microbatches"]
-        n = max(c["pipelines"], 1)
+        st, m, n = best[key(c)], c["microbatches"], max(c["pipelines"], 1)
         procs = f"{K * n}" + (f" + {K} ref" if c["pipelines"] else "")
-        vs = lambda name: st["samples"] / best[(name, 0, m, 0, False)]["samples"]  # noqa: E731
+        vs = lambda name: f"{st['samples'] / plain(name, m)['samples']:.2f}x"  # noqa: E731, B023
         inv = f"{st['invariant']:.0e}" if "invariant" in st else ""
-        bench.say(
-            f"| {label(c)} | {m} | {S // (n * m)} | {procs} | {st['samples']:.1f} | {st['step_ms']:.1f} | {vs('1f1b'):.2f}x | "
-            f"{vs('gpipe'):.2f}x | {st['util']:.2f} | {inv} | {st['foreign']:.2f} |"
+        t.add(
+            label(c),
+            m,
+            S // (n * m),
+            procs,
+            f"{st['samples']:.1f}",
+            f"{st['step_ms']:.1f}",
+            vs("1f1b"),
+            vs("gpipe"),
+            f"{st['util']:.2f}",
+            inv,
+            f"{st['foreign']:.2f}",
         )
+    bench.table(
+        t,
+        f"\n## measured on {os.cpu_count()} shared cores: samples/s at S = {S} samples per step (best of {args.rounds}, {args.steps} timed steps)",
+    )
 
-    bench.say(
-        "\n## where the time goes, per worker and step, ms (stage 0 / stage 1; median step, mean over the pipelines)\n\n"
-        "compute = F/B wall time; executor not computing = AvgPipe's T_com + T_bub (waiting for activations / "
-        "gradients, p2p, Python; on shared cores also waiting for a core); elastic = before_update's copy + "
-        "Δ built and sent + wait for W_ref + pull and the rest; CPU = the process's CPU time per step; "
-        "ref CPU = both reference processes' CPU per step\n"
-    )
-    bench.say(
-        "| config | M | step | compute | executor, not computing | optimizer | elastic: copy | Δ + send | wait W_ref | pull + rest | "
-        "worker CPU | ref CPU (sum) |"
-    )
-    bench.say("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    t = Table(
+        "config", "M", "step", "compute", "executor, not computing", "optimizer", "elastic: copy", "Δ + send", "wait W_ref",
+        "pull + rest", "worker CPU", "ref CPU (sum)",
+    )  # fmt: skip
     for c in main_cfgs + extra_cfgs:
         st = best[key(c)]
-        el = [pair(st[k]) for k in ("before", "send", "wait_ref", "pull")] if c["pipelines"] else ["", "", "", ""]
-        bench.say(
-            f"| {label(c)} | {c['microbatches']} | {pair(st['step'])} | {pair(st['busy'])} | {pair(st['waiting'])} | {pair(st['opt'])} | "
-            f"{' | '.join(el)} | {pair(st['cpu'])} | {ms(st['ref_cpu']) if c['pipelines'] else ''} |"
+        el = [pair(st[k]) for k in ("before", "send", "wait_ref", "pull")] if c["pipelines"] else [""] * 4
+        ref = ms(st["ref_cpu"]) if c["pipelines"] else ""
+        t.add(
+            label(c), c["microbatches"], pair(st["step"]), pair(st["busy"]), pair(st["waiting"]), pair(st["opt"]), *el, pair(st["cpu"]), ref
         )
+    bench.table(t, "\n## where the time goes, per worker and step, ms (stage 0 / stage 1; median step, mean over the pipelines)")
 
-    # ---- simulated: N pipelines with devices of their own ----
-    bench.say(
-        f"\n## SIMULATED, not measured: N pipelines with K = {K} devices of their own each (N x {K} devices), "
-        f"vs the plain pipeline on {K} devices\n\n"
-        "lightning_pipe.simulation (one pipeline's iteration) on the blocks profiled at each micro-batch size, + the optimizer "
-        "step measured in the 1F1B run at the same M; AvgPipe also + its elastic update's local work (copy, Δ, pull: "
-        f"{ms(elastic / 1e3)} ms, measured in one quiet process without messages; the exchange with the reference assumed "
-        "hidden, as the design intends at s = 0). A simulation of more hardware, NOT a speed-up on this machine.\n"
-    )
-    bench.say(
-        "| config | M | devices | rows / micro-batch | simulated pipeline iteration, ms | + optimizer | + elastic update | "
-        "samples/s (simulated, with elastic) | vs 1F1B on 2 devices | vs GPipe on 2 devices | vs 1F1B without the elastic update |"
-    )
-    bench.say("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    sim_rows = []
+    t = Table(
+        "config", "M", "devices", "rows / micro-batch", "simulated pipeline iteration, ms", "+ optimizer", "+ elastic update",
+        "samples/s (simulated, with elastic)", "vs 1F1B on 2 devices", "vs GPipe on 2 devices", "vs 1F1B without the elastic update",
+    )  # fmt: skip
+    sims = {}
     for m in args.microbatches:
-        opt = max(best[("1f1b", 0, m, 0, False)]["opt"])
-        plain, iters = {}, {}
-        for name in ("gpipe", "1f1b"):
-            iters[name] = sim_iteration(name, m, costs_at(prof, S // m))
-            plain[name] = iters[name] + opt
-        for name in ("gpipe", "1f1b"):
-            total = plain[name]
-            bench.say(
-                f"| {name} | {m} | {K} | {S // m} | {ms(iters[name])} | {ms(total)} | | {S / total:.0f} | "
-                f"{plain['1f1b'] / total:.2f}x | {plain['gpipe'] / total:.2f}x | |"
+        opt = max(plain("1f1b", m)["opt"])  # the simulator has no optimizer: add the one measured
+        it = {name: sim_iteration(name, m, costs_at(prof, S // m)) for name in ("gpipe", "1f1b")}
+        ref = {name: it[name] + opt for name in it}
+        for name in it:
+            t.add(
+                name,
+                m,
+                K,
+                S // m,
+                ms(it[name]),
+                ms(ref[name]),
+                "",
+                f"{S / ref[name]:.0f}",
+                f"{ref['1f1b'] / ref[name]:.2f}x",
+                f"{ref['gpipe'] / ref[name]:.2f}x",
+                "",
             )
         for n in args.pipelines:
-            t_it = sim_iteration(args.avg_schedule, m, costs_at(prof, S // (n * m)))
+            t_it = sim_iteration("1f1b", m, costs_at(prof, S // (n * m)))
             total = t_it + opt + elastic / 1e3
-            sim_rows.append((n, m, plain["1f1b"] / total, plain["gpipe"] / total, plain["1f1b"] / (t_it + opt)))
-            bench.say(
-                f"| avg N={n} | {m} | {K * n} | {S // (n * m)} | {ms(t_it)} | {ms(t_it + opt)} | {ms(total)} | {S / total:.0f} | "
-                f"{plain['1f1b'] / total:.2f}x | {plain['gpipe'] / total:.2f}x | {plain['1f1b'] / (t_it + opt):.2f}x |"
-            )
+            sims[(n, m)] = ref["1f1b"] / total
+            t.add(
+                f"avg N={n}", m, K * n, S // (n * m), ms(t_it), ms(t_it + opt), ms(total), f"{S / total:.0f}", f"{ref['1f1b'] / total:.2f}x",
+                f"{ref['gpipe'] / total:.2f}x", f"{ref['1f1b'] / (t_it + opt):.2f}x",
+            )  # fmt: skip
+    bench.table(
+        t, f"\n## SIMULATED, not measured: N pipelines with K = {K} devices of their own each, vs the plain pipeline on {K} devices"
+    )
 
     if args.staleness:
-        bench.say("\n## staleness s (measured, shared cores): samples/s, best run; time per step waiting for W_ref (stage 0 / stage 1)\n")
-        bench.say("| N | M | s | samples/s | vs s = 0 | wait W_ref, ms | ms/step |")
-        bench.say("|---:|---:|---:|---:|---:|---:|---:|")
-        for m in args.stale_microbatches:
-            for n in args.stale_pipelines:
-                b0 = best[(args.avg_schedule, n, m, 0, False)]
-                for s in [0] + args.staleness:
-                    st = best[(args.avg_schedule, n, m, s, False)]
-                    bench.say(
-                        f"| {n} | {m} | {s} | {st['samples']:.1f} | {st['samples'] / b0['samples']:.3f}x | {pair(st['wait_ref'])} | {st['step_ms']:.1f} |"
-                    )
+        t = Table("N", "M", "s", "samples/s", "vs s = 0", "wait W_ref, ms", "ms/step", align="rrrrrrr")
+        for n in args.stale_pipelines:
+            for s in [0, *args.staleness]:
+                st, b0 = best[("1f1b", n, STALE_MICROBATCHES[0], s, False)], best[("1f1b", n, STALE_MICROBATCHES[0], 0, False)]
+                t.add(
+                    n,
+                    STALE_MICROBATCHES[0],
+                    s,
+                    f"{st['samples']:.1f}",
+                    f"{st['samples'] / b0['samples']:.3f}x",
+                    pair(st["wait_ref"]),
+                    f"{st['step_ms']:.1f}",
+                )
+        bench.table(
+            t, "\n## staleness s (measured, shared cores): samples/s, best run; time per step waiting for W_ref (stage 0 / stage 1)"
+        )
 
-    bench.say("\nsummary (measured on the shared cores; simulated = own devices):")
+    bench.say("summary (measured on the shared cores; simulated = own devices):")
     for m in args.microbatches:
         for n in args.pipelines:
-            st = best[(args.avg_schedule, n, m, 0, False)]
-            sim = next(r for r in sim_rows if r[0] == n and r[1] == m)
+            st = best[("1f1b", n, m, 0, False)]
             bench.say(
-                f"  M={m} N={n}: measured {st['samples'] / best[('1f1b', 0, m, 0, False)]['samples']:.2f}x 1F1B, "
-                f"{st['samples'] / best[('gpipe', 0, m, 0, False)]['samples']:.2f}x GPipe; simulated with own devices {sim[2]:.2f}x 1F1B"
+                f"  M={m} N={n}: measured {st['samples'] / plain('1f1b', m)['samples']:.2f}x 1F1B, "
+                f"{st['samples'] / plain('gpipe', m)['samples']:.2f}x GPipe; simulated with own devices {sims[(n, m)]:.2f}x 1F1B"
             )
-    bench.keep("best", {" ".join(map(str, k)): v for k, v in best.items()})
     bench.finish()
 
 
