@@ -1,26 +1,14 @@
 """AutoPipe-RL part 2 in the emulated shared cluster with a changing load: static vs rule vs learned vs oracle.
 
-The setting of bench_adaptive.py (2 gloo processes x 1 thread pinned to cores 0 and 1, the
-GPT-tiny-like CausalLM, batch 16 in 4 micro-batches, 1F1B, real compute) with the load of the
-paper's §5.3: a competing CPU-bound job arrives on rank 1's core at iteration --t1, another on rank
-0's core at --t2, both leave at --t3; --steps iterations in all.
-
-Runs:
-``sweep``    perfect knowledge for the oracle: every 2-stage cut run --dwell iterations quiet, then
-             with job 1, then with both jobs; the fastest measured cut of each load is the oracle's.
-``static``   the partition planned at setup, kept.
-``rule``     adaptive=rule (part 1: the simulator on measured costs, 5% over the rest of the run).
-``learned``  adaptive=learned (the shipped predictor, adapted online, and the RL arbiter).
-``oracle``   switched to the measured-best cut of each load exactly when the load changes.
-
-Printed: samples/s over the whole run and per phase; switches per run; the learned run's decision
-time; and the predictor's accuracy on this job: at every decision the learned run records the
-predictions for every cut (the online-adapted network and the offline one on the same window),
-compared with the sweep's measured iteration time of each cut under the same load (rank correlation
-over the cuts) and with the measured time of the running cut (relative error).
-Results: docs/adaptive.md.
+bench_adaptive.py's setting (lightning_pipe.bench.shared_cluster); a busy loop joins rank 1's core at
+--t1, another rank 0's at --t2, both leave at --t3. Runs: a sweep of every cut under 0, 1, 2 jobs
+(the oracle's knowledge), static, adaptive=rule, adaptive=learned, oracle. Measured: samples/s per
+phase, switches, the learned run's decision time, the predictor's rank correlation / error on this
+job; --decision-time: one decision for paper-size models. Feeds docs/adaptive.md ("Changing load").
 
     flock /tmp/bench.lock python benchmarks/bench_adaptive_learned.py --save docs/adaptive_learned_results.json --out docs/img
+    python benchmarks/bench_adaptive_learned.py --decision-time
+    python benchmarks/bench_adaptive_learned.py --quick
 """
 
 from __future__ import annotations
@@ -33,8 +21,8 @@ from pathlib import Path
 
 from lightning_pipe.adaptive.offline import spearman
 from lightning_pipe.bench import provenance
-from lightning_pipe.bench.harness import Bench
-from lightning_pipe.bench.shared_cluster import rolling_samples_per_s, run, samples_per_s
+from lightning_pipe.bench.harness import Bench, Table
+from lightning_pipe.bench.shared_cluster import dwell_medians, plot_runs, run, samples_per_s
 
 CUTS = list(range(1, 10))
 
@@ -55,20 +43,12 @@ def jobs(args) -> list:
 
 def sweep(args) -> dict:
     """Every cut under 0, 1 and 2 jobs; medians of each dwell after 3 settling iterations."""
-    start, d = 10, args.dwell
-    plan, at = {}, start
-    for _ in range(3):
-        for x in CUTS:
-            plan[at] = [[0, x], [x, 10]]
-            at += d
-    one, two, end = start + len(CUTS) * d, start + 2 * len(CUTS) * d, start + 3 * len(CUTS) * d
+    start, d, n = 10, args.dwell, len(CUTS)
+    plan = {start + (load * n + k) * d: [[0, x], [x, 10]] for load in range(3) for k, x in enumerate(CUTS)}
+    one, two, end = start + n * d, start + 2 * n * d, start + 3 * n * d
     sweep_args = argparse.Namespace(**{**vars(args), "steps": end})
-    report = run("sweep", sweep_args, plan, False, [5, 5], jobs=[(one, end + 1, 1), (two, end + 1, 0)])
-    times = report["times"]
-    medians = {}
-    for load, first in ((0, start), (1, one), (2, two)):
-        medians[load] = {x: statistics.median(times[first + k * d + 3 : first + (k + 1) * d]) for k, x in enumerate(CUTS)}
-    return {"report": report, "medians": medians}
+    times = run("sweep", sweep_args, plan, False, [5, 5], jobs=[(one, end + 1, 1), (two, end + 1, 0)])["times"]
+    return {load: dwell_medians(times, first, d, CUTS) for load, first in ((0, start), (1, one), (2, two))}
 
 
 def decision_time(model: str, depth: int, microbatches: int, repeats: int = 20) -> dict:
@@ -114,133 +94,74 @@ def decision_time(model: str, depth: int, microbatches: int, repeats: int = 20) 
     }
 
 
-def main() -> None:
-    bench = Bench(__doc__, dict(steps=48, t1=12, t2=24, t3=36, dwell=2))
-    p = bench.parser
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--t1", type=int, default=100)
-    p.add_argument("--t2", type=int, default=200)
-    p.add_argument("--t3", type=int, default=300)
-    p.add_argument("--dwell", type=int, default=10)
-    p.add_argument("--work", default="/tmp/bench_adaptive_learned")
-    p.add_argument("--save", default=None)
-    p.add_argument("--load", default=None)
-    p.add_argument("--out", default=None)
-    p.add_argument("--decision-time", action="store_true", help="only time a learned decision for paper-size models (the shipped depths)")
-    args = bench.parse()
-    os.environ["LIGHTNING_PIPE_ADAPTIVE_EVALUATE"] = "1"  # the learned run records its predictions (inherited by the workers)
-    if args.decision_time:
-        for model, depth in (("gpt2-1.3b", 4), ("bert-large", 4), ("gpt2-1.3b", 2)):
-            print(decision_time(model, depth, 4 * depth))
-        return
-    Path(args.work).mkdir(parents=True, exist_ok=True)
-    if args.load:
-        results = json.loads(Path(args.load).read_text())
-    else:
-        results = {"provenance": provenance()}
-        sw = sweep(args)
-        results["sweep_medians_ms"] = {str(k): {str(x): v * 1e3 for x, v in m.items()} for k, m in sw["medians"].items()}
-        best = {load: min(m, key=m.get) for load, m in sw["medians"].items()}
-        results["oracle_cuts"] = {str(k): v for k, v in best.items()}
-        results["static"] = run("static", args, {}, False, "autopipe", jobs=jobs(args))
-        planned = results["static"]["bounds"][0]
-        first = [planned[0][1], 10 - planned[0][1]]
-        results["rule"] = run("rule", args, {}, "rule", first, jobs=jobs(args))
-        results["learned"] = run("learned", args, {}, "learned", first, jobs=jobs(args))
-        plan = {start: [[0, best[load]], [best[load], 10]] for _, start, _, load in phases(args)}
-        results["oracle"] = run("oracle", args, plan, False, first, jobs=jobs(args))
-        if args.save:
-            Path(args.save).write_text(json.dumps(results, indent=1))
-    with bench.recording():
-        report(results, args)
-    if args.out:
-        figure(results, args, Path(args.out))
-    bench.keep("results", results)
-    bench.finish()
+def measure(args) -> dict:
+    results = {"provenance": provenance()}
+    medians = sweep(args)
+    results["sweep_medians_ms"] = {str(k): {str(x): v * 1e3 for x, v in m.items()} for k, m in medians.items()}
+    best = {load: min(m, key=m.get) for load, m in medians.items()}
+    results["oracle_cuts"] = {str(k): v for k, v in best.items()}
+    results["static"] = run("static", args, {}, False, "autopipe", jobs=jobs(args))
+    planned = results["static"]["bounds"][0]
+    first = [planned[0][1], 10 - planned[0][1]]
+    results["rule"] = run("rule", args, {}, "rule", first, jobs=jobs(args))
+    results["learned"] = run("learned", args, {}, "learned", first, jobs=jobs(args))
+    plan = {start: [[0, best[load]], [best[load], 10]] for _, start, _, load in phases(args)}
+    results["oracle"] = run("oracle", args, plan, False, first, jobs=jobs(args))
+    return results
 
 
 def load_at(args, iteration: int) -> int:
     return next(load for _, lo, hi, load in phases(args) if lo <= iteration < hi)
 
 
-def report(results: dict, args) -> None:
-    print(results["provenance"])
-    print(f"sweep medians ms by jobs running -> cut: {results['sweep_medians_ms']}")
-    print(f"oracle cuts by jobs running: {results['oracle_cuts']}")
-    names = ("static", "rule", "learned", "oracle")
-    head = f"{'run':<9}{'all samples/s':>15}" + "".join(f"{name:>14}" for name, *_ in phases(args)) + f"{'switches':>10}"
-    print(head)
+def report(bench: Bench, results: dict, args) -> None:
+    bench.say(results["provenance"])
+    bench.say(f"sweep medians ms by jobs running -> cut: {results['sweep_medians_ms']}")
+    bench.say(f"oracle cuts by jobs running: {results['oracle_cuts']}")
+    t = Table("run", "all samples/s", *(name for name, *_ in phases(args)), "switches")
     total = {}
-    for n in names:
+    for n in ("static", "rule", "learned", "oracle"):
         times = results[n]["times"]
         total[n] = samples_per_s(times, 10, args.steps)
-        cells = "".join(f"{samples_per_s(times, max(lo, 10), hi):>14.1f}" for _, lo, hi, _ in phases(args))
-        print(f"{n:<9}{total[n]:>15.1f}{cells}{len(results[n]['switches']):>10}")
+        t.add(
+            n,
+            f"{total[n]:.1f}",
+            *(f"{samples_per_s(times, max(lo, 10), hi):.1f}" for _, lo, hi, _ in phases(args)),
+            len(results[n]["switches"]),
+        )
+    bench.table(t)
     for n in ("rule", "learned"):
-        print(f"{n} switches: {[(s['iteration'], s['new'][0][1]) for s in results[n]['switches']]}")
-    print(
-        f"learned vs rule over the run: {total['learned'] / total['rule'] - 1:+.1%} samples/s, "
-        f"{len(results['learned']['switches'])} vs {len(results['rule']['switches'])} switches; "
-        f"oracle's gain over static recovered: rule {(total['rule'] - total['static']) / (total['oracle'] - total['static']):.0%}, "
-        f"learned {(total['learned'] - total['static']) / (total['oracle'] - total['static']):.0%}"
+        bench.say(f"{n} switches: {[(s['iteration'], s['new'][0][1]) for s in results[n]['switches']]}")
+    gain = lambda n: (total[n] - total["static"]) / (total["oracle"] - total["static"])  # noqa: E731
+    bench.say(
+        f"learned vs rule over the run: {total['learned'] / total['rule'] - 1:+.1%} samples/s, {len(results['learned']['switches'])} vs "
+        f"{len(results['rule']['switches'])} switches; oracle's gain over static recovered: rule {gain('rule'):.0%}, learned {gain('learned'):.0%}"
     )
     learned = results["learned"]
     evaluations = learned.get("evaluations", [])
-    if evaluations:
-        decisions = [e["decision_s"] * 1e3 for e in evaluations]
-        step = statistics.median(learned["times"][10 : args.t1])
-        print(
-            f"learned decision time: median {statistics.median(decisions):.2f} ms, max {max(decisions):.2f} ms per decision "
-            f"({len(decisions)} decisions, one per window); monitor {learned['monitor_s'] * 1e3:.3f} ms per iteration; "
-            f"all of it {(learned['monitor_s'] + learned['decision_total_s'] / len(learned['times'])) / step:.2%} of a {step * 1e3:.0f} ms step; "
-            f"online gradient steps {learned.get('adapted_steps')}"
+    if not evaluations:
+        return
+    decisions = [e["decision_s"] * 1e3 for e in evaluations]
+    step = statistics.median(learned["times"][10 : args.t1])
+    share = (learned["monitor_s"] + learned["decision_total_s"] / len(learned["times"])) / step
+    bench.say(
+        f"learned decision time: median {statistics.median(decisions):.2f} ms, max {max(decisions):.2f} ms ({len(decisions)} decisions); "
+        f"monitor {learned['monitor_s'] * 1e3:.3f} ms per iteration; all of it {share:.2%} of a {step * 1e3:.0f} ms step; "
+        f"online gradient steps {learned.get('adapted_steps')}"
+    )
+    adapting = sum(e["adapt_s"] for e in evaluations)
+    bench.say(f"online adaptation: {adapting * 1e3:.1f} ms in all = {adapting / sum(learned['times']):.2%} of the run's time")
+    medians = {int(k): {int(x): v for x, v in m.items()} for k, m in results["sweep_medians_ms"].items()}
+    for k, col in (("offline", 2), ("adapted", 1)):  # scores: (candidate, adapted, offline) seconds
+        rho = [
+            spearman([s[col] for s in e["scores"]], [medians[load_at(args, e["iteration"])][s[0][0][1]] for s in e["scores"]])
+            for e in evaluations
+        ]
+        err = [abs(e["scores"][0][col] / e["measured_s"] - 1) for e in evaluations]
+        bench.say(
+            f"predictor {k:<8}: rank correlation over the 9 cuts vs the sweep's measured times, median {statistics.median(rho):.2f} "
+            f"(min {min(rho):.2f}); relative error on the running cut's measured iteration, median {statistics.median(err):.1%}"
         )
-        adapting = sum(e["adapt_s"] for e in evaluations)
-        print(f"online adaptation: {adapting * 1e3:.1f} ms in all = {adapting / sum(learned['times']):.2%} of the run's time")
-        medians = {int(k): {int(x): v for x, v in m.items()} for k, m in results["sweep_medians_ms"].items()}
-        rows = {"offline": [], "adapted": []}
-        errors = {"offline": [], "adapted": []}
-        for e in evaluations:
-            load = load_at(args, e["iteration"])
-            cuts = [scores[0][0][1] for scores in e["scores"]]
-            measured = [medians[load][c] for c in cuts]
-            rows["adapted"].append(spearman([s[1] for s in e["scores"]], measured))
-            rows["offline"].append(spearman([s[2] for s in e["scores"]], measured))
-            errors["adapted"].append(abs(e["scores"][0][1] / e["measured_s"] - 1))
-            errors["offline"].append(abs(e["scores"][0][2] / e["measured_s"] - 1))
-        for k in ("offline", "adapted"):
-            print(
-                f"predictor {k:<8}: rank correlation over the 9 cuts vs the sweep's measured times, median {statistics.median(rows[k]):.2f} "
-                f"(min {min(rows[k]):.2f}); relative error on the running cut's measured iteration, median {statistics.median(errors[k]):.1%}"
-            )
-        results["_evaluation"] = {"spearman": rows, "relative_error": errors}
-
-
-def figure(results: dict, args, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    for n in ("static", "rule", "learned", "oracle"):
-        times = results[n]["times"]
-        smooth = rolling_samples_per_s(times)
-        top.plot(range(len(times)), smooth, label=n, linewidth=1.2)
-        width = {"static": 5, "rule": 3.5, "learned": 2, "oracle": 1}[n]
-        bottom.plot(range(len(times)), [b[0][1] for b in results[n]["bounds"]], label=n, drawstyle="steps-post", linewidth=width)
-    for ax in (top, bottom):
-        ax.axvspan(args.t1, args.t2, color="0.92")
-        ax.axvspan(args.t2, args.t3, color="0.82")
-    top.set_ylabel("samples/s (5-iteration mean)")
-    bottom.set_ylabel("blocks on rank 0 (of 10)")
-    bottom.set_xlabel("iteration (light: a job on rank 1's core; dark: and one on rank 0's)")
-    top.legend(loc="lower left", fontsize=8, ncol=4)
-    top.set_title("Changing load: static vs rule vs learned vs oracle (2 CPU processes)")
-    fig.tight_layout()
-    fig.savefig(out / "adaptive_learned_throughput.png", dpi=110)
-    print(f"wrote {out / 'adaptive_learned_throughput.png'}")
-    predictions_figure(results, args, out)
 
 
 def predictions_figure(results: dict, args, out: Path) -> None:
@@ -250,22 +171,65 @@ def predictions_figure(results: dict, args, out: Path) -> None:
 
     evaluations = results["learned"].get("evaluations", [])
     medians = {int(k): {int(x): v for x, v in m.items()} for k, m in results["sweep_medians_ms"].items()}
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), sharey=False)
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
     for ax, load in zip(axes, (0, 1, 2)):
         last = [e for e in evaluations if load_at(args, e["iteration"]) == load and e["iteration"] >= 10]
         ax.plot(CUTS, [medians[load][c] for c in CUTS], "k-o", label="measured (sweep)")
         if last:
-            e = last[-1]
-            scores = sorted(e["scores"], key=lambda x: x[0][0][1])
+            scores = sorted(last[-1]["scores"], key=lambda x: x[0][0][1])
             ax.plot([x[0][0][1] for x in scores], [x[2] * 1e3 for x in scores], "--", label="predicted, offline")
             ax.plot([x[0][0][1] for x in scores], [x[1] * 1e3 for x in scores], "-", label="predicted, adapted")
-            ax.set_title(f"{load} job(s): decision at iteration {e['iteration']}", fontsize=9)
+            ax.set_title(f"{load} job(s): decision at iteration {last[-1]['iteration']}", fontsize=9)
         ax.set_xlabel("cut after block (rank 0 holds blocks 0..cut-1)")
     axes[0].set_ylabel("iteration ms")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "adaptive_learned_predictions.png", dpi=110)
     print(f"wrote {out / 'adaptive_learned_predictions.png'}")
+
+
+def main() -> None:
+    bench = Bench(__doc__, dict(steps=48, t1=12, t2=24, t3=36, dwell=4))
+    p = bench.parser
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--t1", type=int, default=100)
+    p.add_argument("--t2", type=int, default=200)
+    p.add_argument("--t3", type=int, default=300)
+    p.add_argument("--dwell", type=int, default=10)
+    p.add_argument("--work", default="/tmp/bench_adaptive_learned")
+    p.add_argument("--save", default=None, help="write every run's iteration times, partitions and evaluations here")
+    p.add_argument("--load", default=None, help="skip the runs: analyse a --save file")
+    p.add_argument("--out", default=None, help="folder for the pictures")
+    p.add_argument("--decision-time", action="store_true", help="only time a learned decision for paper-size models (the shipped depths)")
+    args = bench.parse()
+    os.environ["LIGHTNING_PIPE_ADAPTIVE_EVALUATE"] = "1"  # the learned run records its predictions (inherited by the workers)
+    if args.decision_time:
+        t = Table("model", "blocks", "depth", "candidates", "median ms", "max ms")
+        for model, depth in (("gpt2-1.3b", 4), ("bert-large", 4), ("gpt2-1.3b", 2)):
+            r = decision_time(model, depth, 4 * depth, repeats=3 if args.quick else 20)
+            t.add(model, r["blocks"], depth, r["candidates"], f"{r['median_ms']:.1f}", f"{r['max_ms']:.1f}")
+        bench.table(t)
+        return bench.finish()
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    results = json.loads(Path(args.load).read_text()) if args.load else measure(args)
+    if args.save and not args.load:
+        Path(args.save).write_text(json.dumps(results, indent=1))
+    report(bench, results, args)
+    if args.out:
+        spans = [(args.t1, args.t2, "0.92"), (args.t2, args.t3, "0.82")]
+        title = "Changing load: static vs rule vs learned vs oracle (2 CPU processes)"
+        xlabel = "iteration (light: a job on rank 1's core; dark: and one on rank 0's)"
+        plot_runs(
+            results,
+            {"static": 5, "rule": 3.5, "learned": 2, "oracle": 1},
+            spans,
+            title,
+            xlabel,
+            Path(args.out) / "adaptive_learned_throughput.png",
+        )
+        predictions_figure(results, args, Path(args.out))
+    bench.keep("results", results)
+    bench.finish()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -159,3 +160,36 @@ def samples_per_s(times: list[float], lo: int, hi: int) -> float:
 def rolling_samples_per_s(times: list[float], k: int = 5) -> list[float]:
     """Samples/s over the last k iterations (fewer at the start), for the pictures."""
     return [BATCH * len(times[max(0, i - k + 1) : i + 1]) / sum(times[max(0, i - k + 1) : i + 1]) for i in range(len(times))]
+
+
+def dwell_medians(times: list[float], first: int, dwell: int, cuts: list[int], settle: int = 3) -> dict[int, float]:
+    """A sweep's median iteration per cut: cut k ran from ``first + k * dwell`` for ``dwell``
+    iterations, of which the first ``settle`` are skipped."""
+    return {x: statistics.median(times[first + k * dwell + settle : first + (k + 1) * dwell]) for k, x in enumerate(cuts)}
+
+
+def plot_runs(results: dict, widths: dict[str, float], spans: list[tuple[int, int, str]], title: str, xlabel: str, path: Path) -> None:
+    """Samples/s (5-iteration mean) and blocks on rank 0 over the iterations of the runs ``widths``
+    names (drawn with those line widths, over each other where equal); ``spans``: shaded
+    (first, end, colour) iterations."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for name, width in widths.items():
+        times = results[name]["times"]
+        top.plot(range(len(times)), rolling_samples_per_s(times), label=name, linewidth=1.2)
+        bottom.plot(range(len(times)), [b[0][1] for b in results[name]["bounds"]], label=name, drawstyle="steps-post", linewidth=width)
+    for ax in (top, bottom):
+        for lo, hi, colour in spans:
+            ax.axvspan(lo, hi, color=colour)
+    top.set_ylabel("samples/s (5-iteration mean)")
+    bottom.set_ylabel("blocks on rank 0 (of 10)")
+    bottom.set_xlabel(xlabel)
+    top.legend(loc="lower left", fontsize=8, ncol=len(widths))
+    top.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
