@@ -30,23 +30,8 @@ pct = "{:.1%}".format
 
 
 def simulated(bench: Bench, args) -> None:
-    table = Table(
-        "model",
-        "p",
-        "m",
-        "k",
-        "start-up ms",
-        "sliced",
-        "cut",
-        "iteration ms",
-        "sliced",
-        "gain",
-        "alg2 k",
-        "start-up",
-        "cut",
-        "iteration",
-        "gain",
-    )
+    columns = "model p m k start-up_ms sliced cut iteration_ms sliced gain alg2_k start-up cut iteration gain"
+    table = Table(*(c.replace("_", " ") for c in columns.split()))
     worst = [1.0, 1.0]
     for name in args.models:
         costs, kinds = transformer_costs(name, args.microbatch, min(args.seq_len, 512) if name.startswith("bert") else args.seq_len)
@@ -139,16 +124,11 @@ def _measure_job(rank: int, world: int, cfg: dict, variants: list) -> dict:
                 dist.barrier()
                 ex.run(host, [signature(t) for t in host.inputs])
                 if step >= cfg["warmup"]:
-                    comp = [
-                        (ex.actions[i].op.value, ex.actions[i].microbatch, s, e) for i, s, e in ex.records if ex.actions[i].op.is_compute
-                    ]
-                    out[v].append(
-                        {
-                            "first_f": min(s for op, _, s, _ in comp if op == "F"),
-                            "start": min(s for *_, s, _ in comp),
-                            "end": max(e for *_, e in comp),
-                            **{k: [(mb, e - s) for op, mb, s, e in comp if op == k.upper()] for k in ("f", "b")},
-                        }
+                    acts = [(ex.actions[i], s, e) for i, s, e in ex.records if ex.actions[i].op.is_compute]
+                    comp = [(a.op.value, a.microbatch, s, e) for a, s, e in acts]
+                    out[v].append({k: [(mb, e - s) for op, mb, s, e in comp if op == k.upper()] for k in ("f", "b")})
+                    out[v][-1].update(
+                        first_f=min(s for op, _, s, _ in comp if op == "F"), start=min(c[2] for c in comp), end=max(c[3] for c in comp)
                     )
     return {"steps": out, "link": link}
 
@@ -192,9 +172,8 @@ def _print_rows(bench: Bench, title: str, m: int, costs, bounds, variants: list,
 def measure(bench: Bench, args) -> None:
     rounds, per_round = max(1, args.steps // 4), min(4, args.steps)
     # 2 ranks, real compute: profile from an unsliced traced run, then every variant interleaved
-    cfg = dict(
-        kind="mlp", stages=2, hidden=512, mlp_ratio=4, blocks=8, batch=256, microbatches=4, rounds=1, per_round=6, warmup=2, ping=True
-    )
+    cfg = dict(kind="mlp", stages=2, hidden=512, mlp_ratio=4, blocks=8, batch=256, microbatches=4)
+    cfg.update(rounds=1, per_round=6, warmup=2, ping=True)
     rows, m, bounds = 64, 4, [(0, 1), (1, 2)]
     _, ranks = _run(bench, cfg, [("off", 0)])
     link = ranks[0]["link"]
