@@ -64,7 +64,15 @@ def _main(cfg: DictConfig) -> None:
             costs, kinds = transformer_costs(
                 cfg.model.model.name, microbatch, int(cfg.data.seq_len), device_flops=float(cfg.plan.device_flops), **extra
             )
-            source = f"FLOPs of {cfg.model.model.name}, micro-batch {microbatch} x {cfg.data.seq_len} tokens"
+            source = (
+                f"FLOPs of {cfg.model.model.name}, micro-batch {microbatch} x {cfg.data.seq_len} tokens, at plan.device_flops="
+                f"{float(cfg.plan.device_flops):.3g} FLOP/s per device (an accelerator's rate"
+                + (
+                    "; this recipe trains on CPU: plan.profile=<its training run's profile.json> plans with measured costs)"
+                    if device == "cpu"
+                    else ")"
+                )
+            )
         result = plan_run(costs, stages, config, kinds, config.memory_limit)
     except (ValueError, FileNotFoundError) as err:
         if isinstance(err, SettingError) and err.setting:
