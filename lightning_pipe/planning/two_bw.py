@@ -159,7 +159,11 @@ class TwoBWPlan:
             f"global batch {self.global_batch}; costs: {self.source}; {len(self.candidates)} candidates in {self.planning_seconds:.2f} s"
         )
         cols = ("w", "d", "b", "g", "schedule", "r", "samples/s", "step ms", "all-reduce ms", "memory", "simulated", "verdict")
-        lines = [head, " | ".join(cols), " | ".join("---" for _ in cols)]
+        legend = (
+            "w: pipeline replicas, d: stages, b: micro-batch size, g: micro-batches per replica per step, "
+            "r: recomputation (off, on, or the stages that recompute)"
+        )
+        lines = [head, legend, " | ".join(cols), " | ".join("---" for _ in cols)]
         for c in rows:
             ok = c.feasible
             lines.append(
@@ -170,7 +174,7 @@ class TwoBWPlan:
                         str(c.microbatch_size),
                         str(c.microbatches),
                         c.schedule,
-                        c.recompute + ("" if c.recompute != "stages" else " " + "".join("1" if r else "0" for r in c.stage_recompute)),
+                        _recompute_text(c),
                         f"{c.throughput:.1f}" if ok else "-",
                         f"{c.step_time * 1e3:.1f}" if ok else "-",
                         f"{c.allreduce_time * 1e3:.1f}" if ok else "-",
@@ -205,6 +209,13 @@ def size_text(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f} B"
+
+
+def _recompute_text(c: Candidate) -> str:
+    """off | on | "stages 0,2": the stages that recompute (not a bit string that reads like a number)."""
+    if c.recompute != "stages":
+        return c.recompute
+    return "stages " + ",".join(str(s) for s, on in enumerate(c.stage_recompute) if on)
 
 
 def _best_rows(candidates: Sequence[Candidate]) -> list[Candidate]:
@@ -404,7 +415,8 @@ def _plan(
     candidates = [replace(chosen, verdict="chosen") if c is best else c for c in candidates]
     chosen = next(c for c in candidates if c.verdict == "chosen")
     source = f"{profile.source} profile of {profile.model} at micro-batch sizes {profile.sizes}, {cost_model} cost functions"
-    partitioner = "even (the paper's B/d)" if cost_model == "closed" else "dp" if refine is None else "refined"
+    kept = refine is not None and chosen.bounds == best.bounds  # the partitioner's plan was not taken
+    partitioner = "even (the paper's B/d)" if cost_model == "closed" else "min-max (dp)" if refine is None or kept else "refined"
     return TwoBWPlan(chosen, candidates, hw, global_batch, source, time.perf_counter() - started, partitioner, notes)
 
 
