@@ -56,7 +56,10 @@ def simulate_sliced(costs: CostModel, bounds: Sequence[tuple[int, int]], microba
     # profiled micro-batches have 2 units; a half has 1 (sizes only matter relative to each other)
     sizes = sliced_sizes([2] * microbatches, sliced)
     scale = [s / 2 for s in sizes] if sliced else None  # None: all whole (and a schedule may unroll several steps, as 2BW)
-    return simulate(build_schedule(schedule, len(bounds), len(sizes)), costs, bounds, critical_path=False, scale=scale)
+    timeline = simulate(build_schedule(schedule, len(bounds), len(sizes)), costs, bounds, critical_path=False, scale=scale)
+    if sliced:  # the pictures name the user's micro-batches: halves "0a", "0b", ..., then the whole ones
+        timeline.microbatch_labels = [f"{i}{half}" for i in range(sliced) for half in "ab"] + [str(i) for i in range(sliced, microbatches)]
+    return timeline
 
 
 def choose_slicing(costs: CostModel, bounds: Sequence[tuple[int, int]], microbatches: int, schedule: str = "1f1b") -> SlicePlan:

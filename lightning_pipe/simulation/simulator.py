@@ -47,6 +47,11 @@ class Timeline:
     peak_activations: list[int] = field(default_factory=list)  # micro-batches stashed at once, per rank
     peak_activation_bytes: list[float] = field(default_factory=list)
     weight_bytes: list[float] = field(default_factory=list)
+    # how pictures name the schedule's micro-batches (empty: their numbers); the slicer's halves are "3a", "3b"
+    microbatch_labels: list[str] = field(default_factory=list)
+
+    def microbatch_label(self, microbatch: int) -> str:
+        return self.microbatch_labels[microbatch] if self.microbatch_labels else str(microbatch)
 
     @property
     def idle(self) -> list[float]:

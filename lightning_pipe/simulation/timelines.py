@@ -37,7 +37,8 @@ def gantt(timeline: Timeline, path: str | Path, title: Optional[str] = None, sho
         if e.action.op.is_compute:
             ax.broken_barh([(start, width)], (y - lane / 2, lane), facecolors=COLOURS[e.action.op], edgecolors="white", linewidth=0.5)
             if width > 0:
-                label = f"{e.action.microbatch}" if timeline.schedule.num_chunks == ranks else f"{e.action.microbatch}.{e.action.chunk}"
+                mb = timeline.microbatch_label(e.action.microbatch)
+                label = mb if timeline.schedule.num_chunks == ranks else f"{mb}.{e.action.chunk}"
                 ax.text(start + width / 2, y, label, ha="center", va="center", fontsize=7, color="white")
         elif show_comm and e.action.op.is_send and width > 0:
             ax.broken_barh([(start, width)], (y + lane / 2, 0.4 - lane / 2), facecolors=COLOURS["comm"])
