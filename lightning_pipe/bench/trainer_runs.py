@@ -1,6 +1,7 @@
 """One ``Trainer.fit`` on 2 CPU processes (forked by the strategy), timed by a Callback on every rank:
 rank r pinned to core r, each step's end stamped, the foreign load over the setup and over the timed
-steps; repeated while other processes disturbed it (bench_planner_2bw.py, bench_auto.py)."""
+steps; repeated while other processes disturbed it (bench_planner_2bw.py, bench_auto.py); a stage of a
+SequentialPipeline (`stage_pipeline`)."""
 
 from __future__ import annotations
 
@@ -114,3 +115,18 @@ def undisturbed(fit: Callable[[int], dict], args: Any, patient: bool, setup_coun
     best = min(tries, key=lambda r: r["disturbance"])
     best["foreign_tries"] = [round(r["disturbance"], 2) for r in tries]
     return best
+
+
+def stage_pipeline(model: Any, bounds: Any, rank: int, world: int, microbatches: int, loss: Callable, schedule: str = "1f1b"):
+    """This rank's stage of ``model`` cut at ``bounds`` (its blocks as one ``nn.Sequential``) and a
+    SequentialPipeline over gloo running it (bench_simulator.py, bench_autopipe_speedup.py)."""
+    from torch import nn
+
+    from lightning_pipe.runtime.p2p import Transport
+    from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
+    from lightning_pipe.schedules import build_schedule
+
+    a, b = bounds[rank]
+    chunk = nn.Sequential(*[model[i] for i in range(a, b)])
+    host = SequentialHost({rank: chunk}, world - 1, loss)
+    return chunk, SequentialPipeline(build_schedule(schedule, world, microbatches), rank, host, Transport(lambda r: r, torch.device("cpu")))
