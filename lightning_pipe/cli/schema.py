@@ -1,4 +1,4 @@
-"""`PipelineConfig` as Hydra's schema for the `pipeline` group (ConfigStore `pipeline/schema`).
+"""`PipelineConfig` as Hydra's schema for the `pipeline` group (ConfigStore `pipeline_schema`).
 
 conf/pipeline/default.yaml extends it, so a mistyped key (`pipeline.microbtaches=8`) or value
 (`pipeline.microbatches=many`) is refused by Hydra while composing, and `instantiate(cfg.pipeline)`
@@ -25,4 +25,5 @@ def _schema() -> type:
 
 
 PipelineSchema = _schema()
-ConfigStore.instance().store(group="pipeline", name="schema", node=PipelineSchema)
+# stored outside the pipeline group (a top-level config), so `--help` lists only the groups users pick from
+ConfigStore.instance().store(name="pipeline_schema", node=PipelineSchema)
