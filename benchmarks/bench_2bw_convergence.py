@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import tempfile
 import time
 
-from lightning_pipe.bench.cli_runs import cli_command, moving_average, read_metrics, train
+from lightning_pipe.bench import cli_runs as cli
 from lightning_pipe.bench.harness import Bench, Table
 
-RUNS = {
-    "2bw": ["recipe=gpt-tiny-2bw"],
-    "1f1b": ["recipe=gpt-tiny-cpu", "pipeline.schedule=1f1b", "pipeline.microbatches=2"],
+RUNS = {  # name -> (Hydra overrides, colour, label)
+    "2bw": (["recipe=gpt-tiny-2bw"], "tab:red", "PipeDream-2BW (1-stale)"),
+    "1f1b": (["recipe=gpt-tiny-cpu", "pipeline.schedule=1f1b", "pipeline.microbatches=2"], "tab:blue", "1F1B / PipeDream-Flush"),
 }
-COLORS = {"2bw": "tab:red", "1f1b": "tab:blue"}
-LABELS = {"2bw": "PipeDream-2BW (1-stale)", "1f1b": "1F1B / PipeDream-Flush"}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -34,32 +31,21 @@ def reference(config_path: str, stale: bool, val_every: int) -> list[tuple[int, 
     batch t's gradient is taken on a copy holding W(max(t-1, 0)) and applied to W(t)."""
     import copy
 
-    import lightning as L
     import torch
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
 
-    cfg = OmegaConf.load(config_path)
-    torch.set_num_threads(1)
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    module, data = instantiate(cfg.model), instantiate(cfg.data)
+    cfg, module, data = cli.instantiate_run(config_path, seed=True)
     configured = module.configure_optimizers()
     optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
-    live = list(module.model.parameters())
-    shadow = copy.deepcopy(module.model)  # holds W(t-1) for the stale rule
-    previous = copy.deepcopy(module.model.state_dict())
-    val_loader = data.val_dataloader()
-    limit = cfg.trainer.limit_val_batches
+    live, shadow = list(module.model.parameters()), copy.deepcopy(module.model)  # shadow: W(t-1) for the stale rule
+    previous, val_loader, limit = copy.deepcopy(module.model.state_dict()), data.val_dataloader(), cfg.trainer.limit_val_batches
     val_batches = limit if isinstance(limit, int) else max(1, int(limit * len(val_loader)))
-    batches = iter(data.train_dataloader())
-    out = []
+    batches, out = iter(data.train_dataloader()), []
     for step in range(cfg.trainer.max_steps):
-        batch = next(batches)
+        (ids, targets) = batch = next(batches)
         optimizer.zero_grad(set_to_none=True)
         if stale:
             shadow.load_state_dict(previous)
             shadow.zero_grad(set_to_none=True)
-            ids, targets = batch
             torch.nn.functional.cross_entropy(shadow(ids).flatten(0, 1), targets.flatten()).backward()
             for p, q in zip(live, shadow.parameters()):
                 p.grad = q.grad.clone()
@@ -79,67 +65,45 @@ def reference(config_path: str, stale: bool, val_every: int) -> list[tuple[int, 
 
 
 def plot(curves: dict, smooth: int, steps: int, out: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    fig, ax = cli.pyplot().subplots(figsize=(8, 4.8))
     for name, (train_loss, val_loss) in curves.items():
-        x, y = moving_average(train_loss, smooth)
-        ax.plot(x, y, color=COLORS[name], lw=1.3, alpha=0.8, label=f"{LABELS[name]}: train (moving avg {smooth})")
-        ax.plot(*zip(*val_loss), color=COLORS[name], ls="--", marker="o", ms=4, label=f"{LABELS[name]}: val")
+        _, color, label = RUNS[name]
+        ax.plot(*cli.moving_average(train_loss, smooth), color=color, lw=1.3, alpha=0.8, label=f"{label}: train (moving avg {smooth})")
+        ax.plot(*zip(*val_loss), color=color, ls="--", marker="o", ms=4, label=f"{label}: val")
     ax.set(xlabel="optimizer step", ylabel="cross-entropy loss (nats / byte)")
     ax.set_title(f"GPT-tiny, 2 stages on 2 CPU processes, 2 micro-batches/step, {steps} steps")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    cli.save_figure(fig, out, 120)
 
 
 def main() -> None:
     quick = dict(steps=4, val_every=2, smooth=2, out=os.path.join(tempfile.gettempdir(), "bench_2bw_convergence_quick.png"))
     bench = Bench(__doc__, quick, steps=300, timeout=1800.0)
     p = bench.parser
-    p.add_argument("--val-every", type=int, default=50, help="trainer.val_check_interval")
-    p.add_argument("--smooth", type=int, default=10, help="moving-average window of the train loss")
+    cli.add_options(p, 50, 10, os.path.join(REPO, "docs", "img", "2bw_vs_1f1b_loss.png"))
     p.add_argument("--tolerance", type=float, default=0.03, help="criterion on |val 2bw / val 1f1b - 1|")
-    p.add_argument("--out", default=os.path.join(REPO, "docs", "img", "2bw_vs_1f1b_loss.png"))
-    p.add_argument("--keep", action="store_true", help="keep the temporary run folders (printed)")
     p.add_argument("--reference", action="store_true", help="also run both rules on one process")
-    p.add_argument("--override", action="append", default=[], help="a Hydra override for both runs (repeatable)")
     args = bench.parse()
-    folder = tempfile.mkdtemp(prefix="bench_2bw_convergence_")
-    curves, walls, refs = {}, {}, {}
-    try:
-        for name, overrides in RUNS.items():
-            run_dir = os.path.join(folder, name)
-            cmd = cli_command(overrides, args.steps, args.val_every, run_dir, args.override)
-            metrics, walls[name], _ = train(name, cmd, run_dir, args.timeout)
-            curves[name] = read_metrics(metrics)
+    refs = {}
+    with cli.run_folder("bench_2bw_convergence_", args.keep) as folder:
+        curves, walls, _ = cli.train_runs({name: run[0] for name, run in RUNS.items()}, args, folder)
         plot(curves, args.smooth, args.steps, args.out)
         if args.reference:
-            for name, stale in (("1f1b", False), ("2bw", True)):
+            for name, stale in (("2bw", True), ("1f1b", False)):
                 start = time.perf_counter()
                 refs[name] = dict(reference(os.path.join(folder, "2bw", "config_resolved.yaml"), stale, args.val_every))
                 bench.log(f"[one-process {name} rule] {time.perf_counter() - start:.0f} s")
-    finally:
-        if not args.keep:
-            shutil.rmtree(folder, ignore_errors=True)
     bench.log(f"figure: {args.out}" + (f"; run folders kept in {folder}" if args.keep else ""))
-    cols = ["step", "val 2BW (pipeline)", "val 1F1B (pipeline)", "2BW / 1F1B − 1"]
-    t = Table(*cols, *(["val 2BW rule (1 process)", "val sync rule (1 process)"] if refs else []), align="r" * (6 if refs else 4))
+    cols = ["step", "val 2BW (pipeline)", "val 1F1B (pipeline)", "2BW / 1F1B − 1", "val 2BW rule (1 process)", "val sync rule (1 process)"]
+    t = Table(*cols[: 6 if refs else 4], align="r" * (6 if refs else 4))
     val = {name: dict(v) for name, (_, v) in curves.items()}
     for step in sorted(set(val["2bw"]) | set(val["1f1b"])):
         a, b = val["2bw"].get(step, math.nan), val["1f1b"].get(step, math.nan)
-        extra = [f"{refs['2bw'].get(step, math.nan):.4f}", f"{refs['1f1b'].get(step, math.nan):.4f}"] if refs else []
-        t.add(step, f"{a:.4f}", f"{b:.4f}", f"{a / b - 1:+.1%}", *extra)
+        t.add(step, f"{a:.4f}", f"{b:.4f}", f"{a / b - 1:+.1%}", *(f"{ref.get(step, math.nan):.4f}" for ref in refs.values()))
     bench.table(t)
-    for name, (train_loss, _) in curves.items():
-        last = [v for _, v in train_loss[-args.smooth :]]
-        bench.say(f"{name}: mean train_loss over the last {len(last)} steps {sum(last) / len(last):.4f}, wall {walls[name]:.0f} s")
+    cli.say_tails(bench, curves, walls, args.smooth)
     final = {name: v[max(v)] for name, v in val.items()}
     rel = final["2bw"] / final["1f1b"] - 1
     bench.say(f"final val_loss: 2bw {final['2bw']:.4f}, 1f1b {final['1f1b']:.4f}; relative difference {rel:+.2%}")

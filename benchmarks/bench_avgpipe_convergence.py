@@ -11,13 +11,11 @@ what is logged, results) and its figure docs/img/avgpipe_convergence.png.
 
 from __future__ import annotations
 
-import glob
 import math
 import os
-import shutil
 import tempfile
 
-from lightning_pipe.bench.cli_runs import cli_command, moving_average, read_metrics, train
+from lightning_pipe.bench import cli_runs as cli
 from lightning_pipe.bench.harness import Bench, Table
 
 TOTAL_BATCH = 16
@@ -38,17 +36,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def full_validation(run_dir: str) -> tuple[float, int]:
     """Mean cross-entropy of the run's last.ckpt over the whole validation split, in this process."""
     import torch
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
 
-    torch.set_num_threads(1)
-    cfg = OmegaConf.load(os.path.join(run_dir, "config_resolved.yaml"))
-    module = instantiate(cfg.model)
+    _, module, data = cli.instantiate_run(os.path.join(run_dir, "config_resolved.yaml"))
     module.load_state_dict(
         torch.load(os.path.join(run_dir, "checkpoints", "last.ckpt"), map_location="cpu", weights_only=False)["state_dict"]
     )
     module.eval()
-    data = instantiate(cfg.data)
     data.batch_size = 64
     data.setup("validate")
     total, count = 0.0, 0
@@ -60,15 +53,10 @@ def full_validation(run_dir: str) -> tuple[float, int]:
 
 
 def plot(curves: dict, smooth: int, steps: int, val_samples: int, out: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, (left, right) = cli.pyplot().subplots(1, 2, figsize=(12, 4.8))
     for name, (train_loss, val_loss) in curves.items():
         _, _, label, color = RUNS[name]
-        x, y = moving_average(train_loss, smooth)
+        x, y = cli.moving_average(train_loss, smooth)
         style = {"ls": "--", "lw": 2.2, "zorder": 1} if name == "1f1b" else {"lw": 1.2, "zorder": 2}  # avg1 lies on it
         left.plot([s * TOTAL_BATCH for s in x], y, color=color, alpha=0.85, label=label, **style)
         vx, vy = [s * TOTAL_BATCH for s, _ in val_loss], [v for _, v in val_loss]
@@ -81,66 +69,45 @@ def plot(curves: dict, smooth: int, steps: int, val_samples: int, out: str) -> N
         ax.legend(fontsize=8)
     fig.suptitle(f"GPT-tiny, 2 stages, CPU: AvgPipe N = 1, 2, 4 vs plain 1F1B, total batch {TOTAL_BATCH}/step, {steps} steps", fontsize=11)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    cli.save_figure(fig, out, 110)
 
 
 def main() -> None:
-    quick = dict(
-        steps=4, val_every=2, val_samples=16, smooth=2, out=os.path.join(tempfile.gettempdir(), "bench_avgpipe_convergence_quick.png")
-    )
+    quick = dict(steps=4, val_every=2, val_samples=16, smooth=2)
+    quick["out"] = os.path.join(tempfile.gettempdir(), "bench_avgpipe_convergence_quick.png")
     bench = Bench(__doc__, quick, steps=800, timeout=1800.0)
     p = bench.parser
-    p.add_argument("--val-every", type=int, default=100, help="trainer.val_check_interval")
+    cli.add_options(p, 100, 20, os.path.join(REPO, "docs", "img", "avgpipe_convergence.png"))
     p.add_argument("--val-samples", type=int, default=320, help="validation windows per validation, the same for every run")
-    p.add_argument("--smooth", type=int, default=20, help="moving-average window of the train loss")
     p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS), help="which runs (1f1b is the baseline)")
-    p.add_argument("--out", default=os.path.join(REPO, "docs", "img", "avgpipe_convergence.png"))
-    p.add_argument("--keep", action="store_true", help="keep the temporary run folders (printed)")
     p.add_argument("--no-full-val", action="store_true", help="skip evaluating each final model on the whole val split")
-    p.add_argument("--override", action="append", default=[], help="a Hydra override for every run (repeatable)")
     p.add_argument("--reuse", help="analyse the run folders kept by an earlier --keep (no training)")
     args = bench.parse()
-    folder = args.reuse or tempfile.mkdtemp(prefix="bench_avgpipe_convergence_")
-    curves, walls, full, notes = {}, {}, {}, []
-    try:
-        for name in args.runs:
-            run_dir, per_pipeline = os.path.join(folder, name), TOTAL_BATCH // RUNS[name][0]
-            if args.val_samples % per_pipeline:
-                bench.error(f"--val-samples {args.val_samples} is not a multiple of {name}'s per-pipeline batch {per_pipeline}")
-            extra = [f"trainer.limit_val_batches={args.val_samples // per_pipeline}", "+trainer.use_distributed_sampler=false"]
-            if args.reuse:
-                metrics, walls[name] = glob.glob(os.path.join(run_dir, "logs", "version_*", "metrics.csv"))[0], math.nan
-            else:
-                cmd = cli_command(RUNS[name][1], args.steps, args.val_every, run_dir, extra + args.override)
-                metrics, walls[name], note = train(name, cmd, run_dir, args.timeout)
-                notes += [f"{name}: {note}"] if note else []
-            curves[name] = read_metrics(metrics)
+    full, runs = {}, {}
+    for name in args.runs:
+        per_pipeline = TOTAL_BATCH // RUNS[name][0]
+        if args.val_samples % per_pipeline:
+            bench.error(f"--val-samples {args.val_samples} is not a multiple of {name}'s per-pipeline batch {per_pipeline}")
+        limit = f"trainer.limit_val_batches={args.val_samples // per_pipeline}"
+        runs[name] = [*RUNS[name][1], limit, "+trainer.use_distributed_sampler=false"]
+    with cli.run_folder("bench_avgpipe_convergence_", args.keep, args.reuse) as folder:
+        curves, walls, notes = cli.train_runs(runs, args, folder, reuse=bool(args.reuse))
         plot(curves, args.smooth, args.steps, args.val_samples, args.out)
         if not args.no_full_val:
             full = {name: full_validation(os.path.join(folder, name)) for name in args.runs}
-    finally:
-        if not (args.keep or args.reuse):
-            shutil.rmtree(folder, ignore_errors=True)
     bench.log(f"figure: {args.out}" + (f"; run folders in {folder}" if args.keep or args.reuse else ""))
     base = "1f1b" if "1f1b" in curves else None
     val = {name: dict(curves[name][1]) for name in curves}
     rel = lambda v, b: f"{v:.4f} ({v / b - 1:+.2%})" if b else f"{v:.4f}"  # noqa: E731
-    t = Table(
-        "step", "samples", *("plain 1F1B" if n == "1f1b" else f"AvgPipe N = {RUNS[n][0]}" for n in curves), align="r" * (2 + len(curves))
-    )
+    heads = ("plain 1F1B" if n == "1f1b" else f"AvgPipe N = {RUNS[n][0]}" for n in curves)
+    t = Table("step", "samples", *heads, align="r" * (2 + len(curves)))
     for step in sorted(set().union(*val.values())):
         t.add(step, step * TOTAL_BATCH, *(rel(val[n].get(step, math.nan), base and n != base and val[base].get(step)) for n in curves))
     if full:
         samples = next(iter(full.values()))[1]
         t.add("final", f"whole val split ({samples})", *(rel(full[n][0], base and n != base and full[base][0]) for n in curves))
     bench.table(t, f"val_loss (the same {args.val_samples} val windows) by step; in brackets: relative to 1f1b")
-    for name in curves:
-        last = [v for _, v in curves[name][0][-args.smooth :]]
-        bench.say(
-            f"{name}: mean train_loss (pipeline 0) over the last {len(last)} steps {sum(last) / len(last):.4f}, wall {walls[name]:.0f} s"
-        )
+    cli.say_tails(bench, curves, walls, args.smooth, " (pipeline 0)")
     for note in notes:
         bench.say(f"note: {note}")
     bench.keep("curves", curves)

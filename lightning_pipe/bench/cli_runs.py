@@ -3,13 +3,16 @@ bench_2bw_convergence.py and bench_avgpipe_convergence.py share."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 Points = list[tuple[int, float]]
 
@@ -75,3 +78,77 @@ def moving_average(points: Points, window: int) -> tuple[list[int], list[float]]
         return steps, values
     means = [sum(values[i - window + 1 : i + 1]) / window for i in range(window - 1, len(values))]
     return steps[window - 1 :], means
+
+
+def add_options(parser, val_every: int, smooth: int, out: str) -> None:
+    """The options of both convergence scripts (their defaults differ)."""
+    parser.add_argument("--val-every", type=int, default=val_every, help="trainer.val_check_interval")
+    parser.add_argument("--smooth", type=int, default=smooth, help="moving-average window of the train loss")
+    parser.add_argument("--out", default=out, help="the figure")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary run folders (printed)")
+    parser.add_argument("--override", action="append", default=[], help="a Hydra override for every run (repeatable)")
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, out: str, dpi: int) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    pyplot().close(fig)
+
+
+def say_tails(bench, curves: dict, walls: dict, smooth: int, whose: str = "") -> None:
+    """Each run's mean train loss over its last ``smooth`` logged steps, and its wall time."""
+    for name, (train_loss, _) in curves.items():
+        last = [v for _, v in train_loss[-smooth:]]
+        bench.say(f"{name}: mean train_loss{whose} over the last {len(last)} steps {sum(last) / len(last):.4f}, wall {walls[name]:.0f} s")
+
+
+def instantiate_run(config_path: str, seed: bool = False):
+    """A CLI run's config_resolved.yaml, and its model and data module built as the CLI builds them
+    (``seed``: after seeding everything with the config's seed), in this process (1 thread)."""
+    import lightning as L
+    import torch
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    torch.set_num_threads(1)
+    cfg = OmegaConf.load(config_path)
+    if seed:
+        L.seed_everything(cfg.seed, workers=True, verbose=False)
+    return cfg, instantiate(cfg.model), instantiate(cfg.data)
+
+
+def train_runs(runs: dict[str, list[str]], args, folder: str, reuse: bool = False) -> tuple[dict, dict, list[str]]:
+    """Every run (name -> its overrides; then ``args.override``) through the CLI into folder/name, or
+    with ``reuse`` the metrics an earlier run left there: the curves, wall seconds and notes by name."""
+    curves, walls, notes = {}, {}, []
+    for name, overrides in runs.items():
+        run_dir = os.path.join(folder, name)
+        if reuse:
+            metrics, walls[name], note = glob.glob(os.path.join(run_dir, "logs", "version_*", "metrics.csv"))[0], float("nan"), ""
+        else:
+            cmd = cli_command(overrides, args.steps, args.val_every, run_dir, args.override)
+            metrics, walls[name], note = train(name, cmd, run_dir, args.timeout)
+        notes += [f"{name}: {note}"] if note else []
+        curves[name] = read_metrics(metrics)
+    return curves, walls, notes
+
+
+@contextlib.contextmanager
+def run_folder(prefix: str, keep: bool, reuse: str | None = None) -> Iterator[str]:
+    """A temporary folder for the runs (``reuse``: that one), removed at the end unless ``keep`` or ``reuse``."""
+    folder = reuse or tempfile.mkdtemp(prefix=prefix)
+    try:
+        yield folder
+    finally:
+        if not (keep or reuse):
+            shutil.rmtree(folder, ignore_errors=True)
