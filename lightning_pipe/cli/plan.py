@@ -81,11 +81,13 @@ def _main(cfg: DictConfig) -> None:
         sys.exit(2)
     (out / "plan.json").write_text(json.dumps({"costs": source, **result.summary()}, indent=1))
     timeline = result.timeline(costs)
-    gantt(timeline, out / "plan_timeline.png", title=f"predicted: {config.partition} plan, {timeline.schedule.name}, {stages} ranks")
+    picture = gantt(
+        timeline, out / "plan_timeline.png", title=f"predicted: {config.partition} plan, {timeline.schedule.name}, {stages} ranks"
+    )
     print(f"costs: {source}")
     for lines in result.report():
         print(lines)
-    written = [out / "plan.json", out / "plan_timeline.png"]
+    written = [out / "plan.json", *([picture] if picture is not None else [])]
     if cfg.plan.get("dump_schedule"):
         text = dump(timeline.schedule)
         (out / "schedule.txt").write_text(text)

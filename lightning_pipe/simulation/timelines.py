@@ -7,22 +7,33 @@ prediction can be put next to what happened.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Optional, Sequence
 
 from ..schedules.actions import Op
 from .simulator import Event, Timeline
 
+log = logging.getLogger(__name__)
+_warned: list[bool] = []  # the missing-matplotlib warning, once per process
+
 COLOURS = {Op.FORWARD: "#4C72B0", Op.BACKWARD: "#DD8452", "comm": "#55A868", "idle": "#EEEEEE"}
 
 
-def gantt(timeline: Timeline, path: str | Path, title: Optional[str] = None, show_comm: bool = True) -> Path:
-    """Rank x time: forward, backward, communication and idle in distinct colours, micro-batch numbers on the bars."""
-    import matplotlib
+def gantt(timeline: Timeline, path: str | Path, title: Optional[str] = None, show_comm: bool = True) -> Optional[Path]:
+    """Rank x time: forward, backward, communication and idle in distinct colours, micro-batch numbers on
+    the bars. Without matplotlib (an optional dependency of the strategy) no picture: None, said once."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError:
+        if not _warned:
+            _warned.append(True)
+            log.warning("matplotlib is not installed: timelines are not drawn (pip install matplotlib)")
+        return None
 
     ranks = timeline.schedule.num_ranks
     scale, unit = _unit(timeline.iteration_time)
