@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import re
 import resource
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from lightning_pipe.bench.harness import Bench, Table, floats, ints, ms, names, pin_threads, spread, write_json
@@ -100,93 +99,50 @@ def mbytes(v: float | None) -> str:
     return "-" if v is None else f"{v / MB:.1f}"
 
 
-# ---- memory: saved bytes alive during a step ----------------------------------------------------
-class LiveSaved:
-    """Saved-tensor hooks counting the bytes autograd keeps for backward *alive at once*: a storage
-    counts from its first pack until every tensor saved from it is freed; ``exclude``: the weights'."""
+class LiveSaved(SavedBytes):
+    """SavedBytes that also keeps the peak of the saved bytes *alive at once*: a storage counts from its
+    first pack until every tensor saved from it is freed; ``exclude``: storage addresses (the weights')."""
 
     def __init__(self, exclude: set[int]):
-        self.exclude, self.count, self.size, self.live, self.peak = exclude, {}, {}, 0, 0
-
-    def _release(self, key: int) -> None:
-        self.count[key] -= 1
-        if not self.count[key]:
-            del self.count[key]
-            self.live -= self.size.pop(key)
+        super().__init__()
+        self._exclude, self.size, self.live, self.peak = exclude, {}, 0, 0
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         s = t.untyped_storage()
-        key = s.data_ptr()
-        if key in self.exclude or s.nbytes() == 0:
-            return t
-        if key not in self.count:
-            self.count[key], self.size[key] = 0, s.nbytes()
+        if s.data_ptr() not in self._live and s.data_ptr() not in self._exclude:
+            self.size[s.data_ptr()] = s.nbytes()
             self.live += s.nbytes()
             self.peak = max(self.peak, self.live)
-        self.count[key] += 1
-        weakref.finalize(t, self._release, key)
-        return t
+        return super()._pack(t)
 
-    def __enter__(self) -> LiveSaved:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
-
-
-# ---- an emulated link delay ---------------------------------------------------------------------
-class _Delayed:
-    """The work of a send the helper thread issues later; ``wait`` waits for both."""
-
-    def __init__(self) -> None:
-        self.ready, self.work, self.error = threading.Event(), None, None
-
-    def wait(self) -> bool:
-        self.ready.wait()
-        if self.error is not None:
-            raise self.error
-        return self.work.wait()
+    def _release(self, key: int) -> None:
+        super()._release(key)
+        if key not in self._live:
+            self.live -= self.size.pop(key, 0)
 
 
 class LatencyTransport(Transport):
-    """Sends leave ``latency`` s after the executor issued them (EMULATED): a helper thread issues
+    """Sends leave ``latency`` s after the executor issued them (EMULATED): one helper thread issues
     them in FIFO order (the order per peer kept, the sender computing meanwhile); receives at once."""
 
     def __init__(self, latency: float):
         super().__init__(lambda r: r, torch.device("cpu"), batch_ops=False)
-        self.latency, self._queue = latency, queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="delayed sends", daemon=True)
-        self._thread.start()
+        self.latency, self._pool = latency, ThreadPoolExecutor(1, "delayed sends")
 
-    def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            due, op, box = item
-            time.sleep(max(0.0, due - time.perf_counter()))
-            try:
-                box.work = op.op(op.tensor, op.peer)
-            except BaseException as err:  # noqa: BLE001  (raised in the caller's wait)
-                box.error = err
-            box.ready.set()
+    def _send(self, due: float, op: Any) -> Any:
+        time.sleep(max(0.0, due - time.perf_counter()))
+        return op.op(op.tensor, op.peer)
 
     def issue(self, ops: list) -> list:
         if self.latency <= 0 or not ops:
             return super().issue(ops)
         self.messages += len(ops)
         self.moved_bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
-        due, works = time.perf_counter() + self.latency, []
-        for op in ops:
-            if getattr(op.op, "__name__", "") == "isend":
-                works.append(_Delayed())
-                self._queue.put((due, op, works[-1]))
-            else:
-                works.append(op.op(op.tensor, op.peer))
-        return works
+        due, later = time.perf_counter() + self.latency, lambda f: SimpleNamespace(wait=lambda: f.result().wait())
+        return [later(self._pool.submit(self._send, due, op)) if op.op.__name__ == "isend" else op.op(op.tensor, op.peer) for op in ops]
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+        self._pool.shutdown()
 
 
 # ---- the jobs -----------------------------------------------------------------------------------
@@ -204,38 +160,34 @@ def train_schedule(schedule, rank, chunk, loss_fn, x, y, run: Any, transport, af
         t0 = time.perf_counter()
         pipe.step(x, y)
         t1 = time.perf_counter()
-        if after is not None:
-            after()
+        (after or (lambda: None))()
         opt.step()
         return t0, t1, time.perf_counter()
 
-    for _ in range(run.warmup):
-        step()
+    [step() for _ in range(run.warmup)]
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     times = [step() for _ in range(run.steps)]
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / max(1, run.steps)
-    live = None
+    tracker = LiveSaved(live_exclude or set())
     if live_exclude is not None:
-        with LiveSaved(live_exclude) as tracker:
+        with tracker:
             step()
-        live = tracker.peak
-    return {"times": times, "live": live, "faults": faults}
+    return {"times": times, "live": tracker.peak if live_exclude is not None else None, "faults": faults}
 
 
 def real_job(rank: int, world: int, args: Any) -> dict:
     from lightning_pipe.runtime.tied import allreduce_tied, find_tied_parameters
 
-    log = rank_zero_log(rank)
-    model = build_model(args)
+    log, model = rank_zero_log(rank), build_model(args)
     blocks, split = list(model), len(model) // 2
     bounds = ((0, split), (split, len(blocks)))
-    chunk = nn.Sequential(*blocks[slice(*bounds[rank])])
-    tied = find_tied_parameters(model, bounds)
+    chunk, tied = nn.Sequential(*blocks[slice(*bounds[rank])]), find_tied_parameters(model, bounds)
     groups = {}
     for t in tied:  # new_group is collective: every rank, same order
         group = dist.new_group(list(t.stages))
         groups.update({t.index: group} if rank in t.stages else {})
     exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    tie = lambda: allreduce_tied(tied, groups, rank)  # noqa: E731
     link, _ = segment(lambda: ping_pong(rank), rank, world, args, log)
     out: dict[str, Any] = {"link": link, "bounds": bounds, "per_m": {}}
     for m in args.microbatches:
@@ -252,30 +204,22 @@ def real_job(rank: int, world: int, args: Any) -> dict:
                 o = lm_loss(o, y[:mbs]) if rank == 1 else o
             saved[key] = counted.total
             del o
-        runs: dict[int, list] = {a: [] for a in range(1, m + 1)}
-        faults: dict[int, list] = {a: [] for a in runs}
-        live, loads = {}, []
+        d = dict(mbs=mbs, profile=asdict(prof), profile_load=prof_load, saved=saved, live={}, loads=[])
+        d.update(runs={a: [] for a in range(1, m + 1)}, faults={a: [] for a in range(1, m + 1)})
         for rnd in range(args.rounds):
-
-            def one_round(rnd=rnd, x=x, y=y, m=m) -> dict:
-                transport = lambda: Transport(lambda r: r, torch.device("cpu"))  # noqa: E731
-                tie = lambda: allreduce_tied(tied, groups, rank)  # noqa: E731
-                order = list(runs) if rnd % 2 == 0 else list(runs)[::-1]
-                live = exclude if rnd == 0 else None
-                return {
-                    a: train_schedule(schedule_of("package", m, a), rank, chunk, lm_loss, x, y, args, transport(), tie, live) for a in order
-                }
-
+            order = list(d["runs"]) if rnd % 2 == 0 else list(d["runs"])[::-1]
+            live, transport = exclude if rnd == 0 else None, lambda: Transport(lambda r: r, torch.device("cpu"))
+            one_round = lambda: {
+                a: train_schedule(schedule_of("package", m, a), rank, chunk, lm_loss, x, y, args, transport(), tie, live) for a in order
+            }
             res, load = segment(one_round, rank, world, args, log)
-            loads.append(load)
+            d["loads"].append(load)
             for a, r in res.items():
-                runs[a].append(r["times"])
-                faults[a].append(r["faults"])
-                live.update({a: r["live"]} if r["live"] is not None else {})
+                d["runs"][a].append(r["times"])
+                d["faults"][a].append(r["faults"])
+                d["live"].update({a: r["live"]} if r["live"] is not None else {})
             log(f"  real M={m} round {rnd + 1}/{args.rounds} done (foreign load {load:.2f} CPUs)")
-        out["per_m"][m] = dict(
-            mbs=mbs, profile=asdict(prof), profile_load=prof_load, saved=saved, runs=runs, faults=faults, live=live, loads=loads
-        )
+        out["per_m"][m] = d
     return out
 
 
@@ -287,32 +231,28 @@ def emulated_job(rank: int, world: int, args: Any) -> dict:
     model = nn.Sequential(*[SleepBlock(EMU_HIDDEN, args.tf / 1e3, 2 * args.tf / 1e3) for _ in range(STAGES)])
     link, _ = segment(lambda: best_link(rank, (4, EMU_ROWS * EMU_HIDDEN * 4), rounds=1), rank, world, args, log)
     g = torch.Generator().manual_seed(1)
-    sample, target = torch.randn(EMU_ROWS, EMU_HIDDEN, generator=g), torch.randn(EMU_ROWS, EMU_HIDDEN, generator=g)
+    randn = lambda rows: torch.randn(rows, EMU_HIDDEN, generator=g)  # noqa: E731
+    sample, target = randn(EMU_ROWS), randn(EMU_ROWS)
     dist.barrier()
     measured = profile_blocks(list(model), sample, torch.device("cpu"), repeats=5, warmup=1, loss_fn=lambda o: F.mse_loss(o, target))
     out: dict[str, Any] = {"link": link, "blocks": gather(measured, world), "per_m": {}}
     run = argparse.Namespace(steps=min(args.steps, 6), warmup=min(args.warmup, 2))
+
+    def timed(variant: str, m: int, a: int, latency: float, x, y) -> list:
+        transport = LatencyTransport(latency / 1e3)
+        try:
+            return train_schedule(schedule_of(variant, m, a), rank, model[rank : rank + 1], F.mse_loss, x, y, run, transport)["times"]
+        finally:
+            transport.close()
+
     for m in args.emu_microbatches:
-        x, y = torch.randn(EMU_ROWS * m, EMU_HIDDEN, generator=g), torch.randn(EMU_ROWS * m, EMU_HIDDEN, generator=g)
+        x, y = randn(EMU_ROWS * m), randn(EMU_ROWS * m)
         runs, loads = {}, {}
-        for latency in args.latencies:
-
-            def one(latency=latency, m=m, x=x, y=y) -> dict:
-                res = {}
-                for variant in VARIANTS:
-                    for a in values(variant, m):
-                        transport = LatencyTransport(latency / 1e3)
-                        try:
-                            res[f"{latency}/{variant}/{a}"] = train_schedule(
-                                schedule_of(variant, m, a), rank, model[rank : rank + 1], F.mse_loss, x, y, run, transport
-                            )["times"]
-                        finally:
-                            transport.close()
-                return res
-
-            res, loads[latency] = segment(one, rank, world, args, log)
+        for lat in args.latencies:
+            one = lambda: {f"{lat}/{v}/{a}": timed(v, m, a, lat, x, y) for v in VARIANTS for a in values(v, m)}  # noqa: E731
+            res, loads[lat] = segment(one, rank, world, args, log)
             runs.update(res)
-            log(f"  emulated M={m} latency {latency:g} ms done (foreign load {loads[latency]:.2f} CPUs)")
+            log(f"  emulated M={m} latency {lat:g} ms done (foreign load {loads[lat]:.2f} CPUs)")
         out["per_m"][m] = {"runs": runs, "loads": loads}
     return out
 
@@ -344,13 +284,10 @@ def cli_runs(args: Any, where: Path) -> list[dict]:
 def replay_rule(times: dict[int, float], low: int, high: int) -> list[int]:
     """Algorithm 1's rule (lightning_pipe.layers AdvanceRule: start at K - 1, raise while the step
     got faster, settle at the first that did not) fed with one time per a: the values it visits."""
-    a, last, seen = low, None, [low]
-    while True:
-        faster, last = last is None or times[a] < last, times[a]
-        if not (faster and a < high):
-            return seen
-        a += 1
-        seen.append(a)
+    seen = [low]
+    while seen[-1] < high and (len(seen) == 1 or times[seen[-1]] < times[seen[-2]]):
+        seen.append(seen[-1] + 1)
+    return seen
 
 
 # ---- analysis and tables (from the measurements, or from --load) --------------------------------
@@ -366,6 +303,21 @@ def sim_iter(schedule, costs, bounds) -> float:
 
 def chain(k: int) -> list[tuple[int, int]]:
     return [(i, i + 1) for i in range(k)]
+
+
+REAL_COLUMNS = (  # (header, cell of a row); base: 1F1B's row
+    ("advance_num", lambda r, base, m: label(r["a"], m)),
+    ("iteration ms: median (p25-p75)", lambda r, base, m: f"{ms(r['iter'].median)} ({ms(r['iter'].lo)}-{ms(r['iter'].hi)})"),
+    ("per-round medians", lambda r, base, m: " / ".join(ms(v) for v in r["rounds"])),
+    ("vs 1F1B", lambda r, base, m: f"{base['iter'].median / r['iter'].median:.3f}x"),
+    ("simulated ms", lambda r, base, m: ms(r["sim"])),
+    ("simulated vs 1F1B", lambda r, base, m: f"{base['sim'] / r['sim']:.3f}x"),
+    ("training step ms", lambda r, base, m: ms(r["step"])),
+    ("peak stash (micro-batches) stage 0 / 1", lambda r, base, m: f"{r['peak'][0]} / {r['peak'][1]}{'' if r['checked'] else ' (!)'}"),
+    ("peak stash MB (bytes/mb x peak)", lambda r, base, m: " / ".join(mbytes(v) for v in r["stash"])),
+    ("live saved peak MB (one step)", lambda r, base, m: " / ".join(mbytes(v) for v in r["live"])),
+    ("minor page faults per step, rank 0 / 1", lambda r, base, m: " / ".join(f"{v:.0f}" for v in r["faults"])),
+)
 
 
 def print_real(bench: Bench, results: list[dict], args: Any) -> dict:
@@ -390,27 +342,15 @@ def print_real(bench: Bench, results: list[dict], args: Any) -> dict:
             pooled = [spans([r["per_m"][m]["runs"][a][k] for r in results]) for k in range(len(d["runs"][a]))]
             schedule, peak = schedule_of("package", m, int(a)), peak_stash(STAGES, m, int(a))
             sim = simulate(schedule, costs, bounds, critical_path=False)
-            checked = [in_flight_peak(schedule.actions[r]) for r in range(STAGES)] == peak == list(sim.peak_activations)
-            rows.append({"a": int(a), "iter": spread((t for i, _ in pooled for t in i), iqr=True), "sim": sim.iteration_time, "peak": peak})
+            rows.append(dict(a=int(a), iter=spread((t for i, _ in pooled for t in i), iqr=True), sim=sim.iteration_time, peak=peak))
             rows[-1].update(rounds=[statistics.median(i) for i, _ in pooled], step=statistics.median(t for _, s in pooled for t in s))
-            rows[-1].update(checked=checked, stash=[p * s["activations"] for p, s in zip(peak, saved)])
-            rows[-1].update(
-                live=[r["per_m"][m]["live"].get(a) for r in results], faults=[statistics.fmean(r["per_m"][m]["faults"][a]) for r in results]
-            )
-        table = Table(
-            "advance_num", "iteration ms: median (p25-p75)", "per-round medians", "vs 1F1B", "simulated ms", "simulated vs 1F1B",
-            "training step ms", "peak stash (micro-batches) stage 0 / 1", "peak stash MB (bytes/mb x peak)",
-            "live saved peak MB (one step)", "minor page faults per step, rank 0 / 1", align="llllrrrrrrr",
-        )  # fmt: skip
+            rows[-1].update(checked=[in_flight_peak(schedule.actions[r]) for r in range(STAGES)] == peak == list(sim.peak_activations))
+            rows[-1].update(stash=[p * s["activations"] for p, s in zip(peak, saved)], live=[r["per_m"][m]["live"].get(a) for r in results])
+            rows[-1].update(faults=[statistics.fmean(r["per_m"][m]["faults"][a]) for r in results])
+        table = Table(*(h for h, _ in REAL_COLUMNS), align="llllrrrrrrr")
         base, afab = rows[0], rows[-1]
         for r in rows:
-            it = r["iter"]
-            table.add(
-                label(r["a"], m), f"{ms(it.median)} ({ms(it.lo)}-{ms(it.hi)})", " / ".join(ms(v) for v in r["rounds"]),
-                f"{base['iter'].median / it.median:.3f}x", ms(r["sim"]), f"{base['sim'] / r['sim']:.3f}x", ms(r["step"]),
-                f"{r['peak'][0]} / {r['peak'][1]}{'' if r['checked'] else ' (!)'}", " / ".join(mbytes(v) for v in r["stash"]),
-                " / ".join(mbytes(v) for v in r["live"]), " / ".join(f"{v:.0f}" for v in r["faults"]),
-            )  # fmt: skip
+            table.add(*(cell(r, base, m) for _, cell in REAL_COLUMNS))
         bench.table(table, title)
         best = min(rows, key=lambda r: r["iter"].median)
         iqr = statistics.median((r["iter"].hi - r["iter"].lo) / r["iter"].median for r in rows)
@@ -430,6 +370,11 @@ def print_real(bench: Bench, results: list[dict], args: Any) -> dict:
     return figure
 
 
+def emu_key(lat: float, v: str, a: int, m: int) -> str:
+    """a = 1 and a = M of every variant come from the package's runs."""
+    return f"{lat}/{v if 1 < a < m else 'package'}/{a}"
+
+
 def print_emulated(bench: Bench, results: list[dict], args: Any) -> dict:
     link = results[0]["link"]
     costs = median_costs(results[0]["blocks"], link)
@@ -440,7 +385,7 @@ def print_emulated(bench: Bench, results: list[dict], args: Any) -> dict:
         f"float32 (link {link['latency'] * 1e6:.0f} us + {link['bandwidth'] / 1e9:.2f} GB/s) plus an EMULATED per-message delay; "
         f"medians of {min(args.steps, 6)} steps after {min(args.warmup, 2)} warm-up\n"
     )
-    size, figure = float(EMU_ROWS * EMU_HIDDEN * 4), {}
+    size, figure, delays = float(EMU_ROWS * EMU_HIDDEN * 4), {}, [f"delay {lat:g} ms" for lat in args.latencies]
     at = lambda lat, k=STAGES: CostModel(
         f[:1] * (k - 1) + f[-1:], b[:1] * (k - 1) + b[-1:], (size,) * k, (0.0,) * k, link["bandwidth"], link["latency"] + lat / 1e3
     )  # noqa: E731
@@ -452,20 +397,19 @@ def print_emulated(bench: Bench, results: list[dict], args: Any) -> dict:
             for v in VARIANTS
             for a in values(v, m)
         }
-        delays = [f"delay {lat:g} ms" for lat in args.latencies]
         table = Table("variant", "advance_num", "peak stash", *delays, align="llr" + "r" * len(delays))
         for v in VARIANTS:
             for a in values(v, m):
+                key = lambda lat: f"{lat}/{v}/{a}"  # noqa: E731
                 cells = [
-                    f"{ms(med[f'{lat}/{v}/{a}'])} ({ms(sims[f'{lat}/{v}/{a}'])}) {med[f'{lat}/package/1'] / med[f'{lat}/{v}/{a}']:.2f}x"
-                    for lat in args.latencies
+                    f"{ms(med[key(lat)])} ({ms(sims[key(lat)])}) {med[f'{lat}/package/1'] / med[key(lat)]:.2f}x" for lat in args.latencies
                 ]
                 table.add(VARIANTS[v], label(a, m), " / ".join(map(str, held(v, m, a))), *cells)
         bench.table(table, f"### EMULATED, M = {m}: iteration ms measured (simulated), peak stash in micro-batches stage 0 / 1")
         bench.say("(each cell: measured median (simulated) and measured speed-up over 1F1B at that delay; ALL EMULATED)")
         for lat in args.latencies:
-            for v in VARIANTS:  # a = 1 and a = M come from the package's runs
-                times = {a: med[f"{lat}/{v if 1 < a < m else 'package'}/{a}"] for a in range(1, m + 1)}
+            for v in VARIANTS:
+                times = {a: med[emu_key(lat, v, a, m)] for a in range(1, m + 1)}
                 visits, fastest = replay_rule(times, 1, m), min(times, key=times.get)
                 bench.say(
                     f"EMULATED delay {lat:g} ms, {VARIANTS[v]}: the rule replayed on the medians visits {visits}, settles at {visits[-1]} "
@@ -506,17 +450,15 @@ def figure(real: dict, emu: dict, path: str, latencies: list[float]) -> None:
 
     panels = [p for p in (real, emu) if p]
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.6), squeeze=False)
-    axes = list(axes[0])
+    axes, xlabel = list(axes[0]), "advance_num (1 = 1F1B, M = AFAB)"
     if real:
         m = 8 if 8 in real else next(iter(real))
         rows, ax = real[m], axes.pop(0)
-        a = [r["a"] for r in rows]
-        err = [[(r["iter"].median - r["iter"].lo) * 1e3 for r in rows], [(r["iter"].hi - r["iter"].median) * 1e3 for r in rows]]
-        ax.errorbar(
-            a, [r["iter"].median * 1e3 for r in rows], yerr=err, marker="o", capsize=3, label="measured iteration (median, p25-p75)"
-        )
+        a, med = [r["a"] for r in rows], [r["iter"].median * 1e3 for r in rows]
+        err = [[v - r["iter"].lo * 1e3 for v, r in zip(med, rows)], [r["iter"].hi * 1e3 - v for v, r in zip(med, rows)]]
+        ax.errorbar(a, med, yerr=err, marker="o", capsize=3, label="measured iteration (median, p25-p75)")
         ax.plot(a, [r["sim"] * 1e3 for r in rows], "s--", label="simulated iteration")
-        ax.set(xlabel="advance_num (1 = 1F1B, M = AFAB)", ylabel="iteration ms", title=f"real: 2 gloo CPU processes, GPT-tiny, M = {m}")
+        ax.set(xlabel=xlabel, ylabel="iteration ms", title=f"real: 2 gloo CPU processes, GPT-tiny, M = {m}")
         ax.set_ylim(0, max(r["iter"].hi for r in rows) * 1e3 * 1.35)
         twin = ax.twinx()
         for s, style in ((0, "^:"), (1, "v:")):
@@ -526,25 +468,14 @@ def figure(real: dict, emu: dict, path: str, latencies: list[float]) -> None:
         ax.legend(h1 + h2, l1 + l2, loc="lower right", fontsize=8)
     if emu:
         m = 8 if 8 in emu else next(iter(emu))
-        ax = axes.pop(0)
+        ax, names = axes.pop(0), {"package": "package (stage 1 holds a - 1)", "last1f1b": "variant: last stage 1F1B (holds 1)"}
         for i, lat in enumerate(latencies):
             for v, style in (("package", "-"), ("last1f1b", "--")):
-                keys = {a: f"{lat}/{v if 1 < a < m else 'package'}/{a}" for a in range(1, m + 1)}
-                name = "package (stage 1 holds a - 1)" if v == "package" else "variant: last stage 1F1B (holds 1)"
-                ax.plot(
-                    list(keys),
-                    [emu[m]["measured"][k] * 1e3 for k in keys.values()],
-                    style,
-                    marker="o",
-                    color=f"C{i}",
-                    label=f"delay {lat:g} ms, {name}",
-                )
-                ax.plot(list(keys), [emu[m]["simulated"][k] * 1e3 for k in keys.values()], style, color=f"C{i}", alpha=0.35)
-        ax.set(
-            xlabel="advance_num (1 = 1F1B, M = AFAB)",
-            ylabel="iteration ms",
-            title=f"EMULATED devices (sleep) + EMULATED message delay, M = {m}\n(faint: simulated)",
-        )
+                keys = [emu_key(lat, v, a, m) for a in range(1, m + 1)]
+                for kind, extra in (("measured", dict(marker="o", label=f"delay {lat:g} ms, {names[v]}")), ("simulated", dict(alpha=0.35))):
+                    ax.plot(range(1, m + 1), [emu[m][kind][k] * 1e3 for k in keys], style, color=f"C{i}", **extra)
+        title = f"EMULATED devices (sleep) + EMULATED message delay, M = {m}\n(faint: simulated)"
+        ax.set(xlabel=xlabel, ylabel="iteration ms", title=title)
         ax.legend(fontsize=7)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -581,13 +512,12 @@ def main() -> None:
     args.part = ["real", "emulated", "cli"] if "all" in args.part else args.part
     if any(m < 1 or args.batch % m for m in args.microbatches):
         bench.error(f"--microbatches {args.microbatches}: each must divide --batch {args.batch}")
-    data = {}
+    data = {"args": dict(vars(args))}
     if args.load:
         data = intkeys(json.loads(Path(args.load).read_text()))
         for key, value in data.get("args", {}).items():  # print with the settings that were measured
             setattr(args, key, value) if key not in ("load", "save", "figure", "part", "json", "markdown") else None
     else:
-        data["args"] = dict(vars(args))
         launch = dict(timeout=args.timeout, group_timeout=args.timeout, pin=args.pin)
         if "real" in args.part:
             wait_for_quiet(args.quiet_wait, args.max_foreign, poll=5.0, patterns=OTHER_JOBS, log=print)
@@ -595,7 +525,7 @@ def main() -> None:
         if "emulated" in args.part:
             data["emulated"] = run_distributed(emulated_job, STAGES, args, **launch)
         if "cli" in args.part:
-            data["cli"] = cli_runs(args, Path(args.cli_dir) if args.cli_dir else Path(tempfile.mkdtemp(prefix="bench_advance_cli_")))
+            data["cli"] = cli_runs(args, Path(args.cli_dir or tempfile.mkdtemp(prefix="bench_advance_cli_")))
         bench.keep("measurements", data)
         if args.save:
             write_json(args.save, data)
