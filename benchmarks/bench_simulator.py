@@ -1,13 +1,11 @@
-"""Simulated vs measured iteration time per partition: the AutoPipe paper's Table II / Fig. 11 on CPU.
-A small GPT (lightning_pipe.bench.gpt) trained with SequentialPipeline (1F1B, m = 8) on 4, then 2, gloo
-processes under 7 partitions (the planners' and deliberately unbalanced ones), each measured next to
-the simulator's prediction from profiles and a link taken in the same job. The analysis, tables and
-pictures are lightning_pipe.bench.simulator_report. Results: docs/autopipe.md.
+"""Simulated vs measured iteration time per partition (AutoPipe's Table II / Fig. 11 on CPU): a small GPT
+(bench/gpt.py), SequentialPipeline 1F1B m = 8 on 4, then 2, gloo processes under 7 partitions (the planners' and unbalanced
+ones), each next to the simulator's prediction from profiles and a link taken in the same job. Analysis, tables and
+pictures: lightning_pipe.bench.simulator_report. Results: docs/autopipe.md.
 
     flock /tmp/bench.lock python benchmarks/bench_simulator.py   # 4 processes, then 2; ~3 min on a quiet machine
     python benchmarks/bench_simulator.py --raw run.pt             # also keep the measurements ...
     python benchmarks/bench_simulator.py --from-raw run.pt        # ... and analyse them again without measuring
-    python benchmarks/bench_simulator.py --quick                  # smoke: 2 processes, 1 layer, no pictures
 """
 
 from __future__ import annotations
@@ -25,75 +23,58 @@ pin_threads(1)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
 
 from lightning_pipe.bench import REPO, simulator_report  # noqa: E402
-from lightning_pipe.bench.gpt import add_model_arguments, build_model, lm_loss, make_batch, segment  # noqa: E402
-from lightning_pipe.bench.launch import OTHER_JOBS, CpuClock, rank_zero_log, run_distributed, wait_for_quiet  # noqa: E402
-from lightning_pipe.bench.simulator_report import sizes_of  # noqa: E402
-from lightning_pipe.planning.entry import block_kinds  # noqa: E402
+from lightning_pipe.bench.gpt import add_model_arguments, block_kinds, build_model, lm_loss, make_batch, segment  # noqa: E402
+from lightning_pipe.bench.launch import CpuClock, rank_zero_log  # noqa: E402
+from lightning_pipe.bench.pipes import gather  # noqa: E402
+from lightning_pipe.bench.trainer_runs import quiet_distributed, stage_pipeline  # noqa: E402
+from lightning_pipe.planning import plan  # noqa: E402
+from lightning_pipe.profiling import Profile, profile_blocks  # noqa: E402
+from lightning_pipe.profiling.link import ping_pong  # noqa: E402
+from lightning_pipe.schedules import build_schedule  # noqa: E402
+from lightning_pipe.simulation import simulate  # noqa: E402
 
 METHODS = ("uniform", "dp", "autopipe", "parameters")
 UNBALANCED = (1.25, 1.5, 1.8)  # simulated iteration of the extra splits, relative to the best split
 
 
-def profile_at_once(blocks, sample, target, rank: int, world: int, repeats: int, profilers: int, inflight, mbs: int):
+def profile_at_once(model, x, y, rank: int, world: int, args, profilers: int, inflight):
     """Every block profiled, the loss timed with the last one, by ranks < `profilers` at once while the
     others wait (``inflight``: chain mode, None: each block alone); per block the median over them."""
-    from lightning_pipe.profiling import Profile, profile_blocks
-
+    blocks, chain, repeats, measured = list(model), inflight is not None, args.profile_repeats, None
     dist.barrier()
-    measured = None
     if rank < profilers:
-        chain = inflight is not None
-        measured = profile_blocks(blocks, sample, torch.device("cpu"), model="gpt", loss_fn=lambda out: lm_loss(out, target), inflight=inflight,
-                                  repeats=max(1, repeats // inflight) if chain else repeats, warmup=1 if chain else 2)  # fmt: skip
-    parts: list = [None] * world
-    dist.all_gather_object(parts, measured)
-    parts = [p for p in parts if p is not None]
+        measured = profile_blocks(blocks, x[: args.mbs], torch.device("cpu"), model="gpt", loss_fn=lambda out: lm_loss(out, y[: args.mbs]),
+                                  inflight=inflight, repeats=max(1, repeats // inflight) if chain else repeats, warmup=1 if chain else 2)  # fmt: skip
+    parts = [p for p in gather(measured, world) if p is not None]
     field = lambda key: [statistics.median(p[i][key] for p in parts) for i in range(len(blocks))]  # noqa: E731
     keys = ("forward", "backward", "activation_bytes", "param_bytes", "peak_memory")
-    return Profile("gpt", mbs, "float32", "cpu", *map(field, keys), [type(b).__name__ for b in blocks])
+    return Profile("gpt", args.mbs, "float32", "cpu", *map(field, keys), [type(b).__name__ for b in blocks])
 
 
-def choose_partitions(costs, kinds, stages: int, m: int, count: int = 7) -> list[tuple[str, tuple]]:
+def choose_partitions(profile, link: dict, model, stages: int, args) -> list[tuple[str, tuple]]:
     """(label, bounds): the named methods (one landing on an earlier one's split is folded into its
     label), then unbalanced splits at the UNBALANCED ratios of the best simulated time, then more."""
-    from lightning_pipe.planning import plan
-    from lightning_pipe.schedules import build_schedule
-    from lightning_pipe.simulation import simulate
-
-    chosen: list[list] = []
+    costs, kinds, named = profile.costs(link["bandwidth"], link["latency"], cores=args.cores), block_kinds(model), {}
+    m, count = args.microbatches, args.partitions
     for method in METHODS:
         bounds = tuple(tuple(b) for b in plan(costs, stages, m, method=method, kinds=kinds).bounds)
-        same = next((c for c in chosen if c[1] == bounds), None)
-        if same is None:
-            chosen.append([method, bounds])
-        else:
-            same[0] += f" = {method}"
+        named[bounds] = f"{named[bounds]} = {method}" if bounds in named else method
     n, schedule = len(kinds), build_schedule("1f1b", stages, m)
     splits = [tuple(zip((0, *cuts), (*cuts, n))) for cuts in combinations(range(1, n), stages - 1)]
     timed = sorted((simulate(schedule, costs, b, critical_path=False).iteration_time, b) for b in splits)
-    taken = {c[1] for c in chosen}
-    for ratio in list(UNBALANCED) + [2.0 + 0.3 * i for i in range(count)]:
-        free = [(abs(t / timed[0][0] - ratio), b) for t, b in timed if b not in taken]
-        if len(chosen) >= count or not free:
+    for i, ratio in enumerate(list(UNBALANCED) + [2.0 + 0.3 * i for i in range(count)]):
+        free = [(abs(t / timed[0][0] - ratio), b) for t, b in timed if b not in named]
+        if len(named) >= count or not free:
             break
-        taken.add(min(free)[1])
-        chosen.append([f"unbalanced-{sum(c[0].startswith('unbalanced') for c in chosen) + 1}", min(free)[1]])
-    return [(label, bounds) for label, bounds in chosen]
+        named[min(free)[1]] = f"unbalanced-{i + 1}"
+    return [(label, bounds) for bounds, label in named.items()]
 
 
-def run_partition(model: nn.Sequential, bounds, rank: int, world: int, x, y, args) -> dict:
+def run_partition(model, bounds, rank: int, world: int, x, y, args) -> dict:
     """Timed steps of this rank's stage of `bounds`, each traced; per step (start, end) and the CPU accounting."""
-    from lightning_pipe.runtime.p2p import Transport
-    from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
-    from lightning_pipe.schedules import build_schedule
-
-    a, b = bounds[rank]
-    chunk = nn.Sequential(*[model[i] for i in range(a, b)])
-    host = SequentialHost({rank: chunk}, world - 1, lm_loss)
-    pipe = SequentialPipeline(build_schedule("1f1b", world, args.microbatches), rank, host, Transport(lambda r: r, torch.device("cpu")))
+    chunk, pipe = stage_pipeline(model, bounds, rank, world, args.microbatches, lm_loss)
     pipe.executor.trace = True
 
     def step() -> tuple[float, float]:
@@ -105,10 +86,8 @@ def run_partition(model: nn.Sequential, bounds, rank: int, world: int, x, y, arg
 
     for _ in range(args.warmup):
         step()
-    times, traces, start = [], [], CpuClock.now()  # this rank's CPU seconds and the machine's: extra work vs idle cores
-    for _ in range(args.steps):
-        times.append(step())
-        traces.append(list(pipe.executor.records))
+    start = CpuClock.now()  # this rank's CPU seconds and the machine's: extra work vs idle cores
+    times, traces = map(list, zip(*((step(), list(pipe.executor.records)) for _ in range(args.steps))))
     end = CpuClock.now()
     chunk.zero_grad(set_to_none=True)
     machine = (end.busy - start.busy) if start.busy is not None else math.nan
@@ -116,42 +95,25 @@ def run_partition(model: nn.Sequential, bounds, rank: int, world: int, x, y, arg
 
 
 def simulator_job(rank: int, world: int, args) -> dict:
-    from lightning_pipe.profiling import Profile  # noqa: F401  (imported before timing)
-    from lightning_pipe.profiling.link import ping_pong
-
-    log = rank_zero_log(rank)
-    model = build_model(args)
-    blocks, kinds = list(model), block_kinds([type(b).__name__ for b in model])
-    x, y = make_batch(args)
-    cores = min(args.cores, world)
+    log, model, (x, y), cores = rank_zero_log(rank), build_model(args), make_batch(args), min(args.cores, world)
     link, _ = segment(lambda: ping_pong(rank), rank, world, args, log)
-    # name -> (ranks profiling at once, chain mode); "main" is what the headline simulation uses
-    variants = {"main": (cores, args.inflight), "hot": (cores, None), "lone": (1, args.inflight)}
-    if world > cores:
-        variants["all"] = (world, args.inflight)
+    # name -> (ranks profiling at once, chain mode); "main": the headline simulation's; "all": where ranks outnumber cores
+    variants = {"main": (cores, args.inflight), "hot": (cores, None), "lone": (1, args.inflight), "all": (world, args.inflight)}
     profiles, profile_loads = {}, {}
-    for key, (profilers, inflight) in variants.items():
-        run = lambda: profile_at_once(
-            blocks, x[: args.mbs], y[: args.mbs], rank, world, args.profile_repeats, profilers, inflight, args.mbs
-        )  # noqa: E731
-        profiles[key], profile_loads[key] = segment(run, rank, world, args, log)
-    box = [None]
-    if rank == 0:
-        costs = profiles["main"].costs(link["bandwidth"], link["latency"], cores=args.cores)
-        box = [{"link": link, "partitions": choose_partitions(costs, kinds, world, args.microbatches, args.partitions)}]
+    for key, v in variants.items() if world > cores else list(variants.items())[:3]:
+        profiles[key], profile_loads[key] = segment(lambda: profile_at_once(model, x, y, rank, world, args, *v), rank, world, args, log)
+    box = [{"link": link, "partitions": choose_partitions(profiles["main"], link, model, world, args)} if rank == 0 else None]
     dist.broadcast_object_list(box, 0)
     link, partitions = box[0]["link"], box[0]["partitions"]
     log(f"  link: latency {link['latency'] * 1e6:.0f} us, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s; partitions: "
-        + ", ".join(f"{label} {sizes_of(b)}" for label, b in partitions))  # fmt: skip
+        + ", ".join(f"{label} {simulator_report.sizes_of(b)}" for label, b in partitions))  # fmt: skip
     n = len(partitions)
     runs, traces, loads, cpu = ({i: [] for i in range(n)} for _ in range(4))
     for rnd in range(args.rounds):
         for i in [(rnd + j) % n for j in range(n)]:  # a different partition first each round
             out, load = segment(lambda: run_partition(model, partitions[i][1], rank, world, x, y, args), rank, world, args, log)
-            runs[i].append(out["times"])
-            traces[i].extend(zip(out["times"], out["traces"]))
-            loads[i].append(load)
-            cpu[i].append(out["cpu"])
+            for store, new in ((runs, [out["times"]]), (loads, [load]), (cpu, [out["cpu"]]), (traces, zip(out["times"], out["traces"]))):
+                store[i].extend(new)
             log(f"  round {rnd + 1}/{args.rounds} {partitions[i][0]:<24} done (foreign load {load:.2f} CPUs)")
     return {"rank": rank, "link": link, "profiles": profiles, "profile_loads": profile_loads, "partitions": partitions, "runs": runs,
             "loads": loads, "traces": traces, "cpu": cpu}  # fmt: skip
@@ -174,8 +136,7 @@ def main() -> None:
     args = bench.parse()
     if args.from_raw:
         worlds, stored, origin = simulator_report.load_raw(args.from_raw)
-        given = {k: v for k, v in vars(args).items() if v != p.get_default(k)}
-        args = argparse.Namespace(**{**vars(args), **(stored or {}), **given})
+        args = argparse.Namespace(**{**vars(args), **(stored or {}), **{k: v for k, v in vars(args).items() if v != p.get_default(k)}})
         bench.say(f"re-analysis of {args.from_raw}, measured: {origin}\n{simulator_report.header(args)}")
         with bench.recording():
             simulator_report.show(worlds, args)
@@ -185,9 +146,7 @@ def main() -> None:
     with bench.recording():
         for world in args.worlds:
             print(f"\n== {world} processes ==", flush=True)
-            if bench.patient:
-                wait_for_quiet(args.quiet_wait, args.max_foreign, poll=20.0, patterns=OTHER_JOBS, log=bench.log)
-            raw[world] = run_distributed(simulator_job, world, args, timeout=args.timeout, group_timeout=3600.0)
+            raw[world] = quiet_distributed(bench, simulator_job, world, args)
             if args.raw:
                 simulator_report.save_raw(args.raw, raw, args, bench.provenance)
             analyses.append(simulator_report.show_world(raw[world], world, args))

@@ -130,3 +130,12 @@ def stage_pipeline(model: Any, bounds: Any, rank: int, world: int, microbatches:
     chunk = nn.Sequential(*[model[i] for i in range(a, b)])
     host = SequentialHost({rank: chunk}, world - 1, loss)
     return chunk, SequentialPipeline(build_schedule(schedule, world, microbatches), rank, host, Transport(lambda r: r, torch.device("cpu")))
+
+
+def quiet_distributed(bench: Any, job: Callable, world: int, args: Any) -> list:
+    """``run_distributed(job, world, args)`` once other benchmark jobs have stopped (waited for within the bench's budget)."""
+    from .launch import OTHER_JOBS, run_distributed
+
+    if bench.patient:
+        wait_for_quiet(args.quiet_wait, args.max_foreign, poll=20.0, patterns=OTHER_JOBS, log=bench.log)
+    return run_distributed(job, world, args, timeout=args.timeout, group_timeout=3600.0)
