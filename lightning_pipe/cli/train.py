@@ -163,6 +163,17 @@ class RunFolder:
             parent = parent.parent
 
 
+def resume_from(ckpt_path: Optional[str], run_dir: Path, say: bool) -> Optional[str]:
+    """`ckpt_path=last`: this run folder's checkpoints/last.ckpt when there is one (a requeued job,
+    whose folder is its job id's), else a fresh start; any other value as given."""
+    if ckpt_path != "last":
+        return ckpt_path
+    last = run_dir / "checkpoints" / "last.ckpt"
+    if say:
+        print(f"[lightning-pipe] ckpt_path=last: {'resuming from ' + str(last) if last.is_file() else 'no last.ckpt yet, starting fresh'}")
+    return str(last) if last.is_file() else None
+
+
 @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
 @errors.reported
 def _main(cfg: DictConfig) -> Optional[float]:
@@ -175,7 +186,7 @@ def _main(cfg: DictConfig) -> Optional[float]:
     folder.trainer = trainer
     if trainer.is_global_zero:
         (run_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume_from(cfg.get("ckpt_path"), run_dir, trainer.is_global_zero))
     if cfg.get("test_after_fit"):
         trainer.validate(module, datamodule=datamodule)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
