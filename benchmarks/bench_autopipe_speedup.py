@@ -20,8 +20,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from lightning_pipe.bench.gpt import add_model_arguments, block_kinds, build_model, describe, gather_profile, lm_loss, make_batch, segment  # noqa: E402
-from lightning_pipe.bench.launch import OTHER_JOBS, rank_zero_log, run_distributed, wait_for_quiet  # noqa: E402
-from lightning_pipe.bench.trainer_runs import stage_pipeline  # noqa: E402
+from lightning_pipe.bench.launch import rank_zero_log  # noqa: E402
+from lightning_pipe.bench.trainer_runs import quiet_distributed, stage_pipeline  # noqa: E402
 from lightning_pipe.planning import plan  # noqa: E402
 from lightning_pipe.profiling.link import ping_pong  # noqa: E402
 from lightning_pipe.runtime.tied import allreduce_tied, find_tied_parameters  # noqa: E402
@@ -76,9 +76,7 @@ def main() -> None:
     p.add_argument("--profile-repeats", type=int, default=10, help="profile_blocks repeats per block (after 2 warm-up)")
     args = bench.parse()
     bench.say(f"gloo, {args.world} processes x 1 thread; {describe(args)} (batch {(batch := args.mbs * args.microbatches)})")
-    if bench.patient:
-        wait_for_quiet(args.quiet_wait, args.max_foreign, poll=20.0, patterns=OTHER_JOBS, log=bench.log)
-    results = run_distributed(speedup_job, args.world, args, timeout=args.timeout, group_timeout=3600.0)
+    results = quiet_distributed(bench, speedup_job, args.world, args)
     r0, link, profile, plans = results[0], results[0]["link"], results[0]["profile"], results[0]["plans"]
     bench.log("\n".join(plans[m].table() for m in METHODS))
     fb = lambda i, j: 1e3 * sum(profile.forward[i:j] + profile.backward[i:j])  # noqa: E731

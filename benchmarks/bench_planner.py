@@ -37,9 +37,8 @@ BEGIN, END = "<!-- bench_planner:begin -->", "<!-- bench_planner:end -->"
 
 def run_method(method: str, costs: CostModel, kinds, p: int, m: int, repeats: int = 3):
     """(iteration s, balance s, median planning s; caches cleared before each call) or None where the method does not apply."""
-    if (method == "exhaustive" and count_splits(costs.num_blocks, p) > EXHAUSTIVE_LIMIT) or (
-        method == "uniform" and kinds.count("attention") < p
-    ):
+    too_many = method == "exhaustive" and count_splits(costs.num_blocks, p) > EXHAUSTIVE_LIMIT
+    if too_many or (method == "uniform" and kinds.count("attention") < p):
         return None
     runs = []
     for _ in range(1 if method == "exhaustive" else repeats):
@@ -63,18 +62,16 @@ def model_rows(name: str, mbs: int, layers=None) -> list[tuple]:
     return rows
 
 
-def format_rows(rows) -> list[str]:
+def format_rows(rows) -> str:
     """Two tables: iteration time and gap per method; planning time and balance per method."""
-    tables = (Table("model", "blocks", "stages", "m", *(LABELS.get(x, x) for x in METHODS), align="l" * 10) for _ in range(2))
-    gaps, plans = tables
+    gaps, plans = (Table("model", "blocks", "stages", "m", *(LABELS.get(x, x) for x in METHODS), align="l" * 10) for _ in range(2))
     for label, n, p, m, results, reference, exact in rows:
         cell = lambda r: "-" if r is None else f"{r[0] * 1e3:.1f} ({(r[0] / reference - 1) * 100:+.2f}%{'' if exact else '*'})"  # noqa: E731
         gaps.add(label, n, p, m, *(cell(results[x]) for x in METHODS))
-        plans.add(
-            label, n, p, m, *("-" if results[x] is None else f"{results[x][2] * 1e3:.1f} / {results[x][1] * 1e3:.2f}" for x in METHODS)
-        )
-    return ["Simulated iteration ms (gap to exhaustive, or * to the best method where exhaustive cannot run):", "", gaps.markdown(), "",
-            "Planning ms (median of 3, caches cleared; exhaustive once) / balance ms (std of per-stage f + b):", "", plans.markdown()]  # fmt: skip
+        timing = lambda r: "-" if r is None else f"{r[2] * 1e3:.1f} / {r[1] * 1e3:.2f}"  # noqa: E731
+        plans.add(label, n, p, m, *(timing(results[x]) for x in METHODS))
+    return (f"Simulated iteration ms (gap to exhaustive, or * to the best method where exhaustive cannot run):\n\n{gaps.markdown()}\n\n"
+            f"Planning ms (median of 3, caches cleared; exhaustive once) / balance ms (std of per-stage f + b):\n\n{plans.markdown()}")  # fmt: skip
 
 
 def random_profiles(count: int, seed: int = 0):
@@ -88,10 +85,8 @@ def random_profiles(count: int, seed: int = 0):
         f = [rng.uniform(0.1, 1.0) for _ in range(n)]
         b = [x * rng.uniform(1.5, 3.0) for x in f]
         messages = rng.choice(["none", "same", "per-block"])
-        kwargs = {}
-        if messages != "none":
-            sizes = (1.0,) * n if messages == "same" else tuple(rng.uniform(0, 1) for _ in range(n))
-            kwargs = dict(activation_bytes=sizes, bandwidth=rng.uniform(1, 20), latency=rng.uniform(0, 0.05))
+        sizes = None if messages == "none" else (1.0,) * n if messages == "same" else tuple(rng.uniform(0, 1) for _ in range(n))
+        kwargs = {} if sizes is None else dict(activation_bytes=sizes, bandwidth=rng.uniform(1, 20), latency=rng.uniform(0, 0.05))
         yield CostModel(tuple(f), tuple(b), **kwargs), p, m, rng.choice(["1f1b", "gpipe"])
 
 
@@ -108,23 +103,16 @@ def random_summary(count: int) -> str:
     return t.markdown()
 
 
-TIMING = """
-import sys, torch  # a fresh process, as a user's: torch imported, nothing cached
-from lightning_pipe.planning import plan, transformer_costs
-costs, kinds = transformer_costs("gpt2-1.3b", 16)
-first = plan(costs, 16, 32, sys.argv[1], kinds=kinds).planning_seconds
-print(first, plan(costs, 16, 32, sys.argv[1], kinds=kinds).planning_seconds)
-"""
+# a fresh process, as a user's (torch imported, nothing cached): the planning seconds of a first plan, then of a second
+TIMING = ("import sys, torch; from lightning_pipe.planning import plan, transformer_costs; costs, kinds = transformer_costs('gpt2-1.3b', 16); "
+          "print(*(plan(costs, 16, 32, sys.argv[1], kinds=kinds).planning_seconds for _ in range(2)))")  # fmt: skip
 
 
 def target_timing(method: str, repeats: int) -> tuple[float, float, float]:
     """GPT-2 1.3B at sub-layer granularity (50 blocks), 16 stages, 32 micro-batches, each run in a
     fresh process: (median cold, worst cold, median warm) planning seconds."""
-    runs = [
-        subprocess.run([sys.executable, "-c", TIMING, method], capture_output=True, text=True, check=True).stdout.split()
-        for _ in range(repeats)
-    ]
-    colds, warms = [float(c) for c, _ in runs], [float(w) for _, w in runs]
+    run = lambda: subprocess.run([sys.executable, "-c", TIMING, method], capture_output=True, text=True, check=True).stdout.split()
+    colds, warms = (list(map(float, x)) for x in zip(*(run() for _ in range(repeats))))
     return statistics.median(colds), max(colds), statistics.median(warms)
 
 
@@ -133,13 +121,10 @@ def closure(bench: Bench) -> None:
 
     costs, _ = transformer_costs("gpt2-1.3b", 16)
     for bound in (MAX_EXPANSIONS_PER_STAGE * 16, 10**9):
-        ev = Evaluator(costs, "1f1b", 16, 32)
-        started = time.perf_counter()
+        ev, started = Evaluator(costs, "1f1b", 16, 32), time.perf_counter()
         found = autopipe_search(ev, 16, bound)
-        bench.say(
-            f"autopipe (paper), GPT-2 1.3B, 16 stages, 32 micro-batches, at most {bound} splits through step 2): "
-            f"{ev.evaluations} splits simulated in {time.perf_counter() - started:.1f} s, iteration {ev.time(found) * 1e3:.1f} ms"
-        )
+        bench.say(f"autopipe (paper), GPT-2 1.3B, 16 stages, 32 micro-batches, at most {bound} splits through step 2): "
+                  f"{ev.evaluations} splits simulated in {time.perf_counter() - started:.1f} s, iteration {ev.time(found) * 1e3:.1f} ms")  # fmt: skip
 
 
 def main() -> None:
@@ -161,43 +146,27 @@ def main() -> None:
     summary = random_summary(args.random)
     exact_gaps = lambda method: [(r[4][method][0] / r[5] - 1) for r in rows if r[6]]  # noqa: E731
     wins = lambda method, other: sum(r[4][method][0] < r[4][other][0] * (1 - 1e-9) for r in rows)  # noqa: E731
-    out = [
+    text = "\n\n".join([
         f"Run: {bench.provenance}; `{bench.command}` ({time.perf_counter() - started:.0f} s).",
-        "",
-        "Micro-batch size 4 (GPT-2 345M / 762M) or 16 (GPT-2 1.3B, BERT-large), full sequence length "
-        "(1024 / 512), 100 TFLOP/s, 100 Gb/s links with 10 us latency, 1F1B, m = 2 x stages. "
-        "`gap`: to exhaustive search, or (marked *) to the best method where exhaustive cannot run.",
-        "",
-        *format_rows(rows),
-        "",
-        *[
-            f"Target 1, {method} within 1% of exhaustive wherever exhaustive runs: {len(exact_gaps(method))} model cases, "
-            f"worst gap {max(exact_gaps(method)) * 100:+.3f}% -> {'met' if max(exact_gaps(method)) <= 0.01 else 'NOT met'}."
-            for method in ("autopipe", "autopipe+refine")
-        ],
-        "",
+        "Micro-batch size 4 (GPT-2 345M / 762M) or 16 (GPT-2 1.3B, BERT-large), full sequence length (1024 / 512), 100 TFLOP/s, "
+        "100 Gb/s links with 10 us latency, 1F1B, m = 2 x stages. `gap`: to exhaustive search, or (marked *) to the best method where "
+        "exhaustive cannot run.",
+        format_rows(rows),
+        "\n".join(f"Target 1, {method} within 1% of exhaustive wherever exhaustive runs: {len(exact_gaps(method))} model cases, worst gap "
+                  f"{max(exact_gaps(method)) * 100:+.3f}% -> {'met' if max(exact_gaps(method)) <= 0.01 else 'NOT met'}." for method in ("autopipe", "autopipe+refine")),
         f"Of {len(rows)} model cases, autopipe+refine is faster than autopipe (paper) in {wins('autopipe+refine', 'autopipe')}, "
         f"slower in {wins('autopipe', 'autopipe+refine')}; autopipe (paper) is faster than dp in {wins('autopipe', 'dp')}.",
-        "",
-        *[
-            f"Target 2 (GPT-2 1.3B, 50 sub-layer blocks, 16 stages, 32 micro-batches, {method}, <= 0.1 s in the worst of {args.cold} "
-            f"fresh processes): median {t[0] * 1e3:.1f} ms, worst {t[1] * 1e3:.1f} ms ({t[2] * 1e3:.1f} ms planned again "
-            f"with the schedule cached) -> {'met' if t[1] <= 0.1 else 'NOT met'}."
-            for method, t in timings.items()
-        ],
-        "",
-        f"Random small profiles ({args.random}; 3-12 blocks, 2-5 stages, 1..3p micro-batches; messages none, "
-        "the same at every cut, or a size per block), gap to exhaustive:",
-        "",
-        summary,
-    ]
-    text = "\n".join(out)
+        "\n".join(f"Target 2 (GPT-2 1.3B, 50 sub-layer blocks, 16 stages, 32 micro-batches, {method}, <= 0.1 s in the worst of {args.cold} "
+                  f"fresh processes): median {t[0] * 1e3:.1f} ms, worst {t[1] * 1e3:.1f} ms ({t[2] * 1e3:.1f} ms planned again "
+                  f"with the schedule cached) -> {'met' if t[1] <= 0.1 else 'NOT met'}." for method, t in timings.items()),
+        f"Random small profiles ({args.random}; 3-12 blocks, 2-5 stages, 1..3p micro-batches; messages none, the same at every cut, "
+        f"or a size per block), gap to exhaustive:\n\n{summary}",
+    ])  # fmt: skip
     bench.say(text)
     if args.update_docs:
-        doc = DOC.read_text()
-        if BEGIN not in doc or END not in doc:
+        head, begin, rest = DOC.read_text().partition(BEGIN)
+        if not begin or END not in rest:
             raise SystemExit(f"{DOC} has no {BEGIN} ... {END} section to replace")
-        head, rest = doc.split(BEGIN, 1)
         DOC.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
         bench.log(f"\nwrote {DOC}")
     bench.finish()
