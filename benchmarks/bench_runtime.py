@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from lightning_pipe.bench.launch import timed_steps  # noqa: E402
-from lightning_pipe.bench.mlp import loss_fn, make_data, make_model, max_rel_error, single_job, stage_half, summarize  # noqa: E402
+from lightning_pipe.bench.mlp import best_runs, loss_fn, make_data, make_model, single_job, stage_half  # noqa: E402
 
 MODES = ["single", "single-mb", "pair", "ours-gpipe", "ours-1f1b", "torch-gpipe", "torch-1f1b"]
 
@@ -36,8 +36,7 @@ def _pipeline(rank: int, cfg: dict, mode: str) -> dict:
         from lightning_pipe.schedules import build_schedule
 
         host = SequentialHost({rank: chunk}, 1, loss_fn)
-        pipe = SequentialPipeline(build_schedule(name, 2, m), rank, host, Transport(lambda r: r, torch.device("cpu")))
-        run = pipe.step
+        run = SequentialPipeline(build_schedule(name, 2, m), rank, host, Transport(lambda r: r, torch.device("cpu"))).step
     else:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -45,10 +44,7 @@ def _pipeline(rank: int, cfg: dict, mode: str) -> dict:
         ins, outs = (torch.empty(shape, requires_grad=rank > 0),), (torch.empty(shape, requires_grad=True),)
         stage = PipelineStage(chunk, rank, 2, torch.device("cpu"), input_args=ins, output_args=outs)
         schedule = (ScheduleGPipe if name == "gpipe" else Schedule1F1B)(stage, m, loss_fn=loss_fn)  # scale_grads: as ours
-
-        def run(x, y):
-            return schedule.step(x) if rank == 0 else schedule.step(target=y, return_outputs=False)
-
+        run = lambda x, y: schedule.step(x) if rank == 0 else schedule.step(target=y, return_outputs=False)
     opt = torch.optim.SGD(chunk.parameters(), lr=cfg["lr"])
 
     def step(i: int) -> None:
@@ -67,8 +63,9 @@ def job(rank: int, world: int, mode: str, cfg: dict) -> dict:
 
 
 def main() -> None:
-    policy = dict(retries=2, max_foreign=0.1, quiet_wait=10.0, budget=120.0, timeout=300.0, pin=False)
-    bench = Bench(__doc__, rounds=2, steps=20, warmup=5, **policy)
+    bench = Bench(
+        __doc__, rounds=2, steps=20, warmup=5, retries=2, max_foreign=0.1, quiet_wait=10.0, budget=120.0, timeout=300.0, pin=False
+    )
     p = bench.parser
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--mlp-ratio", type=int, default=1, help="inner width of a block = hidden * mlp_ratio")
@@ -85,20 +82,7 @@ def main() -> None:
         bench.error("--blocks must be even and --batch divisible by --microbatches (torch's schedules need equal micro-batches)")
     keys = ("hidden", "mlp_ratio", "blocks", "batch", "microbatches", "steps", "warmup", "lr")
     cfg = {k: getattr(args, k) for k in keys}
-    best: dict[str, dict] = {}
-    errors: dict[str, float] = {}
-    reference: dict = {}
-    for rep in range(args.rounds):
-        for mode in modes:
-            label = f"run {rep + 1}/{args.rounds} {mode:12s}"
-            results, foreign = bench.run(job, 1 if mode.startswith("single") else 2, mode, cfg, label=label)
-            reference = reference or results[0]["params"]
-            stats = dict(summarize(mode, results, cfg), foreign=foreign)
-            bench.log(f"  {label} {stats['total']:8.1f} samples/s  ({stats['step_ms']:.1f} ms/step, foreign load {foreign:.2f} CPUs)")
-            if mode not in best or stats["total"] > best[mode]["total"]:
-                best[mode] = stats
-            if mode not in ("single", "pair"):  # single-mb too: the same sums in another order
-                errors[mode] = max(errors.get(mode, 0.0), max_rel_error(results, reference))
+    best, errors = best_runs(bench, job, modes, cfg, args.rounds)
     bench.keep("best", best)
     single = best["single"]["total"]
     bench.say(f"{', '.join(f'{k}={cfg[k]}' for k in keys)} repeats={args.rounds} (best run)\n")

@@ -113,3 +113,24 @@ def summarize(mode: str, results: list[dict], cfg: dict) -> dict:
         total = max(r["timing"][0] for r in results)
         median = max(statistics.median(r["timing"][1:]) for r in results)
     return {"total": cfg["steps"] * cfg["batch"] / total, "median": cfg["batch"] / median, "step_ms": 1000 * total / cfg["steps"]}
+
+
+def best_runs(bench, job, modes: list[str], cfg: dict, rounds: int, tag: str = "", on_best=None) -> tuple[dict, dict]:
+    """Every mode in every round, interleaved (``job(rank, world, mode, cfg)``; ``single*`` on one
+    process): per mode the `summarize` figures of its fastest run (with the foreign load) and the
+    largest relative error of its final weights from the first run's (``modes[0]``, not ``pair``);
+    ``on_best(mode, results)`` each time a mode's best improves."""
+    best, errors, reference = {}, {}, None
+    for rep in range(rounds):
+        for mode in modes:
+            label = f"{tag}run {rep + 1}/{rounds} {mode:18s}"
+            results, foreign = bench.run(job, 1 if mode.startswith("single") else 2, mode, cfg, label=label)
+            stats = dict(summarize(mode, results, cfg), foreign=foreign)
+            reference = reference or results[0]["params"]
+            if mode not in ("single", "pair"):  # single-mb too: the same sums in another order
+                errors[mode] = max(errors.get(mode, 0.0), max_rel_error(results, reference))
+            bench.log(f"  {label} {stats['total']:8.1f} samples/s ({stats['step_ms']:.1f} ms/step, foreign load {foreign:.2f} CPUs)")
+            if mode not in best or stats["total"] > best[mode]["total"]:
+                best[mode] = stats
+                (on_best or (lambda *_: None))(mode, results)
+    return best, errors
