@@ -13,7 +13,6 @@ docs/adaptive.md ("Shared-cluster emulation") and docs/img/adaptive_throughput.p
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -22,15 +21,14 @@ import torch
 
 from lightning_pipe.bench import provenance
 from lightning_pipe.bench.harness import Bench, Table
-from lightning_pipe.bench.shared_cluster import dwell_medians, plot_runs, run, samples_per_s
+from lightning_pipe.bench.shared_cluster import add_options, dwell_medians, plot_runs, results_of, run, samples_per_s
 
 
 def meter_call_cost(repeats: int = 20000) -> float:
     """Seconds of the meter's work (start + stop) per compute action, in process."""
     from lightning_pipe.adaptive.meter import StepMeter
 
-    meter = StepMeter(torch.device("cpu"))
-    started = time.perf_counter()
+    meter, started = StepMeter(torch.device("cpu")), time.perf_counter()
     for _ in range(repeats):
         meter.stop(meter.start(), forward=True)
     return (time.perf_counter() - started) / repeats
@@ -41,9 +39,8 @@ def measure(args) -> dict:
     cuts = list(range(1, 10))
     plan = {args.start + k * args.dwell: [[0, x], [x, 10]] for k, x in enumerate(cuts)}
     sweep_steps = args.start + len(cuts) * args.dwell
-    results["sweep"] = run(
-        "sweep", argparse.Namespace(**{**vars(args), "steps": sweep_steps, "stop": sweep_steps + 1}), plan, False, "autopipe"
-    )
+    sweep_args = argparse.Namespace(**{**vars(args), "steps": sweep_steps, "stop": sweep_steps + 1})
+    results["sweep"] = run("sweep", sweep_args, plan, False, "autopipe")
     results["static"] = run("static", args, {}, False, "autopipe")
     planned = results["static"]["bounds"][0]  # every other run starts from it (a fresh plan is noisy)
     first = [planned[0][1], 10 - planned[0][1]]
@@ -69,14 +66,10 @@ def report(bench: Bench, results: dict, args) -> None:
         t.add(name, *(f"{v:.1f}" for v in rate[name].values()))
     bench.table(t)
     s, a, o = (rate[n]["during"] for n in ("static", "adaptive", "oracle"))
-    recovered = (a - s) / (o - s) if o != s else float("nan")
-    bench.say(
-        f"during the job: oracle {o / s - 1:+.1%} over static, adaptive {a / s - 1:+.1%}: recovered {recovered:.0%} of the oracle's gain"
-    )
-    after = {n: rate[n]["after"] / rate["static"]["after"] - 1 for n in ("adaptive", "oracle")}
-    bench.say(
-        f"after the job vs static: adaptive {after['adaptive']:+.1%}; oracle {after['oracle']:+.1%} (static's partition: run-to-run noise)"
-    )
+    recovered = f"recovered {(a - s) / (o - s) if o != s else float('nan'):.0%} of the oracle's gain"
+    bench.say(f"during the job: oracle {o / s - 1:+.1%} over static, adaptive {a / s - 1:+.1%}: {recovered}")
+    after = {n: f"{rate[n]['after'] / rate['static']['after'] - 1:+.1%}" for n in ("adaptive", "oracle")}
+    bench.say(f"after the job vs static: adaptive {after['adaptive']}; oracle {after['oracle']} (static's partition: run-to-run noise)")
     adaptive = results["adaptive"]
     step = statistics.median(adaptive["times"][10 : args.start])
     bench.say(f"adaptive switches: {adaptive['switches']}")
@@ -100,31 +93,14 @@ def report(bench: Bench, results: dict, args) -> None:
 
 def main() -> None:
     bench = Bench(__doc__, dict(steps=40, start=12, stop=26, dwell=4))  # a dwell skips its first 3 iterations
-    p = bench.parser
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--start", type=int, default=100)
-    p.add_argument("--stop", type=int, default=200)
-    p.add_argument("--dwell", type=int, default=12)
-    p.add_argument("--work", default="/tmp/bench_adaptive")
-    p.add_argument("--out", default=None, help="folder for the picture")
-    p.add_argument("--save", default=None, help="write every run's iteration times and partitions here")
-    p.add_argument("--load", default=None, help="skip the runs: analyse a --save file")
+    add_options(bench.parser, "/tmp/bench_adaptive", steps=300, start=100, stop=200, dwell=12)
     args = bench.parse()
-    Path(args.work).mkdir(parents=True, exist_ok=True)
-    results = json.loads(Path(args.load).read_text()) if args.load else measure(args)
-    if args.save and not args.load:
-        Path(args.save).write_text(json.dumps(results, indent=1))
+    results = results_of(args, measure)
     report(bench, results, args)
     if args.out:
         title = "Shared-cluster emulation: 2 CPU processes, a busy loop joins rank 1's core"
-        plot_runs(
-            results,
-            {"static": 5, "adaptive": 2.5, "oracle": 1.2},
-            [(args.start, args.stop, "0.9")],
-            title,
-            "iteration",
-            Path(args.out) / "adaptive_throughput.png",
-        )
+        widths = {"static": 5, "adaptive": 2.5, "oracle": 1.2}
+        plot_runs(results, widths, [(args.start, args.stop, "0.9")], title, "iteration", Path(args.out) / "adaptive_throughput.png")
     bench.keep("results", results)
     bench.finish()
 

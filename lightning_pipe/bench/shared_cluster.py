@@ -193,3 +193,25 @@ def plot_runs(results: dict, widths: dict[str, float], spans: list[tuple[int, in
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
+
+
+def add_options(parser, work: str, **iterations: int) -> None:
+    """The options of both scripts: their iteration counts (``steps=300, dwell=12, ...``), the work
+    folder, the pictures' folder and the raw results' file."""
+    for name, default in iterations.items():
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--work", default=work)
+    parser.add_argument("--out", default=None, help="folder for the pictures")
+    parser.add_argument("--save", default=None, help="write every run's iteration times, partitions (and evaluations) here")
+    parser.add_argument("--load", default=None, help="skip the runs: analyse a --save file")
+
+
+def results_of(args, measure) -> dict:
+    """``measure(args)``'s results (written to ``--save``), or those ``--load`` names."""
+    if args.load:
+        return json.loads(Path(args.load).read_text())
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    results = measure(args)
+    if args.save:
+        Path(args.save).write_text(json.dumps(results, indent=1))
+    return results
