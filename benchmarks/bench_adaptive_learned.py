@@ -14,31 +14,23 @@ job; --decision-time: one decision for paper-size models. Feeds docs/adaptive.md
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import time
 from pathlib import Path
 
 from lightning_pipe.adaptive.offline import spearman
 from lightning_pipe.bench import provenance
 from lightning_pipe.bench.harness import Bench, Table
-from lightning_pipe.bench.shared_cluster import dwell_medians, plot_runs, run, samples_per_s
+from lightning_pipe.bench.shared_cluster import add_options, dwell_medians, plot_runs, results_of, run, samples_per_s
 
 CUTS = list(range(1, 10))
 
 
 def phases(args) -> list[tuple[str, int, int, int]]:
     """(name, first, end, jobs running) of the run."""
-    return [
-        ("quiet", 0, args.t1, 0),
-        ("job 1", args.t1, args.t2, 1),
-        ("jobs 1+2", args.t2, args.t3, 2),
-        ("quiet again", args.t3, args.steps, 0),
-    ]
-
-
-def jobs(args) -> list:
-    return [(args.t1, args.t3, 1), (args.t2, args.t3, 0)]
+    ends = (0, args.t1, args.t2, args.t3, args.steps)
+    return [(name, ends[k], ends[k + 1], (0, 1, 2, 0)[k]) for k, name in enumerate(("quiet", "job 1", "jobs 1+2", "quiet again"))]
 
 
 def sweep(args) -> dict:
@@ -51,11 +43,10 @@ def sweep(args) -> dict:
     return {load: dwell_medians(times, first, d, CUTS) for load, first in ((0, start), (1, one), (2, two))}
 
 
-def decision_time(model: str, depth: int, microbatches: int, repeats: int = 20) -> dict:
-    """Seconds of one learned decision (adapt + score every neighbour candidate + arbiter) for a paper-size
-    model from its analytic profile (planning/flops.py), with a synthetic monitor window: no job needed."""
-    import time
-
+def decision_time(model: str, depth: int, microbatches: int, repeats: int = 20) -> tuple:
+    """Blocks, candidates, median and max ms of one learned decision (adapt + score every neighbour
+    candidate + arbiter) for a paper-size model from its analytic profile (planning/flops.py), with
+    a synthetic monitor window (rank 1 twice as slow): no job needed."""
     from lightning_pipe.adaptive.learned import LearnedDecider, load_learned
     from lightning_pipe.adaptive.monitor import IterationMetrics, StaticMetrics
     from lightning_pipe.adaptive.offline import balanced
@@ -65,17 +56,9 @@ def decision_time(model: str, depth: int, microbatches: int, repeats: int = 20) 
     static = StaticMetrics(costs.activation_bytes, (0.0, *costs.activation_bytes[:-1]), costs.param_bytes, costs.forward, costs.backward)
     bounds = balanced([f + b for f, b in zip(costs.forward, costs.backward)], depth)
     per_rank = [microbatches * sum(costs.forward[b] + costs.backward[b] for b in range(lo, hi)) for lo, hi in bounds]
-    window = [
-        IterationMetrics(
-            i, microbatches, bounds, tuple(range(depth)),
-            tuple(0.33 * t * (2.0 if r == 1 else 1.0) for r, t in enumerate(per_rank)),
-            tuple(0.67 * t * (2.0 if r == 1 else 1.0) for r, t in enumerate(per_rank)),
-            (max(per_rank) * 2.5,) * depth,
-            {(r, r + 1): 1e10 for r in range(depth - 1)},
-            {(r, r + 1): 1e10 for r in range(depth - 1)},
-        )
-        for i in range(5)
-    ]  # fmt: skip
+    busy, links = [t * (2.0 if r == 1 else 1.0) for r, t in enumerate(per_rank)], {(r, r + 1): 1e10 for r in range(depth - 1)}
+    f, b, wall = tuple(0.33 * t for t in busy), tuple(0.67 * t for t in busy), (max(per_rank) * 2.5,) * depth
+    window = [IterationMetrics(i, microbatches, bounds, tuple(range(depth)), f, b, wall, dict(links), dict(links)) for i in range(5)]
     decider = LearnedDecider(load_learned(None, depth), static, "1f1b", microbatches)
     for w in window:
         decider.scorer.observe(window[: window.index(w) + 1], max(w.wall_s))
@@ -84,14 +67,7 @@ def decision_time(model: str, depth: int, microbatches: int, repeats: int = 20) 
         started = time.perf_counter()
         verdict = decider.decide(window, 1000, 100, 1e10)
         seconds.append(time.perf_counter() - started)
-    return {
-        "model": model,
-        "blocks": len(costs.forward),
-        "depth": depth,
-        "candidates": len(verdict.scores) - 1,
-        "median_ms": statistics.median(seconds) * 1e3,
-        "max_ms": max(seconds) * 1e3,
-    }
+    return len(costs.forward), len(verdict.scores) - 1, f"{statistics.median(seconds) * 1e3:.1f}", f"{max(seconds) * 1e3:.1f}"
 
 
 def measure(args) -> dict:
@@ -100,13 +76,13 @@ def measure(args) -> dict:
     results["sweep_medians_ms"] = {str(k): {str(x): v * 1e3 for x, v in m.items()} for k, m in medians.items()}
     best = {load: min(m, key=m.get) for load, m in medians.items()}
     results["oracle_cuts"] = {str(k): v for k, v in best.items()}
-    results["static"] = run("static", args, {}, False, "autopipe", jobs=jobs(args))
+    jobs = [(args.t1, args.t3, 1), (args.t2, args.t3, 0)]
+    results["static"] = run("static", args, {}, False, "autopipe", jobs=jobs)
     planned = results["static"]["bounds"][0]
     first = [planned[0][1], 10 - planned[0][1]]
-    results["rule"] = run("rule", args, {}, "rule", first, jobs=jobs(args))
-    results["learned"] = run("learned", args, {}, "learned", first, jobs=jobs(args))
     plan = {start: [[0, best[load]], [best[load], 10]] for _, start, _, load in phases(args)}
-    results["oracle"] = run("oracle", args, plan, False, first, jobs=jobs(args))
+    for name, scripted, adaptive in (("rule", {}, "rule"), ("learned", {}, "learned"), ("oracle", plan, False)):
+        results[name] = run(name, args, scripted, adaptive, first, jobs=jobs)
     return results
 
 
@@ -123,12 +99,8 @@ def report(bench: Bench, results: dict, args) -> None:
     for n in ("static", "rule", "learned", "oracle"):
         times = results[n]["times"]
         total[n] = samples_per_s(times, 10, args.steps)
-        t.add(
-            n,
-            f"{total[n]:.1f}",
-            *(f"{samples_per_s(times, max(lo, 10), hi):.1f}" for _, lo, hi, _ in phases(args)),
-            len(results[n]["switches"]),
-        )
+        cells = (f"{samples_per_s(times, max(lo, 10), hi):.1f}" for _, lo, hi, _ in phases(args))
+        t.add(n, f"{total[n]:.1f}", *cells, len(results[n]["switches"]))
     bench.table(t)
     for n in ("rule", "learned"):
         bench.say(f"{n} switches: {[(s['iteration'], s['new'][0][1]) for s in results[n]['switches']]}")
@@ -137,8 +109,7 @@ def report(bench: Bench, results: dict, args) -> None:
         f"learned vs rule over the run: {total['learned'] / total['rule'] - 1:+.1%} samples/s, {len(results['learned']['switches'])} vs "
         f"{len(results['rule']['switches'])} switches; oracle's gain over static recovered: rule {gain('rule'):.0%}, learned {gain('learned'):.0%}"
     )
-    learned = results["learned"]
-    evaluations = learned.get("evaluations", [])
+    learned, evaluations = results["learned"], results["learned"].get("evaluations", [])
     if not evaluations:
         return
     decisions = [e["decision_s"] * 1e3 for e in evaluations]
@@ -153,10 +124,8 @@ def report(bench: Bench, results: dict, args) -> None:
     bench.say(f"online adaptation: {adapting * 1e3:.1f} ms in all = {adapting / sum(learned['times']):.2%} of the run's time")
     medians = {int(k): {int(x): v for x, v in m.items()} for k, m in results["sweep_medians_ms"].items()}
     for k, col in (("offline", 2), ("adapted", 1)):  # scores: (candidate, adapted, offline) seconds
-        rho = [
-            spearman([s[col] for s in e["scores"]], [medians[load_at(args, e["iteration"])][s[0][0][1]] for s in e["scores"]])
-            for e in evaluations
-        ]
+        measured = lambda e: [medians[load_at(args, e["iteration"])][s[0][0][1]] for s in e["scores"]]  # noqa: E731
+        rho = [spearman([s[col] for s in e["scores"]], measured(e)) for e in evaluations]
         err = [abs(e["scores"][0][col] / e["measured_s"] - 1) for e in evaluations]
         bench.say(
             f"predictor {k:<8}: rank correlation over the 9 cuts vs the sweep's measured times, median {statistics.median(rho):.2f} "
@@ -190,43 +159,25 @@ def predictions_figure(results: dict, args, out: Path) -> None:
 
 def main() -> None:
     bench = Bench(__doc__, dict(steps=48, t1=12, t2=24, t3=36, dwell=4))
-    p = bench.parser
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--t1", type=int, default=100)
-    p.add_argument("--t2", type=int, default=200)
-    p.add_argument("--t3", type=int, default=300)
-    p.add_argument("--dwell", type=int, default=10)
-    p.add_argument("--work", default="/tmp/bench_adaptive_learned")
-    p.add_argument("--save", default=None, help="write every run's iteration times, partitions and evaluations here")
-    p.add_argument("--load", default=None, help="skip the runs: analyse a --save file")
-    p.add_argument("--out", default=None, help="folder for the pictures")
-    p.add_argument("--decision-time", action="store_true", help="only time a learned decision for paper-size models (the shipped depths)")
+    add_options(bench.parser, "/tmp/bench_adaptive_learned", steps=400, t1=100, t2=200, t3=300, dwell=10)
+    bench.parser.add_argument("--decision-time", action="store_true", help="only time a learned decision for paper-size models")
     args = bench.parse()
     os.environ["LIGHTNING_PIPE_ADAPTIVE_EVALUATE"] = "1"  # the learned run records its predictions (inherited by the workers)
     if args.decision_time:
         t = Table("model", "blocks", "depth", "candidates", "median ms", "max ms")
         for model, depth in (("gpt2-1.3b", 4), ("bert-large", 4), ("gpt2-1.3b", 2)):
-            r = decision_time(model, depth, 4 * depth, repeats=3 if args.quick else 20)
-            t.add(model, r["blocks"], depth, r["candidates"], f"{r['median_ms']:.1f}", f"{r['max_ms']:.1f}")
+            blocks, candidates, *times = decision_time(model, depth, 4 * depth, repeats=3 if args.quick else 20)
+            t.add(model, blocks, depth, candidates, *times)
         bench.table(t)
         return bench.finish()
-    Path(args.work).mkdir(parents=True, exist_ok=True)
-    results = json.loads(Path(args.load).read_text()) if args.load else measure(args)
-    if args.save and not args.load:
-        Path(args.save).write_text(json.dumps(results, indent=1))
+    results = results_of(args, measure)
     report(bench, results, args)
     if args.out:
         spans = [(args.t1, args.t2, "0.92"), (args.t2, args.t3, "0.82")]
         title = "Changing load: static vs rule vs learned vs oracle (2 CPU processes)"
         xlabel = "iteration (light: a job on rank 1's core; dark: and one on rank 0's)"
-        plot_runs(
-            results,
-            {"static": 5, "rule": 3.5, "learned": 2, "oracle": 1},
-            spans,
-            title,
-            xlabel,
-            Path(args.out) / "adaptive_learned_throughput.png",
-        )
+        widths = {"static": 5, "rule": 3.5, "learned": 2, "oracle": 1}
+        plot_runs(results, widths, spans, title, xlabel, Path(args.out) / "adaptive_learned_throughput.png")
         predictions_figure(results, args, Path(args.out))
     bench.keep("results", results)
     bench.finish()
