@@ -232,18 +232,8 @@ def part_b(bench: Bench, args: Any) -> dict:
         for devices in DEVICES_B:
             for cap_gb in CAPS_GB:
                 hw = hardware(devices, 8, "cuda", cap_gb * GiB, optimizer_factor=6.0)
-                row: dict = {
-                    "model": model,
-                    "seq_len": spec["seq_len"],
-                    "global_batch": spec["batch"],
-                    "devices": devices,
-                    "cap_gb": cap_gb,
-                }
-                for name, schedules, kw in (
-                    ("2bw", ("2bw",), refine),
-                    ("auto", ("2bw", "1f1b", "gpipe"), refine),
-                    ("closed", ("2bw",), {"cost_model": "closed"}),
-                ):
+                row: dict = dict(model=model, seq_len=spec["seq_len"], global_batch=spec["batch"], devices=devices, cap_gb=cap_gb)
+                for name, schedules, kw in (("2bw", ("2bw",), refine), ("auto", ("2bw", "1f1b", "gpipe"), refine), ("closed", ("2bw",), {"cost_model": "closed"})):  # fmt: skip
                     try:
                         p = plan_2bw(profile, hw, spec["batch"], schedules, **kw)
                     except ValueError as err:
@@ -366,10 +356,9 @@ def report(bench: Bench, results: dict) -> None:
     for i, run in enumerate(results.get("part_a", [])):
         report_a(bench, run, f"## part a, run {i + 1}: {run['provenance']}")
     report_pooled(bench, results.get("part_a", []))
-    if "part_b" in results:
-        report_b(bench, results["part_b"])
-    if "time" in results:
-        report_time(bench, results["time"])
+    for key, show in (("part_b", report_b), ("time", report_time)):
+        if key in results:
+            show(bench, results[key])
 
 
 def main() -> None:
@@ -397,13 +386,11 @@ def main() -> None:
         return bench.finish()
     results = json.loads(Path(args.save).read_text()) if args.save and Path(args.save).exists() else {}
     new: dict = {}
-    if "a" in args.part:
-        results.setdefault("part_a", []).append(dict(part_a(bench, args), provenance=bench.provenance))
-        new["part_a"] = results["part_a"][-1:]
-    if "b" in args.part:
-        new["part_b"] = results["part_b"] = dict(part_b(bench, args), provenance=bench.provenance)
-    if "time" in args.part:
-        new["time"] = results["time"] = dict(part_time(bench, args), provenance=bench.provenance)
+    for part, key, run in (("a", "part_a", part_a), ("b", "part_b", part_b), ("time", "time", part_time)):
+        if part in args.part:
+            new[key] = dict(run(bench, args), provenance=bench.provenance)
+            results[key] = results.get(key, []) + [new[key]] if key == "part_a" else new[key]  # part a runs are appended
+    new["part_a"] = [new["part_a"]] if "part_a" in new else []
     report(bench, new)
     if args.save:
         Path(args.save).write_text(json.dumps(results))

@@ -73,8 +73,7 @@ def run_command(bench: Bench, cmd: list[str], folder: Path, label: str, env: Opt
                 proc = subprocess.Popen(
                     cmd, cwd=folder, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
                 )
-                seen: dict = {}
-                stop = threading.Event()
+                seen, stop = {}, threading.Event()
 
                 def poll() -> None:
                     while not stop.wait(0.2):
@@ -135,15 +134,9 @@ def measure(folder: Path, m: int, n: int, k: int, batch: int) -> dict[str, Any]:
     period = [mean("period", p) for p in range(n)]
     samples, schedule = sum(batch / x for x in period), sum(batch / mean("wall", p) for p in range(n))
     per_device = lambda keys: [sum(ranks[p * k + s][key] for p in range(n) for key in keys) for s in range(k)]  # noqa: E731
-    return {
-        "samples_per_s": samples,
-        "seconds_per_batch": batch / samples,
-        "schedule_seconds_per_batch": batch / schedule,
-        "period": period,
-        "memory_per_device": per_device(("model_bytes", "data_bytes")),
-        "data_per_device": per_device(("data_bytes",)),
-        "ranks": [ranks[r] for r in sorted(ranks)],
-    }
+    return {"samples_per_s": samples, "seconds_per_batch": batch / samples, "schedule_seconds_per_batch": batch / schedule, "period": period,
+            "memory_per_device": per_device(("model_bytes", "data_bytes")), "data_per_device": per_device(("data_bytes",)),
+            "ranks": [ranks[r] for r in sorted(ranks)]}  # fmt: skip
 
 
 def run_model(bench: Bench, name: str) -> dict[str, Any]:
@@ -215,36 +208,23 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     pairs = lambda which: [(p, q) for s in settings for p, q in zip(s["predicted"]["memory_per_device"], s["measured"][which])]  # noqa: E731
     mem_err = [(p - q) / q for p, q in pairs("memory_per_device") if q > 0]
     prof = tuner["tune"]["profile"]  # Eq. 8's data part alone: (m / m*) (n* / n) F_dat of the profile
-    data_err = [
-        ((prof["microbatches"] / s["microbatches"]) * (s["pipelines"] / prof["pipelines"]) * st["data_bytes"] - q) / q
-        for s in settings
-        for st, q in zip(prof["stages"], s["measured"]["data_per_device"])
-        if q > 0
-    ]
+    data_err = [((prof["microbatches"] / s["microbatches"]) * (s["pipelines"] / prof["pipelines"]) * st["data_bytes"] - q) / q
+                for s in settings for st, q in zip(prof["stages"], s["measured"]["data_per_device"]) if q > 0]  # fmt: skip
     traversal = sum(s["run"]["wall"] for s in settings)
     profile_period = statistics.fmean(r["period"] for r in tuner["profile_ranks"]) if tuner.get("profile_ranks") else None
     rate = lambda s: s["measured"]["samples_per_s"] / best["measured"]["samples_per_s"]  # noqa: E731
     ms, ns = sorted({s["microbatches"] for s in settings}), sorted({s["pipelines"] for s in settings})
-    out = {
-        "chosen": list(chosen),
-        "best": list(key(best)),
-        "pick_over_best": rate(pick),
-        "tuner_wall": tuner["wall"],
-        "traversal_wall": traversal,
-        "wall_ratio": tuner["wall"] / traversal,
-        # the training steps alone (no process start): steps x measured period, first pass / the profile run
-        "traversal_steps_seconds": sum((res["batches"] + 1) * statistics.fmean(s["measured"]["period"]) for s in settings),
-        "tuner_steps_seconds": (res["tune_batches"] + 1) * profile_period if profile_period else None,
-        "spearman_time": spearman(predicted, measured),
-        "spearman_schedule_time": spearman(predicted, [s["measured"]["schedule_seconds_per_batch"] for s in settings]),
-        "time_error_median": statistics.median(abs(p - q) / q for p, q in zip(predicted, measured)),
-        "memory_error_mean_abs": statistics.fmean(abs(e) for e in mem_err),
-        "memory_error_max_abs": max(abs(e) for e in mem_err),
-        "memory_data_error_mean_abs": statistics.fmean(abs(e) for e in data_err),
-        "memory_data_error_max_abs": max(abs(e) for e in data_err),
-        "memory_error_signed": [min(mem_err), max(mem_err)],
-        "max_foreign": max([tuner["foreign"]] + [s["run"]["foreign"] for s in settings]),
-    }
+    # traversal_steps_seconds / tuner_steps_seconds: the training steps alone (no process start), steps x measured period
+    out = {"chosen": list(chosen), "best": list(key(best)), "pick_over_best": rate(pick), "tuner_wall": tuner["wall"], "traversal_wall": traversal,
+           "wall_ratio": tuner["wall"] / traversal,
+           "traversal_steps_seconds": sum((res["batches"] + 1) * statistics.fmean(s["measured"]["period"]) for s in settings),
+           "tuner_steps_seconds": (res["tune_batches"] + 1) * profile_period if profile_period else None,
+           "spearman_time": spearman(predicted, measured),
+           "spearman_schedule_time": spearman(predicted, [s["measured"]["schedule_seconds_per_batch"] for s in settings]),
+           "time_error_median": statistics.median(abs(p - q) / q for p, q in zip(predicted, measured)),
+           "memory_error_signed": [min(mem_err), max(mem_err)], "max_foreign": max([tuner["foreign"]] + [s["run"]["foreign"] for s in settings])}  # fmt: skip
+    for name, errs in (("memory", mem_err), ("memory_data", data_err)):
+        out |= {f"{name}_error_mean_abs": statistics.fmean(abs(e) for e in errs), f"{name}_error_max_abs": max(abs(e) for e in errs)}  # fmt: skip
     # the paper's guidelines (§7.3): max-num = M at its largest, then N at its largest; max-size = M = 1, N = 2
     for label, want in (("max_num", (ms[-1], ns[-1])), ("max_size", (ms[0], 2 if 2 in ns else ns[-1]))):
         out[label] = {"setting": list(want), "over_best": rate(next(s for s in settings if key(s) == want))}
@@ -320,15 +300,13 @@ def plot(res: dict[str, Any], path: Path) -> None:
     for ax in (a, b):
         lim = max(ax.get_xlim()[1], ax.get_ylim()[1]) * 1.05
         ax.plot([0, lim], [0, lim], "k:", lw=0.8)
-    a.set_xlim(0, lim)
-    a.set_ylim(0, lim)
+    a.set(xlim=(0, lim), ylim=(0, lim), xlabel="measured samples/s", ylabel="predicted samples/s (Eq. 1-7)")
     for i, n in enumerate((1, 2, 4)):
         a.scatter([], [], c=f"C{i}", s=40, label=f"N={n}")
     a.legend(loc="lower right", fontsize=8)
     a.set_title(
         f"{res['model']}: samples/s, labels M,N; * pick, square best; dotted: equal; Spearman(T) {s['spearman_time']:.2f}", fontsize=9
     )
-    a.set(xlabel="measured samples/s", ylabel="predicted samples/s (Eq. 1-7)")
     b.set_title("memory per device (MiB): o device 0, ^ device 1; dotted: equal", fontsize=9)
     b.set(xlabel="measured (recorder's accounting)", ylabel="predicted (Eq. 8)")
     fig.tight_layout()
