@@ -46,10 +46,8 @@ def profile_report(prof, name: str, lines: int = 35) -> str | None:
     import io
     import pstats
 
-    if os.environ.get("BENCH_PROFILE_DIR"):
-        prof.dump_stats(
-            os.path.join(os.environ["BENCH_PROFILE_DIR"], f"{name}-rank{dist.get_rank() if dist.is_initialized() else 0}.pstats")
-        )
+    if folder := os.environ.get("BENCH_PROFILE_DIR"):
+        prof.dump_stats(os.path.join(folder, f"{name}-rank{dist.get_rank() if dist.is_initialized() else 0}.pstats"))
     out = io.StringIO()
     stats = pstats.Stats(prof, stream=out)
     stats.sort_stats("tottime").print_stats(lines)
@@ -163,25 +161,21 @@ def stamp_segments() -> list[dict]:
     from lightning_pipe.lightning.logs import LogBroadcaster
 
     stamps: list[dict] = []
-    train, exchange, replay = steps_module.PipelineSteps.train, LogBroadcaster.exchange, steps_module.replay
 
-    def timed_train(self, *args, **kwargs):
-        stamps.append({"start": time.perf_counter()})
-        result = train(self, *args, **kwargs)
-        stamps[-1]["end"] = time.perf_counter()
-        return result
+    def stamped(fn, before: str | None, after: str):
+        def wrapper(*args, **kwargs):
+            if before == "start":
+                stamps.append({})
+            stamps[-1].update({before: time.perf_counter()} if before else {})
+            result = fn(*args, **kwargs)
+            stamps[-1][after] = time.perf_counter()
+            return result
 
-    def timed_exchange(self, *args, **kwargs):
-        stamps[-1]["exchange"] = time.perf_counter()
-        result = exchange(self, *args, **kwargs)
-        stamps[-1]["replay"] = time.perf_counter()
-        return result
+        return wrapper
 
-    def timed_replay(*args, **kwargs):
-        replay(*args, **kwargs)
-        stamps[-1]["replayed"] = time.perf_counter()
-
-    steps_module.PipelineSteps.train, LogBroadcaster.exchange, steps_module.replay = timed_train, timed_exchange, timed_replay
+    steps_module.PipelineSteps.train = stamped(steps_module.PipelineSteps.train, "start", "end")
+    LogBroadcaster.exchange = stamped(LogBroadcaster.exchange, "exchange", "replay")
+    steps_module.replay = stamped(steps_module.replay, None, "replayed")
     return stamps
 
 
@@ -196,9 +190,7 @@ def main() -> None:
     p = bench.parser
     p.add_argument("--blocks", type=int, default=8, help="even: the two stages get half each")
     p.add_argument("--modes", type=names, default=MODES, help=f"comma-separated subset of {MODES}")
-    p.add_argument(
-        "--profile", choices=["cpu", "wall"], default="", help="cProfile the pipelined modes' timed steps; print each rank's top"
-    )
+    p.add_argument("--profile", choices=["cpu", "wall"], default="", help="cProfile the pipelined modes' timed steps (each rank's top)")
     p.add_argument("--segments", action="store_true", help="time the parts of trainer-1f1b's step on each rank (medians)")
     args = bench.parse()
     if [m for m in args.modes if m not in MODES] or args.blocks % 2:
@@ -206,9 +198,7 @@ def main() -> None:
     modes = ["single"] + [m for m in args.modes if m != "single"]
     cfg = dict(hidden=512, mlp_ratio=1, blocks=args.blocks, batch=256, microbatches=4, steps=args.steps, warmup=args.warmup, lr=1e-3)
     bench.say(f"1 thread per process, gloo; config: {cfg}")
-    best: dict[str, dict] = {}
-    errors: dict[str, float] = {}
-    reference: dict = {}
+    best, errors, reference = {}, {}, {}
     for rep in range(args.rounds):
         for mode in modes:
             run_cfg = dict(cfg, profile=args.profile if mode.endswith("1f1b") else "", segments=args.segments)
@@ -232,30 +222,11 @@ def main() -> None:
             if mode != "single":
                 errors[mode] = max(errors.get(mode, 0.0), max_rel_error(results, reference))
     single = best["single"]["total"]
-    t = Table(
-        "mode",
-        "samples/s",
-        "ms/step",
-        "samples/s (median step)",
-        "vs single",
-        "weights vs single",
-        "CPU ms/step per rank",
-        "other load (CPUs)",
-    )
-    for mode in modes:
-        s = best[mode]
-        err = f"{errors[mode]:.1e}" if mode in errors else ""
-        cpus = " / ".join(f"{c:.1f}" for c in s["cpu"])
-        t.add(
-            mode,
-            f"{s['total']:.1f}",
-            f"{s['step_ms']:.2f}",
-            f"{s['median']:.1f}",
-            f"{s['total'] / single:.2f}x",
-            err,
-            cpus,
-            f"{s['foreign']:.2f}",
-        )
+    t = Table("mode", "samples/s", "ms/step", "samples/s (median step)", "vs single", "weights vs single", "CPU ms/step per rank",
+              "other load (CPUs)")  # fmt: skip
+    for mode, s in ((mode, best[mode]) for mode in modes):
+        t.add(mode, f"{s['total']:.1f}", f"{s['step_ms']:.2f}", f"{s['median']:.1f}", f"{s['total'] / single:.2f}x", f"{errors[mode]:.1e}" if mode in errors else "",
+              " / ".join(f"{c:.1f}" for c in s["cpu"]), f"{s['foreign']:.2f}")  # fmt: skip
     bench.table(
         t, f"blocks={args.blocks} batch=256 microbatches=4 steps={args.steps} warmup={args.warmup} repeats={args.rounds} (best run)"
     )
