@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from lightning_pipe.bench.launch import timed_steps  # noqa: E402
-from lightning_pipe.bench.mlp import MSEBlock, keep_blocks, loss_fn, make_data, make_model, max_rel_error, single_job, summarize  # noqa: E402
+from lightning_pipe.bench.mlp import MSEBlock, best_runs, keep_blocks, loss_fn, make_data, make_model, single_job  # noqa: E402
 from lightning_pipe.bench.pipes import Clock, best_link, gather, median_costs  # noqa: E402
 from lightning_pipe.schedules import build_schedule  # noqa: E402
 from lightning_pipe.simulation import CostModel, chunk_costs, simulate  # noqa: E402
@@ -78,10 +78,9 @@ def _ours(rank: int, cfg: dict, name: str) -> dict:
         t1 = time.perf_counter()
         opt.step()
         recs = [(acts[j].op, acts[j].chunk, acts[j].microbatch, s, e) for j, s, e in pipe.executor.records]
-        computes = [(op.value, c, mb, s, e) for op, c, mb, s, e in recs if op.is_compute]
-        sends = [(op.value, c, mb, s) for op, c, mb, s, _ in recs if op.is_send]
         steps.append({"t0": t0, "pipe": t1 - t0, "opt": time.perf_counter() - t1, "issue": clock["issue"]})
-        steps[-1].update(computes=computes, sends=sends)
+        steps[-1].update(computes=[(op.value, c, mb, s, e) for op, c, mb, s, e in recs if op.is_compute])
+        steps[-1].update(sends=[(op.value, c, mb, s) for op, c, mb, s, _ in recs if op.is_send])
 
     timing = timed_steps(step, cfg["steps"], cfg["warmup"], dist.barrier)
     blocks = {i for c in chunks for i in range(*bounds[c])}
@@ -134,12 +133,9 @@ def _profile(rank: int, cfg: dict) -> dict:
 
 
 def job(rank: int, world: int, mode: str, cfg: dict) -> dict:
-    if mode == "single":
-        return single_job(rank, world, cfg)
-    if mode == "profile":
-        return _profile(rank, cfg)
-    kind, name = mode.split("-", 1)
-    return (_ours if kind == "ours" else _torch)(rank, cfg, name)
+    if mode in ("single", "profile"):
+        return single_job(rank, world, cfg) if mode == "single" else _profile(rank, cfg)
+    return (_ours if mode.startswith("ours-") else _torch)(rank, cfg, mode.split("-", 1)[1])
 
 
 # ---- analysis ------------------------------------------------------------------------------------
@@ -169,13 +165,9 @@ def trace_summary(results: list[dict], schedule, bounds, costs) -> dict:
         for st in r["trace"]:
             for op, c, _, s, e in st["computes"]:
                 per_op.setdefault((op, c), []).append(e - s)
-    traced = replace(
-        costs,
-        forward=tuple(statistics.median(per_op[("F", c)]) for c in range(len(bounds))),
-        backward=tuple(statistics.median(per_op[("B", c)]) for c in range(len(bounds))),
-        activation_bytes=tuple(costs.activation_bytes[hi - 1] for _, hi in bounds) if costs.activation_bytes else (),
-        param_bytes=(),
-    )
+    per_chunk = lambda op: tuple(statistics.median(per_op[(op, c)]) for c in range(len(bounds)))  # noqa: E731
+    acts = tuple(costs.activation_bytes[hi - 1] for _, hi in bounds) if costs.activation_bytes else ()
+    traced = replace(costs, forward=per_chunk("F"), backward=per_chunk("B"), activation_bytes=acts, param_bytes=())
     f, b, _ = chunk_costs(costs, bounds)
     return {
         "sim_iter": t.iteration_time,
@@ -365,10 +357,9 @@ def simulated_orders(bench: Bench) -> None:
     bench.say(f"B = P cases where Hanayo's peak activations exceed 1F1B's: {over or 'none'}")
     bench.say(f"(P, W, B) where both orders give the same action lists: {same or 'none'}\n")
     closed = Table("P", "W", "simulated", "closed form", "difference", "relative to the simulated", align="l" * 6)
-    for p in (2, 4, 8):
-        for w in (1, 2, 4):
-            s, c = run(build_schedule("hanayo", p, p, waves=w), p).bubble_ratio, (2 * p - 2) / (3 * p * w + p - 1)
-            closed.add(p, w, f"{s:.4f}", f"{c:.4f}", f"{c - s:+.4f}", f"{(c - s) / s:+.1%}")
+    for p, w in [(p, w) for p in (2, 4, 8) for w in (1, 2, 4)]:
+        s, c = run(build_schedule("hanayo", p, p, waves=w), p).bubble_ratio, (2 * p - 2) / (3 * p * w + p - 1)
+        closed.add(p, w, f"{s:.4f}", f"{c:.4f}", f"{c - s:+.4f}", f"{(c - s) / s:+.1%}")
     title = "Hanayo's closed form (2P - 2) / (3PW + P - 1) (Eq. 1, T_B = 2 T_F, T_C = 0) vs the simulated bubble of its order, B = P:"
     bench.table(closed, title)
 
@@ -409,20 +400,15 @@ def main() -> None:
     tables = {}
     for m in args.microbatches:
         cfg = dict(base, microbatches=m, batch=args.rows * m)
-        best, errors, traces, reference = {}, {}, {}, None
-        for rep in range(args.rounds):
-            for mode in modes:
-                results, foreign = bench.run(job, 1 if mode == "single" else 2, mode, cfg, label=f"m={m} {mode}")
-                stats = dict(summarize(mode, results, cfg), foreign=foreign)
-                reference = reference or results[0]["params"]
-                if mode != "single":
-                    errors[mode] = max(errors.get(mode, 0.0), max_rel_error(results, reference))
-                figures = f"{stats['total']:8.1f} samples/s ({stats['step_ms']:.1f} ms/step, foreign {foreign:.2f})"
-                bench.log(f"  m={m} run {rep + 1}/{args.rounds} {mode:18s} {figures}")
-                if mode not in best or stats["total"] > best[mode]["total"]:
-                    best[mode] = stats
-                    if mode.startswith("ours-"):
-                        traces[mode] = trace_summary(results, *our_schedule(mode[len("ours-") :], m, args.blocks), costs)
+        traces = {}
+        traced = (
+            lambda mode, results: traces.update(  # noqa: E731
+                {mode: trace_summary(results, *our_schedule(mode[len("ours-") :], m, args.blocks), costs)}
+                if mode.startswith("ours-")
+                else {}
+            )
+        )
+        best, errors = best_runs(bench, job, modes, cfg, args.rounds, f"m={m} ", traced)
         bench.keep(f"m={m}", {"best": best, "errors": errors})
         tables[m] = (best, traces, report(bench, m, dict(cfg, repeats=args.rounds), best, errors, traces, costs, messages))
     if args.picture:
