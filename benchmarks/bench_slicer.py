@@ -40,18 +40,10 @@ def simulated(bench: Bench, args) -> None:
             s, a = choose_slicing(costs, best.bounds, 2 * p), algorithm2_slicing(costs, best.bounds, 2 * p)
             if p >= 4:
                 worst = [min(worst[0], s.startup_cut), min(worst[1], a.startup_cut)]
-            row = [f"{1e3 * t:.2f}" for t in (s.baseline_startup, s.startup)] + [pct(s.startup_cut)]
-            row += [f"{1e3 * t:.2f}" for t in (s.baseline_iteration_time, s.iteration_time)] + [
-                pct(1 - s.iteration_time / s.baseline_iteration_time)
-            ]
-            row += [
-                a.sliced,
-                f"{1e3 * a.startup:.2f}",
-                pct(a.startup_cut),
-                f"{1e3 * a.iteration_time:.2f}",
-                pct(1 - a.iteration_time / a.baseline_iteration_time),
-            ]
-            table.add(name, p, 2 * p, s.sliced, *row)
+            ms2 = lambda *ts: [f"{1e3 * t:.2f}" for t in ts]  # noqa: E731
+            row = [*ms2(s.baseline_startup, s.startup), pct(s.startup_cut), *ms2(s.baseline_iteration_time, s.iteration_time)]
+            row += [pct(1 - s.iteration_time / s.baseline_iteration_time), a.sliced, *ms2(a.startup), pct(a.startup_cut)]
+            table.add(name, p, 2 * p, s.sliced, *row, *ms2(a.iteration_time), pct(1 - a.iteration_time / a.baseline_iteration_time))
     bench.table(table, "simulated; ours = every k simulated, the fastest kept; alg2 = the paper's Algorithm 2 (count, schedule, merge)")
     bench.say(f"smallest start-up cut at >= 4 stages: ours {pct(worst[0])}, Algorithm 2 {pct(worst[1])} (target >= 45%)")
     if args.pictures:
@@ -177,7 +169,7 @@ def measure(bench: Bench, args) -> None:
     rows, m, bounds = 64, 4, [(0, 1), (1, 2)]
     _, ranks = _run(bench, cfg, [("off", 0)])
     link = ranks[0]["link"]
-    lk = dict(latency=link["latency"], bandwidth=link["bandwidth"])
+    lk = {k: link[k] for k in ("latency", "bandwidth")}
     f, b = _profile(ranks, "f"), _profile(ranks, "b")
     costs = CostModel(tuple(f), tuple(b), activation_bytes=(rows * cfg["hidden"] * 4.0,) * 2, **lk)
     fmt = lambda ts: [round(t * 1e3, 2) for t in ts]  # noqa: E731
@@ -192,11 +184,8 @@ def measure(bench: Bench, args) -> None:
     title = f"2 ranks, real compute (residual MLP, hidden 512, 8 blocks, batch 256, m = 4): k ours = {ours}, Algorithm 2 = {alg2}"
     _print_rows(bench, title, m, costs, bounds, variants, measured)
     for v in variants[1:]:
-        ratios = []
-        for r in ranks:
-            for kind in ("f", "b"):
-                whole = statistics.median(d for s in r["steps"][("off", 0)] for _, d in s[kind])
-                ratios.append(round(statistics.median(d for s in r["steps"][v] for mb, d in s[kind] if mb < 2 * v[1]) / whole, 2))
+        half = lambda r, kind: statistics.median(d for s in r["steps"][v] for mb, d in s[kind] if mb < 2 * v[1])  # noqa: E731
+        ratios = [round(half(r, kind) / _profile([r], kind)[0], 2) for r in ranks for kind in ("f", "b")]
         bench.say(f"{v[0]}: a half's time / a whole micro-batch's (traced; rank 0 f, b, rank 1 f, b): {ratios} (the simulator assumes 0.5)")
     # 4 and 8 ranks, emulated devices
     for p in (4,) if args.quick else (4, 8):
