@@ -60,8 +60,7 @@ def one_rank(chunks: list[nn.Module], m: int, x: torch.Tensor, one_chunk: str = 
         t0 = time.perf_counter()
         executor.run(host, keys)
         elapsed = time.perf_counter() - t0
-        for chunk in chunks:
-            chunk.zero_grad(set_to_none=True)
+        [chunk.zero_grad(set_to_none=True) for chunk in chunks]
         return elapsed
 
     return run, executor
@@ -85,12 +84,11 @@ def chunks(bench: Bench, args) -> None:
     blocks = [Block(args.hidden, args.hidden * args.mlp_ratio) for _ in range(8)]
     x, m = torch.randn(args.rows, args.hidden), args.microbatches
     variants = {
-        "1 (1F1B order)": one_rank([nn.Sequential(*blocks)], m, x),
-        "1 (GPipe order)": one_rank([nn.Sequential(*blocks)], m, x, "gpipe"),
+        f"1 ({'1F1B' if order == '1f1b' else 'GPipe'} order)": one_rank([nn.Sequential(*blocks)], m, x, order)
+        for order in ("1f1b", "gpipe")
     }
     for v in (2, 4, 8):
-        per = len(blocks) // v
-        variants[str(v)] = one_rank([nn.Sequential(*blocks[c * per : (c + 1) * per]) for c in range(v)], m, x)
+        variants[str(v)] = one_rank([nn.Sequential(*blocks[c * 8 // v : (c + 1) * 8 // v]) for c in range(v)], m, x)
     times = dict(zip(variants, (ts[2:] for ts in interleave(list(variants.values()), args.rounds + 2, lambda v, _: v[0]()))))
     base = statistics.median(times["1 (1F1B order)"])
     table = Table("chunks", "compute actions", "median run ms", "min..max ms", "vs 1 chunk (1F1B)", "per added compute action, us")
@@ -137,10 +135,8 @@ def transport(bench: Bench, args) -> None:
     sizes = [4096, args.rows * args.hidden * 4, 1 << 20, 4 << 20]
     results = run_distributed(transport_job, 2, sizes, args.rounds * 2, timeout=600, pin=True)
     table = Table("bytes", "rank", "compute alone ms", "longer with an isend in flight, us", "longer with an irecv in flight, us")
-    for nbytes in sizes:
-        for rank, res in enumerate(results):
-            q, s, r = res[nbytes]
-            table.add(nbytes, rank, f"{q * 1e3:.2f}", f"{s * 1e6:.0f}", f"{r * 1e6:.0f}")
+    for nbytes, (rank, res) in [(n, r) for n in sizes for r in enumerate(results)]:
+        table.add(nbytes, rank, f"{res[nbytes][0] * 1e3:.2f}", *(f"{t * 1e6:.0f}" for t in res[nbytes][1:]))
     title = "## transport: compute time a message in flight takes from its sender's / receiver's compute (means; 2 pinned gloo processes)"
     bench.table(table, title)
 
