@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 import statistics
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +26,18 @@ from lightning_pipe.bench.harness import Bench, Table, interleave, ints, names, 
 pin_threads(1)
 
 import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
+from lightning_pipe import AutoPipeStrategy  # noqa: E402
+from lightning_pipe.bench.mlp_module import MLPModule, MLPRows  # noqa: E402
 from lightning_pipe.bench.stats import spearman  # noqa: E402
 from lightning_pipe.bench.trainer_runs import fit_timed, undisturbed  # noqa: E402
+from lightning_pipe.data import CausalLMDataModule, MaskedLMDataModule  # noqa: E402
+from lightning_pipe.models import CausalLM, MaskedLM  # noqa: E402
+from lightning_pipe.planning.auto import choose_schedule  # noqa: E402
+from lightning_pipe.planning.entry import DEFAULT_LINKS, block_kinds  # noqa: E402
+from lightning_pipe.profiling import Profile  # noqa: E402
+from lightning_pipe.schedules import build_schedule  # noqa: E402
 
 WORKLOADS = ["mlp", "gpt", "bert"]
 MLP_CFG = dict(hidden=512, mlp_ratio=1, blocks=16, lr=1e-3)  # bench_runtime's residual MLP, 64-row micro-batches
@@ -39,15 +50,8 @@ def workload(name: str, m: int, steps: int) -> tuple[Any, dict]:
     """The LightningModule and fit()'s data argument."""
     torch.manual_seed(0)
     if name == "mlp":
-        from torch.utils.data import DataLoader
-
-        from lightning_pipe.bench.mlp_module import MLPModule, MLPRows
-
         cfg = dict(MLP_CFG, batch=64 * m)
         return MLPModule(cfg), {"train_dataloaders": DataLoader(MLPRows(cfg, steps), batch_size=cfg["batch"], shuffle=False)}
-    from lightning_pipe.data import CausalLMDataModule, MaskedLMDataModule
-    from lightning_pipe.models import CausalLM, MaskedLM
-
     lm, data = (CausalLM, CausalLMDataModule) if name == "gpt" else (MaskedLM, MaskedLMDataModule)
     module = lm(model=name + "-tiny", lr=1e-3, warmup_steps=2, max_steps=steps)
     dm = data(seq_len=LM_SEQ, batch_size=LM_BATCH, val_fraction=0.0, synthetic=True, synthetic_samples=LM_BATCH * steps, seed=0)
@@ -56,8 +60,6 @@ def workload(name: str, m: int, steps: int) -> tuple[Any, dict]:
 
 def train(bench: Bench, name: str, m: int, kw: dict, out: Path, setup_counts: bool = False) -> dict:
     """One Trainer.fit (repeated while disturbed); its plan.json's schedule, options and bounds."""
-    from lightning_pipe import AutoPipeStrategy
-
     args = bench.args
 
     def fit(attempt: int) -> dict:
@@ -76,16 +78,10 @@ def label(c: dict) -> str:
 
 
 def built(c: dict, m: int):
-    from lightning_pipe.schedules import build_schedule
-
     return build_schedule(c["schedule"], 2, m, **c["options"])
 
 
 def run_case(bench: Bench, name: str, m: int, work: Path) -> dict:
-    from lightning_pipe.planning.auto import choose_schedule
-    from lightning_pipe.planning.entry import DEFAULT_LINKS, block_kinds
-    from lightning_pipe.profiling import Profile
-
     case_dir = work / f"{name}_m{m}"
     bench.log(f"\n=== {name}, m = {m}: the schedule='auto' run")
     auto = train(bench, name, m, {"schedule": "auto"}, case_dir / "auto", setup_counts=True)
@@ -131,33 +127,15 @@ def run_case(bench: Bench, name: str, m: int, work: Path) -> dict:
     rows = []
     for g, results in zip(groups, measured):
         c, verdicts, steps = g[0], [x["verdict"] for x in g], [r["step_ms"] for r in results]
-        rows.append(
-            {
-                "candidate": label(c),
-                "labels": [label(x) for x in g],
-                "verdict": "chosen" if "chosen" in verdicts else ("runs" if "runs" in verdicts else c["verdict"]),
-                "bounds": c["bounds"],
-                "messages_per_rank": [sum(1 for a in acts if a.op.is_send or a.op.is_recv) for acts in built(c, m).actions],
-                "predicted_ms": c["iteration_time"] * 1e3,
-                "predicted_no_messages_ms": bare_predicted[label(c)] * 1e3,
-                "measured_ms": statistics.median(steps),
-                "measured_rounds_ms": steps,
-                "foreign_cpus": [r["foreign_cpus"] for r in results],
-            }
-        )
+        rows.append({"candidate": label(c), "labels": [label(x) for x in g], "bounds": c["bounds"], "measured_rounds_ms": steps,
+                     "verdict": "chosen" if "chosen" in verdicts else ("runs" if "runs" in verdicts else c["verdict"]),
+                     "messages_per_rank": [sum(1 for a in acts if a.op.is_send or a.op.is_recv) for acts in built(c, m).actions],
+                     "predicted_ms": c["iteration_time"] * 1e3, "predicted_no_messages_ms": bare_predicted[label(c)] * 1e3,
+                     "measured_ms": statistics.median(steps), "foreign_cpus": [r["foreign_cpus"] for r in results]})  # fmt: skip
     terms = ("send_overhead", "recv_overhead", "handoff_delay")
-    return {
-        "workload": name,
-        "microbatches": m,
-        "chosen": label(plan),
-        "no_message_pick": label(bare_pick),
-        "messages": plan["messages"],
-        "cost_terms": {k: getattr(costs, k) for k in terms},
-        "candidates": candidates,
-        "auto_run": {k: auto[k] for k in ("step_ms", "foreign_cpus", "setup_foreign_cpus", "foreign_tries", "wall_s")},
-        "plan_seconds": plan["profiled_and_planned_seconds"],
-        "rows": rows,
-    }
+    return {"workload": name, "microbatches": m, "chosen": label(plan), "no_message_pick": label(bare_pick), "messages": plan["messages"],
+            "cost_terms": {k: getattr(costs, k) for k in terms}, "candidates": candidates, "plan_seconds": plan["profiled_and_planned_seconds"],
+            "auto_run": {k: auto[k] for k in ("step_ms", "foreign_cpus", "setup_foreign_cpus", "foreign_tries", "wall_s")}, "rows": rows}  # fmt: skip
 
 
 def report(bench: Bench, case: dict) -> None:
@@ -169,32 +147,21 @@ def report(bench: Bench, case: dict) -> None:
     t = Table("candidate", "chunks (blocks)", "messages / rank", "predicted ms", "predicted, no messages", "measured ms (rounds)",
               "measured / predicted", "rank predicted", "rank measured", align="llrrrrrrr")  # fmt: skip
     for r in order_p:
-        name = " = ".join(r["labels"])
-        name = f"**{name} (auto)**" if r is pick else name
-        if r["verdict"] not in ("runs", "chosen"):
-            name += " (auto rejected: " + r["verdict"].split(" (")[0] + ")"
+        name = f"**{' = '.join(r['labels'])} (auto)**" if r is pick else " = ".join(r["labels"])
+        name += "" if r["verdict"] in ("runs", "chosen") else " (auto rejected: " + r["verdict"].split(" (")[0] + ")"
         t.add(
             name, f"{len(r['bounds'])} ({'/'.join(str(b - a) for a, b in r['bounds'])})", max(r["messages_per_rank"]), f"{r['predicted_ms']:.1f}",
             f"{r['predicted_no_messages_ms']:.1f}", f"{r['measured_ms']:.1f} ({', '.join(f'{x:.1f}' for x in r['measured_rounds_ms'])})",
             f"{r['measured_ms'] / r['predicted_ms']:.2f}", order_p.index(r) + 1, order_m.index(r) + 1,
         )  # fmt: skip
     us = {k: v * 1e6 for k, v in case["cost_terms"].items()}
-    bench.table(
-        t,
-        f"**{case['workload']}, m = {case['microbatches']}** — message terms from the auto run: send {us['send_overhead']:.0f} us, "
-        f"receive {us['recv_overhead']:.0f} us, hand-off delay {us['handoff_delay']:.0f} us per message ({case['messages']['nbytes']} B)",
-    )
+    bench.table(t, f"**{case['workload']}, m = {case['microbatches']}** — message terms from the auto run: send {us['send_overhead']:.0f} us, "
+                   f"receive {us['recv_overhead']:.0f} us, hand-off delay {us['handoff_delay']:.0f} us per message ({case['messages']['nbytes']} B)")  # fmt: skip
     gap = pick["measured_ms"] / best["measured_ms"] - 1
     sp = lambda key: spearman([r[key] for r in rows], [r["measured_ms"] for r in rows])  # noqa: E731
-    fastest = (
-        "the measured fastest" if pick is best else f"{gap:+.1%} vs the measured fastest {best['candidate']} ({best['measured_ms']:.1f} ms)"
-    )
-    bare_text = (
-        " (not measured)"
-        if bare is None
-        else (" (the same pick)" if bare is pick else "")
-        + f": {bare['measured_ms'] / best['measured_ms'] - 1:+.1%} vs the measured fastest"
-    )
+    vs = lambda r: f"{r['measured_ms'] / best['measured_ms'] - 1:+.1%} vs the measured fastest"  # noqa: E731
+    fastest = "the measured fastest" if pick is best else f"{vs(pick)} {best['candidate']} ({best['measured_ms']:.1f} ms)"
+    bare_text = " (not measured)" if bare is None else (" (the same pick)" if bare is pick else "") + f": {vs(bare)}"
     bench.say(
         f"auto's pick {case['chosen']}: {pick['measured_ms']:.1f} ms, {fastest} (target within {GAP_TARGET:.0%}: "
         f"**{'met' if gap <= GAP_TARGET else 'MISSED'}**); Spearman predicted vs measured {sp('predicted_ms'):+.2f} (without message "
@@ -217,9 +184,6 @@ def main() -> None:
         for case in json.loads(Path(args.report).read_text())["cases"]:
             report(bench, case)
         return bench.finish()
-    import logging
-    import warnings
-
     warnings.filterwarnings("ignore")
     for logger in ("lightning.pytorch", "lightning.fabric", "lightning_pipe"):
         logging.getLogger(logger).setLevel(logging.WARNING)
