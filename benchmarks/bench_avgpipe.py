@@ -16,16 +16,17 @@ import os
 import statistics
 import time
 
-from lightning_pipe.bench.harness import Bench, Table, interleave, ints, ms, pin_threads
+from lightning_pipe.bench.harness import Bench, Table, ints, ms, pin_threads
 
 pin_threads(1)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from lightning_pipe.bench import pipes  # noqa: E402
 from lightning_pipe.bench.launch import timed_steps  # noqa: E402
 from lightning_pipe.bench.mlp import loss_fn, make_model, stage_half  # noqa: E402
-from lightning_pipe.bench.pipes import Clock, best_link, compute_seconds, equal_bounds, gather, median_costs, time_executor  # noqa: E402
+from lightning_pipe.bench.pipes import Clock, compute_seconds, costs_at, equal_bounds, time_executor  # noqa: E402
 
 K = 2  # stages per pipeline
 S = 256  # samples (rows) per optimizer step, every configuration
@@ -55,7 +56,6 @@ def make_batches(cfg: dict, pipeline: int, rows: int) -> list[tuple[torch.Tensor
 def _train(rank: int, world: int, cfg: dict) -> dict:
     from lightning_pipe.layers import ElasticAveraging, Flush
     from lightning_pipe.runtime.elastic import ReferenceLink, flat_into, flat_size
-    from lightning_pipe.runtime.microbatch import signature, split_microbatches
     from lightning_pipe.runtime.p2p import Transport
     from lightning_pipe.runtime.sequential import SequentialHost
     from lightning_pipe.schedules import ScheduleSpec
@@ -95,10 +95,7 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
         c0 = time.process_time()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        host.inputs, host.weights = split_microbatches(x, m)
-        host.targets, _ = split_microbatches(y, m)
-        host.losses = []
-        executor = mode.run("train", host, [("train", signature(mb)) for mb in host.inputs])
+        executor = pipes.run_layer(mode, host, x, y, m)
         t1 = time.perf_counter()
         if elastic:
             elastic.before_update()
@@ -124,28 +121,6 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
         out["reference"] = elastic.refs[elastic.iteration].clone()
         elastic.close()
     return out
-
-
-def _profile(rank: int, world: int, cfg: dict) -> dict:
-    """The link (ping_pong) and every block profiled at each micro-batch size, both ranks at once."""
-    from lightning_pipe.profiling import profile_blocks
-
-    sizes = (4, *sorted({r * cfg["hidden"] * 4 for r in cfg["profile_rows"]} | {1 << 20, 1 << 22}))
-    link = best_link(rank, sizes)
-    model = make_model(cfg)
-    x, y = make_batches(cfg, 0, max(cfg["profile_rows"]))[0]
-    blocks = {}
-    for rows in cfg["profile_rows"]:
-        dist.barrier()
-        blocks[rows] = profile_blocks(
-            list(model),
-            x[:rows],
-            torch.device("cpu"),
-            repeats=cfg["profile_repeats"],
-            warmup=3,
-            loss_fn=lambda out, rows=rows: loss_fn(out, y[:rows]),
-        )
-    return {"timing": [1.0, 1.0], "link": link, "blocks": gather(blocks, world)}
 
 
 class StubLink:
@@ -213,15 +188,15 @@ def local_update(cfg: dict, stage: int, repeats: int = 30) -> dict:
 
 
 def job(rank: int, world: int, kind: str, cfg: dict) -> dict:
-    return _profile(rank, world, cfg) if kind == "profile" else _train(rank, world, cfg)
+    if kind != "profile":
+        return _train(rank, world, cfg)
+    # the link (ping_pong) at the activation sizes and every block at each micro-batch size, both ranks at once
+    sizes = (4, *sorted({r * cfg["hidden"] * 4 for r in cfg["profile_rows"]} | {1 << 20, 1 << 22}))
+    x, y = make_batches(cfg, 0, max(cfg["profile_rows"]))[0]
+    return pipes.profile_job(rank, world, list(make_model(cfg)), x, y, cfg["profile_rows"], sizes, loss_fn, cfg["profile_repeats"])
 
 
 # ---- the parent ---------------------------------------------------------------------------------
-def costs_at(prof: dict, rows: int):
-    """CostModel of the blocks at `rows` rows per micro-batch: per block the median over the ranks."""
-    return median_costs([p[rows] for p in prof["blocks"]], prof["link"], "bench-avgpipe")
-
-
 def sim_iteration(name: str, m: int, costs) -> float:
     from lightning_pipe.schedules import build_schedule
     from lightning_pipe.simulation import simulate
@@ -295,7 +270,7 @@ def key(c: dict) -> tuple:
 
 
 def configs_of(args, base: dict) -> list[dict]:
-    cfg = lambda n, m, **kw: dict(base, pipelines=n, schedule="1f1b", microbatches=m, **kw)  # noqa: E731
+    cfg = lambda n, m, **kw: dict(base, pipelines=n, schedule="1f1b", microbatches=m, **kw)
     configs = []
     for m in args.microbatches:
         configs += [dict(cfg(0, m), schedule=name) for name in ("gpipe", "1f1b")] + [cfg(n, m) for n in args.pipelines]
@@ -321,12 +296,7 @@ def measure(bench: Bench, args, run, configs: list[dict]) -> dict:
         )
         return st
 
-    best = {}
-    for c, runs in zip(configs, interleave(configs, args.rounds, one)):
-        best[key(c)] = max(runs, key=lambda st: st["samples"])
-        if "invariant" in runs[0]:
-            best[key(c)]["invariant"] = max(st["invariant"] for st in runs)
-    return best
+    return {key(c): st for c, st in zip(configs, pipes.best_runs(configs, args.rounds, one, "samples", "invariant"))}
 
 
 def main() -> None:
@@ -342,9 +312,8 @@ def main() -> None:
     p.add_argument("--malloc-microbatches", type=ints, default=[4], help="M values of the malloc runs ('' for none)")
     p.add_argument("--profile-repeats", type=int, default=20)
     args = bench.parse()
-    base = dict(
-        hidden=512, mlp_ratio=1, blocks=8, batch=S, steps=args.steps, warmup=args.warmup, lr=1e-3, timeout=args.timeout, staleness=0
-    )
+    base = dict(hidden=512, mlp_ratio=1, blocks=8, batch=S, steps=args.steps, warmup=args.warmup, lr=1e-3, timeout=args.timeout)
+    base["staleness"] = 0
     bench.say(f"S = {S} samples per step; K = {K} stages; {base}\n")
     run = runner(bench)
     configs = configs_of(args, base)
@@ -352,31 +321,25 @@ def main() -> None:
     rows = sorted({S // (max(c["pipelines"], 1) * c["microbatches"]) for c in configs})
     prof, foreign = run("profile", dict(base, profile_rows=rows, profile_repeats=args.profile_repeats), K, "profile")
     prof = prof[0]
+    costs = lambda rows: costs_at(prof, rows, "bench-avgpipe")
     per_rows = ", ".join(
-        f"{r} rows: block f {ms(statistics.median(costs_at(prof, r).forward))} b {ms(statistics.median(costs_at(prof, r).backward))} ms"
-        for r in rows
+        f"{r} rows: block f {ms(statistics.median(costs(r).forward))} b {ms(statistics.median(costs(r).backward))} ms" for r in rows
     )
-    bench.say(
-        f"profile (foreign load {foreign:.2f}): link {1e6 * prof['link']['latency']:.0f} us + {prof['link']['bandwidth'] / 1e9:.2f} GB/s; {per_rows}"
-    )
+    link = f"link {1e6 * prof['link']['latency']:.0f} us + {prof['link']['bandwidth'] / 1e9:.2f} GB/s"
+    bench.say(f"profile (foreign load {foreign:.2f}): {link}; {per_rows}")
     bench.keep("profile", {"link": prof["link"]})
     locals_ = [local_update(base, k) for k in range(K)]  # the elastic update's local work, one process, no messages
     elastic = max(u["ms"] for u in locals_)
-    bench.say(
-        "elastic update's local work (before_update + after_update without messages, one quiet process): "
-        + ", ".join(
-            f"stage {k} ({u['mb']:.1f} MB of weights) {u['ms']:.1f} ms, {u['faults']:.0f} minor page faults" for k, u in enumerate(locals_)
-        )
+    works = (
+        f"stage {k} ({u['mb']:.1f} MB of weights) {u['ms']:.1f} ms, {u['faults']:.0f} minor page faults" for k, u in enumerate(locals_)
     )
+    bench.say("elastic update's local work (before_update + after_update without messages, one quiet process): " + ", ".join(works))
     best = measure(bench, args, run, configs)
     bench.keep("best", {" ".join(map(str, k)): v for k, v in best.items()})
-    pair = lambda v: " / ".join(ms(x) for x in v)  # noqa: E731
-    plain = lambda name, m: best[(name, 0, m, 0, False)]  # noqa: E731
-    main_cfgs = list(
-        {key(c): c for c in configs if not c["staleness"] and not c.get("malloc") and c["microbatches"] in args.microbatches}.values()
-    )
-    extra_cfgs = [c for c in configs if c["staleness"] or c.get("malloc")]
-
+    pair = lambda v: " / ".join(ms(x) for x in v)
+    plain = lambda name, m: best[(name, 0, m, 0, False)]
+    main_cfgs = {key(c): c for c in configs if not c["staleness"] and not c.get("malloc") and c["microbatches"] in args.microbatches}
+    main_cfgs, extra_cfgs = list(main_cfgs.values()), [c for c in configs if c["staleness"] or c.get("malloc")]
     t = Table(
         "config", "M", "rows / micro-batch", "worker + reference processes", "samples/s", "ms/step", "vs 1F1B (same M)",
         "vs GPipe (same M)", "CPU use (of all cores)", "mean(W_n) vs W_ref", "foreign load",
@@ -384,100 +347,51 @@ def main() -> None:
     for c in main_cfgs + [c for c in extra_cfgs if c.get("malloc")]:
         st, m, n = best[key(c)], c["microbatches"], max(c["pipelines"], 1)
         procs = f"{K * n}" + (f" + {K} ref" if c["pipelines"] else "")
-        vs = lambda name: f"{st['samples'] / plain(name, m)['samples']:.2f}x"  # noqa: E731, B023
+        vs = [f"{st['samples'] / plain(name, m)['samples']:.2f}x" for name in ("1f1b", "gpipe")]
         inv = f"{st['invariant']:.0e}" if "invariant" in st else ""
-        t.add(
-            label(c),
-            m,
-            S // (n * m),
-            procs,
-            f"{st['samples']:.1f}",
-            f"{st['step_ms']:.1f}",
-            vs("1f1b"),
-            vs("gpipe"),
-            f"{st['util']:.2f}",
-            inv,
-            f"{st['foreign']:.2f}",
-        )
-    bench.table(
-        t,
-        f"\n## measured on {os.cpu_count()} shared cores: samples/s at S = {S} samples per step (best of {args.rounds}, {args.steps} timed steps)",
-    )
-
+        cells = (f"{st['samples']:.1f}", f"{st['step_ms']:.1f}", *vs, f"{st['util']:.2f}", inv, f"{st['foreign']:.2f}")
+        t.add(label(c), m, S // (n * m), procs, *cells)
+    title = f"samples/s at S = {S} samples per step (best of {args.rounds}, {args.steps} timed steps)"
+    bench.table(t, f"\n## measured on {os.cpu_count()} shared cores: {title}")
     t = Table(
         "config", "M", "step", "compute", "executor, not computing", "optimizer", "elastic: copy", "Δ + send", "wait W_ref",
         "pull + rest", "worker CPU", "ref CPU (sum)",
     )  # fmt: skip
     for c in main_cfgs + extra_cfgs:
         st = best[key(c)]
-        el = [pair(st[k]) for k in ("before", "send", "wait_ref", "pull")] if c["pipelines"] else [""] * 4
-        ref = ms(st["ref_cpu"]) if c["pipelines"] else ""
-        t.add(
-            label(c), c["microbatches"], pair(st["step"]), pair(st["busy"]), pair(st["waiting"]), pair(st["opt"]), *el, pair(st["cpu"]), ref
-        )
+        el = [pair(st[k]) for k in ("before", "send", "wait_ref", "pull")] + [ms(st["ref_cpu"])] if c["pipelines"] else [""] * 5
+        t.add(label(c), c["microbatches"], *(pair(st[k]) for k in ("step", "busy", "waiting", "opt")), *el[:4], pair(st["cpu"]), el[4])
     bench.table(t, "\n## where the time goes, per worker and step, ms (stage 0 / stage 1; median step, mean over the pipelines)")
-
     t = Table(
         "config", "M", "devices", "rows / micro-batch", "simulated pipeline iteration, ms", "+ optimizer", "+ elastic update",
         "samples/s (simulated, with elastic)", "vs 1F1B on 2 devices", "vs GPipe on 2 devices", "vs 1F1B without the elastic update",
     )  # fmt: skip
-    sims = {}
     for m in args.microbatches:
         opt = max(plain("1f1b", m)["opt"])  # the simulator has no optimizer: add the one measured
-        it = {name: sim_iteration(name, m, costs_at(prof, S // m)) for name in ("gpipe", "1f1b")}
+        it = {name: sim_iteration(name, m, costs(S // m)) for name in ("gpipe", "1f1b")}
         ref = {name: it[name] + opt for name in it}
         for name in it:
-            t.add(
-                name,
-                m,
-                K,
-                S // m,
-                ms(it[name]),
-                ms(ref[name]),
-                "",
-                f"{S / ref[name]:.0f}",
-                f"{ref['1f1b'] / ref[name]:.2f}x",
-                f"{ref['gpipe'] / ref[name]:.2f}x",
-                "",
-            )
+            vs = [f"{ref[base] / ref[name]:.2f}x" for base in ("1f1b", "gpipe")]
+            t.add(name, m, K, S // m, ms(it[name]), ms(ref[name]), "", f"{S / ref[name]:.0f}", *vs, "")
         for n in args.pipelines:
-            t_it = sim_iteration("1f1b", m, costs_at(prof, S // (n * m)))
+            t_it = sim_iteration("1f1b", m, costs(S // (n * m)))
             total = t_it + opt + elastic / 1e3
-            sims[(n, m)] = ref["1f1b"] / total
-            t.add(
-                f"avg N={n}", m, K * n, S // (n * m), ms(t_it), ms(t_it + opt), ms(total), f"{S / total:.0f}", f"{ref['1f1b'] / total:.2f}x",
-                f"{ref['gpipe'] / total:.2f}x", f"{ref['1f1b'] / (t_it + opt):.2f}x",
-            )  # fmt: skip
+            vs = [f"{x:.2f}x" for x in (ref["1f1b"] / total, ref["gpipe"] / total, ref["1f1b"] / (t_it + opt))]
+            t.add(f"avg N={n}", m, K * n, S // (n * m), ms(t_it), ms(t_it + opt), ms(total), f"{S / total:.0f}", *vs)
     bench.table(
         t, f"\n## SIMULATED, not measured: N pipelines with K = {K} devices of their own each, vs the plain pipeline on {K} devices"
     )
-
     if args.staleness:
-        t = Table("N", "M", "s", "samples/s", "vs s = 0", "wait W_ref, ms", "ms/step", align="rrrrrrr")
+        t, m = Table("N", "M", "s", "samples/s", "vs s = 0", "wait W_ref, ms", "ms/step", align="rrrrrrr"), STALE_MICROBATCHES[0]
         for n in args.stale_pipelines:
             for s in [0, *args.staleness]:
-                st, b0 = best[("1f1b", n, STALE_MICROBATCHES[0], s, False)], best[("1f1b", n, STALE_MICROBATCHES[0], 0, False)]
+                st, b0 = best[("1f1b", n, m, s, False)], best[("1f1b", n, m, 0, False)]
                 t.add(
-                    n,
-                    STALE_MICROBATCHES[0],
-                    s,
-                    f"{st['samples']:.1f}",
-                    f"{st['samples'] / b0['samples']:.3f}x",
-                    pair(st["wait_ref"]),
-                    f"{st['step_ms']:.1f}",
+                    n, m, s, f"{st['samples']:.1f}", f"{st['samples'] / b0['samples']:.3f}x", pair(st["wait_ref"]), f"{st['step_ms']:.1f}"
                 )
         bench.table(
             t, "\n## staleness s (measured, shared cores): samples/s, best run; time per step waiting for W_ref (stage 0 / stage 1)"
         )
-
-    bench.say("summary (measured on the shared cores; simulated = own devices):")
-    for m in args.microbatches:
-        for n in args.pipelines:
-            st = best[("1f1b", n, m, 0, False)]
-            bench.say(
-                f"  M={m} N={n}: measured {st['samples'] / plain('1f1b', m)['samples']:.2f}x 1F1B, "
-                f"{st['samples'] / plain('gpipe', m)['samples']:.2f}x GPipe; simulated with own devices {sims[(n, m)]:.2f}x 1F1B"
-            )
     bench.finish()
 
 

@@ -118,3 +118,46 @@ def time_executor(clock: Clock, key: str = "executor") -> None:
 def compute_seconds(executor: Any) -> float:
     """The traced executor's time in forward / backward actions."""
     return sum(e - s for j, s, e in executor.records if executor.actions[j].op.is_compute)
+
+
+def profile_job(rank: int, world: int, blocks: list, x, y, rows: Sequence[int], link_sizes: Sequence[int], loss_fn, repeats: int) -> dict:
+    """A `bench.run` job: the link (`best_link` at ``link_sizes``) and every block profiled at each
+    of ``rows`` rows per micro-batch (the loss after the last), the ranks profiling at once."""
+    from lightning_pipe.profiling import profile_blocks
+
+    link, measured = best_link(rank, link_sizes), {}
+    for r in rows:
+        dist.barrier()
+        loss = lambda out, r=r: loss_fn(out, y[:r])  # noqa: E731
+        measured[r] = profile_blocks(blocks, x[:r], torch.device("cpu"), repeats=repeats, warmup=3, loss_fn=loss)
+    return {"timing": [1.0, 1.0], "params": {}, "link": link, "blocks": gather(measured, world)}
+
+
+def costs_at(prof: dict, rows: int, name: str = "bench"):
+    """The CostModel of a `profile_job`'s blocks at ``rows`` rows per micro-batch."""
+    return median_costs([p[rows] for p in prof["blocks"]], prof["link"], name)
+
+
+def run_layer(layer: Any, host: Any, x: torch.Tensor, y: torch.Tensor, m: int) -> Any:
+    """One training run of a pipeline layer (Flush, DoubleBuffer, ...) on (x, y) in ``m``
+    micro-batches through a SequentialHost; the traced executor."""
+    from lightning_pipe.runtime.microbatch import signature, split_microbatches
+
+    host.inputs, host.weights = split_microbatches(x, m)
+    host.targets, _ = split_microbatches(y, m)
+    host.losses = []
+    return layer.run("train", host, [("train", signature(mb)) for mb in host.inputs])
+
+
+def best_runs(configs: Sequence[Any], rounds: int, one: Callable[[Any, int], dict], score: str, worst: str) -> list[dict]:
+    """Every config in interleaved rounds (``one(config, round)`` -> its figures); per config its
+    run with the highest ``score``, with ``worst`` (where there is one) the largest over its runs."""
+    from .harness import interleave
+
+    out = []
+    for runs in interleave(configs, rounds, one):
+        best = max(runs, key=lambda st: st[score])
+        if best.get(worst) is not None:
+            best[worst] = max(st[worst] for st in runs)
+        out.append(best)
+    return out
