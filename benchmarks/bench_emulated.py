@@ -158,14 +158,9 @@ def _job(rank: int, world: int, cfg: dict, cases: list[dict], reference: dict[st
 def costs_for(cfg: dict, m: int, link: dict | None):
     from lightning_pipe.simulation import CostModel
 
-    act = cfg["rows"] // m * cfg["width"] * 8.0
+    act, (latency, bandwidth) = cfg["rows"] // m * cfg["width"] * 8.0, (link["latency"], link["bandwidth"]) if link else (0.0, math.inf)
     return CostModel.uniform(
-        cfg["blocks"],
-        cfg["f"],
-        cfg["b"],
-        activation_bytes=(act,) * cfg["blocks"],
-        latency=link["latency"] if link else 0.0,
-        bandwidth=link["bandwidth"] if link else math.inf,
+        cfg["blocks"], cfg["f"], cfg["b"], activation_bytes=(act,) * cfg["blocks"], latency=latency, bandwidth=bandwidth
     )
 
 
@@ -181,19 +176,9 @@ def run_depth(bench: Bench, p: int, args, multipliers: list[int]) -> dict:
     from lightning_pipe.bench.launch import run_distributed
 
     blocks = args.blocks_per_rank * p
-    cfg = {
-        "blocks": blocks,
-        "width": args.width,
-        "rows": args.rows,
-        "f": args.block_ms / 1e3,
-        "b": 2 * args.block_ms / 1e3,
-        "lr": 0.05,
-        "seed": 3,
-        "gain": min(1.0, 16 / blocks),  # deep stacks well-conditioned: exactness stays checkable at 1e-10 (emulated_model)
-        "warmup": args.warmup,
-        "steps": args.steps,
-        "quiet_wait": args.quiet_wait,
-    }
+    cfg = dict(blocks=blocks, width=args.width, rows=args.rows, f=args.block_ms / 1e3, b=2 * args.block_ms / 1e3, lr=0.05, seed=3)
+    # gain: deep stacks well-conditioned, exactness stays checkable at 1e-10 (emulated_model)
+    cfg.update(gain=min(1.0, 16 / blocks), warmup=args.warmup, steps=args.steps, quiet_wait=args.quiet_wait)
     cases, skipped = cases_for(p, blocks, multipliers)
     for s in skipped:
         bench.log(f"  P={p} m={s['m']} {s['label']}: skipped: {s['reason']}")
@@ -201,10 +186,8 @@ def run_depth(bench: Bench, p: int, args, multipliers: list[int]) -> dict:
     t = time.monotonic()
     ranks = run_distributed(_job, p, cfg, cases, reference, timeout=args.timeout, threads=1)
     wall = time.monotonic() - t
-    zero = ranks[0]
-    link = zero["link"]
-    msgs = zero["messages"]
-    rows = []
+    zero, rows = ranks[0], []
+    link, msgs = zero["link"], zero["messages"]
     for i, case in enumerate(cases):
         steps = len(zero["cases"][i]["spans"])
         its = [max(r["cases"][i]["spans"][s][1] for r in ranks) - zero["cases"][i]["spans"][s][0] for s in range(steps)]
@@ -212,30 +195,12 @@ def run_depth(bench: Bench, p: int, args, multipliers: list[int]) -> dict:
         extra = sum(r["cases"][i]["extra"][s][0] for r in ranks for s in range(steps))
         count = sum(r["cases"][i]["extra"][s][1] for r in ranks for s in range(steps))
         costs = costs_for(cfg, case["m"], link)
-        row = {
-            **case,
-            "chunks": _chunks(case),
-            "measured": statistics.median(its),
-            "measured_all": its,
-            "simulated": simulated(case, costs, blocks),
-            "max_rel_diff": diff,
-            "exact": diff <= 1e-10,
-            "extra_per_compute": extra / max(count, 1),
-        }
-        row["simulated_msgs"] = simulated(case, msgs.apply(costs), blocks)
-        rows.append(row)
-    return {
-        "p": p,
-        "config": cfg,
-        "rows": rows,
-        "skipped": skipped,
-        "link": {"latency": link["latency"], "bandwidth": link["bandwidth"]} if link else None,
-        "messages": msgs.to_dict(),
-        "foreign_load": max(r["foreign"] for r in ranks),
-        "own_cpus": zero["own_cpu"],
-        "timer_slack_1us": zero["slack"],
-        "wall_s": wall,
-    }
+        row = dict(case, chunks=_chunks(case), measured=statistics.median(its), measured_all=its, simulated=simulated(case, costs, blocks))
+        row.update(max_rel_diff=diff, exact=diff <= 1e-10, extra_per_compute=extra / max(count, 1))
+        rows.append(dict(row, simulated_msgs=simulated(case, msgs.apply(costs), blocks)))
+    link = {"latency": link["latency"], "bandwidth": link["bandwidth"]} if link else None
+    out = dict(p=p, config=cfg, rows=rows, skipped=skipped, link=link, messages=msgs.to_dict())
+    return dict(out, foreign_load=max(r["foreign"] for r in ranks), own_cpus=zero["own_cpu"], timer_slack_1us=zero["slack"], wall_s=wall)
 
 
 def _chunks(case: dict) -> int:
@@ -299,19 +264,9 @@ def auto_check(res: dict, key: str) -> list[dict]:
         chosen = next(r for r in rows if r["schedule"] == choice.chosen.schedule and r["options"] == choice.chosen.schedule_options)
         same_cut = [tuple(b) for b in choice.chosen.plan.bounds] == uniform_bounds(cfg["blocks"], chosen["chunks"])
         fastest = min(rows, key=lambda r: r["measured"])
-        found.append(
-            {
-                "p": p,
-                "m": m,
-                "model": key,
-                "pick": chosen["label"],
-                "pick_measured": chosen["measured"],
-                "fastest": fastest["label"],
-                "fastest_measured": fastest["measured"],
-                "gap": chosen["measured"] / fastest["measured"] - 1,
-                "same_partition_as_run": same_cut,
-            }
-        )
+        found.append(dict(p=p, m=m, model=key, pick=chosen["label"], pick_measured=chosen["measured"]))
+        found[-1].update(fastest=fastest["label"], fastest_measured=fastest["measured"], gap=chosen["measured"] / fastest["measured"] - 1)
+        found[-1]["same_partition_as_run"] = same_cut
     return found
 
 
@@ -326,19 +281,9 @@ def wave_shares(res: dict, key: str) -> list[dict]:
         for lab, r in rows.items():
             if r["schedule"] not in ("wave", "hanayo"):
                 continue
-            meas = one["measured"] / r["measured"] - 1
-            sim = one[key] / r[key] - 1
-            found.append(
-                {
-                    "p": res["p"],
-                    "m": m,
-                    "schedule": lab,
-                    "model": key,
-                    "measured_speedup": meas,
-                    "simulated_speedup": sim,
-                    "share": meas / sim if sim > 1e-9 else None,
-                }
-            )
+            meas, sim = one["measured"] / r["measured"] - 1, one[key] / r[key] - 1
+            found.append(dict(p=res["p"], m=m, schedule=lab, model=key, measured_speedup=meas, simulated_speedup=sim))
+            found[-1]["share"] = meas / sim if sim > 1e-9 else None
     return found
 
 
@@ -358,24 +303,15 @@ def summary(results: list[dict]) -> dict:
             errs = [r["measured"] / r[key] - 1 for r in res["rows"] if r["exact"]]
             if not errs:  # every case of this depth inexact: listed under "inexact", nothing to compare
                 continue
-            per_p[res["p"]] = {
-                "median_abs_error": statistics.median(abs(e) for e in errs),
-                "max_abs_error": max(abs(e) for e in errs),
-                "within_5pct": sum(abs(e) <= 0.05 for e in errs),
-                "cases": len(errs),
-            }
+            per_p[res["p"]] = {"median_abs_error": statistics.median(abs(e) for e in errs), "max_abs_error": max(abs(e) for e in errs)}
+            per_p[res["p"]].update(within_5pct=sum(abs(e) <= 0.05 for e in errs), cases=len(errs))
         autos = [a for res in results if res["p"] in (4, 8) for a in auto_check(res, key)]
         waves = [w for res in results if res["p"] in (4, 8) for w in wave_shares(res, key)]
-        out[key] = {
-            "within_5pct": within,
-            "cases": len(errors),
-            "median_abs_error": statistics.median(abs(e) for e in errors) if errors else math.nan,
-            "max_abs_error": max((abs(e) for e in errors), default=math.nan),
-            "per_p": per_p,
-            "spearman": rhos,
-            "auto": autos,
-            "wave_share": waves,
-        }
+        median = statistics.median(abs(e) for e in errors) if errors else math.nan
+        out[key] = dict(within_5pct=within, cases=len(errors), median_abs_error=median)
+        out[key].update(
+            max_abs_error=max((abs(e) for e in errors), default=math.nan), per_p=per_p, spearman=rhos, auto=autos, wave_share=waves
+        )
     out["inexact"] = [
         f"P={r['p']} m={r['m']} {r['label']}: {r['max_rel_diff']:.1e}" for res in results for r in res["rows"] if not r["exact"]
     ]
