@@ -24,11 +24,19 @@ from lightning_pipe.bench.harness import Bench, Table, interleave, names, pin_th
 pin_threads(1)
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from lightning_pipe import AutoPipeStrategy  # noqa: E402
+from lightning_pipe.bench.launch import wait_for_quiet  # noqa: E402
 from lightning_pipe.bench.stats import spearman  # noqa: E402
 from lightning_pipe.bench.trainer_runs import fit_timed, undisturbed  # noqa: E402
+from lightning_pipe.models import CausalLM, ModelConfig  # noqa: E402
 from lightning_pipe.planning.entry import block_kinds  # noqa: E402
+from lightning_pipe.planning.sized import analytic_profile  # noqa: E402
 from lightning_pipe.planning.two_bw import Candidate, _best_rows, hardware, plan_2bw, refiner, size_text  # noqa: E402
+from lightning_pipe.planning.two_bw_closed import closed_step  # noqa: E402
+from lightning_pipe.profiling.sized import profile_sizes  # noqa: E402
 
 CFG = dict(vocab_size=260, n_layer=4, n_head=4, d_model=128, max_seq_len=64)
 SEQ, SIZES, GiB = 64, (1, 2, 4, 8, 16, 32), 2**30
@@ -45,11 +53,6 @@ def tokens(rows: int, seed: int = 0) -> torch.Tensor:
 
 def measured_profile(repeats: int) -> Any:
     """The blocks profiled in this process (1 thread) at SIZES, the loss charged to the last block."""
-    import torch.nn.functional as F
-
-    from lightning_pipe.models import CausalLM, ModelConfig
-    from lightning_pipe.profiling.sized import profile_sizes
-
     torch.manual_seed(0)
     ids = tokens(max(SIZES))
     x, y = ids[:, :-1], ids[:, 1:]
@@ -65,30 +68,20 @@ def plan(profile: Any, batch: int, limit: Optional[float], **kw: Any):
 
 def closed_throughput(profile: Any, c: Candidate, limit: Optional[float]) -> Optional[float]:
     """The paper's closed-form THROUGHPUT (planning/two_bw_closed.py) of the same configuration (r off / on only)."""
-    from lightning_pipe.planning.two_bw_closed import closed_step
-
     if c.recompute not in ("off", "on"):
         return None
-    hw = hardware(2, 2, "cpu", limit)
-    return (
-        c.width * c.microbatch_size / closed_step(profile.at(c.microbatch_size), c.depth, c.width, c.microbatches, c.recompute == "on", hw)
-    )
+    step = closed_step(profile.at(c.microbatch_size), c.depth, c.width, c.microbatches, c.recompute == "on", hardware(2, 2, "cpu", limit))
+    return c.width * c.microbatch_size / step
 
 
 def label(c: Candidate) -> str:
     r = c.recompute if c.recompute != "stages" else "stages " + "".join("1" if x else "0" for x in c.stage_recompute)
-    return (
-        f"w={c.width} d={c.depth} b={c.microbatch_size} g={c.microbatches} {c.schedule} r={r} [{','.join(str(b - a) for a, b in c.bounds)}]"
-    )
+    blocks = ",".join(str(b - a) for a, b in c.bounds)
+    return f"w={c.width} d={c.depth} b={c.microbatch_size} g={c.microbatches} {c.schedule} r={r} [{blocks}]"
 
 
 def train(c: Candidate, args: Any, out: Path) -> dict:
     """One configuration through the Trainer on 2 processes: samples/s = B / rank 0's median step period."""
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from lightning_pipe import AutoPipeStrategy
-    from lightning_pipe.models import CausalLM, ModelConfig
-
     torch.manual_seed(0)
     module = CausalLM(model=ModelConfig(**CFG), lr=1e-3)
     ids = tokens((args.warmup + args.steps) * args.batch, seed=1)
@@ -223,8 +216,6 @@ def short(c: Any) -> dict:
 
 
 def part_b(bench: Bench, args: Any) -> dict:
-    from lightning_pipe.planning.sized import analytic_profile
-
     rows = []
     for model, spec in MODELS_B.items():
         profile = analytic_profile(model, SIZES, spec["seq_len"], device_flops=1e14)
@@ -288,8 +279,6 @@ CLI = "-m lightning_pipe.plan recipe=gpt2-1.3b data.seq_len=512 trainer.devices=
 
 
 def part_time(bench: Bench, args: Any) -> dict:
-    from lightning_pipe.bench.launch import wait_for_quiet
-
     work = Path(args.work) / "cli"
     work.mkdir(parents=True, exist_ok=True)
     cold, cli = [], []
@@ -339,9 +328,8 @@ def plot(runs: list[dict], path: Path) -> None:
         ax.plot(predicted, measured, marker=marker, color=color, ms=14 if pick else 6, ls="none", mec="black" if pick else color)
     lo, hi = ax.get_xlim()
     ax.plot([lo, hi], [lo, hi], color="gray", lw=0.8, ls="--")
-    ax.set_xlabel("predicted samples/s (planner, median of the runs)")
-    ax.set_ylabel("measured samples/s (median of every round of every run; bar: range)")
-    ax.set_title("planner=2bw on 2 CPU processes: GPT-tiny-64, global batch 32")
+    ax.set(xlabel="predicted samples/s (planner, median of the runs)", ylabel="measured samples/s (median of every round of every run; bar: range)",
+           title="planner=2bw on 2 CPU processes: GPT-tiny-64, global batch 32")  # fmt: skip
     legend = [("tab:blue", "o", "w=2, d=1 (data parallel)"), ("tab:orange", "o", "w=1, d=2 (pipeline)"), ("gray", "o", "r off"),
               ("gray", "s", "r on / per stage"), ("tab:orange", "*", "the planner's pick")]  # fmt: skip
     handles = [
