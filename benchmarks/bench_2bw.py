@@ -16,9 +16,8 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from typing import Callable
 
-from lightning_pipe.bench.harness import Bench, Table, interleave, ints, ms, pin_threads
+from lightning_pipe.bench.harness import Bench, Table, ints, ms, pin_threads
 
 pin_threads(1)
 
@@ -26,61 +25,50 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
+from lightning_pipe.bench import pipes  # noqa: E402
 from lightning_pipe.bench.launch import timed_steps  # noqa: E402
 from lightning_pipe.bench.mlp import loss_fn, make_data, make_model, single_job, stage_half, summarize  # noqa: E402
-from lightning_pipe.bench.pipes import Clock, SleepBlock, best_link, compute_seconds, equal_bounds, gather, median_costs, time_executor  # noqa: E402
+from lightning_pipe.bench.pipes import Clock, SleepBlock, equal_bounds  # noqa: E402
 
 SCHEDULES = ["gpipe", "1f1b", "2bw"]
 MODES = ["single", *SCHEDULES]
 
 
-def make_emulated(cfg: dict, sleep: bool = True) -> nn.Sequential:
-    t_f, t_b = (cfg["t_f"], cfg["t_b"]) if sleep else (0.0, 0.0)
+def model_of(cfg: dict, sleep: bool = True) -> nn.Sequential:
+    """The real part's MLP, or the emulated part's sleeping blocks (``sleep=False``: without the sleeps)."""
+    if cfg["kind"] != "emulated":
+        return make_model(cfg)
     torch.manual_seed(0)
-    model = nn.Sequential(*[SleepBlock(cfg["hidden"], t_f, t_b) for _ in range(cfg["depth"])])
+    model = nn.Sequential(*[SleepBlock(cfg["hidden"], *((cfg["t_f"], cfg["t_b"]) if sleep else (0.0, 0.0))) for _ in range(cfg["depth"])])
     with torch.no_grad():  # distinct weights per stage, so the final-weights check means something
         for block in model:
             block.scale.add_(0.1 * torch.randn(cfg["hidden"]))
     return model
 
 
-def model_of(cfg: dict, sleep: bool = True) -> nn.Sequential:
-    return make_emulated(cfg, sleep) if cfg["kind"] == "emulated" else make_model(cfg)
-
-
 def stage_of(model: nn.Sequential, rank: int, world: int) -> nn.Sequential:
     """Rank `rank`'s equal share of the blocks (keeps the whole model's block indices in its state)."""
-    if world == 2 and len(model) % 2 == 0:
-        return stage_half(model, rank)
     lo, hi = equal_bounds(len(model), world)[rank]
-    return model[lo:hi]
+    return stage_half(model, rank) if world == 2 and len(model) % 2 == 0 else model[lo:hi]
 
 
 # ---- workers -------------------------------------------------------------------------------------
 def _pipeline(rank: int, world: int, cfg: dict, name: str) -> dict:
     """Train `cfg`'s model with schedule `name` on `world` ranks; per-step traces; 2BW's drain timed."""
     from lightning_pipe.layers import DoubleBuffer, Flush
-    from lightning_pipe.runtime.microbatch import signature, split_microbatches
     from lightning_pipe.runtime.p2p import Transport
     from lightning_pipe.runtime.sequential import SequentialHost
     from lightning_pipe.schedules import ScheduleSpec
 
-    model = model_of(cfg)
-    data = make_data(cfg)
-    m = cfg["microbatches"]
+    model, data, m = model_of(cfg), make_data(cfg), cfg["microbatches"]
     chunk = stage_of(model, rank, world)
     host = SequentialHost({rank: chunk}, world - 1, loss_fn)
     transport = Transport(lambda r: r, torch.device("cpu"))
     opt = torch.optim.SGD(chunk.parameters(), lr=cfg["lr"])
     clock = Clock(copy=0.0)
-    time_executor(clock)  # time inside Executor.run vs the layer's bookkeeping
-    if name == "2bw":
-
-        def apply() -> None:  # the drain's update (what the caller's optimizer step does)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        layer = DoubleBuffer(ScheduleSpec.of("2bw"), world, m, rank, transport, chunk, apply, trace=True)
+    pipes.time_executor(clock)  # time inside Executor.run vs the layer's bookkeeping
+    if name == "2bw":  # opt.step: the drain's update (what the caller's optimizer step does)
+        layer = DoubleBuffer(ScheduleSpec.of("2bw"), world, m, rank, transport, chunk, opt.step, trace=True)
         # the live weights' copy before an update a batch still reads
         layer.versions.detach_live = clock.wrap(layer.versions.detach_live, "copy")
     else:
@@ -92,17 +80,14 @@ def _pipeline(rank: int, world: int, cfg: dict, name: str) -> dict:
         clock.zero()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        host.inputs, host.weights = split_microbatches(x, m)
-        host.targets, _ = split_microbatches(y, m)
-        host.losses = []
-        executor = layer.run("train", host, [("train", signature(mb)) for mb in host.inputs])
+        executor = pipes.run_layer(layer, host, x, y, m)
         t1 = time.perf_counter()
         opt.step()
         t2 = time.perf_counter()
         acts = executor.actions
         actions = [(acts[j].op.value, acts[j].microbatch, s, e) for j, s, e in executor.records if acts[j].op.is_compute]
         times = dict(
-            step=t2 - t0, pipe=t1 - t0, executor=clock["executor"], copy=clock["copy"], opt=t2 - t1, busy=compute_seconds(executor)
+            step=t2 - t0, pipe=t1 - t0, executor=clock["executor"], copy=clock["copy"], opt=t2 - t1, busy=pipes.compute_seconds(executor)
         )
         trace.append(dict(times, t0=t0, t1=t1, t2=t2, actions=actions))  # t0..t2: one clock for all processes (the timeline)
 
@@ -116,40 +101,24 @@ def _pipeline(rank: int, world: int, cfg: dict, name: str) -> dict:
     return {"timing": timing, "params": state, "trace": trace[cfg["warmup"] :], "drain": drain}
 
 
-def _profile(rank: int, world: int, cfg: dict) -> dict:
-    """The link at the one message size, and every block at the micro-batch size, the ranks profiling at once."""
-    from lightning_pipe.profiling import profile_blocks
-
-    rows = cfg["rows"]
-    link = best_link(rank, (4, rows * cfg["hidden"] * 4))
-    x, y = make_data(cfg)[0]
-    dist.barrier()
-    measured = profile_blocks(
-        list(model_of(cfg)),
-        x[:rows],
-        torch.device("cpu"),
-        repeats=cfg["profile_repeats"],
-        warmup=3,
-        loss_fn=lambda out: loss_fn(out, y[:rows]),
-    )
-    return {"timing": [1.0, 1.0], "params": {}, "link": link, "blocks": gather(measured, world)}
-
-
 def job(rank: int, world: int, mode: str, cfg: dict) -> dict:
     if mode == "single":
         return single_job(rank, world, cfg)
-    return _profile(rank, world, cfg) if mode == "profile" else _pipeline(rank, world, cfg, mode)
+    if mode == "profile":  # the link at the one message size, every block at the micro-batch size
+        x, y = make_data(cfg)[0]
+        sizes = (4, cfg["rows"] * cfg["hidden"] * 4)
+        return pipes.profile_job(rank, world, list(model_of(cfg)), x, y, [cfg["rows"]], sizes, loss_fn, cfg["profile_repeats"])
+    return _pipeline(rank, world, cfg, mode)
 
 
 # ---- the parent: references, simulation -----------------------------------------------------------
-def reference(cfg: dict, total: int, rule: str) -> dict:
-    """The final weights of `total` steps on one process (no sleeping): plain SGD ("sgd"), or the
+def reference(cfg: dict, rule: str) -> dict:
+    """The final weights of the run's steps on one process (no sleeping): plain SGD ("sgd"), or the
     2BW rule ("2bw": batch b's gradient taken at W(max(b - 1, 0)) and applied to W(b))."""
-    net = model_of(cfg, sleep=False)
-    data = make_data(cfg)
+    net, data = model_of(cfg, sleep=False), make_data(cfg)
     opt = torch.optim.SGD(net.parameters(), lr=cfg["lr"])
     previous = copy.deepcopy(net)  # W(b - 1)
-    for b in range(total):
+    for b in range(cfg["warmup"] + cfg["steps"]):
         x, y = data[b % len(data)]
         at = net if rule == "sgd" or b == 0 else previous
         at.zero_grad(set_to_none=True)
@@ -161,23 +130,6 @@ def reference(cfg: dict, total: int, rule: str) -> dict:
                 p.grad = g
         opt.step()
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
-
-
-def references(cfg: dict) -> Callable[[str], dict]:
-    """The reference weights of a mode (2BW's rule or plain SGD), each computed once."""
-    cache: dict[str, dict] = {}
-
-    def of(mode: str) -> dict:
-        rule = "2bw" if mode == "2bw" else "sgd"
-        if rule not in cache:
-            cache[rule] = reference(cfg, cfg["warmup"] + cfg["steps"], rule)
-        return cache[rule]
-
-    return of
-
-
-def initial_weights(cfg: dict) -> dict:
-    return {k: v.detach().clone() for k, v in model_of(cfg, sleep=False).state_dict().items()}
 
 
 def simulated(name: str, depth: int, m: int, costs) -> dict:
@@ -217,38 +169,30 @@ def update_error(results: list[dict], reference: dict, initial: dict) -> float:
     return err
 
 
-def measure(bench: Bench, cfg: dict, modes: list[str], world: int, rounds: int, tag: str, refs: Callable[[str], dict]) -> dict:
+def measure(bench: Bench, cfg: dict, modes: list[str], world: int, rounds: int, tag: str) -> dict:
     """Every mode in interleaved rounds; each mode's fastest run with its traces, and its worst weight error."""
-    initial = initial_weights(cfg)
+    initial = {k: v.detach().clone() for k, v in model_of(cfg, sleep=False).state_dict().items()}
+    refs = {rule: reference(cfg, rule) for rule in ("sgd", "2bw")}
 
     def one(mode: str, rep: int) -> dict:
         results, foreign = bench.run(job, 1 if mode == "single" else world, mode, cfg, label=f"{tag} {mode}")
         st = dict(summarize(mode, results, cfg), foreign=foreign, error=None)
         if mode != "single":
-            st.update(error=update_error(results, refs(mode), initial), trace=trace_stats(results), raw=[r["trace"] for r in results])
-            st["drain"] = max(r["drain"] for r in results)
+            st.update(error=update_error(results, refs["2bw" if mode == "2bw" else "sgd"], initial), trace=trace_stats(results))
+            st.update(raw=[r["trace"] for r in results], drain=max(r["drain"] for r in results))
         if mode == "2bw":  # the check tells the rules apart: 2BW's updates are not plain SGD's
-            st["vs_sgd"] = update_error(results, refs("1f1b"), initial)
+            st["vs_sgd"] = update_error(results, refs["sgd"], initial)
         extra = "".join(f", {k} {st[k]:.1e}" for k in ("error", "vs_sgd") if st.get(k) is not None)
         bench.log(
             f"  {tag} run {rep + 1}/{rounds} {mode:6s} {st['total']:8.1f} samples/s ({st['step_ms']:.1f} ms/step, foreign {foreign:.2f}{extra})"
         )
         return st
 
-    best = {}
-    for mode, runs in zip(modes, interleave(modes, rounds, one)):
-        best[mode] = max(runs, key=lambda st: st["total"])
-        if best[mode]["error"] is not None:
-            best[mode]["error"] = max(st["error"] for st in runs)
-    return best
-
-
-def pair(vs: list[float]) -> str:
-    return " / ".join(ms(v) for v in vs)
+    return dict(zip(modes, pipes.best_runs(modes, rounds, one, "total", "error")))
 
 
 def print_traces(bench: Bench, best: dict[str, dict], sims: dict[str, dict], depth: int) -> None:
-    who = " (rank 0 / rank 1)" if depth == 2 else " (ranks 0 / .. / d-1)"
+    who, pair = " (rank 0 / rank 1)" if depth == 2 else " (ranks 0 / .. / d-1)", lambda vs: " / ".join(ms(v) for v in vs)
     t = Table(
         *"schedule;simulated step (no opt);measured pipeline step;simulated compute;measured compute;"
         "measured in executor, not computing;outside the executor (2BW: weight copy + rest);optimizer step".split(";")
@@ -268,40 +212,42 @@ def print_timeline(bench: Bench, best: dict[str, dict], names: tuple[str, ...] =
     bench.say("\ntimeline of one timed step (rank 0's median), ms from rank 0's step start; [x] = idle gap before a compute > 0.3 ms:\n")
     for name in (n for n in names if n in best):
         raw = best[name]["raw"]
-        order = sorted(range(len(raw[0])), key=lambda i: raw[0][i]["step"])
-        k = order[len(order) // 2]
-        base = raw[0][k]["t0"]
+        k = sorted(range(len(raw[0])), key=lambda i: raw[0][i]["step"])[len(raw[0]) // 2]
+        at = lambda t: f"{1e3 * (t - raw[0][k]['t0']):.1f}"  # noqa: E731, B023
         bench.say(f"{name}:")
         for rank, steps in enumerate(raw):
             st = steps[k]
-            parts, last = [], st["t0"]
+            parts, last = [f"start {at(st['t0'])}"], st["t0"]
             for op, mb, a, b in st["actions"]:
                 if op in ("F", "B"):
-                    gap = a - last
-                    parts.append(f"{'[%.1f] ' % (1e3 * gap) if gap > 3e-4 else ''}{op}{mb} {1e3 * (a - base):.1f}-{1e3 * (b - base):.1f}")
+                    parts.append(f"{'[%.1f] ' % (1e3 * (a - last)) if a - last > 3e-4 else ''}{op}{mb} {at(a)}-{at(b)}")
                     last = b
-            tail = f"run ends {1e3 * (st['t1'] - base):.1f}" + (f" (weight copy {1e3 * st['copy']:.1f})" if name == "2bw" else "")
-            parts = [f"start {1e3 * (st['t0'] - base):.1f}", *parts, tail, f"opt to {1e3 * (st['t2'] - base):.1f}"]
-            bench.say(f"  rank {rank}: " + " | ".join(parts))
+            copied = f" (weight copy {1e3 * st['copy']:.1f})" if name == "2bw" else ""
+            bench.say(f"  rank {rank}: " + " | ".join([*parts, f"run ends {at(st['t1'])}{copied}", f"opt to {at(st['t2'])}"]))
         bench.say()
 
 
 # ---- the parts -----------------------------------------------------------------------------------
+def profiled(bench: Bench, base: dict, label: str):
+    """The blocks at the micro-batch size and the link, profiled on 2 ranks at once (printed); their CostModel."""
+    prof, foreign = bench.run(job, 2, "profile", dict(base, depth=2, microbatches=1, batch=base["rows"]), label=label)
+    c = pipes.costs_at(prof[0], base["rows"], "bench-2bw")
+    f = lambda v: f"{v * 1e3:.2f}"  # noqa: E731
+    bench.say(
+        f"{label} (foreign load {foreign:.2f}): per block f {f(statistics.median(c.forward))} ms, b {f(statistics.median(c.backward))} ms "
+        f"(last, with the loss: f {f(c.forward[-1])}, b {f(c.backward[-1])}); link {1e6 * c.latency:.0f} us + {c.bandwidth / 1e9:.2f} GB/s"
+    )
+    return c
+
+
 def real_part(bench: Bench, args) -> None:
     base = dict(kind="real", hidden=512, mlp_ratio=1, blocks=8, rows=args.rows, steps=args.steps, warmup=args.warmup, lr=1e-3)
     base["profile_repeats"] = args.profile_repeats
     bench.say(f"\n## real processes: 2 ranks x 1 thread, gloo; {base}\n")
-    prof, foreign = bench.run(job, 2, "profile", dict(base, microbatches=1, batch=args.rows), label="profile")
-    link = prof[0]["link"]
-    costs = median_costs(prof[0]["blocks"], link, "bench-2bw")
-    bench.say(
-        f"profile (foreign load {foreign:.2f}): per block f {ms(statistics.median(costs.forward))} ms, b {ms(statistics.median(costs.backward))} ms "
-        f"(last, with the loss: f {ms(costs.forward[-1])}, b {ms(costs.backward[-1])}); link {1e6 * link['latency']:.0f} us + {link['bandwidth'] / 1e9:.2f} GB/s"
-    )
-    summary = []
+    costs = profiled(bench, base, "profile")
     for m in args.microbatches:
         cfg = dict(base, microbatches=m, batch=args.rows * m)
-        best = measure(bench, cfg, MODES, 2, args.rounds, f"m={m}", references(cfg))
+        best = measure(bench, cfg, MODES, 2, args.rounds, f"m={m}")
         bench.keep(f"real m={m}", {mode: {k: v for k, v in s.items() if k != "raw"} for mode, s in best.items()})
         sims = {name: simulated(name, 2, m, costs) for name in SCHEDULES}
         opt = max(best["1f1b"]["trace"]["opt"])  # the simulator has no optimizer: add the one measured
@@ -325,15 +271,11 @@ def real_part(bench: Bench, args) -> None:
         for other in ("1f1b", "gpipe"):
             meas, simr = best["2bw"]["total"] / best[other]["total"], sim_step[other] / sim_step["2bw"]
             bench.say(f"2bw/{other} at m={m}: measured {meas:.3f}x, simulated {simr:.3f}x")
-            summary.append((m, other, meas, simr))
         with_drain = args.steps * cfg["batch"] / (args.steps * best["2bw"]["step_ms"] / 1e3 + best["2bw"]["drain"])
         bench.say(f"2bw at m={m} including its drain once over the {args.steps} timed steps: {with_drain:.1f} samples/s")
         print_traces(bench, best, sims, 2)
         if m == min(args.microbatches):
             print_timeline(bench, best)
-    bench.say("\nreal processes, 2BW vs Flush (1F1B) and GPipe, measured (simulated):")
-    for m, other, meas, simr in summary:
-        bench.say(f"  m={m}: 2bw/{other} = {meas:.3f}x ({simr:.3f}x)")
 
 
 def emulated_part(bench: Bench, args) -> None:
@@ -343,14 +285,8 @@ def emulated_part(bench: Bench, args) -> None:
     base = dict(kind="emulated", hidden=512, rows=args.rows, steps=args.emu_steps, warmup=args.emu_warmup, lr=1e-3, t_f=t_f, t_b=t_b)
     base["profile_repeats"] = args.profile_repeats
     bench.say(f"\n## emulated devices (sleep): d processes, one sleeping block per stage; {base}\n")
-    # the sleeping block and the link, profiled once (on 2 ranks: the link between two processes)
-    prof, foreign = bench.run(job, 2, "profile", dict(base, depth=2, microbatches=1, batch=args.rows), label="emulated profile")
-    c2 = median_costs(prof[0]["blocks"], prof[0]["link"], "bench-2bw")
+    c2 = profiled(bench, base, "emulated profile")  # the sleeping block, and the link between two processes
     f_blk, b_blk = statistics.median(c2.forward), statistics.median(c2.backward)
-    bench.say(
-        f"emulated profile (foreign load {foreign:.2f}): sleeping block f {f_blk * 1e3:.2f} ms, b {b_blk * 1e3:.2f} ms (last, with the loss: "
-        f"f {c2.forward[-1] * 1e3:.2f}, b {c2.backward[-1] * 1e3:.2f}); link {1e6 * c2.latency:.0f} us + {c2.bandwidth / 1e9:.2f} GB/s"
-    )
     t = Table(
         *("d", "m", "gpipe samples/s", "1f1b samples/s", "2bw samples/s", "2bw/1f1b measured", "2bw/1f1b simulated"),
         *("2bw/gpipe measured", "2bw/gpipe simulated", "2bw drain ms", "weight updates (max rel. error: sync vs SGD, 2bw vs 2BW rule)"),
@@ -361,25 +297,21 @@ def emulated_part(bench: Bench, args) -> None:
             cfg = dict(base, depth=depth, microbatches=m, batch=args.rows * m)
             fwd, bwd = (f_blk,) * (depth - 1) + (c2.forward[-1],), (b_blk,) * (depth - 1) + (c2.backward[-1],)
             costs = CostModel(fwd, bwd, (c2.activation_bytes[0],) * depth, (c2.param_bytes[0],) * depth, c2.bandwidth, c2.latency)
-            best = measure(bench, cfg, SCHEDULES, depth, args.emu_repeats, f"emulated d={depth} m={m}", references(cfg))
+            best = measure(bench, cfg, SCHEDULES, depth, args.emu_repeats, f"emulated d={depth} m={m}")
             sims = {name: simulated(name, depth, m, costs) for name in SCHEDULES}
             print_traces(bench, best, sims, depth)
-            cell = lambda n: f"{best[n]['total']:.0f} ({args.rows * m / sims[n]['step']:.0f})"  # noqa: E731
-            ratio = lambda a, b: f"{best[a]['total'] / best[b]['total']:.3f}"  # noqa: E731
-            sim_ratio = lambda a, b: f"{sims[b]['step'] / sims[a]['step']:.3f}"  # noqa: E731
+            cells = [f"{best[n]['total']:.0f} ({args.rows * m / sims[n]['step']:.0f})" for n in SCHEDULES]
+            b2, s2 = best["2bw"]["total"], sims["2bw"]["step"]
+            speedups = [x for o in ("1f1b", "gpipe") for x in (b2 / best[o]["total"], sims[o]["step"] / s2)]
             errs = ", ".join(f"{n} {best[n]['error']:.0e}" for n in SCHEDULES)
-            t.add(
-                depth, m, cell("gpipe"), cell("1f1b"), cell("2bw"), ratio("2bw", "1f1b"), sim_ratio("2bw", "1f1b"),
-                ratio("2bw", "gpipe"), sim_ratio("2bw", "gpipe"), ms(best["2bw"]["drain"]), errs,
-            )  # fmt: skip
+            t.add(depth, m, *cells, *(f"{x:.3f}" for x in speedups), ms(best["2bw"]["drain"]), errs)
     bench.table(t, "\n### emulated devices (sleep): samples/s, measured (simulated); speed-up of 2BW over 1F1B (Flush) and GPipe")
 
 
 def main() -> None:
     quick = dict(microbatches=[2], depths=[2], emu_factors=[1], emu_steps=2, emu_warmup=1, emu_repeats=1, profile_repeats=3)
-    bench = Bench(
-        __doc__, quick, rounds=3, steps=20, warmup=5, retries=2, max_foreign=0.1, budget=300.0, quiet_wait=10.0, timeout=300.0, pin=False
-    )
+    common = dict(rounds=3, steps=20, warmup=5, retries=2, budget=300.0, quiet_wait=10.0, timeout=300.0, max_foreign=0.1, pin=False)
+    bench = Bench(__doc__, quick, **common)
     p = bench.parser
     p.add_argument("--part", choices=["real", "emulated", "all"], default="all")
     p.add_argument("--rows", type=int, default=64, help="rows per micro-batch (batch = rows x m), both parts")
