@@ -3,8 +3,8 @@
 ``real``: GPT-tiny (lightning_pipe.bench.gpt, 10 blocks cut 5 / 5), batch 16 in M = 4, 8, 16
 micro-batches, every advance_num a in [1, M]: iteration (rounds alternate the order of a), step,
 the simulator on costs profiled in the job, peak stash (saved bytes x peak_stash) and the live
-saved peak. ``emulated``: sleeping stages and an EMULATED per-message delay, the package's schedule
-and a variant whose last stage keeps 1F1B; a simulator-only table on a deeper pipeline. ``cli``:
+saved peak. ``emulated``: sleeping stages and an EMULATED per-message delay; a simulator-only table
+on a deeper pipeline. (The "last stage 1F1B" variant is the package's schedule since 1f812f2.) ``cli``:
 Algorithm 1's adaptive rule through the CLI (train.log). Feeds docs/benchmarks_advance.md.
 
     flock /tmp/bench.lock python benchmarks/bench_advance.py --save /tmp/advbench/final.json --cli-dir /tmp/advbench/cli_final
@@ -46,49 +46,19 @@ from lightning_pipe.profiling import Profile  # noqa: E402
 from lightning_pipe.profiling.link import ping_pong  # noqa: E402
 from lightning_pipe.profiling.saved import SavedBytes  # noqa: E402
 from lightning_pipe.runtime.p2p import Transport  # noqa: E402
-from lightning_pipe.schedules import build_schedule, validate  # noqa: E402
-from lightning_pipe.schedules.actions import Op, PipelineSchedule  # noqa: E402
-from lightning_pipe.schedules.advance import peak_stash, warmups  # noqa: E402
-from lightning_pipe.schedules.lowering import lower  # noqa: E402
+from lightning_pipe.schedules import build_schedule  # noqa: E402
+from lightning_pipe.schedules.advance import peak_stash  # noqa: E402
 from lightning_pipe.simulation import CostModel, simulate  # noqa: E402
 from lightning_pipe.tuning.record import in_flight_peak  # noqa: E402
 
 STAGES, MB = 2, 1 << 20
 EMU_ROWS, EMU_HIDDEN = 256, 128  # 256 x 128 float32: GPT-tiny's activation at M = 8
 DEEP = (4, 16)  # the simulator-only table: stages, M
-VARIANTS = {"package": "package", "last1f1b": "last stage 1F1B"}
 CLI = (("plain", "gpt-tiny-cpu"), ("AvgPipe N=2", "gpt-tiny-avgpipe"))
 
 
-# ---- the schedules ------------------------------------------------------------------------------
-def schedule_of(variant: str, m: int, a: int, stages: int = STAGES) -> PipelineSchedule:
-    """The package's ``advance``, or the variant: its warm-ups (stage k: a - k forwards first) but the
-    last stage keeps 1F1B's (none) unless a = M. Since 1f812f2 the package's IS the variant; the
-    doc's "package" rows were measured on 12d8086 (the last stage leading too)."""
-    if variant == "package":
-        return build_schedule("advance", stages, m, advance_num=a)
-    ws = warmups(stages, m, a)
-    ws[-1] = ws[-1] if ws[-1] >= m else 0
-    compute = []
-    for rank, w in enumerate(ws):
-        order = [(Op.FORWARD, rank, i) for i in range(w)]
-        for i in range(m - w):
-            order += [(Op.FORWARD, rank, w + i), (Op.BACKWARD, rank, i)]
-        compute.append(order + [(Op.BACKWARD, rank, i) for i in range(m - w, m)])
-    schedule = lower("advance-last-1f1b", compute, tuple(range(stages)), m)
-    validate(schedule)
-    return schedule
-
-
-def values(variant: str, m: int) -> list[int]:
-    """The a run for a variant: all of [1, M] for the package; the variant differs only in between."""
-    return list(range(1, m + 1)) if variant == "package" else list(range(2, m))
-
-
-def held(variant: str, m: int, a: int) -> list[int]:
-    """Micro-batches each stage holds at its peak."""
-    s = schedule_of(variant, m, a)
-    return peak_stash(STAGES, m, a) if variant == "package" else [in_flight_peak(s.actions[r]) for r in range(STAGES)]
+def schedule_of(m: int, a: int, stages: int = STAGES):
+    return build_schedule("advance", stages, m, advance_num=a)
 
 
 def label(a: int, m: int) -> str:
@@ -210,7 +180,7 @@ def real_job(rank: int, world: int, args: Any) -> dict:
             order = list(d["runs"]) if rnd % 2 == 0 else list(d["runs"])[::-1]
             live, transport = exclude if rnd == 0 else None, lambda: Transport(lambda r: r, torch.device("cpu"))
             one_round = lambda: {
-                a: train_schedule(schedule_of("package", m, a), rank, chunk, lm_loss, x, y, args, transport(), tie, live) for a in order
+                a: train_schedule(schedule_of(m, a), rank, chunk, lm_loss, x, y, args, transport(), tie, live) for a in order
             }
             res, load = segment(one_round, rank, world, args, log)
             d["loads"].append(load)
@@ -238,10 +208,10 @@ def emulated_job(rank: int, world: int, args: Any) -> dict:
     out: dict[str, Any] = {"link": link, "blocks": gather(measured, world), "per_m": {}}
     run = argparse.Namespace(steps=min(args.steps, 6), warmup=min(args.warmup, 2))
 
-    def timed(variant: str, m: int, a: int, latency: float, x, y) -> list:
+    def timed(m: int, a: int, latency: float, x, y) -> list:
         transport = LatencyTransport(latency / 1e3)
         try:
-            return train_schedule(schedule_of(variant, m, a), rank, model[rank : rank + 1], F.mse_loss, x, y, run, transport)["times"]
+            return train_schedule(schedule_of(m, a), rank, model[rank : rank + 1], F.mse_loss, x, y, run, transport)["times"]
         finally:
             transport.close()
 
@@ -249,7 +219,7 @@ def emulated_job(rank: int, world: int, args: Any) -> dict:
         x, y = randn(EMU_ROWS * m), randn(EMU_ROWS * m)
         runs, loads = {}, {}
         for lat in args.latencies:
-            one = lambda: {f"{lat}/{v}/{a}": timed(v, m, a, lat, x, y) for v in VARIANTS for a in values(v, m)}  # noqa: E731
+            one = lambda: {f"{lat}/{a}": timed(m, a, lat, x, y) for a in range(1, m + 1)}  # noqa: E731
             res, loads[lat] = segment(one, rank, world, args, log)
             runs.update(res)
             log(f"  emulated M={m} latency {lat:g} ms done (foreign load {loads[lat]:.2f} CPUs)")
@@ -340,13 +310,15 @@ def print_real(bench: Bench, results: list[dict], args: Any) -> dict:
         rows = []
         for a in sorted(d["runs"], key=int):
             pooled = [spans([r["per_m"][m]["runs"][a][k] for r in results]) for k in range(len(d["runs"][a]))]
-            schedule, peak = schedule_of("package", m, int(a)), peak_stash(STAGES, m, int(a))
+            schedule, peak = schedule_of(m, int(a)), peak_stash(STAGES, m, int(a))
             sim = simulate(schedule, costs, bounds, critical_path=False)
-            rows.append(dict(a=int(a), iter=spread((t for i, _ in pooled for t in i), iqr=True), sim=sim.iteration_time, peak=peak))
-            rows[-1].update(rounds=[statistics.median(i) for i, _ in pooled], step=statistics.median(t for _, s in pooled for t in s))
-            rows[-1].update(checked=[in_flight_peak(schedule.actions[r]) for r in range(STAGES)] == peak == list(sim.peak_activations))
-            rows[-1].update(stash=[p * s["activations"] for p, s in zip(peak, saved)], live=[r["per_m"][m]["live"].get(a) for r in results])
-            rows[-1].update(faults=[statistics.fmean(r["per_m"][m]["faults"][a]) for r in results])
+            rows.append(dict(
+                a=int(a), iter=spread((t for i, _ in pooled for t in i), iqr=True), sim=sim.iteration_time, peak=peak,
+                rounds=[statistics.median(i) for i, _ in pooled], step=statistics.median(t for _, s in pooled for t in s),
+                checked=[in_flight_peak(schedule.actions[r]) for r in range(STAGES)] == peak == list(sim.peak_activations),
+                stash=[p * s["activations"] for p, s in zip(peak, saved)], live=[r["per_m"][m]["live"].get(a) for r in results],
+                faults=[statistics.fmean(r["per_m"][m]["faults"][a]) for r in results],
+            ))  # fmt: skip
         table = Table(*(h for h, _ in REAL_COLUMNS), align="llllrrrrrrr")
         base, afab = rows[0], rows[-1]
         for r in rows:
@@ -362,17 +334,8 @@ def print_real(bench: Bench, results: list[dict], args: Any) -> dict:
         )
         visits = replay_rule({r["a"]: r["iter"].median for r in rows}, 1, m)
         bench.say(f"the rule replayed on these medians (noise-free, one value per a): visits {visits}, settles at {visits[-1]}")
-        variant = ", ".join(f"a={a} {ms(sim_iter(schedule_of('last1f1b', m, a), costs, bounds))} ms" for a in values("last1f1b", m))
-        bench.say(
-            f"simulated, variant with the last stage kept at 1F1B: {variant} (package a=1 {ms(base['sim'])}, AFAB {ms(afab['sim'])})\n"
-        )
         figure[m] = rows
     return figure
-
-
-def emu_key(lat: float, v: str, a: int, m: int) -> str:
-    """a = 1 and a = M of every variant come from the package's runs."""
-    return f"{lat}/{v if 1 < a < m else 'package'}/{a}"
 
 
 def print_emulated(bench: Bench, results: list[dict], args: Any) -> dict:
@@ -391,39 +354,28 @@ def print_emulated(bench: Bench, results: list[dict], args: Any) -> dict:
     )  # noqa: E731
     for m in results[0]["per_m"]:
         med = {key: statistics.median(spans([r["per_m"][m]["runs"][key] for r in results])[0]) for key in results[0]["per_m"][m]["runs"]}
-        sims = {
-            f"{lat}/{v}/{a}": sim_iter(schedule_of(v, m, a), at(lat), chain(2))
-            for lat in args.latencies
-            for v in VARIANTS
-            for a in values(v, m)
-        }
-        table = Table("variant", "advance_num", "peak stash", *delays, align="llr" + "r" * len(delays))
-        for v in VARIANTS:
-            for a in values(v, m):
-                key = lambda lat: f"{lat}/{v}/{a}"  # noqa: E731
-                cells = [
-                    f"{ms(med[key(lat)])} ({ms(sims[key(lat)])}) {med[f'{lat}/package/1'] / med[key(lat)]:.2f}x" for lat in args.latencies
-                ]
-                table.add(VARIANTS[v], label(a, m), " / ".join(map(str, held(v, m, a))), *cells)
+        sims = {f"{lat}/{a}": sim_iter(schedule_of(m, a), at(lat), chain(2)) for lat in args.latencies for a in range(1, m + 1)}
+        table = Table("advance_num", "peak stash", *delays, align="lr" + "r" * len(delays))
+        for a in range(1, m + 1):
+            cell = lambda k: f"{ms(med[k])} ({ms(sims[k])}) {med[k.split('/')[0] + '/1'] / med[k]:.2f}x"  # noqa: E731
+            table.add(label(a, m), " / ".join(map(str, peak_stash(STAGES, m, a))), *(cell(f"{lat}/{a}") for lat in args.latencies))
         bench.table(table, f"### EMULATED, M = {m}: iteration ms measured (simulated), peak stash in micro-batches stage 0 / 1")
         bench.say("(each cell: measured median (simulated) and measured speed-up over 1F1B at that delay; ALL EMULATED)")
         for lat in args.latencies:
-            for v in VARIANTS:
-                times = {a: med[emu_key(lat, v, a, m)] for a in range(1, m + 1)}
-                visits, fastest = replay_rule(times, 1, m), min(times, key=times.get)
-                bench.say(
-                    f"EMULATED delay {lat:g} ms, {VARIANTS[v]}: the rule replayed on the medians visits {visits}, settles at {visits[-1]} "
-                    f"({ms(times[visits[-1]])} ms; fastest a = {fastest}, {ms(times[fastest])} ms)"
-                )
+            times = {a: med[f"{lat}/{a}"] for a in range(1, m + 1)}
+            visits, fastest = replay_rule(times, 1, m), min(times, key=times.get)
+            bench.say(
+                f"EMULATED delay {lat:g} ms: the rule replayed on the medians visits {visits}, settles at {visits[-1]} "
+                f"({ms(times[visits[-1]])} ms; fastest a = {fastest}, {ms(times[fastest])} ms)"
+            )
         figure[m] = {"measured": med, "simulated": sims}
     k, m = DEEP
     deep = Table("advance_num", "max peak stash", *delays, align="lr" + "r" * len(delays))
     for a in range(k - 1, m + 1):
-        peaks = [max(simulate(schedule_of(v, m, a, k), at(0.0, k), chain(k)).peak_activations) for v in VARIANTS]
-        t = [[sim_iter(schedule_of(v, m, a, k), at(lat, k), chain(k)) for v in VARIANTS] for lat in args.latencies]
-        deep.add(label(a, m) if a != k - 1 else f"{a} (1F1B)", f"{peaks[0]} / {peaks[1]}", *(f"{ms(x)} / {ms(y)}" for x, y in t))
-    title = f"### SIMULATED only: K = {k} stages of the emulated block, M = {m}; iteration ms, package / last stage 1F1B; max peak stash over the stages (micro-batches), package / variant"
-    bench.table(deep, "\n" + title)
+        t = [sim_iter(schedule_of(m, a, k), at(lat, k), chain(k)) for lat in args.latencies]
+        peak = max(simulate(schedule_of(m, a, k), at(0.0, k), chain(k)).peak_activations)
+        deep.add(label(a, m) if a != k - 1 else f"{a} (1F1B)", peak, *map(ms, t))
+    bench.table(deep, f"\n### SIMULATED only: K = {k} stages of the emulated block, M = {m}; iteration ms; max peak stash (micro-batches)")
     return figure
 
 
@@ -434,9 +386,7 @@ def print_cli(bench: Bench, cli: list[dict]) -> None:
         settled = "not settled" if c["settled"] is None else c["settled"]
         table.add(c["kind"], c["returncode"], f"{c['seconds']:.0f}", seq or "no decision logged", settled)
     bench.table(table, "## Algorithm 1's adaptive rule through the CLI (train.log)")
-    for c in cli:
-        if c["tail"]:
-            bench.say(f"{c['kind']}: " + " / ".join(c["tail"]))
+    [bench.say(f"{c['kind']}: " + " / ".join(c["tail"])) for c in cli if c["tail"]]
     for c in {c["recipe"]: c for c in cli[::-1]}.values():
         bench.say(f"command: python {c['command']}")
 
@@ -461,19 +411,17 @@ def figure(real: dict, emu: dict, path: str, latencies: list[float]) -> None:
         ax.set(xlabel=xlabel, ylabel="iteration ms", title=f"real: 2 gloo CPU processes, GPT-tiny, M = {m}")
         ax.set_ylim(0, max(r["iter"].hi for r in rows) * 1e3 * 1.35)
         twin = ax.twinx()
-        for s, style in ((0, "^:"), (1, "v:")):
-            twin.plot(a, [r["stash"][s] / MB for r in rows], style, color=f"C{2 + s}", label=f"peak stash stage {s} (MB)")
+        for s in (0, 1):
+            twin.plot(a, [r["stash"][s] / MB for r in rows], "^v"[s] + ":", color=f"C{2 + s}", label=f"peak stash stage {s} (MB)")
         twin.set(ylabel="peak stashed activations, MB", ylim=(0, max(max(r["stash"]) for r in rows) / MB * 1.1))
         (h1, l1), (h2, l2) = ax.get_legend_handles_labels(), twin.get_legend_handles_labels()
         ax.legend(h1 + h2, l1 + l2, loc="lower right", fontsize=8)
     if emu:
         m = 8 if 8 in emu else next(iter(emu))
-        ax, names = axes.pop(0), {"package": "package (stage 1 holds a - 1)", "last1f1b": "variant: last stage 1F1B (holds 1)"}
+        ax = axes.pop(0)
         for i, lat in enumerate(latencies):
-            for v, style in (("package", "-"), ("last1f1b", "--")):
-                keys = [emu_key(lat, v, a, m) for a in range(1, m + 1)]
-                for kind, extra in (("measured", dict(marker="o", label=f"delay {lat:g} ms, {names[v]}")), ("simulated", dict(alpha=0.35))):
-                    ax.plot(range(1, m + 1), [emu[m][kind][k] * 1e3 for k in keys], style, color=f"C{i}", **extra)
+            for kind, extra in (("measured", dict(marker="o", label=f"delay {lat:g} ms")), ("simulated", dict(alpha=0.35))):
+                ax.plot(range(1, m + 1), [emu[m][kind][f"{lat}/{a}"] * 1e3 for a in range(1, m + 1)], "-", color=f"C{i}", **extra)
         title = f"EMULATED devices (sleep) + EMULATED message delay, M = {m}\n(faint: simulated)"
         ax.set(xlabel=xlabel, ylabel="iteration ms", title=title)
         ax.legend(fontsize=7)
@@ -493,21 +441,23 @@ def intkeys(value: Any) -> Any:
 def main() -> None:
     bench = Bench(__doc__, rounds=4, steps=8, warmup=2, retries=1, max_foreign=0.15, quiet_wait=30.0, timeout=900.0, pin=False)
     bench.quick.update(microbatches=[4], emu_microbatches=[4], latencies=[0.0, 2.0], profile_repeats=2, cli_repeats=1, cli_steps=6)
-    p = bench.parser
-    p.add_argument("--part", type=names, default=["real", "emulated", "cli"], help="comma-separated: real, emulated, cli")
-    p.add_argument("--save", help="write the measurements (JSON) here")
-    p.add_argument("--load", help="print (and plot) measurements saved by --save instead of measuring")
-    p.add_argument("--figure", help="write the Fig. 7-style trade-off (PNG) here, e.g. docs/img/advance_tradeoff.png")
-    add_model_arguments(p, layers=4, vocab=260)
-    p.add_argument("--batch", type=int, default=16, help="sequences per step (split into M micro-batches)")
-    p.add_argument("--microbatches", type=ints, default=[4, 8, 16], help="M values (divisors of --batch)")
-    p.add_argument("--profile-repeats", type=int, default=10)
-    p.add_argument("--emu-microbatches", type=ints, default=[8])
-    p.add_argument("--tf", type=float, default=4.0, help="emulated forward per stage and micro-batch, ms (backward 2 x)")
-    p.add_argument("--latencies", type=floats, default=[0.0, 2.0, 8.0], help="emulated delay per message, ms")
-    p.add_argument("--cli-steps", type=int, default=20)
-    p.add_argument("--cli-repeats", type=int, default=3, help="runs per recipe (the rule decides from single steps)")
-    p.add_argument("--cli-dir", default=None, help="run folders (default: a temporary directory, kept)")
+    add_model_arguments(bench.parser, layers=4, vocab=260)
+    for flag, kind, default, text in (
+        ("part", names, ["real", "emulated", "cli"], "comma-separated: real, emulated, cli"),
+        ("save", str, None, "write the measurements (JSON) here"),
+        ("load", str, None, "print (and plot) measurements saved by --save instead of measuring"),
+        ("figure", str, None, "write the Fig. 7-style trade-off (PNG) here, e.g. docs/img/advance_tradeoff.png"),
+        ("batch", int, 16, "sequences per step (split into M micro-batches)"),
+        ("microbatches", ints, [4, 8, 16], "M values (divisors of --batch)"),
+        ("profile-repeats", int, 10, None),
+        ("emu-microbatches", ints, [8], None),
+        ("tf", float, 4.0, "emulated forward per stage and micro-batch, ms (backward 2 x)"),
+        ("latencies", floats, [0.0, 2.0, 8.0], "emulated delay per message, ms"),
+        ("cli-steps", int, 20, None),
+        ("cli-repeats", int, 3, "runs per recipe (the rule decides from single steps)"),
+        ("cli-dir", str, None, "run folders (default: a temporary directory, kept)"),
+    ):
+        bench.parser.add_argument(f"--{flag}", type=kind, default=default, help=text)
     args = bench.parse()
     args.part = ["real", "emulated", "cli"] if "all" in args.part else args.part
     if any(m < 1 or args.batch % m for m in args.microbatches):
