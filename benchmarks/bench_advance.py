@@ -333,7 +333,7 @@ def print_real(bench: Bench, results: list[dict], args: Any) -> dict:
             f"peak stash AFAB/1F1B stage 0 {afab['stash'][0] / base['stash'][0]:.1f}x, stage 1 {afab['stash'][1] / base['stash'][1]:.1f}x"
         )
         visits = replay_rule({r["a"]: r["iter"].median for r in rows}, 1, m)
-        bench.say(f"the rule replayed on these medians (noise-free, one value per a): visits {visits}, settles at {visits[-1]}")
+        bench.say(f"the rule replayed on these medians (noise-free, one value per a): visits {visits}, settles at {visits[-1]}\n")
         figure[m] = rows
     return figure
 

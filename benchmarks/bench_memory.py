@@ -41,13 +41,12 @@ class Ledger:
         self.bytes = self.peak = 0
 
     def acquire(self, ptr: int, nbytes: int) -> None:
-        entry = self.live.get(ptr)
-        if entry is None:
-            self.live[ptr] = [nbytes, 1]
-            self.bytes += nbytes
-            self.peak = max(self.peak, self.bytes)
-        else:
-            entry[1] += 1
+        if ptr in self.live:
+            self.live[ptr][1] += 1
+            return
+        self.live[ptr] = [nbytes, 1]
+        self.bytes += nbytes
+        self.peak = max(self.peak, self.bytes)
 
     def release(self, ptr: int) -> None:
         entry = self.live[ptr]
@@ -64,14 +63,12 @@ class StorageWatch:
     """Bytes of storages alive: each storage is counted from the first time it is seen until torch
     frees it (`weakref.finalize` on the UntypedStorage). `kind` labels why it was first seen; at
     each new peak the bytes by kind of the storages not in `held` (the saved + stash ledger) are
-    kept, to say what the excess consisted of."""
+    kept, to say what the excess consisted of; `peak_kind`: the kind whose arrival set the peak."""
 
     def __init__(self, held: "Ledger | None" = None) -> None:
         self.kind: dict[int, tuple[int, str]] = {}  # data_ptr -> (bytes, kind)
         self.bytes = self.peak = 0
-        self.held = held
-        self.excess_at_peak: dict[str, int] = {}
-        self.peak_kind = ""  # the kind of the storage whose arrival set the peak
+        self.held, self.excess_at_peak, self.peak_kind = held, {}, ""
 
     def watch(self, t: torch.Tensor, kind: str) -> None:
         storage = t.untyped_storage()
@@ -84,19 +81,16 @@ class StorageWatch:
         if self.bytes > self.peak:
             self.peak, self.peak_kind = self.bytes, kind
             if self.held is not None:
-                excess: dict[str, int] = {}
+                self.excess_at_peak = {}
                 for p, (n, k) in self.kind.items():
                     if p not in self.held.live:
-                        excess[k] = excess.get(k, 0) + n
-                self.excess_at_peak = excess
+                        self.excess_at_peak[k] = self.excess_at_peak.get(k, 0) + n
 
     def _freed(self, ptr: int) -> None:
-        nbytes, _ = self.kind.pop(ptr)
-        self.bytes -= nbytes
+        self.bytes -= self.kind.pop(ptr)[0]
 
     def reset_peak(self) -> None:
-        self.peak = self.bytes
-        self.excess_at_peak = {}
+        self.peak, self.excess_at_peak = self.bytes, {}
 
 
 class _Saved:
@@ -108,19 +102,29 @@ class _Saved:
         self.tensor = tensor
 
 
+# transport method -> (kind of what it moves, where the tensors are: "before"/"after" the call in its
+# last argument, or "received": the buffers of the pending receive it returns)
+TRANSPORT_WATCH = {
+    "send_activation": ("activation", "after"),
+    "send_gradients": ("gradient sent", "before"),
+    "recv_activation": ("activation received", "received"),
+    "recv_gradients": ("gradient received", "received"),
+}
+
+
 class Probe:
-    """The saved-tensor hooks and the ledgers of one process."""
+    """The saved-tensor hooks and the ledgers of one process: `held` (saved by autograd + stashed by
+    the executor), `saved` (autograd only), `alive` (the same and communication buffers, until
+    freed); `weight_ptrs`: the storages of the parameters the running forward uses."""
 
     def __init__(self) -> None:
-        self.held = Ledger()  # saved by autograd + stashed by the executor
-        self.saved = Ledger()  # saved by autograd only
-        self.alive = StorageWatch(self.held)  # the same, and communication buffers, until freed
-        self.weights = StorageWatch()
-        self.weight_ptrs: set[int] = set()  # storages of the parameters the running forward uses
+        self.held, self.saved = Ledger(), Ledger()
+        self.alive, self.weights = StorageWatch(self.held), StorageWatch()
+        self.weight_ptrs: set[int] = set()
         self.in_flight = self.peak_in_flight = 0
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda packed: packed.tensor if isinstance(packed, _Saved) else packed)
 
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage()
@@ -134,10 +138,6 @@ class Probe:
         self.alive.watch(t, "saved")
         return holder
 
-    @staticmethod
-    def _unpack(packed):
-        return packed.tensor if isinstance(packed, _Saved) else packed
-
     def use_weights(self, module: nn.Module) -> None:
         self.weight_ptrs = {p.untyped_storage().data_ptr() for p in module.parameters()}
 
@@ -145,10 +145,9 @@ class Probe:
         """The executor keeps `out` until this micro-batch's backward (the gradient hook on it)."""
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-        storage = out.untyped_storage()
-        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        ptr = out.untyped_storage().data_ptr()
         if counted:
-            self.held.acquire(ptr, nbytes)
+            self.held.acquire(ptr, out.untyped_storage().nbytes())
             self.alive.watch(out, "activation")
 
         def backward(grad: torch.Tensor) -> None:
@@ -164,35 +163,20 @@ class Probe:
         self.peak_in_flight = self.in_flight
 
     def watch_transport(self, transport) -> None:
-        """Count what the transport sends and the buffers it receives into."""
-        send_act, send_grad = transport.send_activation, transport.send_gradients
-        recv_act, recv_grad = transport.recv_activation, transport.recv_gradients
+        """Count what the transport sends and the buffers it receives into (`TRANSPORT_WATCH`)."""
 
-        def send_activation(peer, chunk, key, value):
-            ops = send_act(peer, chunk, key, value)
-            for t in value if isinstance(value, tuple) else (value,):
-                self.alive.watch(t, "activation")
-            return ops
+        def watched(call, kind: str, where: str):
+            def run(*args):
+                tensors = args[-1] if isinstance(args[-1], (tuple, list)) else (args[-1],)
+                [self.alive.watch(t, kind) for t in tensors if where == "before"]
+                result = call(*args)
+                [self.alive.watch(t, kind) for t in (result[0].buffers if where == "received" else tensors) if where != "before"]
+                return result
 
-        def send_gradients(peer, grads):
-            for g in grads:
-                self.alive.watch(g, "gradient sent")
-            return send_grad(peer, grads)
+            return run
 
-        def recv_activation(peer, chunk, key):
-            pending, ops = recv_act(peer, chunk, key)
-            for b in pending.buffers:
-                self.alive.watch(b, "activation received")
-            return pending, ops
-
-        def recv_gradients(peer, like):
-            pending, ops = recv_grad(peer, like)
-            for b in pending.buffers:
-                self.alive.watch(b, "gradient received")
-            return pending, ops
-
-        transport.send_activation, transport.send_gradients = send_activation, send_gradients
-        transport.recv_activation, transport.recv_gradients = recv_activation, recv_gradients
+        for name, (kind, where) in TRANSPORT_WATCH.items():
+            setattr(transport, name, watched(getattr(transport, name), kind, where))
 
 
 # ---- the workers ---------------------------------------------------------------------------------
@@ -237,11 +221,7 @@ def job(rank: int, world: int, runs: list[tuple[str, int]], cfg: dict) -> list[d
     """Every (schedule, m) of `runs` on this rank's stage, one after the other (one launch per d)."""
     import torch.distributed as dist
 
-    results = []
-    for schedule, m in runs:
-        results.append(_measure(rank, world, schedule, m, cfg))
-        dist.barrier()
-    return results
+    return [(_measure(rank, world, schedule, m, cfg), dist.barrier())[0] for schedule, m in runs]
 
 
 def _measure(rank: int, world: int, schedule: str, m: int, cfg: dict) -> dict:
@@ -252,18 +232,15 @@ def _measure(rank: int, world: int, schedule: str, m: int, cfg: dict) -> dict:
     from lightning_pipe.runtime.p2p import Transport
     from lightning_pipe.schedules import ScheduleSpec, build_schedule
 
-    model = make_model(cfg)
-    per = cfg["blocks"] // world
-    stage = model[rank * per : (rank + 1) * per]
-    probe = Probe()
+    per, probe = cfg["blocks"] // world, Probe()
+    stage = make_model(cfg)[rank * per : (rank + 1) * per]
     host = _host_class()(probe, stage, {rank: stage}, world - 1, loss_fn)
     transport = Transport(lambda r: r, torch.device("cpu"))
     probe.watch_transport(transport)
     opt = torch.optim.SGD(stage.parameters(), lr=cfg["lr"])
     for p in stage.parameters():
         probe.weights.watch(p, "live")
-    warmup, measured = cfg["warmup"], cfg["steps_2bw"] if schedule == "2bw" else cfg["steps"]
-    held = 0
+    warmup, measured, held = cfg["warmup"], cfg["steps_2bw"] if schedule == "2bw" else cfg["steps"], 0
     if schedule == "2bw":
 
         def apply() -> None:  # a drain's update: the caller's optimizer step
@@ -273,30 +250,17 @@ def _measure(rank: int, world: int, schedule: str, m: int, cfg: dict) -> dict:
         mode = DoubleBuffer(ScheduleSpec.of("2bw"), world, m, rank, transport, stage, apply, prefetch=cfg["prefetch"])
         versions = mode.versions
         detach_live, snapshot = versions.detach_live, versions.snapshot
-
-        def watched_detach_live() -> None:
-            detach_live()
-            for p in versions.live:
-                probe.weights.watch(p, "detach_live")
-
-        def watched_snapshot():
-            stashed = snapshot()
-            for t in stashed.values():
-                probe.weights.watch(t, "snapshot")
-            return stashed
-
-        versions.detach_live, versions.snapshot = watched_detach_live, watched_snapshot
+        watch = lambda tensors, kind: [probe.weights.watch(t, kind) for t in tensors]  # noqa: E731
+        versions.detach_live = lambda: (detach_live(), watch(versions.live, "detach_live"))[0]
+        versions.snapshot = lambda: (stashed := snapshot(), watch(stashed.values(), "snapshot"))[0]
     else:
         executor = Executor(build_schedule(schedule, world, m), rank, transport, prefetch=cfg["prefetch"])
-
     with probe.hooks():
         for step, (x, y) in enumerate(_batches(cfg, m, warmup + measured)):
             if step == warmup:
                 probe.reset_peaks()
             opt.zero_grad(set_to_none=True)
-            host.inputs, host.weights = split_microbatches(x, m)
-            host.targets, _ = split_microbatches(y, m)
-            host.losses = []
+            (host.inputs, host.weights), (host.targets, _), host.losses = split_microbatches(x, m), split_microbatches(y, m), []
             if schedule == "2bw":
                 mode.run("train", host, [("train", signature(mb)) for mb in host.inputs])
                 held = max(held, mode.versions_held())
@@ -308,17 +272,11 @@ def _measure(rank: int, world: int, schedule: str, m: int, cfg: dict) -> dict:
             held = max(held, mode.versions_held())
     if probe.held.bytes or probe.in_flight:
         raise RuntimeError(f"rank {rank}: {probe.held.bytes} bytes / {probe.in_flight} micro-batches still held after the run")
-    return {
-        "saved": probe.saved.peak,
-        "held": probe.held.peak,
-        "alive": probe.alive.peak,
-        "excess": probe.alive.excess_at_peak,
-        "in_flight": probe.peak_in_flight,
-        "weights": probe.weights.peak,
-        "weights_peak_at": probe.weights.peak_kind,
-        "versions_held": held,
-        "param_bytes": _param_bytes(stage),
-    }
+    return dict(
+        saved=probe.saved.peak, held=probe.held.peak, alive=probe.alive.peak, excess=probe.alive.excess_at_peak,
+        in_flight=probe.peak_in_flight, weights=probe.weights.peak, weights_peak_at=probe.weights.peak_kind,
+        versions_held=held, param_bytes=_param_bytes(stage),
+    )  # fmt: skip
 
 
 # ---- per-block costs on one process --------------------------------------------------------------
@@ -347,10 +305,7 @@ def predict(schedule: str, d: int, m: int, cfg: dict, costs: CostModel):
     from lightning_pipe.schedules import build_schedule
     from lightning_pipe.schedules.two_bw import pipedream_2bw
 
-    if schedule == "2bw":
-        sched = pipedream_2bw(d, m, batches=cfg["warmup"] + cfg["steps_2bw"])
-    else:
-        sched = build_schedule(schedule, d, m)
+    sched = pipedream_2bw(d, m, batches=cfg["warmup"] + cfg["steps_2bw"]) if schedule == "2bw" else build_schedule(schedule, d, m)
     per = cfg["blocks"] // d
     return simulate(sched, costs, [(s * per, (s + 1) * per) for s in range(d)], critical_path=False)
 
@@ -360,66 +315,72 @@ def kib(n: float) -> str:
     return f"{n / KiB:,.0f}"
 
 
+KEY = ("schedule", "d", "m", "stage")
+# (header, cell of a stage's row: the measurement plus n, pred, pred_w, pred_out, the simulator's in flight and bytes)
+ACTIVATIONS = (
+    ("in flight meas/pred", lambda r: f"{r['in_flight']}/{r['n']}"),
+    ("saved + stash KiB", lambda r: kib(r["held"])),
+    ("predicted KiB", lambda r: kib(r["pred"])),
+    ("ratio", lambda r: f"{r['held'] / r['pred']:.2f}"),
+    ("alive KiB", lambda r: kib(r["alive"])),
+    ("alive / pred", lambda r: f"{r['alive'] / r['pred']:.2f}"),
+    ("excess of alive at its peak (KiB)", lambda r: ", ".join(f"{k} {kib(v)}" for k, v in sorted(r["excess"].items())) or "-"),
+    ("pred (output bytes) KiB", lambda r: kib(r["pred_out"])),
+)
+WEIGHTS = (
+    ("weights measured KiB", lambda r: kib(r["weights"])),
+    ("versions_held() max", lambda r: str(r["versions_held"]) if r["schedule"] == "2bw" else "-"),
+    ("measured peak set by", lambda r: r["weights_peak_at"]),
+    ("predicted KiB", lambda r: kib(r["pred_w"])),
+    ("ratio", lambda r: f"{r['weights'] / r['pred_w']:.2f}"),
+)
+
+
 def main() -> None:
     bench = Bench(__doc__, {"stages": [2], "steps_2bw": 2}, steps=2, warmup=1, timeout=240.0)
-    p = bench.parser
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--mlp-ratio", type=int, default=2, help="inner width of a block = hidden * mlp_ratio")
-    p.add_argument("--blocks", type=int, default=8, help="divisible by every stage count")
-    p.add_argument("--rows", type=int, default=32, help="rows per micro-batch")
-    p.add_argument("--stages", type=ints, default=[2, 4], help="comma-separated d")
-    p.add_argument("--schedules", type=names, default=SCHEDULES)
-    p.add_argument("--steps-2bw", type=int, default=4, help="measured steps (2BW; then a drain)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--no-prefetch", action="store_true", help="the executor posts each receive when it is due (prefetch=False)")
+    for flag, kind, default, text in (
+        ("hidden", int, 256, None),
+        ("mlp-ratio", int, 2, "inner width of a block = hidden * mlp_ratio"),
+        ("blocks", int, 8, "divisible by every stage count"),
+        ("rows", int, 32, "rows per micro-batch"),
+        ("stages", ints, [2, 4], "comma-separated d"),
+        ("schedules", names, SCHEDULES, None),
+        ("steps-2bw", int, 4, "measured steps (2BW; then a drain)"),
+        ("lr", float, 1e-3, None),
+    ):
+        bench.parser.add_argument(f"--{flag}", type=kind, default=default, help=text)
+    bench.parser.add_argument("--no-prefetch", action="store_true", help="the executor posts each receive when it is due (prefetch=False)")
     args = bench.parse()
-    stages, schedules = args.stages, args.schedules
-    if any(args.blocks % d for d in stages) or any(s not in SCHEDULES for s in schedules):
+    if any(args.blocks % d for d in args.stages) or any(s not in SCHEDULES for s in args.schedules):
         bench.error(f"--blocks must be divisible by every d, and schedules in {SCHEDULES}")
-    cfg = dict(hidden=args.hidden, mlp_ratio=args.mlp_ratio, blocks=args.blocks, rows=args.rows, warmup=args.warmup, steps=args.steps)
-    cfg.update(steps_2bw=args.steps_2bw, lr=args.lr, prefetch=not args.no_prefetch)
+    cfg = {k: getattr(args, k) for k in ("hidden", "mlp_ratio", "blocks", "rows", "warmup", "steps", "steps_2bw", "lr")}
+    cfg["prefetch"] = not args.no_prefetch
     bench.say(f"1 thread per process, gloo; config: {cfg}")
     saved, output, params = block_costs(cfg)
     bench.say(f"per block, one micro-batch: saves {kib(saved[0])} KiB, outputs {kib(output[0])} KiB, parameters {kib(params[0])} KiB")
-    blocks = cfg["blocks"]
-    costs = CostModel.uniform(blocks, 1.0, 2.0, activation_bytes=tuple(map(float, saved)), param_bytes=tuple(map(float, params)))
-    costs_out = CostModel.uniform(blocks, 1.0, 2.0, activation_bytes=tuple(map(float, output)), param_bytes=tuple(map(float, params)))
-    key = ("schedule", "d", "m", "stage")
-    acts = Table(
-        *key,
-        *("in flight meas/pred", "saved + stash KiB", "predicted KiB", "ratio", "alive KiB", "alive / pred"),
-        *("excess of alive at its peak (KiB)", "pred (output bytes) KiB"),
-        align="llll" + "r" * 8,
-    )
-    weights = Table(
-        *key,
-        *("weights measured KiB", "versions_held() max", "measured peak set by", "predicted KiB", "ratio"),
-        align="llll" + "rrlrr",
-    )
-    started = time.monotonic()
-    for d in stages:
-        runs = [(schedule, m) for schedule in schedules for m in (d, 4 * d)]
-        t0 = time.monotonic()
+    costs = [
+        CostModel.uniform(args.blocks, 1.0, 2.0, activation_bytes=tuple(map(float, a)), param_bytes=tuple(map(float, params)))
+        for a in (saved, output)
+    ]
+    acts = Table(*KEY, *(h for h, _ in ACTIVATIONS), align="llll" + "r" * len(ACTIVATIONS))
+    weights = Table(*KEY, *(h for h, _ in WEIGHTS), align="llll" + "rrlrr")
+    started, results = time.monotonic(), {}
+    for d in args.stages:
+        runs, t0 = [(schedule, m) for schedule in args.schedules for m in (d, 4 * d)], time.monotonic()
         per_rank = run_distributed(job, d, runs, cfg, timeout=args.timeout)
         bench.log(f"d={d}: {len(runs)} runs in {time.monotonic() - t0:.1f} s")
-        bench.keep(f"d={d}", {f"{s} m={m}": [r[i] for r in per_rank] for i, (s, m) in enumerate(runs)})
-        for i, (schedule, m) in enumerate(runs):
-            t = predict(schedule, d, m, cfg, costs)
-            t_out = predict(schedule, d, m, cfg, costs_out)
-            for s in range(d):
-                r = per_rank[s][i]
+        results[d] = {run: [r[i] for r in per_rank] for i, run in enumerate(runs)}
+        bench.keep(f"d={d}", {f"{s} m={m}": stages for (s, m), stages in results[d].items()})
+    for d, runs in results.items():
+        for (schedule, m), stages in runs.items():
+            t, t_out = (predict(schedule, d, m, cfg, c) for c in costs)
+            for s, r in enumerate(stages):
                 if r["saved"] > r["held"]:
                     raise RuntimeError("saved > saved + stash: the accounting is wrong")
-                pred, pred_w = t.peak_activation_bytes[s], t.weight_bytes[s]
-                excess = ", ".join(f"{k} {kib(v)}" for k, v in sorted(r["excess"].items())) or "-"
-                acts.add(
-                    schedule, d, m, s, f"{r['in_flight']}/{t.peak_activations[s]}", kib(r["held"]), kib(pred), f"{r['held'] / pred:.2f}",
-                    kib(r["alive"]), f"{r['alive'] / pred:.2f}", excess, kib(t_out.peak_activation_bytes[s]),
-                )  # fmt: skip
-                versions = str(r["versions_held"]) if schedule == "2bw" else "-"
-                weights.add(
-                    schedule, d, m, s, kib(r["weights"]), versions, r["weights_peak_at"], kib(pred_w), f"{r['weights'] / pred_w:.2f}"
-                )
+                r = {**r, "schedule": schedule, "n": t.peak_activations[s], "pred": t.peak_activation_bytes[s], "pred_w": t.weight_bytes[s]}
+                r["pred_out"] = t_out.peak_activation_bytes[s]
+                for table, columns in ((acts, ACTIVATIONS), (weights, WEIGHTS)):
+                    table.add(schedule, d, m, s, *(cell(r) for _, cell in columns))
     bench.say(f"\n{len(acts.rows)} stage rows in {time.monotonic() - started:.0f} s\n")
     bench.table(acts)
     bench.table(weights)
