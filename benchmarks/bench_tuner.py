@@ -11,6 +11,7 @@ holding /tmp/bench.lock; predicted vs measured time and memory per setting. Resu
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -18,15 +19,16 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 from lightning_pipe.bench import REPO
-from lightning_pipe.bench.harness import Bench, Table, interleave, names
+from lightning_pipe.bench.cli_runs import pyplot, save_figure
+from lightning_pipe.bench.harness import Bench, interleave, names
 from lightning_pipe.bench.launch import CpuClock, foreign_load, own_seconds, wait_for_quiet
 from lightning_pipe.bench.stats import spearman
+from lightning_pipe.bench.trainer_runs import columns_table
 
 RECORD_ENV = "LIGHTNING_PIPE_TUNE_RECORD"  # lightning_pipe.lightning.tune_record.RECORD_ENV
 MODELS: dict[str, list[str]] = {
@@ -35,6 +37,7 @@ MODELS: dict[str, list[str]] = {
     "bert-tiny": ["recipe=bert-tiny-cpu", "pipeline=avgpipe", "trainer.devices=4"],
 }
 MiB = 2**20
+MN = lambda x: {"microbatches": x["microbatches"], "pipelines": x["pipelines"]}  # a setting's (M, N)
 
 
 # ---- running one timed command -----------------------------------------------------------------
@@ -64,35 +67,25 @@ def run_command(bench: Bench, cmd: list[str], folder: Path, label: str, env: Opt
     for attempt in range(args.retries + 1):
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        with open(args.lock, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # the same lock as `flock /tmp/bench.lock ...`
-            try:
-                if bench.patient:
-                    wait_for_quiet(args.quiet_wait, args.max_foreign, poll=2.0, log=bench.log)
-                start, mine, t0 = CpuClock.now(children=True), own_seconds(), time.perf_counter()
-                proc = subprocess.Popen(
-                    cmd, cwd=folder, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-                )
-                seen, stop = {}, threading.Event()
-
-                def poll() -> None:
-                    while not stop.wait(0.2):
-                        for key, cpu in tree_cpu(proc.pid).items():
-                            seen[key] = max(cpu, seen.get(key, 0.0))
-
-                poller = threading.Thread(target=poll, daemon=True)
-                poller.start()
-                try:
-                    output, _ = proc.communicate(timeout=args.timeout)
-                finally:
-                    stop.set()
-                    poller.join()
-                    if proc.poll() is None:
-                        proc.kill()
-                wall, end = time.perf_counter() - t0, CpuClock.now(children=True)
+        with open(args.lock, "a") as lock, open(folder / "command.log", "w") as log:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # the same lock as `flock /tmp/bench.lock ...`, released when closed
+            if bench.patient:
+                wait_for_quiet(args.quiet_wait, args.max_foreign, poll=2.0, log=bench.log)
+            log.write(" ".join(cmd) + "\n\n")
+            log.flush()
+            start, mine, t0, seen = CpuClock.now(children=True), own_seconds(), time.perf_counter(), {}
+            proc = subprocess.Popen(cmd, cwd=folder, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
+            try:  # the tree's CPU every 0.2 s until it exits (killed after args.timeout)
+                while proc.poll() is None and time.perf_counter() - t0 < args.timeout:
+                    seen |= {key: max(cpu, seen.get(key, 0.0)) for key, cpu in tree_cpu(proc.pid).items()}
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=0.2)
             finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-        (folder / "command.log").write_text(" ".join(cmd) + "\n\n" + output)
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            wall, end = time.perf_counter() - t0, CpuClock.now(children=True)
+        output = (folder / "command.log").read_text()
         if proc.returncode != 0:
             said = [line for line in output.splitlines() if line.startswith("error:")] or output.splitlines() or ["?"]
             raise RuntimeError(f"{label}: exit code {proc.returncode}: {said[-1]} (log: {folder})")
@@ -130,10 +123,10 @@ def measure(folder: Path, m: int, n: int, k: int, batch: int) -> dict[str, Any]:
     ranks = {int(f.stem[4:]): record(f) for f in (folder / "ranks").glob("rank*.json")}
     if len(ranks) != n * k or any(rec["stage"] != r % k for r, rec in ranks.items()):
         raise RuntimeError(f"M={m} N={n}: {len(ranks)} of {n * k} rank records (or a stage out of place) in {folder / 'ranks'}")
-    mean = lambda key, p: statistics.fmean(ranks[p * k + s][key] for s in range(k))  # noqa: E731
+    mean = lambda key, p: statistics.fmean(ranks[p * k + s][key] for s in range(k))
     period = [mean("period", p) for p in range(n)]
     samples, schedule = sum(batch / x for x in period), sum(batch / mean("wall", p) for p in range(n))
-    per_device = lambda keys: [sum(ranks[p * k + s][key] for p in range(n) for key in keys) for s in range(k)]  # noqa: E731
+    per_device = lambda keys: [sum(ranks[p * k + s][key] for p in range(n) for key in keys) for s in range(k)]
     return {"samples_per_s": samples, "seconds_per_batch": batch / samples, "schedule_seconds_per_batch": batch / schedule, "period": period,
             "memory_per_device": per_device(("model_bytes", "data_bytes")), "data_per_device": per_device(("data_bytes",)),
             "ranks": [ranks[r] for r in sorted(ranks)]}  # fmt: skip
@@ -147,11 +140,8 @@ def run_model(bench: Bench, name: str) -> dict[str, Any]:
     cmd = py + ["lightning_pipe.plan", *base, "pipeline.tune=true", f"pipeline.tune_batches={args.tune_batches}", f"hydra.run.dir={folder}"]
     tuner = run_command(bench, cmd, folder, f"{name} tuner")
     tuned = json.loads((folder / "tune.json").read_text())
-    tuner.update(
-        command=" ".join(cmd[2:]),
-        tune=tuned,
-        profile_ranks=[record(f) for f in sorted((folder / "tune_profile" / "ranks").glob("rank*.json"))],
-    )
+    profile_ranks = [record(f) for f in sorted((folder / "tune_profile" / "ranks").glob("rank*.json"))]
+    tuner |= {"command": " ".join(cmd[2:]), "tune": tuned, "profile_ranks": profile_ranks}
     k, batch = len(tuned["profile"]["stages"]), tuned["profile"]["batch_size"]
     chosen = (tuned["chosen"]["microbatches"], tuned["chosen"]["pipelines"])
     bench.log(
@@ -169,29 +159,27 @@ def run_model(bench: Bench, name: str) -> dict[str, Any]:
         run = run_command(bench, cmd, folder, f"{name} {tag}M={m} N={n}", env={RECORD_ENV: str(folder / "ranks")})
         got = measure(folder, m, n, k, batch)
         bench.log(
-            f"  M={m:>2} N={n}: {run['wall']:5.1f} s, {got['samples_per_s']:6.1f} samples/s measured, {c['predicted_samples_per_s']:6.1f} predicted"
+            f"  M={m:>2} N={n}: {run['wall']:5.1f} s, {got['samples_per_s']:6.1f} samples/s, predicted {c['predicted_samples_per_s']:6.1f}"
         )
         return run, got
 
     grid = sorted(tuned["candidates"], key=lambda c: (c["pipelines"], c["microbatches"]))
     passes = interleave(grid, args.rounds, lambda c, rnd: train(c, f"pass{rnd + 1}_" if rnd else ""))
-    settings = []
-    for c, results in zip(grid, passes):  # the median over the passes; memory, records and wall from the first
-        measured = dict(results[0][1], samples_per_s_passes=[g["samples_per_s"] for _, g in results])
-        for key in ("samples_per_s", "seconds_per_batch", "schedule_seconds_per_batch"):
-            measured[key] = statistics.median(g[key] for _, g in results)
-        settings.append(
-            {"microbatches": c["microbatches"], "pipelines": c["pipelines"], "predicted": c, "measured": measured, "run": results[0][0]}
-        )
+    settings = []  # one record per (M, N): the median over the passes; memory, records and wall from the first
+    for c, results in zip(grid, passes):
+        medians = {
+            key: statistics.median(g[key] for _, g in results)
+            for key in ("samples_per_s", "seconds_per_batch", "schedule_seconds_per_batch")
+        }
+        measured = {**results[0][1], **medians, "samples_per_s_passes": [g["samples_per_s"] for _, g in results]}
+        settings.append({**MN(c), "predicted": c, "measured": measured, "run": results[0][0]})
     best = max(settings, key=lambda s: s["measured"]["samples_per_s"])
     pick = next(s for s in settings if (s["microbatches"], s["pipelines"]) == chosen)
     confirm = []  # the pick and the best once more (not counted in the traversal): the ratio's noise
     for rep in range(args.confirm):
         for s in {id(x): x for x in (pick, best)}.values():
             run, got = train(s["predicted"], f"confirm{rep}_")
-            confirm.append(
-                {"microbatches": s["microbatches"], "pipelines": s["pipelines"], "samples_per_s": got["samples_per_s"], "run": run}
-            )
+            confirm.append({**MN(s), "samples_per_s": got["samples_per_s"], "run": run})
     return {"model": name, "overrides": base, "batches": args.batches, "tune_batches": args.tune_batches, "partition": fixed, "stages": k,
             "batch_size": batch, "tuner": tuner, "settings": settings, "confirm": confirm}  # fmt: skip
 
@@ -199,20 +187,20 @@ def run_model(bench: Bench, name: str) -> dict[str, Any]:
 # ---- the report -------------------------------------------------------------------------------
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
     settings, tuner = res["settings"], res["tuner"]
-    key = lambda s: (s["microbatches"], s["pipelines"])  # noqa: E731
+    key = lambda s: (s["microbatches"], s["pipelines"])
     chosen = (tuner["tune"]["chosen"]["microbatches"], tuner["tune"]["chosen"]["pipelines"])
     best = max(settings, key=lambda s: s["measured"]["samples_per_s"])
     pick = next(s for s in settings if key(s) == chosen)
     predicted = [s["predicted"]["predicted_seconds_per_batch"] for s in settings]
     measured = [s["measured"]["seconds_per_batch"] for s in settings]
-    pairs = lambda which: [(p, q) for s in settings for p, q in zip(s["predicted"]["memory_per_device"], s["measured"][which])]  # noqa: E731
+    pairs = lambda which: [(p, q) for s in settings for p, q in zip(s["predicted"]["memory_per_device"], s["measured"][which])]
     mem_err = [(p - q) / q for p, q in pairs("memory_per_device") if q > 0]
     prof = tuner["tune"]["profile"]  # Eq. 8's data part alone: (m / m*) (n* / n) F_dat of the profile
     data_err = [((prof["microbatches"] / s["microbatches"]) * (s["pipelines"] / prof["pipelines"]) * st["data_bytes"] - q) / q
                 for s in settings for st, q in zip(prof["stages"], s["measured"]["data_per_device"]) if q > 0]  # fmt: skip
     traversal = sum(s["run"]["wall"] for s in settings)
     profile_period = statistics.fmean(r["period"] for r in tuner["profile_ranks"]) if tuner.get("profile_ranks") else None
-    rate = lambda s: s["measured"]["samples_per_s"] / best["measured"]["samples_per_s"]  # noqa: E731
+    rate = lambda s: s["measured"]["samples_per_s"] / best["measured"]["samples_per_s"]
     ms, ns = sorted({s["microbatches"] for s in settings}), sorted({s["pipelines"] for s in settings})
     # traversal_steps_seconds / tuner_steps_seconds: the training steps alone (no process start), steps x measured period
     out = {"chosen": list(chosen), "best": list(key(best)), "pick_over_best": rate(pick), "tuner_wall": tuner["wall"], "traversal_wall": traversal,
@@ -240,29 +228,34 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
 
 def report(bench: Bench, res: dict[str, Any]) -> None:
     s, k = summarize(res), res["stages"]
-    device = [f"device {d} memory MiB pred / meas" for d in range(k)]
-    t = Table("M", "N", "predicted ms/batch", "measured ms/batch", "schedule only", "predicted samples/s", "measured samples/s", *device,
-              "mean phi", "run s", "foreign load", align="r" * (10 + k))  # fmt: skip
-    for x in sorted(res["settings"], key=lambda x: (x["microbatches"], x["pipelines"])):
-        p, q, mn = x["predicted"], x["measured"], [x["microbatches"], x["pipelines"]]
-        tags = ("**pick**" if mn == s["chosen"] else "") + (" **best**" if mn == s["best"] else "")
-        passes = q.get("samples_per_s_passes", [])
-        passes = f" ({' / '.join(f'{v:.1f}' for v in passes)})" if len(passes) > 1 else ""
-        t.add(
-            mn[0], f"{mn[1]} {tags}", f"{p['predicted_seconds_per_batch'] * 1e3:.1f}", f"{q['seconds_per_batch'] * 1e3:.1f}",
-            f"{q['schedule_seconds_per_batch'] * 1e3:.1f}", f"{p['predicted_samples_per_s']:.1f}", f"{q['samples_per_s']:.1f}{passes}",
-            *(f"{a / MiB:.1f} / {b / MiB:.1f}" for a, b in zip(p["memory_per_device"], q["memory_per_device"])),
-            f"{statistics.fmean(r['mean_utilisation'] or 0.0 for r in q['ranks']):.2f}", f"{x['run']['wall']:.1f}", f"{x['run']['foreign']:.2f}",
-        )  # fmt: skip
+    ms = lambda seconds: f"{seconds * 1e3:.1f}"
+    tags = lambda mn: ("**pick**" if mn == s["chosen"] else "") + (" **best**" if mn == s["best"] else "")
+    passes = lambda q: (
+        f" ({' / '.join(f'{v:.1f}' for v in q['samples_per_s_passes'])})" if len(q.get("samples_per_s_passes", [])) > 1 else ""
+    )
+    memory = lambda x, d: f"{x['predicted']['memory_per_device'][d] / MiB:.1f} / {x['measured']['memory_per_device'][d] / MiB:.1f}"
+    columns = [
+        ("M", lambda x: x["microbatches"]),
+        ("N", lambda x: f"{x['pipelines']} {tags([x['microbatches'], x['pipelines']])}"),
+        ("predicted ms/batch", lambda x: ms(x["predicted"]["predicted_seconds_per_batch"])),
+        ("measured ms/batch", lambda x: ms(x["measured"]["seconds_per_batch"])),
+        ("schedule only", lambda x: ms(x["measured"]["schedule_seconds_per_batch"])),
+        ("predicted samples/s", lambda x: f"{x['predicted']['predicted_samples_per_s']:.1f}"),
+        ("measured samples/s", lambda x: f"{x['measured']['samples_per_s']:.1f}{passes(x['measured'])}"),
+        *((f"device {d} memory MiB pred / meas", lambda x, d=d: memory(x, d)) for d in range(k)),
+        ("mean phi", lambda x: f"{statistics.fmean(r['mean_utilisation'] or 0.0 for r in x['measured']['ranks']):.2f}"),
+        ("run s", lambda x: f"{x['run']['wall']:.1f}"),
+        ("foreign load", lambda x: f"{x['run']['foreign']:.2f}"),
+    ]
     bench.say(f"### {res['model']} ({' '.join(res['overrides'])}; K = {k} stages, B = {res['batch_size']} per pipeline)\n")
     bench.table(
-        t,
+        columns_table(columns, sorted(res["settings"], key=lambda x: (x["microbatches"], x["pipelines"])), "r" * (10 + k)),
         f"tuner: `{res['tuner']['command']}`: {s['tuner_wall']:.1f} s (of which the profile run {res['tuner']['tune']['seconds']['profile_run']:.1f} s); "
         f"traversal of {len(res['settings'])} settings: {s['traversal_wall']:.1f} s",
     )
-    ok = lambda good: "met" if good else "NOT met"  # noqa: E731
-    pct = lambda key: f"{100 * s[key]:.1f}%"  # noqa: E731
-    mn = lambda g: f"M={s[g]['setting'][0]} N={s[g]['setting'][1]} {s[g]['over_best']:.2f}"  # noqa: E731
+    ok = lambda good: "met" if good else "NOT met"
+    pct = lambda key: f"{100 * s[key]:.1f}%"
+    mn = lambda g: f"M={s[g]['setting'][0]} N={s[g]['setting'][1]} {s[g]['over_best']:.2f}"
     bench.say(
         f"- tuner's pick M={s['chosen'][0]} N={s['chosen'][1]}, traversal's best M={s['best'][0]} N={s['best'][1]}: pick's measured "
         f"throughput / best = **{s['pick_over_best']:.3f}** (target >= 0.90: {ok(s['pick_over_best'] >= 0.9)})"
@@ -282,13 +275,8 @@ def report(bench: Bench, res: dict[str, Any]) -> None:
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     s = summarize(res)
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
+    fig, (a, b) = pyplot().subplots(1, 2, figsize=(11, 4.5))
     for x in res["settings"]:
         m, n = x["microbatches"], x["pipelines"]
         p, q = x["predicted"]["predicted_samples_per_s"], x["measured"]["samples_per_s"]
@@ -310,8 +298,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     b.set_title("memory per device (MiB): o device 0, ^ device 1; dotted: equal", fontsize=9)
     b.set(xlabel="measured (recorder's accounting)", ylabel="predicted (Eq. 8)")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, str(path), 90)
 
 
 def main() -> None:
