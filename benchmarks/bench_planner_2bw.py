@@ -28,9 +28,10 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_pipe import AutoPipeStrategy  # noqa: E402
+from lightning_pipe.bench.cli_runs import pyplot, save_figure  # noqa: E402
 from lightning_pipe.bench.launch import wait_for_quiet  # noqa: E402
 from lightning_pipe.bench.stats import spearman  # noqa: E402
-from lightning_pipe.bench.trainer_runs import fit_timed, undisturbed  # noqa: E402
+from lightning_pipe.bench.trainer_runs import columns_table, fit_timed, undisturbed  # noqa: E402
 from lightning_pipe.models import CausalLM, ModelConfig  # noqa: E402
 from lightning_pipe.planning.entry import block_kinds  # noqa: E402
 from lightning_pipe.planning.sized import analytic_profile  # noqa: E402
@@ -137,73 +138,65 @@ def report_a(bench: Bench, res: dict, title: str) -> None:
     predicted, measured = [r["candidate"]["throughput"] for r in rows], [r["measured"] for r in rows]
     order = sorted(rows, key=lambda r: -r["measured"])
     best, pick = order[0], next(r for r in rows if r["chosen"])
-    t = Table("configuration [blocks per stage]", "predicted samples/s", "measured samples/s", "per round", "predicted / measured",
-              "measured rank", "memory (predicted)", "other load (CPUs)", "closed form samples/s", align="lrrlrrrrr")  # fmt: skip
-    for r in sorted(rows, key=lambda r: -r["candidate"]["throughput"]):
-        c = r["candidate"]
-        t.add(
-            f"**{r['config']} (chosen)**" if r["chosen"] else r["config"], f"{c['throughput']:.1f}", f"{r['measured']:.1f}",
-            ", ".join(f"{x['samples_per_s']:.0f}" for x in r["runs"]), f"{c['throughput'] / r['measured']:.2f}", order.index(r) + 1,
-            size_text(c["memory"]), f"{max(x['foreign_cpus'] for x in r['runs']):.2f}", "-" if r.get("closed") is None else f"{r['closed']:.1f}",
-        )  # fmt: skip
+    columns = [
+        ("configuration [blocks per stage]", lambda r: f"**{r['config']} (chosen)**" if r["chosen"] else r["config"]),
+        ("predicted samples/s", lambda r: f"{r['candidate']['throughput']:.1f}"),
+        ("measured samples/s", lambda r: f"{r['measured']:.1f}"),
+        ("per round", lambda r: ", ".join(f"{x['samples_per_s']:.0f}" for x in r["runs"])),
+        ("predicted / measured", lambda r: f"{r['candidate']['throughput'] / r['measured']:.2f}"),
+        ("measured rank", lambda r: order.index(r) + 1),
+        ("memory (predicted)", lambda r: size_text(r["candidate"]["memory"])),
+        ("other load (CPUs)", lambda r: f"{max(x['foreign_cpus'] for x in r['runs']):.2f}"),
+        ("closed form samples/s", lambda r: "-" if r["closed"] is None else f"{r['closed']:.1f}"),
+    ]
     limits = (
         f"memory limit {size_text(res['memory_limit'])} (= {res['settings']['limit_fraction']} x the largest uncapped footprint "
         f"{size_text(res['largest_footprint'])}): {res['discarded']} of {res['candidates']} candidates over it; uncapped pick {res['uncapped_chosen']}"
     )
-    bench.table(t, f"{title}\n\n{limits}")
-    n = min(len(r["runs"]) for r in rows)
-    ratio = pick["measured"] / best["measured"]
+    bench.table(columns_table(columns, sorted(rows, key=lambda r: -r["candidate"]["throughput"]), "lrrlrrrrr"), f"{title}\n\n{limits}")
+    rounds = [[r["runs"][k]["samples_per_s"] for r in rows] for k in range(min(len(r["runs"]) for r in rows))]
+    ratio, i = pick["measured"] / best["measured"], rows.index(pick)
+    both = [r for r in rows if r["closed"] is not None]  # the paper's closed forms on the same configurations, and their pick
+    key = tuple(res["closed_chosen"])
+    match = [r for r in rows if tuple(r["candidate"][k] for k in KEY) == key]
     bench.say(
         f"Spearman (predicted vs measured samples/s, {len(rows)} configurations): {spearman(predicted, measured):+.2f}; pick {pick['config']}: "
         f"measured rank {order.index(pick) + 1}, {pick['measured']:.1f} samples/s = {ratio:.2f} of the measured best ({best['config']}, "
         f"{best['measured']:.1f}) (target >= 0.90: {'met' if ratio >= 0.9 else 'NOT met'}); predicted / measured median "
         f"{statistics.median(p / m for p, m in zip(predicted, measured)):.2f}; per round: Spearman "
-        + ", ".join(f"{spearman(predicted, [r['runs'][k]['samples_per_s'] for r in rows]):+.2f}" for k in range(n))
-        + ", pick / best "
-        + ", ".join(f"{pick['runs'][k]['samples_per_s'] / max(r['runs'][k]['samples_per_s'] for r in rows):.2f}" for k in range(n))
-    )
-    if "closed_chosen" in res:  # the paper's closed forms on the same configurations, and their pick
-        both = [r for r in rows if r.get("closed") is not None]
-        key = tuple(res["closed_chosen"])
-        match = [r for r in rows if tuple(r["candidate"][k] for k in KEY) == key]
-        bench.say(
-            f"the paper's closed forms (r off / on, {len(both)} configurations): Spearman "
-            f"{spearman([r['closed'] for r in both], [r['measured'] for r in both]):+.2f} (ours on the same: "
-            f"{spearman([r['candidate']['throughput'] for r in both], [r['measured'] for r in both]):+.2f}); their pick {key}: "
-            + (f"{match[0]['measured'] / best['measured']:.2f} of the measured best" if match else
-               "not among the runs (over memory_limit by our MEMORY, which counts optimizer state; the closed form does not)")
-        )  # fmt: skip
+        + ", ".join(f"{spearman(predicted, x):+.2f}" for x in rounds) + ", pick / best " + ", ".join(f"{x[i] / max(x):.2f}" for x in rounds)
+    )  # fmt: skip
+    bench.say(
+        f"the paper's closed forms (r off / on, {len(both)} configurations): Spearman "
+        f"{spearman([r['closed'] for r in both], [r['measured'] for r in both]):+.2f} (ours on the same: "
+        f"{spearman([r['candidate']['throughput'] for r in both], [r['measured'] for r in both]):+.2f}); their pick {key}: "
+        + (f"{match[0]['measured'] / best['measured']:.2f} of the measured best" if match else
+           "not among the runs (over memory_limit by our MEMORY, which counts optimizer state; the closed form does not)")
+    )  # fmt: skip
 
 
-def pooled(runs: list[dict]) -> Optional[dict]:
-    """Over several part-a runs: each configuration's measured samples/s = the median of all its rounds in all runs."""
-    if len(runs) < 2:
-        return None
+def pooled(runs: list[dict]) -> dict[str, tuple[list[float], list[float]]]:
+    """Over several part-a runs, for each configuration in all of them: its predicted samples/s in each run, and every round's measured samples/s in every run."""
     common = set.intersection(*({r["config"] for r in run["rows"]} for run in runs))
-    measured = {
-        k: statistics.median(x["samples_per_s"] for run in runs for r in run["rows"] if r["config"] == k for x in r["runs"]) for k in common
-    }
-    return {"measured": measured, "best": max(measured, key=measured.get), "order": sorted(measured, key=lambda k: -measured[k])}
+    rows = [r for run in runs for r in run["rows"] if r["config"] in common]
+    return {k: ([r["candidate"]["throughput"] for r in rows if r["config"] == k], [x["samples_per_s"] for r in rows if r["config"] == k for x in r["runs"]])
+            for k in common}  # fmt: skip
 
 
 def report_pooled(bench: Bench, runs: list[dict]) -> None:
-    p = pooled(runs)
-    if p is None:
+    """Each configuration's measured samples/s = the median of all its rounds in all runs."""
+    if len(runs) < 2:
         return
-    measured, best = p["measured"], p["best"]
+    measured = {k: statistics.median(values) for k, (_, values) in pooled(runs).items()}
+    order = sorted(measured, key=lambda k: -measured[k])
     t = Table("run", "Spearman (pooled measured)", "pick", "pooled rank", "pick / pooled best", align="rrlrr")
     for i, run in enumerate(runs):
         rows = [r for r in run["rows"] if r["config"] in measured]
         pick = next((r["config"] for r in run["rows"] if r["chosen"]), None)
         sp = spearman([r["candidate"]["throughput"] for r in rows], [measured[r["config"]] for r in rows])
-        found = pick in measured
-        t.add(
-            i + 1,
-            f"{sp:+.2f}",
-            pick,
-            p["order"].index(pick) + 1 if found else "-",
-            f"{measured[pick] / measured[best]:.2f}" if found else "-",
-        )
+        found = (order.index(pick) + 1, f"{measured[pick] / measured[order[0]]:.2f}") if pick in measured else "--"
+        t.add(i + 1, f"{sp:+.2f}", pick, *found)
+    best = order[0]
     bench.table(
         t, f"## part a, pooled over {len(runs)} runs ({len(measured)} configurations): best {best} at {measured[best]:.1f} samples/s"
     )
@@ -233,13 +226,9 @@ def part_b(bench: Bench, args: Any) -> dict:
                     row[name] = {**short(p.chosen), "planning_seconds": p.planning_seconds, "candidates": len(p.candidates)}
                     if name == "2bw":  # the fastest feasible candidate of each (w, d): Table 1's rows
                         grids = sorted({(c.width, c.depth) for c in p.candidates}, key=lambda x: x[1])
-                        fits = [[c for c in p.candidates if c.feasible and (c.width, c.depth) == wd] for wd in grids]
-                        row["per_grid"] = [
-                            short(max(f, key=lambda c: c.throughput)) if f else {"w": w, "d": d, "b": None}
-                            for (w, d), f in zip(grids, fits)
-                        ]
+                        fastest = [max((c for c in p.candidates if c.feasible and (c.width, c.depth) == wd), key=lambda c: c.throughput, default=None) for wd in grids]  # fmt: skip
+                        row["per_grid"] = [short(c) if c else {"w": w, "d": d, "b": None} for (w, d), c in zip(grids, fastest)]
                 rows.append(row)
-                bench.log(f"{model} {devices} devices {cap_gb} GB: " + "; ".join(f"{k} {text(row[k])}" for k in ("2bw", "auto", "closed")))
     return {"rows": rows, "device_flops": 1e14, "half_rate_tokens": 512.0, "bandwidth": "cuda defaults"}
 
 
@@ -281,17 +270,18 @@ CLI = "-m lightning_pipe.plan recipe=gpt2-1.3b data.seq_len=512 trainer.devices=
 def part_time(bench: Bench, args: Any) -> dict:
     work = Path(args.work) / "cli"
     work.mkdir(parents=True, exist_ok=True)
-    cold, cli = [], []
+    runs: dict[str, list] = {"cold": [], "cli": []}
     for _ in range(args.cold):
         if bench.patient:
             wait_for_quiet(args.quiet_wait, args.max_foreign, log=bench.log)
-        t = time.perf_counter()
-        out = subprocess.run([sys.executable, "-c", COLD], capture_output=True, text=True, check=True, cwd=work)
-        cold.append(dict(json.loads(out.stdout.strip().splitlines()[-1]), process_wall_s=time.perf_counter() - t))
-        t = time.perf_counter()
-        out = subprocess.run([sys.executable, *CLI.split()], capture_output=True, text=True, check=True, cwd=work)
-        cli.append({"wall_s": time.perf_counter() - t})
-    return {"cold": cold, "cli": cli, "cli_command": "python " + CLI, "cli_output": out.stdout + out.stderr}
+        for key, argv in (("cold", ["-c", COLD]), ("cli", CLI.split())):
+            t = time.perf_counter()
+            out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, check=True, cwd=work)
+            wall = time.perf_counter() - t
+            runs[key].append(
+                dict(json.loads(out.stdout.strip().splitlines()[-1]), process_wall_s=wall) if key == "cold" else {"wall_s": wall}
+            )
+    return {**runs, "cli_command": "python " + CLI, "cli_output": out.stdout + out.stderr}
 
 
 def report_time(bench: Bench, res: dict) -> None:
@@ -308,36 +298,28 @@ def report_time(bench: Bench, res: dict) -> None:
 
 def plot(runs: list[dict], path: Path) -> None:
     """Predicted vs measured samples/s of every configuration, measured pooled over the runs (range as a bar), picks starred."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    summary = pooled(runs)
-    if summary is None:
+    if len(runs) < 2:
         return
-    fig, ax = plt.subplots(figsize=(7, 5.5))
+    fig, ax = pyplot().subplots(figsize=(7, 5.5))
     picks = {next(r["config"] for r in run["rows"] if r["chosen"]) for run in runs}
-    for k, measured in summary["measured"].items():
-        predicted = statistics.median(r["candidate"]["throughput"] for run in runs for r in run["rows"] if r["config"] == k)
-        values = [x["samples_per_s"] for run in runs for r in run["rows"] if r["config"] == k for x in r["runs"]]
-        color, pick = ("tab:blue" if " d=1 " in k else "tab:orange"), k in picks
-        ax.plot([predicted, predicted], [min(values), max(values)], color=color, alpha=0.3, lw=1)
+    for k, (predicted, values) in pooled(runs).items():
+        x, color, pick = statistics.median(predicted), ("tab:blue" if " d=1 " in k else "tab:orange"), k in picks
+        ax.plot([x, x], [min(values), max(values)], color=color, alpha=0.3, lw=1)
         marker = "*" if pick else ("o" if "r=off" in k else "s")
-        ax.plot(predicted, measured, marker=marker, color=color, ms=14 if pick else 6, ls="none", mec="black" if pick else color)
+        ax.plot(x, statistics.median(values), marker=marker, color=color, ms=14 if pick else 6, ls="none", mec="black" if pick else color)
     lo, hi = ax.get_xlim()
     ax.plot([lo, hi], [lo, hi], color="gray", lw=0.8, ls="--")
     ax.set(xlabel="predicted samples/s (planner, median of the runs)", ylabel="measured samples/s (median of every round of every run; bar: range)",
            title="planner=2bw on 2 CPU processes: GPT-tiny-64, global batch 32")  # fmt: skip
     legend = [("tab:blue", "o", "w=2, d=1 (data parallel)"), ("tab:orange", "o", "w=1, d=2 (pipeline)"), ("gray", "o", "r off"),
               ("gray", "s", "r on / per stage"), ("tab:orange", "*", "the planner's pick")]  # fmt: skip
-    handles = [
-        Line2D([], [], color=c, marker=m, ls="none", label=t, **({"ms": 12, "mec": "black"} if m == "*" else {})) for c, m, t in legend
-    ]
+    star = {"ms": 12, "mec": "black"}
+    handles = [Line2D([], [], color=c, marker=m, ls="none", label=t, **(star if m == "*" else {})) for c, m, t in legend]
     ax.legend(handles=handles + [Line2D([], [], color="gray", ls="--", label="measured = predicted")], loc="upper left", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, str(path), 110)
 
 
 def report(bench: Bench, results: dict) -> None:
