@@ -15,8 +15,10 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from itertools import count
+from unittest import mock
 
-from lightning_pipe.bench.harness import Bench, Table, ints, ms, pin_threads
+from lightning_pipe.bench.harness import Bench, ints, ms, pin_threads
 
 pin_threads(1)
 
@@ -26,7 +28,13 @@ import torch.distributed as dist  # noqa: E402
 from lightning_pipe.bench import pipes  # noqa: E402
 from lightning_pipe.bench.launch import timed_steps  # noqa: E402
 from lightning_pipe.bench.mlp import loss_fn, make_model, stage_half  # noqa: E402
-from lightning_pipe.bench.pipes import Clock, compute_seconds, costs_at, equal_bounds, time_executor  # noqa: E402
+from lightning_pipe.bench.pipes import Clock, column_table, compute_seconds, costs_at, equal_bounds, time_executor  # noqa: E402
+from lightning_pipe.layers import ElasticAveraging, Flush  # noqa: E402
+from lightning_pipe.runtime.elastic import ReferenceLink, flat_into, flat_size  # noqa: E402
+from lightning_pipe.runtime.p2p import Transport  # noqa: E402
+from lightning_pipe.runtime.sequential import SequentialHost  # noqa: E402
+from lightning_pipe.schedules import ScheduleSpec, build_schedule  # noqa: E402
+from lightning_pipe.simulation import simulate  # noqa: E402
 
 K = 2  # stages per pipeline
 S = 256  # samples (rows) per optimizer step, every configuration
@@ -34,6 +42,7 @@ STALE_MICROBATCHES = [4]  # M of the staleness runs
 # glibc malloc kept from returning freed memory to the OS: the "malloc kept" variant (fresh pages for the
 # elastic update's stage-sized temporaries are what its time is mostly spent on otherwise)
 MALLOC = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(1 << 30)}
+SERIAL = count(1)  # runs so far: each run's store prefix
 
 
 def _proc_cpu(pid: int) -> float:
@@ -54,21 +63,13 @@ def make_batches(cfg: dict, pipeline: int, rows: int) -> list[tuple[torch.Tensor
 
 # ---- workers ------------------------------------------------------------------------------------
 def _train(rank: int, world: int, cfg: dict) -> dict:
-    from lightning_pipe.layers import ElasticAveraging, Flush
-    from lightning_pipe.runtime.elastic import ReferenceLink, flat_into, flat_size
-    from lightning_pipe.runtime.p2p import Transport
-    from lightning_pipe.runtime.sequential import SequentialHost
-    from lightning_pipe.schedules import ScheduleSpec
-
-    n = cfg["pipelines"]  # 0: a plain pipeline
-    pipeline, stage = rank // K, rank % K
-    m = cfg["microbatches"]
+    n, m, pipeline, stage = cfg["pipelines"], cfg["microbatches"], rank // K, rank % K  # n = 0: a plain pipeline
     chunk = stage_half(make_model(cfg), stage)
     data = make_batches(cfg, pipeline, cfg["batch"] // max(n, 1))
     host = SequentialHost({stage: chunk}, K - 1, loss_fn)
     transport = Transport(lambda s: pipeline * K + s, torch.device("cpu"))
     opt = torch.optim.SGD(chunk.parameters(), lr=cfg["lr"])
-    clock = Clock(send=0.0, wait=0.0)
+    clock = Clock(send=0.0, wait_ref=0.0)
     time_executor(clock)  # time inside the executor, as bench_2bw
     refs: list = []
 
@@ -76,45 +77,33 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
         store = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])  # the job's TCPStore (run_distributed's)
         made = ReferenceLink(*store, f"{cfg['prefix']}/{stage}/", stage, pipeline, n, numel, dtype, cfg["timeout"])
         made.send_delta = clock.wrap(made.send_delta, "send")  # building the message + the isend (+ reaping old ones)
-        made.take_reference = clock.wrap(made.take_reference, "wait")  # waiting for W_ref
+        made.take_reference = clock.wrap(made.take_reference, "wait_ref")  # waiting for W_ref
         refs.append(made)
         return made
 
     mode = Flush(ScheduleSpec.of(cfg["schedule"]), K, m, stage, transport, trace=True)
-    elastic = None
-    if n:
-        elastic = ElasticAveraging(chunk, pipeline, 1.0 / n, cfg["staleness"], link, rank=stage)
-    trace: list[dict] = []
-    cpu_at: dict[str, float] = {}
+    elastic = ElasticAveraging(chunk, pipeline, 1.0 / n, cfg["staleness"], link, rank=stage) if n else None
+    # the elastic update's two halves and the optimizer step in the clock (the update's messages inside after_update)
+    before, after = (clock.wrap(getattr(elastic, f"{k}_update") if n else lambda: None, k) for k in ("before", "after"))
+    opt_step, trace, ref0 = clock.wrap(opt.step, "opt"), [], [0.0]
+    ref_cpu = lambda: _proc_cpu(refs[0].proc.pid) if refs and refs[0].proc is not None else 0.0
 
     def step(i: int) -> None:
         if i == cfg["warmup"]:  # the first timed step: the reference process's CPU clock starts here
-            cpu_at["ref0"] = _proc_cpu(refs[0].proc.pid) if refs and refs[0].proc is not None else 0.0
+            ref0[0] = ref_cpu()
         x, y = data[i % len(data)]
         clock.zero()
-        c0 = time.process_time()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        executor = pipes.run_layer(mode, host, x, y, m)
-        t1 = time.perf_counter()
-        if elastic:
-            elastic.before_update()
-        t2 = time.perf_counter()
-        opt.step()
-        t3 = time.perf_counter()
-        if elastic:
-            elastic.after_update()
-        t4 = time.perf_counter()
-        busy = compute_seconds(executor)
+        busy = compute_seconds(pipes.run_layer(mode, host, x, y, m))
+        before(), opt_step(), after()
+        pull = clock["after"] - clock["send"] - clock["wait_ref"]
         trace.append(
-            dict(step=t4 - t0, busy=busy, waiting=clock["executor"] - busy, outside=t1 - t0 - clock["executor"], before=t2 - t1)
-            | dict(opt=t3 - t2, send=clock["send"], wait_ref=clock["wait"], pull=t4 - t3 - clock["send"] - clock["wait"])
-            | dict(update=t4 - t3 + t2 - t1, cpu=time.process_time() - c0, loss=float(sum(host.losses)))
+            dict(clock, step=time.perf_counter() - t0, busy=busy, waiting=clock["executor"] - busy, pull=pull, cpu=time.process_time() - c0)
         )
 
     timing = timed_steps(step, cfg["steps"], cfg["warmup"], dist.barrier)
-    ref_cpu = _proc_cpu(refs[0].proc.pid) - cpu_at.get("ref0", 0.0) if refs and refs[0].proc is not None else 0.0
-    out = {"timing": timing, "trace": trace[cfg["warmup"] :], "ref_cpu": ref_cpu, "pipeline": pipeline, "stage": stage}
+    out = {"timing": timing, "trace": trace[cfg["warmup"] :], "ref_cpu": ref_cpu() - ref0[0], "pipeline": pipeline, "stage": stage}
     if elastic:
         elastic.drain()
         out["own"] = flat_into(elastic.params, torch.empty(flat_size(elastic.params)))
@@ -123,68 +112,46 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
     return out
 
 
-class StubLink:
+def stub_link(numel: int, dtype: torch.dtype, reference: torch.Tensor):
     """A ReferenceLink without the reference: the mode's own work on a Δ and a W_ref, no messages
     (the Δ message is filled as the real link fills its reused buffer; a received W_ref is a reused
     buffer filled by a copy, as gloo fills the posted buffer)."""
+    from collections import deque
+    from types import SimpleNamespace
 
-    def __init__(self, numel: int, dtype: torch.dtype, reference: torch.Tensor):
-        from collections import deque
-
-        self.numel, self.dtype, self.reference = numel, dtype, reference
-        self.pending: deque = deque()
-        self.max_sends = 2
-        self.message = torch.empty(numel + 1, dtype=dtype)
-        self.free: list = []
-
-    def send_init(self, reference: torch.Tensor) -> None:
-        pass
-
-    def send_delta(self, delta: torch.Tensor) -> None:
-        self.message[0] = 0.0
-        self.message[1:].copy_(delta.detach())
-
-    def post_reference(self) -> None:
-        self.pending.append(self.free.pop() if self.free else torch.empty(self.numel, dtype=self.dtype))
-
-    def release(self, buffer: torch.Tensor) -> None:
-        self.free.append(buffer)
-
-    def take_reference(self) -> torch.Tensor:
-        return self.pending.popleft().copy_(self.reference)
+    message, free, pending = torch.empty(numel + 1, dtype=dtype), [], deque()
+    link = SimpleNamespace(pending=pending, max_sends=2, send_init=lambda ref: None, release=free.append)
+    link.send_delta = lambda delta: message[1:].copy_(delta.detach())
+    link.post_reference = lambda: pending.append(free.pop() if free else torch.empty(numel, dtype=dtype))
+    link.take_reference = lambda: pending.popleft().copy_(reference)
+    return link
 
 
 def local_update(cfg: dict, stage: int, repeats: int = 30) -> dict:
     """ElasticAveraging's before_update + after_update on one stage's weights, in this (single-threaded)
-    process, with StubLink: the elastic update's local work (copies, Δ, pull) without messages or
+    process, with stub_link: the elastic update's local work (copies, Δ, pull) without messages or
     waiting; median ms and minor page faults per update (fresh stage-sized buffers)."""
     import resource
-
-    from lightning_pipe.layers import ElasticAveraging
-    from lightning_pipe.runtime.elastic import flat_into, flat_size
 
     torch.set_num_threads(1)
     chunk = stage_half(make_model(cfg), stage)
     params = list(chunk.parameters())
     numel = sum(p.numel() for p in params)
     ref = flat_into(params, torch.empty(flat_size(params)))
-    mode = ElasticAveraging(chunk, 0, 0.5, 0, lambda n, d: StubLink(n, d, ref), rank=stage)
+    mode = ElasticAveraging(chunk, 0, 0.5, 0, lambda n, d: stub_link(n, d, ref), rank=stage)
     opt = torch.optim.SGD(params, lr=1e-6)
     for p in params:
         p.grad = torch.randn_like(p)
-    times, faults = [], []
+    clock, times, faults = Clock(), [], []
+    before, after = clock.wrap(mode.before_update, "update"), clock.wrap(mode.after_update, "update")
     for _ in range(repeats + 3):
+        clock.zero()
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        t0 = time.perf_counter()
-        mode.before_update()
-        t1 = time.perf_counter()
-        opt.step()
-        t2 = time.perf_counter()
-        mode.after_update()
-        t3 = time.perf_counter()
-        times.append(t3 - t2 + t1 - t0)
+        before(), opt.step(), after()
+        times.append(clock["update"])
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-    return {"ms": 1e3 * statistics.median(times[3:]), "faults": statistics.median(faults[3:]), "mb": numel * 4 / 1e6}
+    ms_, faults = 1e3 * statistics.median(times[3:]), statistics.median(faults[3:])
+    return {"ms": ms_, "text": f"stage {stage} ({numel * 4 / 1e6:.1f} MB of weights) {ms_:.1f} ms, {faults:.0f} minor page faults"}
 
 
 def job(rank: int, world: int, kind: str, cfg: dict) -> dict:
@@ -197,76 +164,35 @@ def job(rank: int, world: int, kind: str, cfg: dict) -> dict:
 
 
 # ---- the parent ---------------------------------------------------------------------------------
-def sim_iteration(name: str, m: int, costs) -> float:
-    from lightning_pipe.schedules import build_schedule
-    from lightning_pipe.simulation import simulate
-
-    return simulate(build_schedule(name, K, m), costs, equal_bounds(costs.num_blocks, K), critical_path=False).iteration_time
-
-
-def per_stage(results: list[dict], key: str) -> list[float]:
-    """The median over the timed steps of `key`, per worker; then the mean over each stage's pipelines."""
-    out = []
-    for k in range(K):
-        vals = [statistics.median(s[key] for s in r["trace"]) for r in results if r["stage"] == k]
-        out.append(statistics.mean(vals))
-    return out
-
-
 def summarize(results: list[dict], cfg: dict, foreign: float) -> dict:
+    """Per key, the median over the timed steps per worker, then the mean over each stage's pipelines;
+    samples/s, CPU use; with pipelines, the largest mean(W_n) vs W_ref over the stages (s = 0: equal, §3.2)."""
+    stage = lambda k: [r for r in results if r["stage"] == k]
+    med = lambda r, key: statistics.median(s[key] for s in r["trace"])
+    keys = ("step", "busy", "waiting", "before", "opt", "send", "wait_ref", "pull", "cpu")
+    stats = {key: [statistics.mean(med(r, key) for r in stage(k)) for k in range(K)] for key in keys}
     total = max(r["timing"][0] for r in results)
-    steps = cfg["steps"]
-    keys = ("step", "busy", "waiting", "outside", "before", "opt", "send", "wait_ref", "pull", "update", "cpu")
-    stats = {k: per_stage(results, k) for k in keys}
-    wall = total / steps
-    worker_cpu = sum(statistics.median(s["cpu"] for s in r["trace"]) for r in results)
-    ref_cpu = sum(r["ref_cpu"] for r in results) / steps
-    stats.update(
-        samples=steps * cfg["batch"] / total,
-        step_ms=1e3 * wall,
-        foreign=foreign,
-        worker_cpu=worker_cpu,
-        ref_cpu=ref_cpu,
-        util=(worker_cpu + ref_cpu) / ((os.cpu_count() or 1) * wall),
-        loss=statistics.mean(r["trace"][-1]["loss"] for r in results if r["stage"] == K - 1),
-    )
-    if cfg["pipelines"]:  # s = 0: the mean of the parallel models is the reference (§3.2's invariant)
-        err = 0.0
-        for k in range(K):
-            own = torch.stack([r["own"] for r in results if r["stage"] == k]).double().mean(0)
-            ref = next(r["reference"] for r in results if r["stage"] == k).double()
-            err = max(err, ((own - ref).abs().max() / ref.abs().max()).item())
-        stats["invariant"] = err
+    wall, worker_cpu, ref_cpu = total / cfg["steps"], sum(med(r, "cpu") for r in results), sum(r["ref_cpu"] for r in results) / cfg["steps"]
+    stats.update(samples=cfg["steps"] * cfg["batch"] / total, step_ms=1e3 * wall, foreign=foreign, worker_cpu=worker_cpu, ref_cpu=ref_cpu)
+    stats["util"] = (worker_cpu + ref_cpu) / ((os.cpu_count() or 1) * wall)
+    if cfg["pipelines"]:
+        own = lambda k: torch.stack([r["own"] for r in stage(k)]).double().mean(0)
+        ref = lambda k: stage(k)[0]["reference"].double()
+        stats["invariant"] = max(((own(k) - ref(k)).abs().max() / ref(k).abs().max()).item() for k in range(K))
     return stats
 
 
-def runner(bench: Bench):
-    """bench.run, each run with a store prefix of its own and, for "malloc kept", glibc's settings."""
-    serial = [0]
-
-    def run(kind: str, cfg: dict, world: int, label: str) -> tuple[list[dict], float]:
-        serial[0] += 1
-        cfg = dict(cfg, prefix=f"bench_avgpipe/{os.getpid()}/{serial[0]}")
-        saved = {k: os.environ.get(k) for k in MALLOC}
-        if cfg.get("malloc"):  # the spawned workers (and their reference processes) read it at start
-            os.environ.update(MALLOC)
-        try:
-            return bench.run(job, world, kind, cfg, label=label)
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-
-    return run
+def run(bench: Bench, kind: str, cfg: dict, world: int, label: str) -> tuple[list[dict], float]:
+    """bench.run with a store prefix of its own and, for "malloc kept", glibc's settings (the spawned
+    workers and their reference processes read them at start)."""
+    with mock.patch.dict(os.environ, MALLOC if cfg.get("malloc") else {}):
+        return bench.run(job, world, kind, dict(cfg, prefix=f"bench_avgpipe/{os.getpid()}/{next(SERIAL)}"), label=label)
 
 
 def label(c: dict) -> str:
     if not c["pipelines"]:
         return c["schedule"]
     return f"avg N={c['pipelines']}" + (f" s={c['staleness']}" if c["staleness"] else "") + (" malloc kept" if c.get("malloc") else "")
-
-
-def key(c: dict) -> tuple:
-    return c["schedule"], c["pipelines"], c["microbatches"], c["staleness"], bool(c.get("malloc"))
 
 
 def configs_of(args, base: dict) -> list[dict]:
@@ -283,25 +209,43 @@ def configs_of(args, base: dict) -> list[dict]:
     return configs
 
 
-def measure(bench: Bench, args, run, configs: list[dict]) -> dict:
-    """Every configuration in interleaved rounds; each one's fastest run, with the largest mean(W_n) vs W_ref."""
+def measure(bench: Bench, args, configs: list[dict]) -> list[dict]:
+    """Every configuration in interleaved rounds; per configuration one record: the configuration and
+    its fastest run's figures, with the largest mean(W_n) vs W_ref over its runs."""
 
     def one(c: dict, rep: int) -> dict:
         tag = f"{label(c)} M={c['microbatches']}"
-        results, foreign = run("train", c, K * max(c["pipelines"], 1), tag)
+        results, foreign = run(bench, "train", c, K * max(c["pipelines"], 1), tag)
         st = summarize(results, c, foreign)
         inv = f", mean(W_n) vs W_ref {st['invariant']:.1e}" if "invariant" in st else ""
-        bench.log(
-            f"  run {rep + 1}/{args.rounds} {tag:18s} {st['samples']:7.1f} samples/s ({st['step_ms']:.1f} ms/step, CPU use {st['util']:.2f}, foreign {foreign:.2f}{inv})"
-        )
+        figures = f"{st['samples']:7.1f} samples/s ({st['step_ms']:.1f} ms/step, CPU use {st['util']:.2f}, foreign {foreign:.2f}{inv})"
+        bench.log(f"  run {rep + 1}/{args.rounds} {tag:18s} {figures}")
         return st
 
-    return {key(c): st for c, st in zip(configs, pipes.best_runs(configs, args.rounds, one, "samples", "invariant"))}
+    stats = pipes.best_runs(configs, args.rounds, one, "samples", "invariant")
+    bench.keep("best", {f"{label(c)} M={c['microbatches']}": st for c, st in zip(configs, stats)})
+    return list({(label(c), c["microbatches"]): dict(c, **st) for c, st in zip(configs, stats)}.values())
+
+
+def simulated(records: dict, m: int, costs, elastic: float, pipelines: list[int]) -> list[dict]:
+    """The simulated rows of one M (ms): GPipe and 1F1B on K devices, AvgPipe with N x K devices; each
+    with the measured optimizer step (the simulator has none) and for AvgPipe the elastic update."""
+    sim = lambda name, rows: 1e3 * simulate(build_schedule(name, K, m), costs(rows), equal_bounds(costs(rows).num_blocks, K)).iteration_time
+    opt = 1e3 * max(records[("1f1b", m)]["opt"])
+    rows = [dict(label=name, n=0, it=sim(name, S // m)) for name in ("gpipe", "1f1b")]
+    rows += [dict(label=f"avg N={n}", n=n, it=sim("1f1b", S // (n * m))) for n in pipelines]
+    ref = {r["label"]: r["it"] + opt for r in rows[:2]}
+    for r in rows:
+        n, total = max(r["n"], 1), r["it"] + opt + (1e3 * elastic if r["n"] else 0.0)
+        r.update(m=m, devices=K * n, rows=S // (n * m), with_opt=r["it"] + opt, total=total if r["n"] else None, samples=1e3 * S / total)
+        r.update(vs_1f1b=f"{ref['1f1b'] / total:.2f}x", vs_gpipe=f"{ref['gpipe'] / total:.2f}x")
+        r["vs_plain"] = f"{ref['1f1b'] / (r['it'] + opt):.2f}x" if r["n"] else None
+    return rows
 
 
 def main() -> None:
-    quick = dict(pipelines=[2], microbatches=[2], staleness=[1], stale_pipelines=[2], malloc_pipelines=[2], malloc_microbatches=[2])
-    quick["profile_repeats"] = 3
+    quick = dict.fromkeys(("pipelines", "microbatches", "stale_pipelines", "malloc_pipelines", "malloc_microbatches"), [2])
+    quick.update(staleness=[1], profile_repeats=3)
     bench = Bench(__doc__, quick, rounds=2, steps=20, warmup=4, retries=2, max_foreign=0.1, budget=600.0, quiet_wait=10.0, timeout=300.0)
     p = bench.parser
     p.add_argument("--pipelines", type=ints, default=[1, 2, 4], help="AvgPipe N values")
@@ -315,83 +259,60 @@ def main() -> None:
     base = dict(hidden=512, mlp_ratio=1, blocks=8, batch=S, steps=args.steps, warmup=args.warmup, lr=1e-3, timeout=args.timeout)
     base["staleness"] = 0
     bench.say(f"S = {S} samples per step; K = {K} stages; {base}\n")
-    run = runner(bench)
     configs = configs_of(args, base)
     # the profile: blocks at every micro-batch size used, the link at the activation sizes
     rows = sorted({S // (max(c["pipelines"], 1) * c["microbatches"]) for c in configs})
-    prof, foreign = run("profile", dict(base, profile_rows=rows, profile_repeats=args.profile_repeats), K, "profile")
-    prof = prof[0]
-    costs = lambda rows: costs_at(prof, rows, "bench-avgpipe")
-    per_rows = ", ".join(
-        f"{r} rows: block f {ms(statistics.median(costs(r).forward))} b {ms(statistics.median(costs(r).backward))} ms" for r in rows
-    )
-    link = f"link {1e6 * prof['link']['latency']:.0f} us + {prof['link']['bandwidth'] / 1e9:.2f} GB/s"
-    bench.say(f"profile (foreign load {foreign:.2f}): {link}; {per_rows}")
-    bench.keep("profile", {"link": prof["link"]})
+    prof, foreign = run(bench, "profile", dict(base, profile_rows=rows, profile_repeats=args.profile_repeats), K, "profile")
+    costs = lambda rows: costs_at(prof[0], rows, "bench-avgpipe")
+    blocks = (f"{r} rows: block f {ms(statistics.median(costs(r).forward))} b {ms(statistics.median(costs(r).backward))} ms" for r in rows)
+    link = f"link {1e6 * prof[0]['link']['latency']:.0f} us + {prof[0]['link']['bandwidth'] / 1e9:.2f} GB/s"
+    bench.say(f"profile (foreign load {foreign:.2f}): {link}; " + ", ".join(blocks))
+    bench.keep("profile", {"link": prof[0]["link"]})
     locals_ = [local_update(base, k) for k in range(K)]  # the elastic update's local work, one process, no messages
-    elastic = max(u["ms"] for u in locals_)
-    works = (
-        f"stage {k} ({u['mb']:.1f} MB of weights) {u['ms']:.1f} ms, {u['faults']:.0f} minor page faults" for k, u in enumerate(locals_)
-    )
-    bench.say("elastic update's local work (before_update + after_update without messages, one quiet process): " + ", ".join(works))
-    best = measure(bench, args, run, configs)
-    bench.keep("best", {" ".join(map(str, k)): v for k, v in best.items()})
+    works = ", ".join(u["text"] for u in locals_)
+    bench.say(f"elastic update's local work (before_update + after_update without messages, one quiet process): {works}")
+    records = measure(bench, args, configs)
+    by_key = {(label(r), r["microbatches"]): r for r in records}
+    main_ = [r for r in records if not r["staleness"] and not r.get("malloc") and r["microbatches"] in args.microbatches]
+    malloc, extra = [r for r in records if r.get("malloc")], [r for r in records if r["staleness"] or r.get("malloc")]
     pair = lambda v: " / ".join(ms(x) for x in v)
-    plain = lambda name, m: best[(name, 0, m, 0, False)]
-    main_cfgs = {key(c): c for c in configs if not c["staleness"] and not c.get("malloc") and c["microbatches"] in args.microbatches}
-    main_cfgs, extra_cfgs = list(main_cfgs.values()), [c for c in configs if c["staleness"] or c.get("malloc")]
-    t = Table(
-        "config", "M", "rows / micro-batch", "worker + reference processes", "samples/s", "ms/step", "vs 1F1B (same M)",
-        "vs GPipe (same M)", "CPU use (of all cores)", "mean(W_n) vs W_ref", "foreign load",
-    )  # fmt: skip
-    for c in main_cfgs + [c for c in extra_cfgs if c.get("malloc")]:
-        st, m, n = best[key(c)], c["microbatches"], max(c["pipelines"], 1)
-        procs = f"{K * n}" + (f" + {K} ref" if c["pipelines"] else "")
-        vs = [f"{st['samples'] / plain(name, m)['samples']:.2f}x" for name in ("1f1b", "gpipe")]
-        inv = f"{st['invariant']:.0e}" if "invariant" in st else ""
-        cells = (f"{st['samples']:.1f}", f"{st['step_ms']:.1f}", *vs, f"{st['util']:.2f}", inv, f"{st['foreign']:.2f}")
-        t.add(label(c), m, S // (n * m), procs, *cells)
+    per = lambda key: lambda r: pair(r[key])  # stage 0 / stage 1
+    elastic = lambda key, fmt=pair: lambda r: fmt(r[key]) if r["pipelines"] else ""
+    vs = lambda name: lambda r: f"{r['samples'] / by_key[(name, r['microbatches'])]['samples']:.2f}x"
+    procs = lambda r: f"{K * max(r['pipelines'], 1)}" + (f" + {K} ref" if r["pipelines"] else "")
+    columns = [
+        ("config", label), ("M", "microbatches"), ("rows / micro-batch", lambda r: S // (max(r["pipelines"], 1) * r["microbatches"])),
+        ("worker + reference processes", procs), ("samples/s", "samples", ".1f"), ("ms/step", "step_ms", ".1f"), ("vs 1F1B (same M)", vs("1f1b")),
+        ("vs GPipe (same M)", vs("gpipe")), ("CPU use (of all cores)", "util", ".2f"), ("mean(W_n) vs W_ref", "invariant", ".0e"), ("foreign load", "foreign", ".2f"),
+    ]  # fmt: skip
     title = f"samples/s at S = {S} samples per step (best of {args.rounds}, {args.steps} timed steps)"
-    bench.table(t, f"\n## measured on {os.cpu_count()} shared cores: {title}")
-    t = Table(
-        "config", "M", "step", "compute", "executor, not computing", "optimizer", "elastic: copy", "Δ + send", "wait W_ref",
-        "pull + rest", "worker CPU", "ref CPU (sum)",
-    )  # fmt: skip
-    for c in main_cfgs + extra_cfgs:
-        st = best[key(c)]
-        el = [pair(st[k]) for k in ("before", "send", "wait_ref", "pull")] + [ms(st["ref_cpu"])] if c["pipelines"] else [""] * 5
-        t.add(label(c), c["microbatches"], *(pair(st[k]) for k in ("step", "busy", "waiting", "opt")), *el[:4], pair(st["cpu"]), el[4])
-    bench.table(t, "\n## where the time goes, per worker and step, ms (stage 0 / stage 1; median step, mean over the pipelines)")
-    t = Table(
-        "config", "M", "devices", "rows / micro-batch", "simulated pipeline iteration, ms", "+ optimizer", "+ elastic update",
-        "samples/s (simulated, with elastic)", "vs 1F1B on 2 devices", "vs GPipe on 2 devices", "vs 1F1B without the elastic update",
-    )  # fmt: skip
-    for m in args.microbatches:
-        opt = max(plain("1f1b", m)["opt"])  # the simulator has no optimizer: add the one measured
-        it = {name: sim_iteration(name, m, costs(S // m)) for name in ("gpipe", "1f1b")}
-        ref = {name: it[name] + opt for name in it}
-        for name in it:
-            vs = [f"{ref[base] / ref[name]:.2f}x" for base in ("1f1b", "gpipe")]
-            t.add(name, m, K, S // m, ms(it[name]), ms(ref[name]), "", f"{S / ref[name]:.0f}", *vs, "")
-        for n in args.pipelines:
-            t_it = sim_iteration("1f1b", m, costs(S // (n * m)))
-            total = t_it + opt + elastic / 1e3
-            vs = [f"{x:.2f}x" for x in (ref["1f1b"] / total, ref["gpipe"] / total, ref["1f1b"] / (t_it + opt))]
-            t.add(f"avg N={n}", m, K * n, S // (n * m), ms(t_it), ms(t_it + opt), ms(total), f"{S / total:.0f}", *vs)
-    bench.table(
-        t, f"\n## SIMULATED, not measured: N pipelines with K = {K} devices of their own each, vs the plain pipeline on {K} devices"
-    )
+    bench.table(column_table(columns, main_ + malloc), f"\n## measured on {os.cpu_count()} shared cores: {title}")
+    columns = [
+        ("config", label), ("M", "microbatches"), ("step", per("step")), ("compute", per("busy")), ("executor, not computing", per("waiting")),
+        ("optimizer", per("opt")), ("elastic: copy", elastic("before")), ("Δ + send", elastic("send")), ("wait W_ref", elastic("wait_ref")),
+        ("pull + rest", elastic("pull")), ("worker CPU", per("cpu")), ("ref CPU (sum)", elastic("ref_cpu", ms)),
+    ]  # fmt: skip
+    title = "\n## where the time goes, per worker and step, ms (stage 0 / stage 1; median step, mean over the pipelines)"
+    bench.table(column_table(columns, main_ + extra), title)
+    elastic_s = max(u["ms"] for u in locals_) / 1e3
+    rows = [row for m in args.microbatches for row in simulated(by_key, m, costs, elastic_s, args.pipelines)]
+    columns = [
+        ("config", "label"), ("M", "m"), ("devices", "devices"), ("rows / micro-batch", "rows"), ("simulated pipeline iteration, ms", "it", ".1f"),
+        ("+ optimizer", "with_opt", ".1f"), ("+ elastic update", "total", ".1f"), ("samples/s (simulated, with elastic)", "samples", ".0f"),
+        ("vs 1F1B on 2 devices", "vs_1f1b"), ("vs GPipe on 2 devices", "vs_gpipe"), ("vs 1F1B without the elastic update", "vs_plain"),
+    ]  # fmt: skip
+    title = f"\n## SIMULATED, not measured: N pipelines with K = {K} devices of their own each, vs the plain pipeline on {K} devices"
+    bench.table(column_table(columns, rows), title)
     if args.staleness:
-        t, m = Table("N", "M", "s", "samples/s", "vs s = 0", "wait W_ref, ms", "ms/step", align="rrrrrrr"), STALE_MICROBATCHES[0]
-        for n in args.stale_pipelines:
-            for s in [0, *args.staleness]:
-                st, b0 = best[("1f1b", n, m, s, False)], best[("1f1b", n, m, 0, False)]
-                t.add(
-                    n, m, s, f"{st['samples']:.1f}", f"{st['samples'] / b0['samples']:.3f}x", pair(st["wait_ref"]), f"{st['step_ms']:.1f}"
-                )
-        bench.table(
-            t, "\n## staleness s (measured, shared cores): samples/s, best run; time per step waiting for W_ref (stage 0 / stage 1)"
-        )
+        m = STALE_MICROBATCHES[0]
+        rows = [by_key[(label(dict(pipelines=n, staleness=s)), m)] for n in args.stale_pipelines for s in [0, *args.staleness]]
+        vs0 = lambda r: f"{r['samples'] / by_key[(label(dict(r, staleness=0)), m)]['samples']:.3f}x"
+        columns = [
+            ("N", "pipelines"), ("M", "microbatches"), ("s", "staleness"), ("samples/s", "samples", ".1f"), ("vs s = 0", vs0),
+            ("wait W_ref, ms", per("wait_ref")), ("ms/step", "step_ms", ".1f"),
+        ]  # fmt: skip
+        title = "\n## staleness s (measured, shared cores): samples/s, best run; time per step waiting for W_ref (stage 0 / stage 1)"
+        bench.table(column_table(columns, rows, align="r" * 7), title)
     bench.finish()
 
 
