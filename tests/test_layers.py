@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_pipe.config import PipelineConfig
@@ -66,12 +66,17 @@ def test_a_layer_refuses_trainer_settings_before_spawning():
     choose_layers(PipelineConfig()).check_trainer(PipelineConfig(), Trainer(), None)  # a flush accumulates fine
 
 
+QUICK = settings(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])  # a busy CI machine is no failure
+
+
+@QUICK
 @given(st.dictionaries(st.sampled_from(sorted(keys.RUN)), st.integers() | st.text(max_size=5), max_size=len(keys.RUN)))
 def test_run_state_round_trips_under_its_checkpoint_keys(state):
     saved = keys.encode_run(state)
     assert all(keys.is_ours(k) for k in saved) and keys.decode_run(saved) == state
 
 
+@QUICK
 @given(st.dictionaries(st.sampled_from(sorted(keys.PARAMETER)), st.integers(), max_size=len(keys.PARAMETER)))
 def test_parameter_extras_round_trip_and_stay_apart_from_the_optimizers_state(extras):
     entry = {"exp_avg": 1, **keys.encode_parameter(extras)}
