@@ -26,11 +26,19 @@ pin_threads(1)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble  # noqa: E402
 
 from lightning_pipe.bench.launch import timed_steps  # noqa: E402
 from lightning_pipe.bench.mlp import MSEBlock, best_runs, keep_blocks, loss_fn, make_data, make_model, single_job  # noqa: E402
-from lightning_pipe.bench.pipes import Clock, best_link, gather, median_costs  # noqa: E402
+from lightning_pipe.bench.pipes import Clock, best_link, column_table, equal_bounds, gather, median_costs  # noqa: E402
+from lightning_pipe.profiling import profile_blocks  # noqa: E402
+from lightning_pipe.profiling.messages import MessageCosts, measure_messages  # noqa: E402
+from lightning_pipe.runtime.p2p import Transport  # noqa: E402
+from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline  # noqa: E402
 from lightning_pipe.schedules import build_schedule  # noqa: E402
+from lightning_pipe.schedules.lowering import lower  # noqa: E402
+from lightning_pipe.schedules.wave import wave_placement  # noqa: E402
+from lightning_pipe.schedules.wave_hanayo import hanayo_order  # noqa: E402
 from lightning_pipe.simulation import CostModel, chunk_costs, simulate  # noqa: E402
 
 OURS = {"1f1b": ("1f1b", {}), **{f"wave{w}": ("wave", {"waves": w}) for w in (1, 2, 4)}}
@@ -42,11 +50,8 @@ MODES = ["single"] + [f"ours-{k}" for k in OURS] + [f"torch-{k}" for k in TORCH]
 
 def our_schedule(name: str, m: int, blocks: int):
     """Our schedule `name` (an OURS key) on 2 ranks and its chunks' block ranges (equal chunks)."""
-    from lightning_pipe.planning import partition_blocks
-
-    sched_name, options = OURS[name]
-    schedule = build_schedule(sched_name, 2, m, **options)
-    return schedule, [tuple(b) for b in partition_blocks("uniform", blocks, schedule.num_chunks).bounds]
+    schedule = build_schedule(OURS[name][0], 2, m, **OURS[name][1])
+    return schedule, equal_bounds(blocks, schedule.num_chunks)
 
 
 def sim(schedule, costs, bounds, **kw) -> float:
@@ -57,9 +62,6 @@ def sim(schedule, costs, bounds, **kw) -> float:
 def _ours(rank: int, cfg: dict, name: str) -> dict:
     """Our schedule, traced per action (perf_counter: one clock for both processes), the compute
     thread's time inside isend / irecv counted."""
-    from lightning_pipe.runtime.p2p import Transport
-    from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
-
     model, data = make_model(cfg), make_data(cfg)
     schedule, bounds = our_schedule(name, cfg["microbatches"], cfg["blocks"])
     chunks = {c: model[slice(*bounds[c])] for c in schedule.chunks_of(rank)}
@@ -83,23 +85,16 @@ def _ours(rank: int, cfg: dict, name: str) -> dict:
         steps[-1].update(sends=[(op.value, c, mb, s) for op, c, mb, s, _ in recs if op.is_send])
 
     timing = timed_steps(step, cfg["steps"], cfg["warmup"], dist.barrier)
-    blocks = {i for c in chunks for i in range(*bounds[c])}
-    return {"timing": timing, "params": keep_blocks(model, blocks), "trace": steps[cfg["warmup"] :]}
+    return {"timing": timing, "params": keep_blocks(model, {i for c in chunks for i in range(*bounds[c])}), "trace": steps[cfg["warmup"] :]}
 
 
 def _torch(rank: int, cfg: dict, name: str) -> dict:
-    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
-
-    model, data = make_model(cfg), make_data(cfg)
-    m, n = cfg["microbatches"], 4
-    per = cfg["blocks"] // n
-    mine = [rank, rank + 2] if name == "interleaved" else [rank, n - 1 - rank]  # loop / V placement
-    shape = (cfg["batch"] // m, cfg["hidden"])  # static shapes: no inference
-    ins = lambda s: (torch.empty(shape, requires_grad=s > 0),)  # noqa: E731
-    outs = lambda: (torch.empty(shape, requires_grad=True),)  # noqa: E731
+    model, data, m, n = make_model(cfg), make_data(cfg), cfg["microbatches"], 4
+    mine, bounds = sorted([rank, rank + 2] if name == "interleaved" else [rank, n - 1 - rank]), equal_bounds(cfg["blocks"], n)  # loop / V
+    tensors = lambda grad: (torch.empty(cfg["batch"] // m, cfg["hidden"], requires_grad=grad),)  # static shapes: no inference
     stages = [
-        PipelineStage(model[s * per : (s + 1) * per], s, n, torch.device("cpu"), input_args=ins(s), output_args=outs())
-        for s in sorted(mine)
+        PipelineStage(model[slice(*bounds[s])], s, n, torch.device("cpu"), input_args=tensors(s > 0), output_args=tensors(True))
+        for s in mine
     ]
     schedule = (ScheduleInterleaved1F1B if name == "interleaved" else ScheduleZBVZeroBubble)(stages, m, loss_fn=loss_fn)
     opt = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=cfg["lr"])
@@ -111,16 +106,13 @@ def _torch(rank: int, cfg: dict, name: str) -> dict:
         opt.step()
 
     timing = timed_steps(step, cfg["steps"], cfg["warmup"], dist.barrier)
-    return {"timing": timing, "params": keep_blocks(model, {i for s in mine for i in range(s * per, (s + 1) * per)})}
+    return {"timing": timing, "params": keep_blocks(model, {i for s in mine for i in range(*bounds[s])})}
 
 
 def _profile(rank: int, cfg: dict) -> dict:
     """As the strategy profiles: the link at the one message size (fastest of 3 rounds), the blocks
     chained with 2 micro-batches in flight on both ranks at once (the loss as a block), the setup's
     message costs (lightning_pipe.profiling.messages)."""
-    from lightning_pipe.profiling import profile_blocks
-    from lightning_pipe.profiling.messages import measure_messages
-
     rows, nbytes = cfg["rows"], cfg["rows"] * cfg["hidden"] * 4
     link = best_link(rank, (4, nbytes))
     x, y = make_data(cfg)[0]
@@ -159,17 +151,20 @@ def trace_summary(results: list[dict], schedule, bounds, costs) -> dict:
     """Per rank, medians over the timed steps (pipeline step, compute, optimizer, inside isend /
     irecv), next to the simulator's; the simulator with each chunk's compute as traced; hand-offs."""
     t = simulate(schedule, costs, bounds)
-    med = lambda f: [statistics.median(f(s) for s in r["trace"]) for r in results]  # noqa: E731
+    med = lambda f: [statistics.median(f(s) for s in r["trace"]) for r in results]
     per_op: dict[tuple[str, int], list[float]] = {}
     for r in results:
         for st in r["trace"]:
             for op, c, _, s, e in st["computes"]:
                 per_op.setdefault((op, c), []).append(e - s)
-    per_chunk = lambda op: tuple(statistics.median(per_op[(op, c)]) for c in range(len(bounds)))  # noqa: E731
+    per_chunk = lambda op: tuple(statistics.median(per_op[(op, c)]) for c in range(len(bounds)))
     acts = tuple(costs.activation_bytes[hi - 1] for _, hi in bounds) if costs.activation_bytes else ()
     traced = replace(costs, forward=per_chunk("F"), backward=per_chunk("B"), activation_bytes=acts, param_bytes=())
     f, b, _ = chunk_costs(costs, bounds)
-    return {
+    inflation = [
+        statistics.median(statistics.median(v) / p[c] for (o, c), v in per_op.items() if o == op) for op, p in (("F", f), ("B", b))
+    ]
+    out = {
         "sim_iter": t.iteration_time,
         "sim_iter_link_only": sim(schedule, replace(costs, send_overhead=0.0, recv_overhead=0.0, handoff_delay=0.0), bounds),
         "sim_iter_measured_compute": sim(schedule, traced, [(c, c + 1) for c in range(len(bounds))]),
@@ -178,14 +173,17 @@ def trace_summary(results: list[dict], schedule, bounds, costs) -> dict:
         "busy": med(lambda s: sum(e - s0 for *_, s0, e in s["computes"])),
         "opt": med(lambda s: s["opt"]),
         "issue": med(lambda s: s["issue"]),
-        "inflation": {
-            op: statistics.median(statistics.median(v) / p[c] for (o, c), v in per_op.items() if o == op) for op, p in (("F", f), ("B", b))
-        },
+        "inflation": "{:.2f}, {:.2f}".format(*inflation),
         "messages": [sum(a.op.is_send or a.op.is_recv for a in acts) for acts in schedule.actions],
         "computes": [sum(a.op.is_compute for a in acts) for acts in schedule.actions],
         "handoff": handoff_delays(results),
-        "steps": len(results[0]["trace"]),
     }
+    late, steps = [d for d in out["handoff"] if d > 1e-3], len(results[0]["trace"])
+    out["late"] = (
+        f"{1e3 * statistics.mean(out['handoff']):.2f} ms, {len(late) / len(out['handoff']):.0%}, {1e3 * sum(late) / (2 * steps):.1f} ms"
+    )
+    out["messages0"] = out["messages"][0]
+    return out
 
 
 def calibrate(traces: dict) -> tuple[float, float, float, float]:
@@ -193,7 +191,7 @@ def calibrate(traces: dict) -> tuple[float, float, float, float]:
     measured = k x profiled + a x actions over our schedules), o per message inside isend / irecv
     (median), h the mean hand-off less o (the link latency training sees)."""
     rows = [(statistics.mean(t["sim_busy"]), statistics.mean(t["computes"]), statistics.mean(t["busy"])) for t in traces.values()]
-    dot = lambda i, j: sum(r[i] * r[j] for r in rows)  # noqa: E731
+    dot = lambda i, j: sum(r[i] * r[j] for r in rows)
     sxx, sxn, snn, sxy, sny = dot(0, 0), dot(0, 1), dot(1, 1), dot(0, 2), dot(1, 2)
     det = sxx * snn - sxn * sxn
     k, a = ((sxy * snn - sny * sxn) / det, (sxx * sny - sxn * sxy) / det) if det > 0 else (0.0, 0.0)
@@ -219,72 +217,70 @@ def calibrated_iteration(costs, schedule, bounds, k: float, a: float, o: float, 
 
 
 # ---- report --------------------------------------------------------------------------------------
-def report(bench: Bench, m: int, cfg: dict, best: dict, errors: dict, traces: dict, costs, messages) -> dict:
-    """The tables of one m; the calibrated simulated speed-ups (for the picture)."""
-    one, opt = best["ours-1f1b"]["total"], max(traces["ours-1f1b"]["opt"])  # the same optimizer work in every schedule
-    sim_one = traces["ours-1f1b"]["sim_iter"] + opt
+def report(bench: Bench, m: int, cfg: dict, best: dict, errors: dict, traces: dict, costs, messages) -> list[dict]:
+    """The tables of one m, from one record per schedule: its best run, its trace (ours), the simulated
+    and calibrated speed-ups over our 1F1B; the records (for the picture)."""
+    opt = max(traces["ours-1f1b"]["opt"])  # the same optimizer work in every schedule
     k, a, o, h = calibrate(traces)
-    sched = {mode: our_schedule(mode[len("ours-") :], m, cfg["blocks"]) for mode in traces}
-    calibrated = {mode: calibrated_iteration(costs, s, bounds, k, a, o, h) + opt for mode, (s, bounds) in sched.items()}
+    # the message terms as this run's traces show them (o, h), and the setup's hand-offs sampled per message
+    from_traces = replace(costs, send_overhead=o, recv_overhead=o, handoff_delay=max(h - costs.comm_time(0) + costs.handoff_delay, 0.0))
+    sampled, draw = replace(costs, handoff_delay=0.0), messages.handoff_sampler(costs, random.Random(0))
+    recs = [dict(s, **traces.get(mode, {}), mode=mode, error=errors.get(mode)) for mode, s in best.items()]
+    one, ours = recs[1], [r for r in recs if r["mode"] in traces]  # modes: single, ours-1f1b, ...
+    for r in recs:
+        r.update(vs_single=f"{r['total'] / recs[0]['total']:.2f}x", speedup=r["total"] / one["total"])
+    recs[0]["speedup"] = None
+    for r in ours:
+        schedule, bounds = our_schedule(r["mode"][len("ours-") :], m, cfg["blocks"])
+        r.update(measured=max(r["pipe"]), sim_step=r["sim_iter"] + opt)
+        r["cal_step"] = calibrated_iteration(costs, schedule, bounds, k, a, o, h) + opt
+        sims = [r["sim_iter_link_only"], r["sim_iter"], r["sim_iter_measured_compute"], sim(schedule, from_traces, bounds)]
+        sims.append(statistics.fmean(sim(schedule, sampled, bounds, delays=draw) for _ in range(SAMPLES)))
+        r.update({f"sim{i}": 1e3 * v for i, v in enumerate(sims)} | {f"err{i}": v / r["measured"] - 1 for i, v in enumerate(sims)})
+        r.update(simulated=one["sim_step"] / r["sim_step"], calibrated=one["cal_step"] / r["cal_step"])
+        r["gain"] = (r["speedup"] - 1) / (r["simulated"] - 1) if r is not one and r["simulated"] > 1 else None
     bench.say(
         f"m = {m}, batch {cfg['batch']} ({cfg['rows']}-row micro-batches), {cfg['blocks']} blocks, hidden {cfg['hidden']}; "
         f"best of {cfg['repeats']} runs; simulated step = simulated iteration + {1e3 * opt:.1f} ms optimizer step; "
         f"link {1e6 * costs.latency:.0f} us + {costs.bandwidth / 1e9:.2f} GB/s (quiet ping-pong); calibrated on this run's traces: "
         f"compute x {k:.2f}, {1e6 * a:.0f} us per compute, {1e6 * o:.0f} us per message in isend/irecv, latency {1e6 * h:.0f} us\n"
     )
-    table = Table(
-        "schedule", "chunks/rank", "samples/s", "ms/step", "vs single", "measured speed-up vs our 1F1B", "simulated",
-        "measured gain / simulated gain", "simulated, calibrated", "weights vs single", "other load",
-    )  # fmt: skip
-    for mode, s in best.items():
-        meas, chunks, simulated, gain, cal = s["total"] / one, ("" if mode == "single" else 2), "", "", ""
-        if mode in traces:
-            chunks, cal = len(sched[mode][0].chunks_of(0)), f"{calibrated['ours-1f1b'] / calibrated[mode]:.3f}"
-            speedup = sim_one / (traces[mode]["sim_iter"] + opt)
-            simulated, gain = f"{speedup:.3f}", f"{(meas - 1) / (speedup - 1):.0%}" if mode != "ours-1f1b" and speedup > 1 else ""
-        err = f"{errors[mode]:.1e}" if mode in errors else ""
-        total = s["total"] / best["single"]["total"]
-        speedup = "" if mode == "single" else f"{meas:.3f}"
-        figures = (f"{s['total']:.1f}", f"{s['step_ms']:.1f}", f"{total:.2f}x", speedup, simulated, gain, cal, err, f"{s['foreign']:.2f}")
-        table.add(mode, chunks, *figures)
-    bench.table(table)
-    top = lambda kind: max((x for x in best if x.startswith(kind) and x != "ours-1f1b"), key=lambda x: best[x]["total"], default=None)  # noqa: E731
-    if top("ours-") and top("torch-"):
-        bench.say(
-            f"our best multi-chunk ({top('ours-')}) / torch's best multi-chunk ({top('torch-')}): {best[top('ours-')]['total'] / best[top('torch-')]['total']:.3f}x\n"
-        )
-    # the message terms as this run's traces show them (o, h), and the setup's hand-offs sampled per message
-    from_traces = replace(costs, send_overhead=o, recv_overhead=o, handoff_delay=max(h - costs.comm_time(0) + costs.handoff_delay, 0.0))
-    sampled, draw = replace(costs, handoff_delay=0.0), messages.handoff_sampler(costs, random.Random(0))
-    iteration = Table(
-        "schedule", "measured ms", "simulated, link only", "error", "simulated, with message costs", "error",
-        "the same, each chunk's compute as measured in the run", "error", "with the message terms of this run's traces", "error",
-        f"setup's hand-offs sampled per message (mean of {SAMPLES})", "error",
-    )  # fmt: skip
-    for mode, t in traces.items():
-        measured, (schedule, bounds) = max(t["pipe"]), sched[mode]
-        figures = [t["sim_iter_link_only"], t["sim_iter"], t["sim_iter_measured_compute"], sim(schedule, from_traces, bounds)]
-        figures.append(statistics.fmean(sim(schedule, sampled, bounds, delays=draw) for _ in range(SAMPLES)))
-        iteration.add(mode, f"{1e3 * measured:.1f}", *(c for v in figures for c in (f"{1e3 * v:.1f}", f"{v / measured - 1:+.1%}")))
+    columns = [
+        ("schedule", "mode", ""), ("samples/s", "total", ".1f"), ("ms/step", "step_ms", ".1f"), ("vs single", "vs_single", ""),
+        ("measured speed-up vs our 1F1B", "speedup", ".3f"), ("simulated", "simulated", ".3f"), ("measured gain / simulated gain", "gain", ".0%"),
+        ("simulated, calibrated", "calibrated", ".3f"), ("weights vs single", "error", ".1e"), ("other load", "foreign", ".2f"),
+    ]  # fmt: skip
+    bench.table(column_table(cells(columns), recs))
+    top = {
+        kind: max((r for r in recs[2:] if r["mode"].startswith(kind)), key=lambda r: r["total"], default=None)
+        for kind in ("ours-", "torch-")
+    }
+    if all(top.values()):
+        ratio = top["ours-"]["total"] / top["torch-"]["total"]
+        bench.say(f"our best multi-chunk ({top['ours-']['mode']}) / torch's best multi-chunk ({top['torch-']['mode']}): {ratio:.3f}x\n")
+    sims = ["simulated, link only", "simulated, with message costs", "the same, each chunk's compute as measured in the run"]
+    sims += ["with the message terms of this run's traces", f"setup's hand-offs sampled per message (mean of {SAMPLES})"]
+    columns = [("schedule", "mode", ""), ("measured ms", "measured", "ms")]
+    columns += [c for i, header in enumerate(sims) for c in ((header, f"sim{i}", ".1f"), ("error", f"err{i}", "+.1%"))]
     title = "iteration time (the pipeline's step without the optimizer), measured (median step, the slower rank) vs simulated"
-    bench.table(iteration, title + " on the profile with the link model alone and with the measured message costs:")
-    per_action = Table(
-        "schedule", "messages per rank", "simulated iteration", "measured pipeline step", "simulated compute", "measured compute",
-        "simulated idle", "measured in isend/irecv", "measured waiting + other", "compute measured / profiled (F, B)",
-        "hand-off delay: mean, > 1 ms (share, ms per rank-step)",
-    )  # fmt: skip
-    pair = lambda v: " / ".join(f"{1e3 * x:.1f}" for x in v)  # noqa: E731
-    for mode, t in traces.items():
-        rest = [pp - b - i for pp, b, i in zip(t["pipe"], t["busy"], t["issue"])]
-        late = [d for d in t["handoff"] if d > 1e-3]
-        handoff = f"{1e3 * statistics.mean(t['handoff']):.2f} ms, {len(late) / len(t['handoff']):.0%}, {1e3 * sum(late) / (2 * t['steps']):.1f} ms"
-        per_action.add(
-            mode, t["messages"][0], f"{1e3 * t['sim_iter']:.1f}", pair(t["pipe"]), pair(t["sim_busy"]), pair(t["busy"]),
-            pair(t["sim_iter"] - b for b in t["sim_busy"]), pair(t["issue"]), pair(rest),
-            f"{t['inflation']['F']:.2f}, {t['inflation']['B']:.2f}", handoff,
-        )  # fmt: skip
-    bench.table(per_action, "per-action trace of the best run (median step, ms; rank 0 / rank 1):")
-    return {mode: calibrated["ours-1f1b"] / v for mode, v in calibrated.items()}
+    bench.table(
+        column_table(cells(columns), ours), title + " on the profile with the link model alone and with the measured message costs:"
+    )
+    columns = [
+        ("schedule", "mode", ""), ("messages per rank", "messages0", ""), ("simulated iteration", "sim_iter", "ms"), ("measured pipeline step", "pipe", "ms"),
+        ("simulated compute", "sim_busy", "ms"), ("measured compute", "busy", "ms"), ("measured in isend/irecv", "issue", "ms"), ("compute measured / profiled (F, B)", "inflation", ""),
+        ("hand-off delay: mean, > 1 ms (share, ms per rank-step)", "late", ""),
+    ]  # fmt: skip
+    bench.table(column_table(cells(columns), ours), "per-action trace of the best run (median step, ms; rank 0 / rank 1):")
+    return recs
+
+
+def cells(columns: list[tuple[str, str, str]]) -> list:
+    """(header, record key, format) columns as (header, value function): None as an empty cell, "ms"
+    seconds in ms (a list of them: rank 0 / rank 1)."""
+    ms = lambda v: " / ".join(f"{1e3 * x:.1f}" for x in v) if isinstance(v, list) else f"{1e3 * v:.1f}"
+    fmt = lambda v, spec: "" if v is None else ms(v) if spec == "ms" else format(v, spec)
+    return [(header, lambda r, key=key, spec=spec: fmt(r.get(key), spec)) for header, key, spec in columns]
 
 
 def picture(tables: dict, path: str) -> None:
@@ -296,20 +292,19 @@ def picture(tables: dict, path: str) -> None:
     labels = {"1f1b": "1F1B", "interleaved": "torch\ninterl.", "zbv": "torch\nZBV"}
     labels.update({f"wave{w}": f"wave\nW={w}" for w in (1, 2, 4)} | {f"interleaved{v}": f"interl.\nv={v}" for v in (2, 4)})
     fig, axes = plt.subplots(1, len(tables), figsize=(6.5 * len(tables), 4), squeeze=False)
-    for ax, (m, (best, traces, calibrated)) in zip(axes[0], tables.items()):
-        modes, one, opt = [k for k in best if k != "single"], best["ours-1f1b"]["total"], max(traces["ours-1f1b"]["opt"])
-        simulated = {k: (traces["ours-1f1b"]["sim_iter"] + opt) / (t["sim_iter"] + opt) for k, t in traces.items()}
-        series = [
-            ("measured", [best[k]["total"] / one for k in modes], "tab:blue"),
-            ("simulated", [simulated.get(k, float("nan")) for k in modes], "tab:orange"),
-            ("simulated, calibrated on the traces", [calibrated.get(k, float("nan")) for k in modes], "tab:gray"),
-        ]
-        for i, (label, values, color) in enumerate(series):
-            ax.bar([x + (i - 1) * 0.27 for x in range(len(modes))], values, 0.27, label=label, color=color)
+    series = [
+        ("measured", "speedup", "tab:blue"),
+        ("simulated", "simulated", "tab:orange"),
+        ("simulated, calibrated on the traces", "calibrated", "tab:gray"),
+    ]
+    for ax, (m, recs) in zip(axes[0], tables.items()):
+        recs = recs[1:]  # not the single process
+        for i, (label, key, color) in enumerate(series):
+            ax.bar([x + (i - 1) * 0.27 for x in range(len(recs))], [r.get(key, float("nan")) for r in recs], 0.27, label=label, color=color)
         ax.axhline(1.0, color="black", lw=0.6)
-        ax.set_xticks(range(len(modes)), [labels[k.split("-", 1)[1]] for k in modes], fontsize=8)
+        ax.set_xticks(range(len(recs)), [labels[r["mode"].split("-", 1)[1]] for r in recs], fontsize=8)
         ax.set_ylabel("samples/s relative to our 1F1B")
-        shown = [v for _, vals, _ in series for v in vals if v == v]
+        shown = [r[key] for r in recs for _, key, _ in series if key in r]
         ax.set_ylim(min(0.8, min(shown) - 0.05), max(shown) * 1.06)
         ax.set_title(f"2 CPU processes (gloo), 16 blocks, m = {m} micro-batches of 64 rows", fontsize=9)
         ax.legend(fontsize=7, loc="upper left")
@@ -322,9 +317,6 @@ def picture(tables: dict, path: str) -> None:
 # ---- the simulator alone -------------------------------------------------------------------------
 def simulated_orders(bench: Bench) -> None:
     """The table of docs/schedules.md: Hanayo's order vs our greedy order vs 1F1B, simulated."""
-    from lightning_pipe.schedules.lowering import lower
-    from lightning_pipe.schedules.wave import wave_placement
-    from lightning_pipe.schedules.wave_hanayo import hanayo_order
 
     def run(schedule, p):
         n = schedule.num_chunks
@@ -388,8 +380,6 @@ def main() -> None:
     base = dict(hidden=args.hidden, mlp_ratio=1, blocks=args.blocks, rows=args.rows, steps=args.steps, warmup=args.warmup, lr=1e-3)
     prof, foreign = bench.run(job, 2, "profile", dict(base, microbatches=1, batch=args.rows, profile_repeats=args.profile_repeats))
     costs, loss = median_costs(prof[0]["blocks"], prof[0]["link"], "residual-mlp", fold_loss=True, messages=prof[0]["messages"])
-    from lightning_pipe.profiling.messages import MessageCosts
-
     messages = MessageCosts.from_dict(prof[0]["messages"])
     bench.say(
         f"profile (foreign load {foreign:.2f}): per block f {1e3 * statistics.median(costs.forward):.2f} ms, "
@@ -401,16 +391,14 @@ def main() -> None:
     for m in args.microbatches:
         cfg = dict(base, microbatches=m, batch=args.rows * m)
         traces = {}
-        traced = (
-            lambda mode, results: traces.update(  # noqa: E731
-                {mode: trace_summary(results, *our_schedule(mode[len("ours-") :], m, args.blocks), costs)}
-                if mode.startswith("ours-")
-                else {}
-            )
-        )
+
+        def traced(mode: str, results: list[dict]) -> None:
+            if mode.startswith("ours-"):
+                traces[mode] = trace_summary(results, *our_schedule(mode[len("ours-") :], m, args.blocks), costs)
+
         best, errors = best_runs(bench, job, modes, cfg, args.rounds, f"m={m} ", traced)
         bench.keep(f"m={m}", {"best": best, "errors": errors})
-        tables[m] = (best, traces, report(bench, m, dict(cfg, repeats=args.rounds), best, errors, traces, costs, messages))
+        tables[m] = report(bench, m, dict(cfg, repeats=args.rounds), best, errors, traces, costs, messages)
     if args.picture:
         picture(tables, args.picture)
     bench.finish()
