@@ -27,11 +27,16 @@ from torch import nn  # noqa: E402
 
 from lightning_pipe.bench import pipes  # noqa: E402
 from lightning_pipe.bench.launch import timed_steps  # noqa: E402
-from lightning_pipe.bench.mlp import loss_fn, make_data, make_model, single_job, stage_half, summarize  # noqa: E402
+from lightning_pipe.bench.mlp import loss_fn, make_data, make_model, single_job, summarize  # noqa: E402
 from lightning_pipe.bench.pipes import Clock, SleepBlock, equal_bounds  # noqa: E402
+from lightning_pipe.layers import DoubleBuffer, Flush  # noqa: E402
+from lightning_pipe.runtime.p2p import Transport  # noqa: E402
+from lightning_pipe.runtime.sequential import SequentialHost  # noqa: E402
+from lightning_pipe.schedules import ScheduleSpec, build_schedule  # noqa: E402
+from lightning_pipe.schedules.two_bw import pipedream_2bw  # noqa: E402
+from lightning_pipe.simulation import CostModel, chunk_costs, simulate  # noqa: E402
 
 SCHEDULES = ["gpipe", "1f1b", "2bw"]
-MODES = ["single", *SCHEDULES]
 
 
 def model_of(cfg: dict, sleep: bool = True) -> nn.Sequential:
@@ -46,22 +51,13 @@ def model_of(cfg: dict, sleep: bool = True) -> nn.Sequential:
     return model
 
 
-def stage_of(model: nn.Sequential, rank: int, world: int) -> nn.Sequential:
-    """Rank `rank`'s equal share of the blocks (keeps the whole model's block indices in its state)."""
-    lo, hi = equal_bounds(len(model), world)[rank]
-    return stage_half(model, rank) if world == 2 and len(model) % 2 == 0 else model[lo:hi]
-
-
 # ---- workers -------------------------------------------------------------------------------------
 def _pipeline(rank: int, world: int, cfg: dict, name: str) -> dict:
-    """Train `cfg`'s model with schedule `name` on `world` ranks; per-step traces; 2BW's drain timed."""
-    from lightning_pipe.layers import DoubleBuffer, Flush
-    from lightning_pipe.runtime.p2p import Transport
-    from lightning_pipe.runtime.sequential import SequentialHost
-    from lightning_pipe.schedules import ScheduleSpec
-
+    """Train `cfg`'s model with schedule `name` on `world` ranks (an equal share of the blocks per
+    rank); per-step traces; 2BW's drain timed."""
     model, data, m = model_of(cfg), make_data(cfg), cfg["microbatches"]
-    chunk = stage_of(model, rank, world)
+    lo, hi = equal_bounds(len(model), world)[rank]
+    chunk = model[lo:hi]
     host = SequentialHost({rank: chunk}, world - 1, loss_fn)
     transport = Transport(lambda r: r, torch.device("cpu"))
     opt = torch.optim.SGD(chunk.parameters(), lr=cfg["lr"])
@@ -84,20 +80,20 @@ def _pipeline(rank: int, world: int, cfg: dict, name: str) -> dict:
         t1 = time.perf_counter()
         opt.step()
         t2 = time.perf_counter()
-        acts = executor.actions
+        acts, busy, inside = executor.actions, pipes.compute_seconds(executor), clock["executor"]
         actions = [(acts[j].op.value, acts[j].microbatch, s, e) for j, s, e in executor.records if acts[j].op.is_compute]
+        # waiting: in the executor, not computing (messages, Python); outside: the layer's rest but 2BW's weight copy
         times = dict(
-            step=t2 - t0, pipe=t1 - t0, executor=clock["executor"], copy=clock["copy"], opt=t2 - t1, busy=pipes.compute_seconds(executor)
+            step=t2 - t0, pipe=t1 - t0, busy=busy, waiting=inside - busy, copy=clock["copy"], outside=t1 - t0 - inside - clock["copy"]
         )
-        trace.append(dict(times, t0=t0, t1=t1, t2=t2, actions=actions))  # t0..t2: one clock for all processes (the timeline)
+        trace.append(dict(times, opt=t2 - t1, t0=t0, t1=t1, t2=t2, actions=actions))  # t0..t2: one clock for all processes (the timeline)
 
     timing = timed_steps(step, cfg["steps"], cfg["warmup"], dist.barrier)
     t = time.perf_counter()
     layer.drain()  # 2BW: the last batch's remaining backwards and its update; flushing schedules: nothing
     dist.barrier()
     drain = time.perf_counter() - t
-    mine = range(*equal_bounds(len(model), world)[rank])
-    state = {k: v.detach().clone() for k, v in model.state_dict().items() if int(k.split(".")[0]) in mine}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items() if lo <= int(k.split(".")[0]) < hi}
     return {"timing": timing, "params": state, "trace": trace[cfg["warmup"] :], "drain": drain}
 
 
@@ -135,38 +131,25 @@ def reference(cfg: dict, rule: str) -> dict:
 def simulated(name: str, depth: int, m: int, costs) -> dict:
     """Simulated time per step (no optimizer) and each rank's compute in it: the iteration of a
     flushing schedule; for 2BW the steady step T(k + 1) - T(k) of the unrolled run."""
-    from lightning_pipe.schedules import build_schedule
-    from lightning_pipe.schedules.two_bw import pipedream_2bw
-    from lightning_pipe.simulation import chunk_costs, simulate
-
     bounds = equal_bounds(costs.num_blocks, depth)
     f, b, _ = chunk_costs(costs, bounds)
-    busy = [m * (fr + br) for fr, br in zip(f, b)]
-    if name == "2bw":
-        t = [simulate(pipedream_2bw(depth, m, batches=n), costs, bounds, critical_path=False).iteration_time for n in (3, 4)]
-        return {"step": t[1] - t[0], "busy": busy}
-    return {"step": simulate(build_schedule(name, depth, m), costs, bounds, critical_path=False).iteration_time, "busy": busy}
+    run = lambda schedule: simulate(schedule, costs, bounds, critical_path=False).iteration_time  # noqa: E731
+    t = [run(pipedream_2bw(depth, m, batches=n)) for n in (3, 4)] if name == "2bw" else [0.0, run(build_schedule(name, depth, m))]
+    return {"step": t[1] - t[0], "busy": [m * (fr + br) for fr, br in zip(f, b)]}
 
 
 # ---- measuring -----------------------------------------------------------------------------------
-def trace_stats(results: list[dict]) -> dict:
-    """Per rank, the median over the timed steps of: the step, the pipeline part, compute, the rest of
-    the executor's time (waiting for messages, issuing them, Python), 2BW's weight copy, the rest
-    outside the executor, the optimizer step."""
-    derived = {k: (lambda s, k=k: s[k]) for k in ("step", "pipe", "busy", "copy", "opt")}
-    derived.update(waiting=lambda s: s["executor"] - s["busy"], outside=lambda s: s["pipe"] - s["executor"] - s["copy"])
-    return {k: [statistics.median(f(s) for s in r["trace"]) for r in results] for k, f in derived.items()}
+def medians(run: dict, key: str) -> list[float]:
+    """Per rank, the median over the timed steps of one of a step's times (`_pipeline`)."""
+    return [statistics.median(s[key] for s in steps) for steps in run["raw"]]
 
 
 def update_error(results: list[dict], reference: dict, initial: dict) -> float:
     """Largest relative difference of the ranks' weight *changes* from the reference's (the weights
     hardly move in a short run: comparing them would not tell 2BW's stale update from SGD)."""
-    err = 0.0
-    for r in results:
-        for k, v in r["params"].items():
-            want = reference[k] - initial[k]
-            err = max(err, ((v - initial[k]) - want).abs().max().item() / want.abs().max().clamp_min(1e-30).item())
-    return err
+    change = {k: reference[k] - initial[k] for k in initial}
+    rel = lambda k, v: ((v - initial[k]) - change[k]).abs().max().item() / change[k].abs().max().clamp_min(1e-30).item()  # noqa: E731
+    return max(rel(k, v) for r in results for k, v in r["params"].items())
 
 
 def measure(bench: Bench, cfg: dict, modes: list[str], world: int, rounds: int, tag: str) -> dict:
@@ -176,10 +159,10 @@ def measure(bench: Bench, cfg: dict, modes: list[str], world: int, rounds: int, 
 
     def one(mode: str, rep: int) -> dict:
         results, foreign = bench.run(job, 1 if mode == "single" else world, mode, cfg, label=f"{tag} {mode}")
-        st = dict(summarize(mode, results, cfg), foreign=foreign, error=None)
+        st = dict(summarize(mode, results, cfg), mode=mode, foreign=foreign, error=None)
         if mode != "single":
-            st.update(error=update_error(results, refs["2bw" if mode == "2bw" else "sgd"], initial), trace=trace_stats(results))
-            st.update(raw=[r["trace"] for r in results], drain=max(r["drain"] for r in results))
+            st.update(error=update_error(results, refs["2bw" if mode == "2bw" else "sgd"], initial), raw=[r["trace"] for r in results])
+            st["drain"] = max(r["drain"] for r in results)
         if mode == "2bw":  # the check tells the rules apart: 2BW's updates are not plain SGD's
             st["vs_sgd"] = update_error(results, refs["sgd"], initial)
         extra = "".join(f", {k} {st[k]:.1e}" for k in ("error", "vs_sgd") if st.get(k) is not None)
@@ -191,26 +174,12 @@ def measure(bench: Bench, cfg: dict, modes: list[str], world: int, rounds: int, 
     return dict(zip(modes, pipes.best_runs(modes, rounds, one, "total", "error")))
 
 
-def print_traces(bench: Bench, best: dict[str, dict], sims: dict[str, dict], depth: int) -> None:
-    who, pair = " (rank 0 / rank 1)" if depth == 2 else " (ranks 0 / .. / d-1)", lambda vs: " / ".join(ms(v) for v in vs)
-    t = Table(
-        *"schedule;simulated step (no opt);measured pipeline step;simulated compute;measured compute;"
-        "measured in executor, not computing;outside the executor (2BW: weight copy + rest);optimizer step".split(";")
-    )
-    for name in (n for n in SCHEDULES if n in best):
-        tr, s = best[name]["trace"], sims[name]
-        book = " / ".join(f"{ms(c)} + {ms(o)}" for c, o in zip(tr["copy"], tr["outside"])) if name == "2bw" else pair(tr["outside"])
-        t.add(name, ms(s["step"]), pair(tr["pipe"]), pair(s["busy"]), pair(tr["busy"]), pair(tr["waiting"]), book, pair(tr["opt"]))
-    bench.say()
-    bench.table(t, f"per-step trace of the best run, median step, ms{who}; simulated compute per rank = m (f + b) of its stage:")
-
-
-def print_timeline(bench: Bench, best: dict[str, dict], names: tuple[str, ...] = ("1f1b", "2bw")) -> None:
-    """One timed step (rank 0's median) of each schedule as each rank ran it: its computes (F / B and
+def print_timeline(bench: Bench, best: dict[str, dict]) -> None:
+    """One timed step (rank 0's median) of 1F1B and 2BW as each rank ran it: its computes (F / B and
     micro-batch; negative: the previous batch's), the end of the run and the optimizer step, in ms
     from rank 0's step start (one clock for all processes)."""
     bench.say("\ntimeline of one timed step (rank 0's median), ms from rank 0's step start; [x] = idle gap before a compute > 0.3 ms:\n")
-    for name in (n for n in names if n in best):
+    for name in ("1f1b", "2bw"):
         raw = best[name]["raw"]
         k = sorted(range(len(raw[0])), key=lambda i: raw[0][i]["step"])[len(raw[0]) // 2]
         at = lambda t: f"{1e3 * (t - raw[0][k]['t0']):.1f}"  # noqa: E731, B023
@@ -228,84 +197,85 @@ def print_timeline(bench: Bench, best: dict[str, dict], names: tuple[str, ...] =
 
 
 # ---- the parts -----------------------------------------------------------------------------------
-def profiled(bench: Bench, base: dict, label: str):
-    """The blocks at the micro-batch size and the link, profiled on 2 ranks at once (printed); their CostModel."""
-    prof, foreign = bench.run(job, 2, "profile", dict(base, depth=2, microbatches=1, batch=base["rows"]), label=label)
-    c = pipes.costs_at(prof[0], base["rows"], "bench-2bw")
-    f = lambda v: f"{v * 1e3:.2f}"  # noqa: E731
-    bench.say(
-        f"{label} (foreign load {foreign:.2f}): per block f {f(statistics.median(c.forward))} ms, b {f(statistics.median(c.backward))} ms "
-        f"(last, with the loss: f {f(c.forward[-1])}, b {f(c.backward[-1])}); link {1e6 * c.latency:.0f} us + {c.bandwidth / 1e9:.2f} GB/s"
+def real_table(bench: Bench, args, m: int, best: dict, sims: dict, costs) -> None:
+    """The real part at one m: the modes' table, 2BW's speed-ups and its drain, the traces (the timeline at the smallest m)."""
+    opt = max(medians(best["1f1b"], "opt"))  # the simulator has no optimizer: add the one measured
+    sim = {name: s["step"] + opt for name, s in sims.items()}
+    sim["single"] = m * (sum(costs.forward) + sum(costs.backward)) + 2 * opt  # m micro-batches on one process
+    t = Table(
+        *("mode", "samples/s", "ms/step", "simulated ms/step", "vs single", "simulated vs single"),
+        *("weight updates (max rel. error vs reference)", "2BW drain (ms, excluded)", "other load (CPUs)"),
     )
-    return c
-
-
-def real_part(bench: Bench, args) -> None:
-    base = dict(kind="real", hidden=512, mlp_ratio=1, blocks=8, rows=args.rows, steps=args.steps, warmup=args.warmup, lr=1e-3)
-    base["profile_repeats"] = args.profile_repeats
-    bench.say(f"\n## real processes: 2 ranks x 1 thread, gloo; {base}\n")
-    costs = profiled(bench, base, "profile")
-    for m in args.microbatches:
-        cfg = dict(base, microbatches=m, batch=args.rows * m)
-        best = measure(bench, cfg, MODES, 2, args.rounds, f"m={m}")
-        bench.keep(f"real m={m}", {mode: {k: v for k, v in s.items() if k != "raw"} for mode, s in best.items()})
-        sims = {name: simulated(name, 2, m, costs) for name in SCHEDULES}
-        opt = max(best["1f1b"]["trace"]["opt"])  # the simulator has no optimizer: add the one measured
-        sim_step = {name: s["step"] + opt for name, s in sims.items()}
-        sim_step["single"] = m * (sum(costs.forward) + sum(costs.backward)) + 2 * opt  # m micro-batches on one process
-        t = Table(
-            *("mode", "samples/s", "ms/step", "simulated ms/step", "vs single", "simulated vs single"),
-            *("weight updates (max rel. error vs reference)", "2BW drain (ms, excluded)", "other load (CPUs)"),
+    for mode, s in best.items():
+        err = f"{s['error']:.1e} vs {'2BW rule' if mode == '2bw' else 'single (SGD)'}" if s["error"] is not None else ""
+        t.add(
+            mode, f"{s['total']:.1f}", f"{s['step_ms']:.1f}", ms(sim[mode]), f"{s['total'] / best['single']['total']:.2f}x",
+            f"{sim['single'] / sim[mode]:.2f}x", err, ms(s["drain"]) if mode == "2bw" else "", f"{s['foreign']:.2f}",
+        )  # fmt: skip
+    bench.table(t, f"\n### m = {m} micro-batches of {args.rows} rows; best of {args.rounds} runs of {args.steps} timed steps after "
+                   f"{args.warmup} warm-up; simulated step = simulator + {ms(opt)} ms optimizer step (measured); 2BW: steady steps, the drain apart")  # fmt: skip
+    for other in ("1f1b", "gpipe"):
+        bench.say(
+            f"2bw/{other} at m={m}: measured {best['2bw']['total'] / best[other]['total']:.3f}x, simulated {sim[other] / sim['2bw']:.3f}x"
         )
-        for mode, s in best.items():
-            err = f"{s['error']:.1e} vs {'2BW rule' if mode == '2bw' else 'single (SGD)'}" if s["error"] is not None else ""
-            t.add(
-                mode, f"{s['total']:.1f}", f"{s['step_ms']:.1f}", ms(sim_step[mode]), f"{s['total'] / best['single']['total']:.2f}x",
-                f"{sim_step['single'] / sim_step[mode]:.2f}x", err, ms(s["drain"]) if mode == "2bw" else "", f"{s['foreign']:.2f}",
-            )  # fmt: skip
-        title = (
-            f"\n### m = {m} micro-batches of {args.rows} rows; best of {args.rounds} runs of {args.steps} timed steps after {args.warmup} "
-            f"warm-up; simulated step = simulator + {ms(opt)} ms optimizer step (measured); 2BW: steady steps, the drain apart"
-        )
-        bench.table(t, title)
-        for other in ("1f1b", "gpipe"):
-            meas, simr = best["2bw"]["total"] / best[other]["total"], sim_step[other] / sim_step["2bw"]
-            bench.say(f"2bw/{other} at m={m}: measured {meas:.3f}x, simulated {simr:.3f}x")
-        with_drain = args.steps * cfg["batch"] / (args.steps * best["2bw"]["step_ms"] / 1e3 + best["2bw"]["drain"])
-        bench.say(f"2bw at m={m} including its drain once over the {args.steps} timed steps: {with_drain:.1f} samples/s")
-        print_traces(bench, best, sims, 2)
-        if m == min(args.microbatches):
-            print_timeline(bench, best)
+    with_drain = args.steps * args.rows * m / (args.steps * best["2bw"]["step_ms"] / 1e3 + best["2bw"]["drain"])
+    bench.say(f"2bw at m={m} including its drain once over the {args.steps} timed steps: {with_drain:.1f} samples/s")
+    pair = lambda vs: " / ".join(ms(v) for v in vs)  # noqa: E731
+    med = lambda key: pair(medians(best[name], key))  # noqa: E731, B023
+    t = Table(
+        *"schedule;simulated step (no opt);measured pipeline step;simulated compute;measured compute;"
+        "measured in executor, not computing;outside the executor (2BW: weight copy + rest);optimizer step".split(";")
+    )
+    for name in SCHEDULES:
+        copied, outside = medians(best[name], "copy"), medians(best[name], "outside")
+        book = " / ".join(f"{ms(c)} + {ms(o)}" for c, o in zip(copied, outside)) if name == "2bw" else pair(outside)
+        t.add(name, ms(sims[name]["step"]), med("pipe"), pair(sims[name]["busy"]), med("busy"), med("waiting"), book, med("opt"))
+    bench.say()
+    bench.table(
+        t, "per-step trace of the best run, median step, ms (rank 0 / rank 1); simulated compute per rank = m (f + b) of its stage:"
+    )
+    if m == min(args.microbatches):
+        print_timeline(bench, best)
 
 
-def emulated_part(bench: Bench, args) -> None:
-    from lightning_pipe.simulation import CostModel
-
-    t_f, t_b = args.tf / 1e3, 2 * args.tf / 1e3
-    base = dict(kind="emulated", hidden=512, rows=args.rows, steps=args.emu_steps, warmup=args.emu_warmup, lr=1e-3, t_f=t_f, t_b=t_b)
-    base["profile_repeats"] = args.profile_repeats
-    bench.say(f"\n## emulated devices (sleep): d processes, one sleeping block per stage; {base}\n")
-    c2 = profiled(bench, base, "emulated profile")  # the sleeping block, and the link between two processes
-    f_blk, b_blk = statistics.median(c2.forward), statistics.median(c2.backward)
+def run_part(bench: Bench, args, real: bool) -> None:
+    """The real part (2 ranks, m from --microbatches) or the emulated one (d from --depths, m = factor x d):
+    the blocks and the link profiled on 2 ranks at once, then every (d, m) measured and simulated."""
+    base = dict(kind="real" if real else "emulated", hidden=512, rows=args.rows, lr=1e-3, profile_repeats=args.profile_repeats)
+    if real:
+        base.update(mlp_ratio=1, blocks=8, steps=args.steps, warmup=args.warmup)
+        cases, rounds, label = [(2, m) for m in args.microbatches], args.rounds, "profile"
+        bench.say(f"\n## real processes: 2 ranks x 1 thread, gloo; {base}\n")
+    else:
+        base.update(steps=args.emu_steps, warmup=args.emu_warmup, t_f=args.tf / 1e3, t_b=2 * args.tf / 1e3)
+        cases, rounds, label = [(d, k * d) for d in args.depths for k in args.emu_factors], args.emu_repeats, "emulated profile"
+        bench.say(f"\n## emulated devices (sleep): d processes, one sleeping block per stage; {base}\n")
+    prof, foreign = bench.run(job, 2, "profile", dict(base, depth=2, microbatches=1, batch=args.rows), label=label)
+    c = pipes.costs_at(prof[0], args.rows, "bench-2bw")
+    f, b = statistics.median(c.forward), statistics.median(c.backward)
+    bench.say(f"{label} (foreign load {foreign:.2f}): per block f {ms(f, 2)} ms, b {ms(b, 2)} ms (last, with the loss: f {ms(c.forward[-1], 2)}, "
+              f"b {ms(c.backward[-1], 2)}); link {1e6 * c.latency:.0f} us + {c.bandwidth / 1e9:.2f} GB/s")  # fmt: skip
     t = Table(
         *("d", "m", "gpipe samples/s", "1f1b samples/s", "2bw samples/s", "2bw/1f1b measured", "2bw/1f1b simulated"),
         *("2bw/gpipe measured", "2bw/gpipe simulated", "2bw drain ms", "weight updates (max rel. error: sync vs SGD, 2bw vs 2BW rule)"),
         align="r" * 11,
     )
-    for depth in args.depths:
-        for m in (factor * depth for factor in args.emu_factors):
-            cfg = dict(base, depth=depth, microbatches=m, batch=args.rows * m)
-            fwd, bwd = (f_blk,) * (depth - 1) + (c2.forward[-1],), (b_blk,) * (depth - 1) + (c2.backward[-1],)
-            costs = CostModel(fwd, bwd, (c2.activation_bytes[0],) * depth, (c2.param_bytes[0],) * depth, c2.bandwidth, c2.latency)
-            best = measure(bench, cfg, SCHEDULES, depth, args.emu_repeats, f"emulated d={depth} m={m}")
-            sims = {name: simulated(name, depth, m, costs) for name in SCHEDULES}
-            print_traces(bench, best, sims, depth)
-            cells = [f"{best[n]['total']:.0f} ({args.rows * m / sims[n]['step']:.0f})" for n in SCHEDULES]
-            b2, s2 = best["2bw"]["total"], sims["2bw"]["step"]
-            speedups = [x for o in ("1f1b", "gpipe") for x in (b2 / best[o]["total"], sims[o]["step"] / s2)]
-            errs = ", ".join(f"{n} {best[n]['error']:.0e}" for n in SCHEDULES)
-            t.add(depth, m, *cells, *(f"{x:.3f}" for x in speedups), ms(best["2bw"]["drain"]), errs)
-    bench.table(t, "\n### emulated devices (sleep): samples/s, measured (simulated); speed-up of 2BW over 1F1B (Flush) and GPipe")
+    for depth, m in cases:
+        cfg = dict(base, depth=depth, microbatches=m, batch=args.rows * m)
+        best = measure(bench, cfg, ["single"] * real + SCHEDULES, depth, rounds, f"m={m}" if real else f"emulated d={depth} m={m}")
+        if not real:  # d sleeping blocks, the loss on the last
+            fwd, bwd = (f,) * (depth - 1) + (c.forward[-1],), (b,) * (depth - 1) + (c.backward[-1],)
+            c = CostModel(fwd, bwd, (c.activation_bytes[0],) * depth, (c.param_bytes[0],) * depth, c.bandwidth, c.latency)
+        sims = {name: simulated(name, depth, m, c) for name in SCHEDULES}
+        if real:
+            real_table(bench, args, m, best, sims, c)
+            continue
+        cells = [f"{best[n]['total']:.0f} ({args.rows * m / sims[n]['step']:.0f})" for n in SCHEDULES]
+        speedups = [x for o in ("1f1b", "gpipe") for x in (best["2bw"]["total"] / best[o]["total"], sims[o]["step"] / sims["2bw"]["step"])]
+        errs = ", ".join(f"{n} {best[n]['error']:.0e}" for n in SCHEDULES)
+        t.add(depth, m, *cells, *(f"{x:.3f}" for x in speedups), ms(best["2bw"]["drain"]), errs)
+    if not real:
+        bench.table(t, "\n### emulated devices (sleep): samples/s, measured (simulated); speed-up of 2BW over 1F1B (Flush) and GPipe")
 
 
 def main() -> None:
@@ -323,10 +293,9 @@ def main() -> None:
     args = bench.parse()
     if any(m < 2 for m in args.microbatches):
         bench.error("2BW needs m >= d = 2")
-    if args.part in ("real", "all"):
-        real_part(bench, args)
-    if args.part in ("emulated", "all"):
-        emulated_part(bench, args)
+    for real in (True, False):
+        if args.part in ("real" if real else "emulated", "all"):
+            run_part(bench, args, real)
     bench.finish()
 
 

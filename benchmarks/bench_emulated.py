@@ -18,45 +18,48 @@ import math
 import statistics
 import time
 
-from lightning_pipe.bench.harness import Bench, Table, pin_threads
+from lightning_pipe.bench.harness import Bench, Table, ms, pin_threads
 
 pin_threads(1)
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
-from lightning_pipe.planning.auto import CANDIDATES  # noqa: E402
+from lightning_pipe.bench.emulated import emulated_model, fine_timer_slack  # noqa: E402
+from lightning_pipe.bench.launch import CpuClock, foreign_load, run_distributed, wait_for_quiet  # noqa: E402
+from lightning_pipe.bench.stats import spearman  # noqa: E402
+from lightning_pipe.errors import SettingError  # noqa: E402
+from lightning_pipe.planning import partition_blocks  # noqa: E402
+from lightning_pipe.planning.auto import CANDIDATES, choose_schedule  # noqa: E402
+from lightning_pipe.profiling.link import ping_pong  # noqa: E402
+from lightning_pipe.profiling.messages import MessageCosts, measure_messages  # noqa: E402
+from lightning_pipe.runtime.p2p import Transport  # noqa: E402
+from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline  # noqa: E402
+from lightning_pipe.schedules import Op, ScheduleSpec, build_schedule  # noqa: E402
+from lightning_pipe.simulation import CostModel, simulate  # noqa: E402
 
 VARIANTS: tuple[tuple[str, dict[str, int]], ...] = (("gpipe", {}),) + CANDIDATES  # what auto weighs, and GPipe
 
 
-def label(name: str, options: dict[str, int]) -> str:
-    return name + "".join(f" {'v' if k == 'chunks' else 'W'}={v}" for k, v in sorted(options.items()))
-
-
 def uniform_bounds(blocks: int, chunks: int) -> list[tuple[int, int]]:
-    from lightning_pipe.planning import partition_blocks
-
     return [tuple(b) for b in partition_blocks("uniform", blocks, chunks).bounds]
 
 
 def cases_for(p: int, blocks: int, multipliers: list[int], variants=VARIANTS) -> tuple[list[dict], list[dict]]:
-    """The cases that run at depth p, and the skipped ones with the schedule's reason."""
-    from lightning_pipe.errors import SettingError
-    from lightning_pipe.schedules import ScheduleSpec
-
+    """The cases that run at depth p (with their chunk count), and the skipped ones with the schedule's reason."""
     run, skipped = [], []
-    for k in multipliers:
-        m = k * p
-        for name, options in variants:
-            case = {"p": p, "m": m, "schedule": name, "options": dict(options), "label": label(name, options)}
-            try:
-                spec = ScheduleSpec.of(name, **options)
-                spec.check(p, blocks)
-                spec.build(p, m)
-            except (SettingError, ValueError) as err:
-                skipped.append({**case, "reason": str(err)})
-                continue
-            run.append(case)
+    for m, (name, options) in ((k * p, variant) for k in multipliers for variant in variants):
+        tag = "".join(f" {'v' if k == 'chunks' else 'W'}={v}" for k, v in sorted(options.items()))  # "wave W=2"
+        case = {"p": p, "m": m, "schedule": name, "options": dict(options), "label": name + tag}
+        try:
+            spec = ScheduleSpec.of(name, **options)
+            spec.check(p, blocks)
+            spec.build(p, m)
+        except (SettingError, ValueError) as err:
+            skipped.append({**case, "reason": str(err)})
+            continue
+        run.append(dict(case, chunks=spec.chunk_count(p)))
     return run, skipped
 
 
@@ -69,10 +72,6 @@ def _data(rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference_weights(cfg: dict) -> dict[str, torch.Tensor]:
     """One process, the same model (no sleeps), data, loss and SGD steps as every case."""
-    import torch.nn.functional as F
-
-    from lightning_pipe.bench.emulated import emulated_model
-
     model = emulated_model(cfg["blocks"], cfg["width"], 0.0, 0.0, seed=cfg["seed"], gain=cfg["gain"])
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
     x, y = _data(cfg["rows"], cfg["width"])
@@ -84,17 +83,6 @@ def reference_weights(cfg: dict) -> dict[str, torch.Tensor]:
 
 
 def _job(rank: int, world: int, cfg: dict, cases: list[dict], reference: dict[str, torch.Tensor]) -> dict:
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from lightning_pipe.bench.emulated import emulated_model, fine_timer_slack
-    from lightning_pipe.bench.launch import CpuClock, foreign_load, wait_for_quiet
-    from lightning_pipe.profiling.link import ping_pong
-    from lightning_pipe.profiling.messages import measure_messages
-    from lightning_pipe.runtime.p2p import Transport
-    from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
-    from lightning_pipe.schedules import Op, build_schedule
-
     slack = fine_timer_slack()
     if rank == 0:
         wait_for_quiet(cfg["quiet_wait"], 0.15, poll=5.0, log=lambda s: print(s, flush=True))
@@ -113,14 +101,12 @@ def _job(rank: int, world: int, cfg: dict, cases: list[dict], reference: dict[st
         chunks = {c: model[bounds[c][0] : bounds[c][1]] for c in schedule.chunks_of(rank)}
         host = SequentialHost(chunks, schedule.num_chunks - 1, F.mse_loss)
         pipe = SequentialPipeline(schedule, rank, host, transport)
-        params = [q for c in chunks.values() for q in c.parameters()]
-        opt = torch.optim.SGD(params, lr=cfg["lr"])
-        spans, compute = [], []
+        opt = torch.optim.SGD([q for c in chunks.values() for q in c.parameters()], lr=cfg["lr"])
+        spans, compute, size = [], [], [b - a for a, b in bounds]
         gc.collect()
         for step in range(cfg["warmup"] + cfg["steps"]):
             opt.zero_grad(set_to_none=True)
-            timed = step >= cfg["warmup"]
-            pipe.executor.trace = timed
+            pipe.executor.trace = timed = step >= cfg["warmup"]
             dist.barrier()
             t0 = time.perf_counter()
             pipe.step(x, y)
@@ -130,220 +116,154 @@ def _job(rank: int, world: int, cfg: dict, cases: list[dict], reference: dict[st
                 spans.append((t0, t1))
                 # how long each compute occupied the rank beyond its emulated time (sleep overshoot,
                 # the Linear, autograd, the executor's work around it)
-                acts = pipe.executor.actions
-                extra = [
-                    (e - s) - (cfg["f"] if acts[i].op is Op.FORWARD else cfg["b"]) * (bounds[acts[i].chunk][1] - bounds[acts[i].chunk][0])
-                    for i, s, e in pipe.executor.records
-                    if acts[i].op.is_compute
-                ]
+                acts = [(pipe.executor.actions[i], e - s) for i, s, e in pipe.executor.records]
+                extra = [t - (cfg["f"] if a.op is Op.FORWARD else cfg["b"]) * size[a.chunk] for a, t in acts if a.op.is_compute]
                 compute.append((sum(extra), len(extra)))
-        pipe.executor.trace = False
         mine = {k: v for k, v in model.state_dict().items() if any(a <= int(k.split(".")[0]) < b for a, b in (bounds[c] for c in chunks))}
         diff = max(((v - reference[k]).abs().max() / reference[k].abs().max().clamp(min=1e-30)).item() for k, v in mine.items())
         out.append({"spans": spans, "diff": diff, "extra": compute})
     end = CpuClock.now()
     own = [None] * world
     dist.all_gather_object(own, end.own - start.own)
-    return {
-        "cases": out,
-        "link": link,
-        "messages": msgs,
-        "slack": slack,
-        "foreign": foreign_load(start, end, own=sum(own)),
-        "own_cpu": sum(own) / max(end.wall - start.wall, 1e-9),
-    }
+    own_cpu = sum(own) / max(end.wall - start.wall, 1e-9)
+    return dict(cases=out, link=link, messages=msgs, slack=slack, foreign=foreign_load(start, end, own=sum(own)), own_cpu=own_cpu)
 
 
 # ---- predictions, tables ----------------------------------------------------------------------------
-def costs_for(cfg: dict, m: int, link: dict | None):
-    from lightning_pipe.simulation import CostModel
-
-    act, (latency, bandwidth) = cfg["rows"] // m * cfg["width"] * 8.0, (link["latency"], link["bandwidth"]) if link else (0.0, math.inf)
-    return CostModel.uniform(
-        cfg["blocks"], cfg["f"], cfg["b"], activation_bytes=(act,) * cfg["blocks"], latency=latency, bandwidth=bandwidth
-    )
+KEYS = ("simulated", "simulated_msgs")  # the plain CostModel, and with measure_messages' terms
 
 
-def simulated(case: dict, costs, blocks: int) -> float:
-    from lightning_pipe.schedules import build_schedule
-    from lightning_pipe.simulation import simulate
+def costs_for(res: dict, m: int, key: str = "simulated"):
+    """A depth's CostModel at m micro-batches: its emulated blocks and ping-pong link (key
+    "simulated_msgs": with the message terms measured in its process group)."""
+    cfg, link = res["config"], res["link"]
+    act = (cfg["rows"] // m * cfg["width"] * 8.0,) * cfg["blocks"]
+    costs = CostModel.uniform(cfg["blocks"], cfg["f"], cfg["b"], activation_bytes=act, latency=link["latency"], bandwidth=link["bandwidth"])
+    return MessageCosts.from_dict(res["messages"]).apply(costs) if key == "simulated_msgs" else costs
 
+
+def simulated(case: dict, costs) -> float:
     schedule = build_schedule(case["schedule"], case["p"], case["m"], **case["options"])
-    return simulate(schedule, costs, uniform_bounds(blocks, schedule.num_chunks), critical_path=False).iteration_time
+    return simulate(schedule, costs, uniform_bounds(costs.num_blocks, schedule.num_chunks), critical_path=False).iteration_time
 
 
-def run_depth(bench: Bench, p: int, args, multipliers: list[int]) -> dict:
-    from lightning_pipe.bench.launch import run_distributed
-
+def run_depth(bench: Bench, p: int, args) -> dict:
+    """Every case at depth p in one process group: one record per case (measured, both simulations,
+    exactness); printed."""
     blocks = args.blocks_per_rank * p
     cfg = dict(blocks=blocks, width=args.width, rows=args.rows, f=args.block_ms / 1e3, b=2 * args.block_ms / 1e3, lr=0.05, seed=3)
     # gain: deep stacks well-conditioned, exactness stays checkable at 1e-10 (emulated_model)
     cfg.update(gain=min(1.0, 16 / blocks), warmup=args.warmup, steps=args.steps, quiet_wait=args.quiet_wait)
-    cases, skipped = cases_for(p, blocks, multipliers)
-    for s in skipped:
-        bench.log(f"  P={p} m={s['m']} {s['label']}: skipped: {s['reason']}")
+    cases, skipped = cases_for(p, blocks, args.multipliers)
     reference = reference_weights(cfg)
     t = time.monotonic()
     ranks = run_distributed(_job, p, cfg, cases, reference, timeout=args.timeout, threads=1)
-    wall = time.monotonic() - t
-    zero, rows = ranks[0], []
-    link, msgs = zero["link"], zero["messages"]
+    zero, link = ranks[0], {k: ranks[0]["link"][k] for k in ("latency", "bandwidth")}
+    res = dict(p=p, config=cfg, rows=[], skipped=skipped, link=link, messages=zero["messages"].to_dict())
+    res.update(foreign_load=max(r["foreign"] for r in ranks), own_cpus=zero["own_cpu"], timer_slack_1us=zero["slack"],
+               wall_s=time.monotonic() - t)  # fmt: skip
     for i, case in enumerate(cases):
-        steps = len(zero["cases"][i]["spans"])
-        its = [max(r["cases"][i]["spans"][s][1] for r in ranks) - zero["cases"][i]["spans"][s][0] for s in range(steps)]
-        diff = max(r["cases"][i]["diff"] for r in ranks)
-        extra = sum(r["cases"][i]["extra"][s][0] for r in ranks for s in range(steps))
-        count = sum(r["cases"][i]["extra"][s][1] for r in ranks for s in range(steps))
-        costs = costs_for(cfg, case["m"], link)
-        row = dict(case, chunks=_chunks(case), measured=statistics.median(its), measured_all=its, simulated=simulated(case, costs, blocks))
-        row.update(max_rel_diff=diff, exact=diff <= 1e-10, extra_per_compute=extra / max(count, 1))
-        rows.append(dict(row, simulated_msgs=simulated(case, msgs.apply(costs), blocks)))
-    link = {"latency": link["latency"], "bandwidth": link["bandwidth"]} if link else None
-    out = dict(p=p, config=cfg, rows=rows, skipped=skipped, link=link, messages=msgs.to_dict())
-    return dict(out, foreign_load=max(r["foreign"] for r in ranks), own_cpus=zero["own_cpu"], timer_slack_1us=zero["slack"], wall_s=wall)
+        runs = [r["cases"][i] for r in ranks]  # this case on every rank
+        its = [max(run["spans"][s][1] for run in runs) - t0 for s, (t0, _) in enumerate(runs[0]["spans"])]
+        extra, diff = [e for run in runs for e in run["extra"]], max(run["diff"] for run in runs)
+        row = dict(case, measured=statistics.median(its), measured_all=its, max_rel_diff=diff, exact=diff <= 1e-10)
+        row["extra_per_compute"] = sum(e for e, _ in extra) / max(sum(n for _, n in extra), 1)
+        res["rows"].append(dict(row, **{key: simulated(case, costs_for(res, case["m"], key)) for key in KEYS}))
+    print_depth(bench, res)
+    return res
 
 
-def _chunks(case: dict) -> int:
-    from lightning_pipe.schedules import ScheduleSpec
+def by_m(res: dict) -> list[tuple[int, list[dict]]]:
+    """A depth's exact rows per m (an inexact case is excluded from every comparison)."""
+    return [(m, [r for r in res["rows"] if r["m"] == m and r["exact"]]) for m in sorted({r["m"] for r in res["rows"]})]
 
-    return ScheduleSpec.of(case["schedule"], **case["options"]).chunk_count(case["p"])
+
+COLUMNS = (
+    ("m", lambda r: r["m"]), ("schedule", lambda r: r["label"]), ("chunks", lambda r: r["chunks"]),
+    ("measured ms", lambda r: ms(r["measured"])), ("simulated ms", lambda r: ms(r["simulated"])),
+    ("meas / sim", lambda r: f"{r['measured'] / r['simulated']:.3f}"), ("sim + msgs ms", lambda r: ms(r["simulated_msgs"])),
+    ("meas / (sim + msgs)", lambda r: f"{r['measured'] / r['simulated_msgs']:.3f}"),
+    ("extra per compute us", lambda r: f"{r['extra_per_compute'] * 1e6:.0f}"),
+    ("exact", lambda r: f"{'yes' if r['exact'] else 'NO'} ({r['max_rel_diff']:.0e})"),
+)  # fmt: skip
 
 
 def print_depth(bench: Bench, res: dict) -> None:
-    from lightning_pipe.profiling.messages import MessageCosts
-
     p, cfg, link = res["p"], res["config"], res["link"]
-    msgs = MessageCosts.from_dict(res["messages"])
-    bench.log(f"P = {p}: ours {res['own_cpus']:.2f} CPUs, {res['wall_s']:.0f} s; message costs (sleeping {msgs.think * 1e3:g} ms per hop): "
-              f"{msgs.summary()}; hand-off delay {msgs.handoff_delay(costs_for(cfg, 2 * p, link)) * 1e6:.0f} us")  # fmt: skip
-    t = Table(
-        "m", "schedule", "chunks", "measured ms", "simulated ms", "meas / sim", "sim + msgs ms", "meas / (sim + msgs)", "extra per compute us",
-        "exact", align="l" * 10,
-    )  # fmt: skip
+    t = Table(*(header for header, _ in COLUMNS), align="l" * len(COLUMNS))
     for r in res["rows"]:
-        t.add(
-            r["m"], r["label"], r["chunks"], f"{r['measured'] * 1e3:.1f}", f"{r['simulated'] * 1e3:.1f}", f"{r['measured'] / r['simulated']:.3f}",
-            f"{r['simulated_msgs'] * 1e3:.1f}", f"{r['measured'] / r['simulated_msgs']:.3f}", f"{r['extra_per_compute'] * 1e6:.0f}",
-            f"{'yes' if r['exact'] else 'NO'} ({r['max_rel_diff']:.0e})",
-        )  # fmt: skip
-    title = (
-        f"\n#### P = {p} EMULATED ranks ({cfg['blocks']} blocks, {cfg['f'] * 1e3:g} / {cfg['b'] * 1e3:g} ms; link "
-        f"{link['latency'] * 1e6:.0f} us; other processes {res['foreign_load']:.2f} CPUs)"
-    )
-    bench.table(t, title)
+        t.add(*(cell(r) for _, cell in COLUMNS))
+    bench.table(t, f"\n#### P = {p} EMULATED ranks ({cfg['blocks']} blocks, {cfg['f'] * 1e3:g} / {cfg['b'] * 1e3:g} ms; link "
+                   f"{link['latency'] * 1e6:.0f} us; other processes {res['foreign_load']:.2f} CPUs)")  # fmt: skip
     for s in res["skipped"]:
         bench.say(f"m = {s['m']} {s['label']}: skipped ({s['reason']})")
-    for m in sorted({r["m"] for r in res["rows"]}):
-        sub = [r for r in res["rows"] if r["m"] == m and r["exact"]]
-        bench.log(
-            f"  P={p} m={m}: Spearman measured vs simulated {correlation(sub, 'simulated'):+.3f}, vs simulated+msgs {correlation(sub, 'simulated_msgs'):+.3f}"
-        )
-
-
-def correlation(rows: list[dict], key: str) -> float:
-    from lightning_pipe.bench.stats import spearman
-
-    return spearman([r["measured"] for r in rows], [r[key] for r in rows]) if len(rows) > 1 else math.nan
 
 
 # ---- the targets -------------------------------------------------------------------------------------
 def auto_check(res: dict, key: str) -> list[dict]:
     """schedule="auto"'s pick among the schedules run, vs the measured fastest, per m."""
-    from lightning_pipe.planning.auto import choose_schedule
-
-    p, cfg = res["p"], res["config"]
     found = []
-    for m in sorted({r["m"] for r in res["rows"]}):
-        rows = [r for r in res["rows"] if r["m"] == m and r["exact"]]
-        costs = costs_for(cfg, m, res["link"])
-        if key == "simulated_msgs":
-            from lightning_pipe.profiling.messages import MessageCosts
-
-            costs = MessageCosts.from_dict(res["messages"]).apply(costs)
-        choice = choose_schedule(costs, p, m, candidates=[(r["schedule"], r["options"]) for r in rows])
-        chosen = next(r for r in rows if r["schedule"] == choice.chosen.schedule and r["options"] == choice.chosen.schedule_options)
-        same_cut = [tuple(b) for b in choice.chosen.plan.bounds] == uniform_bounds(cfg["blocks"], chosen["chunks"])
+    for m, rows in by_m(res):
+        choice = choose_schedule(costs_for(res, m, key), res["p"], m, candidates=[(r["schedule"], r["options"]) for r in rows])
+        pick = next(r for r in rows if r["schedule"] == choice.chosen.schedule and r["options"] == choice.chosen.schedule_options)
         fastest = min(rows, key=lambda r: r["measured"])
-        found.append(dict(p=p, m=m, model=key, pick=chosen["label"], pick_measured=chosen["measured"]))
-        found[-1].update(fastest=fastest["label"], fastest_measured=fastest["measured"], gap=chosen["measured"] / fastest["measured"] - 1)
-        found[-1]["same_partition_as_run"] = same_cut
+        same_cut = [tuple(b) for b in choice.chosen.plan.bounds] == uniform_bounds(res["config"]["blocks"], pick["chunks"])
+        found.append(dict(p=res["p"], m=m, model=key, pick=pick["label"], pick_measured=pick["measured"], fastest=fastest["label"],
+                          fastest_measured=fastest["measured"], gap=pick["measured"] / fastest["measured"] - 1, same_partition_as_run=same_cut))  # fmt: skip
     return found
 
 
 def wave_shares(res: dict, key: str) -> list[dict]:
     """Wave's measured speed-up over 1F1B as a share of the simulated one, per m and wave variant."""
     found = []
-    for m in sorted({r["m"] for r in res["rows"]}):
-        rows = {r["label"]: r for r in res["rows"] if r["m"] == m and r["exact"]}
-        one = rows.get("1f1b")
-        if one is None:
-            continue
-        for lab, r in rows.items():
-            if r["schedule"] not in ("wave", "hanayo"):
-                continue
+    for m, rows in by_m(res):
+        one = next((r for r in rows if r["label"] == "1f1b"), None)
+        for r in (r for r in rows if one and r["schedule"] in ("wave", "hanayo")):
             meas, sim = one["measured"] / r["measured"] - 1, one[key] / r[key] - 1
-            found.append(dict(p=res["p"], m=m, schedule=lab, model=key, measured_speedup=meas, simulated_speedup=sim))
-            found[-1]["share"] = meas / sim if sim > 1e-9 else None
+            found.append(dict(p=res["p"], m=m, schedule=r["label"], model=key, measured_speedup=meas, simulated_speedup=sim,
+                              share=meas / sim if sim > 1e-9 else None))  # fmt: skip
     return found
 
 
+def errors(rows: list[dict], key: str) -> dict:
+    """|measured / simulated - 1| of the exact rows: median, max, how many within 5%."""
+    errs = [abs(r["measured"] / r[key] - 1) for r in rows if r["exact"]]
+    return dict(within_5pct=sum(e <= 0.05 for e in errs), cases=len(errs), median_abs_error=statistics.median(errs) if errs else math.nan,
+                max_abs_error=max(errs, default=math.nan))  # fmt: skip
+
+
 def summary(results: list[dict]) -> dict:
+    rho = lambda rows, key: spearman([r["measured"] for r in rows], [r[key] for r in rows]) if len(rows) > 1 else math.nan  # noqa: E731
     out: dict = {}
-    for key in ("simulated", "simulated_msgs"):
-        rows = [r for res in results for r in res["rows"] if r["exact"]]
-        errors = [r["measured"] / r[key] - 1 for r in rows]
-        within = sum(abs(e) <= 0.05 for e in errors)
-        rhos = []
-        for res in results:
-            for m in sorted({r["m"] for r in res["rows"]}):
-                sub = [r for r in res["rows"] if r["m"] == m and r["exact"]]
-                rhos.append({"p": res["p"], "m": m, "rho": correlation(sub, key)})
-        per_p = {}
-        for res in results:
-            errs = [r["measured"] / r[key] - 1 for r in res["rows"] if r["exact"]]
-            if not errs:  # every case of this depth inexact: listed under "inexact", nothing to compare
-                continue
-            per_p[res["p"]] = {"median_abs_error": statistics.median(abs(e) for e in errs), "max_abs_error": max(abs(e) for e in errs)}
-            per_p[res["p"]].update(within_5pct=sum(abs(e) <= 0.05 for e in errs), cases=len(errs))
-        autos = [a for res in results if res["p"] in (4, 8) for a in auto_check(res, key)]
-        waves = [w for res in results if res["p"] in (4, 8) for w in wave_shares(res, key)]
-        median = statistics.median(abs(e) for e in errors) if errors else math.nan
-        out[key] = dict(within_5pct=within, cases=len(errors), median_abs_error=median)
-        out[key].update(
-            max_abs_error=max((abs(e) for e in errors), default=math.nan), per_p=per_p, spearman=rhos, auto=autos, wave_share=waves
-        )
-    out["inexact"] = [
-        f"P={r['p']} m={r['m']} {r['label']}: {r['max_rel_diff']:.1e}" for res in results for r in res["rows"] if not r["exact"]
-    ]
+    mid = [res for res in results if res["p"] in (4, 8)]  # where auto and wave are checked
+    for key in KEYS:
+        out[key] = errors([r for res in results for r in res["rows"]], key)
+        # a depth with every case inexact: listed under "inexact", nothing to compare
+        out[key]["per_p"] = {res["p"]: errors(res["rows"], key) for res in results if any(r["exact"] for r in res["rows"])}
+        out[key]["spearman"] = [{"p": res["p"], "m": m, "rho": rho(rows, key)} for res in results for m, rows in by_m(res)]
+        out[key].update(auto=[a for res in mid for a in auto_check(res, key)], wave_share=[w for res in mid for w in wave_shares(res, key)])
+    out["inexact"] = [f"P={r['p']} m={r['m']} {r['label']}: {r['max_rel_diff']:.1e}"
+                      for res in results for r in res["rows"] if not r["exact"]]  # fmt: skip
     return out
 
 
 def print_summary(bench: Bench, s: dict) -> None:
-    for key, v in s.items():
-        if key == "inexact":
-            continue
+    line = lambda d: f"|error| median {d['median_abs_error']:.1%}, max {d['max_abs_error']:.1%}, within 5%: {d['within_5pct']}/{d['cases']}"  # noqa: E731
+    for key in KEYS:
+        v = s[key]
         bench.say(f"\n== targets, {'plain CostModel' if key == 'simulated' else 'CostModel with message costs'} (EMULATED devices) ==")
-        bench.say(
-            f"measured vs simulated within 5%: {v['within_5pct']} of {v['cases']} cases; |error| median {v['median_abs_error']:.1%}, "
-            f"max {v['max_abs_error']:.1%}"
-        )
+        bench.say("measured vs simulated, all P: " + line(v))
         for p, d in v["per_p"].items():
-            bench.say(
-                f"  P={p}: |error| median {d['median_abs_error']:.1%}, max {d['max_abs_error']:.1%}, within 5%: {d['within_5pct']}/{d['cases']}"
-            )
+            bench.say(f"  P={p}: " + line(d))
         bench.say("Spearman per (P, m): " + ", ".join(f"{r['p']}/{r['m']}: {r['rho']:+.2f}" for r in v["spearman"]))
         for a in v["auto"]:
             cut = "" if a["same_partition_as_run"] else " (auto planned another partition than the run's uniform one)"
-            bench.say(
-                f"auto P={a['p']} m={a['m']}: pick {a['pick']} ({a['pick_measured'] * 1e3:.1f} ms), measured fastest {a['fastest']} "
-                f"({a['fastest_measured'] * 1e3:.1f} ms): gap {a['gap']:+.1%}{cut}"
-            )
+            bench.say(f"auto P={a['p']} m={a['m']}: pick {a['pick']} ({ms(a['pick_measured'])} ms), measured fastest {a['fastest']} "
+                      f"({ms(a['fastest_measured'])} ms): gap {a['gap']:+.1%}{cut}")  # fmt: skip
         for w in v["wave_share"]:
             share = "n/a (no simulated gain)" if w["share"] is None else f"{w['share']:.0%}"
-            bench.say(
-                f"wave share P={w['p']} m={w['m']} {w['schedule']}: measured {w['measured_speedup']:+.1%}, simulated "
-                f"{w['simulated_speedup']:+.1%} over 1F1B: {share}"
-            )
+            bench.say(f"wave share P={w['p']} m={w['m']} {w['schedule']}: measured {w['measured_speedup']:+.1%}, simulated "
+                      f"{w['simulated_speedup']:+.1%} over 1F1B: {share}")  # fmt: skip
     if s["inexact"]:
         bench.say("NOT EXACT (excluded): " + "; ".join(s["inexact"]))
 
@@ -358,10 +278,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--rows", type=int, default=64, help="batch rows (split into m micro-batches)")
     args = bench.parse()
-    results = []
-    for p in args.ranks:
-        results.append(run_depth(bench, p, args, args.multipliers))
-        print_depth(bench, results[-1])
+    results = [run_depth(bench, p, args) for p in args.ranks]  # each printed as it ends
     s = summary(results)
     print_summary(bench, s)
     bench.keep("depths", results)
