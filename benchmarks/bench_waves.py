@@ -161,9 +161,7 @@ def trace_summary(results: list[dict], schedule, bounds, costs) -> dict:
     acts = tuple(costs.activation_bytes[hi - 1] for _, hi in bounds) if costs.activation_bytes else ()
     traced = replace(costs, forward=per_chunk("F"), backward=per_chunk("B"), activation_bytes=acts, param_bytes=())
     f, b, _ = chunk_costs(costs, bounds)
-    inflation = [
-        statistics.median(statistics.median(v) / p[c] for (o, c), v in per_op.items() if o == op) for op, p in (("F", f), ("B", b))
-    ]
+    inflation = lambda op, p: statistics.median(statistics.median(v) / p[c] for (o, c), v in per_op.items() if o == op)
     out = {
         "sim_iter": t.iteration_time,
         "sim_iter_link_only": sim(schedule, replace(costs, send_overhead=0.0, recv_overhead=0.0, handoff_delay=0.0), bounds),
@@ -173,15 +171,14 @@ def trace_summary(results: list[dict], schedule, bounds, costs) -> dict:
         "busy": med(lambda s: sum(e - s0 for *_, s0, e in s["computes"])),
         "opt": med(lambda s: s["opt"]),
         "issue": med(lambda s: s["issue"]),
-        "inflation": "{:.2f}, {:.2f}".format(*inflation),
+        "inflation": f"{inflation('F', f):.2f}, {inflation('B', b):.2f}",
         "messages": [sum(a.op.is_send or a.op.is_recv for a in acts) for acts in schedule.actions],
         "computes": [sum(a.op.is_compute for a in acts) for acts in schedule.actions],
         "handoff": handoff_delays(results),
     }
-    late, steps = [d for d in out["handoff"] if d > 1e-3], len(results[0]["trace"])
-    out["late"] = (
-        f"{1e3 * statistics.mean(out['handoff']):.2f} ms, {len(late) / len(out['handoff']):.0%}, {1e3 * sum(late) / (2 * steps):.1f} ms"
-    )
+    late, n = [d for d in out["handoff"] if d > 1e-3], len(out["handoff"])
+    per_step = 1e3 * sum(late) / (2 * len(results[0]["trace"]))  # ms per rank-step
+    out["late"] = f"{1e3 * statistics.mean(out['handoff']):.2f} ms, {len(late) / n:.0%}, {per_step:.1f} ms"
     out["messages0"] = out["messages"][0]
     return out
 
@@ -246,11 +243,11 @@ def report(bench: Bench, m: int, cfg: dict, best: dict, errors: dict, traces: di
         f"compute x {k:.2f}, {1e6 * a:.0f} us per compute, {1e6 * o:.0f} us per message in isend/irecv, latency {1e6 * h:.0f} us\n"
     )
     columns = [
-        ("schedule", "mode", ""), ("samples/s", "total", ".1f"), ("ms/step", "step_ms", ".1f"), ("vs single", "vs_single", ""),
+        ("schedule", "mode"), ("samples/s", "total", ".1f"), ("ms/step", "step_ms", ".1f"), ("vs single", "vs_single"),
         ("measured speed-up vs our 1F1B", "speedup", ".3f"), ("simulated", "simulated", ".3f"), ("measured gain / simulated gain", "gain", ".0%"),
         ("simulated, calibrated", "calibrated", ".3f"), ("weights vs single", "error", ".1e"), ("other load", "foreign", ".2f"),
     ]  # fmt: skip
-    bench.table(column_table(cells(columns), recs))
+    bench.table(column_table(columns, recs))
     top = {
         kind: max((r for r in recs[2:] if r["mode"].startswith(kind)), key=lambda r: r["total"], default=None)
         for kind in ("ours-", "torch-")
@@ -260,27 +257,18 @@ def report(bench: Bench, m: int, cfg: dict, best: dict, errors: dict, traces: di
         bench.say(f"our best multi-chunk ({top['ours-']['mode']}) / torch's best multi-chunk ({top['torch-']['mode']}): {ratio:.3f}x\n")
     sims = ["simulated, link only", "simulated, with message costs", "the same, each chunk's compute as measured in the run"]
     sims += ["with the message terms of this run's traces", f"setup's hand-offs sampled per message (mean of {SAMPLES})"]
-    columns = [("schedule", "mode", ""), ("measured ms", "measured", "ms")]
+    ms = lambda key: lambda r: " / ".join(f"{1e3 * x:.1f}" for x in r[key]) if isinstance(r[key], list) else f"{1e3 * r[key]:.1f}"
+    columns = [("schedule", "mode"), ("measured ms", ms("measured"))]
     columns += [c for i, header in enumerate(sims) for c in ((header, f"sim{i}", ".1f"), ("error", f"err{i}", "+.1%"))]
     title = "iteration time (the pipeline's step without the optimizer), measured (median step, the slower rank) vs simulated"
-    bench.table(
-        column_table(cells(columns), ours), title + " on the profile with the link model alone and with the measured message costs:"
-    )
+    bench.table(column_table(columns, ours), title + " on the profile with the link model alone and with the measured message costs:")
     columns = [
-        ("schedule", "mode", ""), ("messages per rank", "messages0", ""), ("simulated iteration", "sim_iter", "ms"), ("measured pipeline step", "pipe", "ms"),
-        ("simulated compute", "sim_busy", "ms"), ("measured compute", "busy", "ms"), ("measured in isend/irecv", "issue", "ms"), ("compute measured / profiled (F, B)", "inflation", ""),
-        ("hand-off delay: mean, > 1 ms (share, ms per rank-step)", "late", ""),
+        ("schedule", "mode"), ("messages per rank", "messages0"), ("simulated iteration", ms("sim_iter")), ("measured pipeline step", ms("pipe")),
+        ("simulated compute", ms("sim_busy")), ("measured compute", ms("busy")), ("measured in isend/irecv", ms("issue")), ("compute measured / profiled (F, B)", "inflation"),
+        ("hand-off delay: mean, > 1 ms (share, ms per rank-step)", "late"),
     ]  # fmt: skip
-    bench.table(column_table(cells(columns), ours), "per-action trace of the best run (median step, ms; rank 0 / rank 1):")
+    bench.table(column_table(columns, ours), "per-action trace of the best run (median step, ms; rank 0 / rank 1):")
     return recs
-
-
-def cells(columns: list[tuple[str, str, str]]) -> list:
-    """(header, record key, format) columns as (header, value function): None as an empty cell, "ms"
-    seconds in ms (a list of them: rank 0 / rank 1)."""
-    ms = lambda v: " / ".join(f"{1e3 * x:.1f}" for x in v) if isinstance(v, list) else f"{1e3 * v:.1f}"
-    fmt = lambda v, spec: "" if v is None else ms(v) if spec == "ms" else format(v, spec)
-    return [(header, lambda r, key=key, spec=spec: fmt(r.get(key), spec)) for header, key, spec in columns]
 
 
 def picture(tables: dict, path: str) -> None:
@@ -292,11 +280,7 @@ def picture(tables: dict, path: str) -> None:
     labels = {"1f1b": "1F1B", "interleaved": "torch\ninterl.", "zbv": "torch\nZBV"}
     labels.update({f"wave{w}": f"wave\nW={w}" for w in (1, 2, 4)} | {f"interleaved{v}": f"interl.\nv={v}" for v in (2, 4)})
     fig, axes = plt.subplots(1, len(tables), figsize=(6.5 * len(tables), 4), squeeze=False)
-    series = [
-        ("measured", "speedup", "tab:blue"),
-        ("simulated", "simulated", "tab:orange"),
-        ("simulated, calibrated on the traces", "calibrated", "tab:gray"),
-    ]
+    series = [("measured", "speedup", "tab:blue"), ("simulated", "simulated", "tab:orange"), ("simulated, calibrated on the traces", "calibrated", "tab:gray")]  # fmt: skip
     for ax, (m, recs) in zip(axes[0], tables.items()):
         recs = recs[1:]  # not the single process
         for i, (label, key, color) in enumerate(series):
