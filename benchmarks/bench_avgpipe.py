@@ -26,9 +26,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from lightning_pipe.bench import pipes  # noqa: E402
+from lightning_pipe.bench.harness import column_table  # noqa: E402
 from lightning_pipe.bench.launch import timed_steps  # noqa: E402
 from lightning_pipe.bench.mlp import loss_fn, make_model, stage_half  # noqa: E402
-from lightning_pipe.bench.pipes import Clock, column_table, compute_seconds, costs_at, equal_bounds, time_executor  # noqa: E402
+from lightning_pipe.bench.pipes import Clock, compute_seconds, costs_at, equal_bounds, time_executor  # noqa: E402
 from lightning_pipe.layers import ElasticAveraging, Flush  # noqa: E402
 from lightning_pipe.runtime.elastic import ReferenceLink, flat_into, flat_size  # noqa: E402
 from lightning_pipe.runtime.p2p import Transport  # noqa: E402

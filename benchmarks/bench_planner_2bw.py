@@ -29,9 +29,10 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_pipe import AutoPipeStrategy  # noqa: E402
 from lightning_pipe.bench.cli_runs import pyplot, save_figure  # noqa: E402
+from lightning_pipe.bench.harness import column_table  # noqa: E402
 from lightning_pipe.bench.launch import wait_for_quiet  # noqa: E402
 from lightning_pipe.bench.stats import spearman  # noqa: E402
-from lightning_pipe.bench.trainer_runs import columns_table, fit_timed, undisturbed  # noqa: E402
+from lightning_pipe.bench.trainer_runs import fit_timed, undisturbed  # noqa: E402
 from lightning_pipe.models import CausalLM, ModelConfig  # noqa: E402
 from lightning_pipe.planning.entry import block_kinds  # noqa: E402
 from lightning_pipe.planning.sized import analytic_profile  # noqa: E402
@@ -153,7 +154,7 @@ def report_a(bench: Bench, res: dict, title: str) -> None:
         f"memory limit {size_text(res['memory_limit'])} (= {res['settings']['limit_fraction']} x the largest uncapped footprint "
         f"{size_text(res['largest_footprint'])}): {res['discarded']} of {res['candidates']} candidates over it; uncapped pick {res['uncapped_chosen']}"
     )
-    bench.table(columns_table(columns, sorted(rows, key=lambda r: -r["candidate"]["throughput"]), "lrrlrrrrr"), f"{title}\n\n{limits}")
+    bench.table(column_table(columns, sorted(rows, key=lambda r: -r["candidate"]["throughput"]), "lrrlrrrrr"), f"{title}\n\n{limits}")
     rounds = [[r["runs"][k]["samples_per_s"] for r in rows] for k in range(min(len(r["runs"]) for r in rows))]
     ratio, i = pick["measured"] / best["measured"], rows.index(pick)
     both = [r for r in rows if r["closed"] is not None]  # the paper's closed forms on the same configurations, and their pick

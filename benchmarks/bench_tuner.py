@@ -25,10 +25,9 @@ from typing import Any, Optional
 
 from lightning_pipe.bench import REPO
 from lightning_pipe.bench.cli_runs import pyplot, save_figure
-from lightning_pipe.bench.harness import Bench, interleave, names
+from lightning_pipe.bench.harness import Bench, column_table, interleave, names
 from lightning_pipe.bench.launch import CpuClock, foreign_load, own_seconds, wait_for_quiet
 from lightning_pipe.bench.stats import spearman
-from lightning_pipe.bench.trainer_runs import columns_table
 
 RECORD_ENV = "LIGHTNING_PIPE_TUNE_RECORD"  # lightning_pipe.lightning.tune_record.RECORD_ENV
 MODELS: dict[str, list[str]] = {
@@ -249,7 +248,7 @@ def report(bench: Bench, res: dict[str, Any]) -> None:
     ]
     bench.say(f"### {res['model']} ({' '.join(res['overrides'])}; K = {k} stages, B = {res['batch_size']} per pipeline)\n")
     bench.table(
-        columns_table(columns, sorted(res["settings"], key=lambda x: (x["microbatches"], x["pipelines"])), "r" * (10 + k)),
+        column_table(columns, sorted(res["settings"], key=lambda x: (x["microbatches"], x["pipelines"])), "r" * (10 + k)),
         f"tuner: `{res['tuner']['command']}`: {s['tuner_wall']:.1f} s (of which the profile run {res['tuner']['tune']['seconds']['profile_run']:.1f} s); "
         f"traversal of {len(res['settings'])} settings: {s['traversal_wall']:.1f} s",
     )

@@ -28,9 +28,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble  # noqa: E402
 
+from lightning_pipe.bench.harness import column_table  # noqa: E402
 from lightning_pipe.bench.launch import timed_steps  # noqa: E402
 from lightning_pipe.bench.mlp import MSEBlock, best_runs, keep_blocks, loss_fn, make_data, make_model, single_job  # noqa: E402
-from lightning_pipe.bench.pipes import Clock, best_link, column_table, equal_bounds, gather, median_costs  # noqa: E402
+from lightning_pipe.bench.pipes import Clock, best_link, equal_bounds, gather, median_costs  # noqa: E402
 from lightning_pipe.profiling import profile_blocks  # noqa: E402
 from lightning_pipe.profiling.messages import MessageCosts, measure_messages  # noqa: E402
 from lightning_pipe.runtime.p2p import Transport  # noqa: E402

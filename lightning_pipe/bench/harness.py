@@ -318,3 +318,26 @@ def write_json(path: str, record: Any) -> None:
     with open(path, "w") as f:
         json.dump(record, f, indent=1, default=_plain)
         f.write("\n")
+
+
+def column_table(columns: Sequence[tuple], rows: Iterable[Any], align: str | None = None) -> "Table":
+    """A Table from columns, one row per record of `rows`: (header, value function) or (header, key,
+    format spec), the record's figure (an empty cell where it has none)."""
+    figure = lambda key, spec="": lambda r: "" if r.get(key) is None else format(r[key], spec)  # noqa: E731
+    values = [column[1] if callable(column[1]) else figure(*column[1:]) for column in columns]
+    table = Table(*(column[0] for column in columns), align=align)
+    for row in rows:
+        table.add(*(value(row) for value in values))
+    return table
+
+
+def pin_to_core(core: int) -> None:
+    """Every thread of this process (gloo's background threads too) on `core`, one intra-op thread."""
+    import torch
+
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), {core})
+        except OSError:
+            pass
+    torch.set_num_threads(1)

@@ -161,16 +161,3 @@ def best_runs(configs: Sequence[Any], rounds: int, one: Callable[[Any, int], dic
             best[worst] = max(st[worst] for st in runs)
         out.append(best)
     return out
-
-
-def column_table(columns: Sequence[tuple], rows: Any, align: str | None = None) -> Any:
-    """A harness Table from columns, one row per record of ``rows``: (header, value function) or
-    (header, key, format spec), the record's figure (an empty cell where it has none)."""
-    from .harness import Table
-
-    figure = lambda key, spec="": lambda r: "" if r.get(key) is None else format(r[key], spec)  # noqa: E731
-    values = [column[1] if callable(column[1]) else figure(*column[1:]) for column in columns]
-    table = Table(*(column[0] for column in columns), align=align)
-    for row in rows:
-        table.add(*(value(row) for value in values))
-    return table

@@ -20,18 +20,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.models import CausalLM, ModelConfig
 
+from .harness import pin_to_core
+
 CFG = dict(vocab_size=260, n_layer=4, n_head=4, d_model=128, max_seq_len=64)
 BATCH, SEQ, M = 16, 64, 4
-
-
-def pin_process(core: int) -> None:
-    """Every thread of this process (gloo's background threads too) on `core`."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), {core})
-        except OSError:
-            pass
-    torch.set_num_threads(1)
 
 
 class SharedCluster(Callback):
@@ -46,7 +38,7 @@ class SharedCluster(Callback):
         self.slowdown, self.predicted = [], []  # the adaptive run's monitor: per-rank factors, scorer's time of the current partition
 
     def setup(self, trainer, pl_module, stage):
-        pin_process(trainer.global_rank % os.cpu_count())
+        pin_to_core(trainer.global_rank % os.cpu_count())
 
     def _job(self, k: int, on: bool) -> None:
         if on and k not in self.procs:

@@ -1,7 +1,7 @@
 """One ``Trainer.fit`` on 2 CPU processes (forked by the strategy), timed by a Callback on every rank:
 rank r pinned to core r, each step's end stamped, the foreign load over the setup and over the timed
 steps; repeated while other processes disturbed it (bench_planner_2bw.py, bench_auto.py); a stage of a
-SequentialPipeline (`stage_pipeline`); a Table from a list of columns (`columns_table`)."""
+SequentialPipeline (`stage_pipeline`)."""
 
 from __future__ import annotations
 
@@ -15,18 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from .harness import Table
+from .harness import pin_to_core
 from .launch import busy_seconds, own_seconds, wait_for_quiet
-
-
-def pin(core: int) -> None:
-    """Every thread of this process on one core, one intra-op thread."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), {core})
-        except OSError:
-            pass
-    torch.set_num_threads(1)
 
 
 def step_clock(out: Path, warmup: int):
@@ -44,7 +34,7 @@ def step_clock(out: Path, warmup: int):
             self.marks[key] = (time.perf_counter() if t is None else t, own_seconds(), busy_seconds())
 
         def setup(self, trainer, pl_module, stage):
-            pin(trainer.global_rank % (os.cpu_count() or 1))
+            pin_to_core(trainer.global_rank % (os.cpu_count() or 1))
             self._mark("setup")
 
         def on_train_start(self, trainer, pl_module):  # after the strategy's setup (profile, messages, plan)
@@ -140,11 +130,3 @@ def quiet_distributed(bench: Any, job: Callable, world: int, args: Any) -> list:
     if bench.patient:
         wait_for_quiet(args.quiet_wait, args.max_foreign, poll=20.0, patterns=OTHER_JOBS, log=bench.log)
     return run_distributed(job, world, args, timeout=args.timeout, group_timeout=3600.0)
-
-
-def columns_table(columns: list[tuple[str, Callable[[Any], Any]]], items: Any, align: str | None = None) -> Table:
-    """A harness Table from (header, value of an item) columns, one row per item."""
-    t = Table(*(header for header, _ in columns), align=align)
-    for item in items:
-        t.add(*(value(item) for _, value in columns))
-    return t
