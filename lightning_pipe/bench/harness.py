@@ -338,6 +338,6 @@ def pin_to_core(core: int) -> None:
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), {core})
-        except OSError:
+        except OSError:  # the thread ended between the listing and the call: nothing to pin
             pass
     torch.set_num_threads(1)
