@@ -25,6 +25,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from ..models.init import is_meta, profiling_blocks
 from ..planning.entry import BLOCK_KINDS as KINDS  # noqa: F401  (benchmarks read it here)
 from ..planning.entry import DEFAULT_LINKS, RunPlan, block_kinds, link_model, plan_run  # noqa: F401
 from ..planning.partition import partition_blocks
@@ -117,6 +118,8 @@ def profile_pipeline(
 ) -> Profile:
     blocks = list(pipeline)
     mine = range(*partition_blocks("uniform", len(blocks), world).bounds[rank]) if world > 1 else range(len(blocks))
+    if is_meta(pipeline):  # a meta-built model: values only for this rank's share, one block at a time before it
+        blocks = profiling_blocks(blocks, mine)
     buffers = [{n: b.detach().clone() for n, b in blk.named_buffers()} for blk in blocks]
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):

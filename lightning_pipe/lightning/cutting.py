@@ -6,6 +6,11 @@ partition is listed (its partition and schedule, exactly, not a new and noisy pl
 sizes, else equal block counts).
 The pipeline's `nn.Sequential` is then replaced by a `PipelineStage` holding this rank's blocks
 under their original indices, so state-dict keys stay the full model's.
+
+A model built on the meta device (`trainer.init_module(empty_init=True)`, `configure_model()`)
+is planned from block-by-block profiles, and each rank then creates and initialises only its own
+blocks (models/init.py): no rank ever holds the whole model, and the weights are those a one-process
+run starts from when the module defines `init_pipeline_block(index, block)` (our GPT and BERT do).
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from ..adaptive.switch import skeleton
+from ..models.init import InitBlock, draw_seed, is_meta, materialize, reset_block, seeded
 from ..planning.partition import partition_blocks
 from ..runtime.tied import TiedParameter, TieGroup, find_tied_parameters, tie_groups
 from ..schedules import ScheduleSpec
@@ -48,6 +55,7 @@ class Cut:
     skeletons: dict[int, nn.Module] = field(default_factory=dict)
     ties: list[TieGroup] = field(default_factory=list)
     switched: bool = False  # the partition changed while training (checkpoints keep it on resume)
+    built_empty: bool = False  # the model was created on the meta device: no rank holds all of it
 
     @property
     def chunk_blocks(self) -> dict[int, list[int]]:
@@ -100,16 +108,35 @@ def cut_module(ctx: RankContext, planner: AutoPlanner, module: Any) -> Cut:
     placement = spec.placement(ctx.depth, ctx.config.microbatches)
     mine = {c: bounds[c] for c in range(len(placement)) if placement[c] == ctx.stage_index}
     blocks = {i: pipeline[i] for start, stop in mine.values() for i in range(start, stop)}
+    built_empty = is_meta(pipeline)
+    if built_empty:
+        materialize(blocks, block_initializer(ctx, module, pipeline), within=pipeline)
     recompute = ctx.config.recompute_stages(ctx.depth)[ctx.stage_index]
     stage = PipelineStage(blocks, mine, len(pipeline), recompute=recompute)
     tied = find_tied_parameters(pipeline, bounds, placement)
     skeletons = {i: skeleton(pipeline[i]) for i in range(len(pipeline)) if i not in blocks}
-    full = pipeline if ctx.global_rank == 0 else None
+    full = pipeline if ctx.global_rank == 0 and not built_empty else None  # a meta-built model is not gathered back
     set_submodule(module, path, stage)
     log.info(f"rank {ctx.global_rank}: stage {ctx.stage_index}/{ctx.depth} holds chunks {mine} (blocks [start, stop))")
     cut = Cut(path, full, stage, spec, tuple(tuple(b) for b in bounds), placement, sliced, plan, choice, tied)
-    cut.skeletons, cut.ties = skeletons, tie_groups(pipeline)
+    cut.skeletons, cut.ties, cut.built_empty = skeletons, tie_groups(pipeline), built_empty
     return cut
+
+
+def block_initializer(ctx: RankContext, module: Any, pipeline: nn.Sequential) -> InitBlock:
+    """The module's `init_pipeline_block(index, block)`, else every sub-module's reset_parameters()
+    under a per-block seed that all ranks share (global rank 0's)."""
+    if callable(getattr(module, "init_pipeline_block", None)):  # a user hook, as Lightning's configure_model
+        return module.init_pipeline_block
+    seed = [getattr(pipeline, "init_seed", None) or draw_seed()]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(seed, src=0)
+
+    def init(index: int, block: nn.Module) -> None:
+        with seeded(seed[0], index):
+            reset_block(block)
+
+    return init
 
 
 def uncut_module(module: Any, cut: Cut, state: dict[str, Any]) -> None:

@@ -62,6 +62,15 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
         _validate(self._strategy, args, trainer)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
+    def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
+        output = super()._collect_rank_zero_results(trainer, results)
+        cut = self._strategy.cut
+        if output is not None and output.weights_path is not None and cut is not None and cut.built_empty:
+            # a model created empty stays empty in the launching process (its weights are in the checkpoint)
+            self._strategy.checkpoint_io.remove_checkpoint(output.weights_path)
+            output = output._replace(weights_path=None)
+        return output
+
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
         super()._wrapping_function(process_idx, *args, **kwargs)
         # A worker is about to exit: leave together and close the process groups ourselves. Left to
@@ -78,3 +87,12 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
         sys.stderr.flush()
         logging.shutdown()
         os._exit(0)
+
+
+def make_launcher(strategy: "AutoPipeStrategy") -> Any:
+    """The launcher for the strategy's `start_method`, after the checks on the world's size."""
+    assert strategy.cluster_environment is not None
+    strategy.config.check_world(strategy.num_nodes * strategy.num_processes)  # fail before spawning anything
+    if strategy.config.start_method == "popen":
+        return CheckedSubprocessLauncher(strategy, strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+    return CheckedMultiProcessingLauncher(strategy, start_method=strategy.config.start_method)

@@ -27,7 +27,8 @@ from .autoplan import AutoPlanner
 from .checkpoint import full_state_dict, load_stage_state, resumed_state, sharded
 from .context import RankContext
 from .cutting import Cut, cut_module, uncut_module
-from .launchers import CheckedMultiProcessingLauncher, CheckedSubprocessLauncher
+from .empty_init import EmptyInitMixin
+from .launchers import make_launcher
 from .layers import Training
 from .precision import pipeline_precision
 from .preflight import STRATEGY_SETTINGS, strategy_config
@@ -35,7 +36,7 @@ from .processes import ProcessGroupStrategy
 from .shape import Where, choose_shape, rebatched
 
 
-class AutoPipeStrategy(ProcessGroupStrategy):
+class AutoPipeStrategy(EmptyInitMixin, ProcessGroupStrategy):
     """Pipeline parallelism, planned and run by lightning-pipe: ``Trainer(strategy="autopipe")``.
 
     Keywords: every `PipelineConfig` field (documented there: schedule, microbatches, partition, width,
@@ -113,16 +114,15 @@ class AutoPipeStrategy(ProcessGroupStrategy):
     @property
     @override
     def is_distributed(self) -> bool:
-        # Width 1: every rank reads the user's DataLoader in its own order, as one process would, and
-        # logged values are equal on all ranks. Replicas: shard by replica and reduce metrics.
+        # width 1: every rank reads the DataLoader as one process would, logs equal; replicas: shard, reduce
         return self.config.replicas > 1
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every stage of one pipeline must see the same batch: shard data by replica, not by rank.
-        replicas = self.config.replicas
-        return {"num_replicas": replicas, "rank": self.global_rank * replicas // (self.num_nodes * self.num_processes)}
+        n = self.config.replicas
+        return {"num_replicas": n, "rank": self.global_rank * n // (self.num_nodes * self.num_processes)}
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -136,12 +136,7 @@ class AutoPipeStrategy(ProcessGroupStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        self.config.check_world(self.num_nodes * self.num_processes)  # fail before spawning anything
-        if self.config.start_method == "popen":
-            self._launcher = CheckedSubprocessLauncher(self, self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = CheckedMultiProcessingLauncher(self, start_method=self.config.start_method)
+        self._launcher = make_launcher(self)
 
     # ---- setup: cut the model into this rank's stage and compose the layers ----------------------
     @override
@@ -185,9 +180,8 @@ class AutoPipeStrategy(ProcessGroupStrategy):
 
     # ---- partition control -----------------------------------------------------------------------
     def repartition(self, bounds: Any) -> Any:
-        """Move to partition `bounds` (one [start, stop) block range per model chunk) at the next
-        batch's start, without restarting: call it on every rank (e.g. from a callback). Checked
-        now; a chunk left without a block is refused."""
+        """Move to partition `bounds` (a [start, stop) block range per model chunk) at the next batch's
+        start, without restarting: call it on every rank (e.g. from a callback); checked now."""
         if self.layers is None:
             raise RuntimeError("repartition() works while fitting, after setup")
         return self.layers.partition.request(bounds)
@@ -286,10 +280,11 @@ class AutoPipeStrategy(ProcessGroupStrategy):
             self.layers.drain()
             if self.config.trace:
                 self.planner.write_trace(self.ctx)  # collective: every rank's last traced step to rank 0
-            state = self.layers.model_state(lambda: full_state_dict(self.ctx))  # collective, only on success
-            if self.global_rank == 0 and self.cut.pipeline is not None:
-                uncut_module(module, self.cut, state)
-                self.ctx.cut = None
+            if not self.cut.built_empty:  # a model created empty (meta) stays cut: its checkpoint has the weights
+                state = self.layers.model_state(lambda: full_state_dict(self.ctx))  # collective, only on success
+                if self.global_rank == 0:
+                    uncut_module(module, self.cut, state)
+                    self.ctx.cut = None
         if self.layers is not None:
             self.layers.close(graceful=finished)  # e.g. reference processes stop (killed after a failure)
         self._active = False

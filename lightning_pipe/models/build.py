@@ -1,13 +1,21 @@
-"""Assemble GPT and BERT as an nn.Sequential of sub-layer blocks, initialised as GPT-2 does."""
+"""Assemble GPT and BERT as an nn.Sequential of sub-layer blocks, initialised as GPT-2 does.
+
+Initialisation is block by block from a seed (models/init.py), so a pipeline rank that creates only
+its own blocks from a meta-device model gets the values a one-process run has. Building consumes
+exactly one number of the global generator (the seed, unless one is given), on CPU and on meta alike.
+"""
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
+import torch
 from torch import nn
 
 from .blocks import Embedding, LMHead, MLMHead, ResidualAttentionBlock, ResidualFFNBlock
 from .config import ModelConfig
+from .init import draw_seed, is_meta, seeded
 
 
 def _layers(cfg: ModelConfig, causal: bool) -> list[nn.Module]:
@@ -18,27 +26,41 @@ def _layers(cfg: ModelConfig, causal: bool) -> list[nn.Module]:
     return blocks
 
 
-def build_gpt(cfg: ModelConfig) -> nn.Sequential:
-    """Decoder-only causal LM: ids (B, T) -> logits (B, T, vocab); 2 * n_layer + 2 blocks."""
-    embed = Embedding(cfg.vocab_size, cfg.d_model, cfg.max_seq_len, cfg.dropout)
-    model = nn.Sequential(embed, *_layers(cfg, causal=True), LMHead(cfg.d_model, embed.token.weight))
-    init_weights(model, cfg.n_layer)
+def _assemble(cfg: ModelConfig, causal: bool, seed: Optional[int]) -> nn.Sequential:
+    seed = draw_seed() if seed is None else seed
+    with torch.random.fork_rng(devices=[]):  # torch's own layer init draws nothing from the caller's generator
+        embed = Embedding(cfg.vocab_size, cfg.d_model, cfg.max_seq_len, cfg.dropout, norm=not causal)
+        head = (LMHead if causal else MLMHead)(cfg.d_model, embed.token.weight)
+        model = nn.Sequential(embed, *_layers(cfg, causal=causal), head)
+    model.init_seed = seed  # type: ignore[assignment]  # plain attribute: not a parameter, not in the state dict
+    if not is_meta(model):
+        for index, block in enumerate(model):
+            init_block(block, index, seed, cfg.n_layer)
     return model
 
 
-def build_bert(cfg: ModelConfig) -> nn.Sequential:
+def build_gpt(cfg: ModelConfig, seed: Optional[int] = None) -> nn.Sequential:
+    """Decoder-only causal LM: ids (B, T) -> logits (B, T, vocab); 2 * n_layer + 2 blocks."""
+    return _assemble(cfg, causal=True, seed=seed)
+
+
+def build_bert(cfg: ModelConfig, seed: Optional[int] = None) -> nn.Sequential:
     """Encoder masked LM: (ids, attention_mask) -> logits (B, T, vocab); 2 * n_layer + 2 blocks.
 
     No token-type embeddings and no pooler: masked-LM pre-training alone needs neither."""
-    embed = Embedding(cfg.vocab_size, cfg.d_model, cfg.max_seq_len, cfg.dropout, norm=True)
-    model = nn.Sequential(embed, *_layers(cfg, causal=False), MLMHead(cfg.d_model, embed.token.weight))
-    init_weights(model, cfg.n_layer)
-    return model
+    return _assemble(cfg, causal=False, seed=seed)
+
+
+def init_block(block: nn.Module, index: int, seed: int, n_layer: int) -> None:
+    """Block `index`'s initial values from the model's seed alone (see models/init.py)."""
+    with seeded(seed, index), torch.no_grad():
+        init_weights(block, n_layer)
 
 
 def init_weights(model: nn.Module, n_layer: int, std: float = 0.02) -> None:
-    """N(0, 0.02) weights, zero biases; the projections that write into the residual stream get
-    std / sqrt(2 * n_layer) so the stream's variance does not grow with depth (GPT-2)."""
+    """N(0, 0.02) weights, zero biases, LayerNorm gains one; the projections that write into the
+    residual stream get std / sqrt(2 * n_layer) so the stream's variance does not grow with depth
+    (GPT-2). A head's tied weight is the embedding's: initialised with the embedding's block."""
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             out = name.endswith(".proj")  # SelfAttention.proj and MLP.proj
@@ -47,6 +69,10 @@ def init_weights(model: nn.Module, n_layer: int, std: float = 0.02) -> None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, 0.0, std)  # also the tied head's weight
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()  # a meta-built block has no values yet
+        if isinstance(module, MLMHead):
+            nn.init.zeros_(module.bias)
 
 
 def count_parameters(module: nn.Module) -> int:

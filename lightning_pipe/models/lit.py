@@ -15,7 +15,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from .build import build_bert, build_gpt
+from .build import build_bert, build_gpt, init_block
 from .config import ModelConfig, resolve_config
 
 
@@ -52,6 +52,12 @@ class _LanguageModel(L.LightningModule):
         self.save_hyperparameters()  # reads the arguments from this frame's locals, so `model` as rewritten above
         self.config = cfg
         self.model = self.build(cfg)
+        self.init_seed: int = self.model.init_seed
+
+    def init_pipeline_block(self, index: int, block: torch.nn.Module) -> None:
+        """Initial values of block `index` (called by the strategy for the blocks a rank creates
+        from a meta-device model): exactly those the block gets here in one process."""
+        init_block(block, index, self.init_seed, self.config.n_layer)
 
     @staticmethod
     def build(cfg: ModelConfig):

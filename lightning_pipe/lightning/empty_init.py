@@ -1,0 +1,36 @@
+"""Creating the model empty: each rank later creates only the blocks of its stage.
+
+`trainer.init_module(empty_init=True)` and `configure_model()` (Lightning's two ways to create a
+large model) create it on the meta device here: shapes and dtypes (the precision plugin's, e.g.
+bf16-true), no storage. The strategy plans from block-by-block profiles and, when it cuts the model,
+allocates and initialises its own blocks only (`cutting`, `models/init.py`). Everything created
+in `configure_model()` is empty, so create metrics and other non-pipeline state in `__init__`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Generator, Optional
+
+import torch
+from typing_extensions import override
+
+
+class EmptyInitMixin:
+    precision_plugin: Any
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        if not empty_init:
+            with super().tensor_init_context(empty_init):  # type: ignore[misc]
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        with torch.device("meta"):
+            yield
