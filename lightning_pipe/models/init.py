@@ -63,7 +63,7 @@ def materialize(
     device = torch.device("cpu") if device is None else device
     made: dict[int, torch.Tensor] = {}
     for block in blocks.values():
-        for table, t in _tensor_slots(block):
+        for _table, t in _tensor_slots(block):
             if t.is_meta and id(t) not in made:
                 empty = torch.empty_like(t, device=device)
                 made[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else empty
