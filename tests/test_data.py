@@ -322,7 +322,7 @@ def test_synthetic_makes_no_file_access(monkeypatch):
 
     monkeypatch.setattr(builtins, "open", no_files)
     monkeypatch.setattr(os, "walk", no_files)
-    monkeypatch.setattr(datamodules_module, "read_corpus", no_files)
+    monkeypatch.setattr(datamodules_module, "iter_corpus", no_files)
 
     causal = CausalLMDataModule(path=None, synthetic=True, synthetic_vocab=50, synthetic_samples=20, seq_len=12, batch_size=4)
     assert causal.vocab_size == 50

@@ -86,8 +86,11 @@ def build(cfg: DictConfig) -> tuple[L.LightningModule, L.LightningDataModule, L.
     except SettingError as err:
         raise named(err) from None
     module = instantiate(cfg.model)
-    max_seq_len = getattr(getattr(module, "config", None), "max_seq_len", None)
-    datamodule = instantiate(cfg.data, max_seq_len=max_seq_len) if max_seq_len else instantiate(cfg.data)
+    # the model's context and vocabulary, which the data module checks its settings against (data.seq_len,
+    # data.tokenizer / data.tokens: every id must be a row of the embedding)
+    model_config = getattr(module, "config", None)
+    fits = {"max_seq_len": getattr(model_config, "max_seq_len", None), "model_vocab_size": getattr(model_config, "vocab_size", None)}
+    datamodule = instantiate(cfg.data, **{k: v for k, v in fits.items() if v})
     datamodule.setup("fit")  # reads the corpus now: a missing or empty one is an error before any process starts
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     if HydraConfig.initialized() and not trainer_kwargs.get("default_root_dir"):

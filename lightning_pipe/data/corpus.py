@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional, Union
 
@@ -75,6 +76,51 @@ def corpus_files(path: Optional[PathLike] = None) -> list[Path]:
     return _listing(path)[0]
 
 
+BLOCK_BYTES = 2**20
+
+
+def iter_corpus(
+    path: Optional[PathLike] = None, max_bytes: Optional[int] = DEFAULT_MAX_BYTES, block_bytes: int = BLOCK_BYTES
+) -> Iterator[bytes]:
+    """The bytes of `read_corpus(path, max_bytes)` as pieces of about `block_bytes` (under twice that),
+    read as they are consumed (a corpus larger than memory streams through).
+
+    A piece never spans two files and ends after a newline where it holds one, so it splits no line
+    (nor a UTF-8 character) unless a line is longer than a block or the cap cuts it. The pieces depend
+    only on the corpus, `max_bytes` and `block_bytes`: what tokenizes them piece by piece
+    (`lightning_pipe.data.tokens`) gives the same ids in memory and into a token file.
+    """
+    if max_bytes is not None and max_bytes < 1:
+        raise ValueError(f"data.max_bytes={max_bytes}: must be >= 1 (or None for no cap)")
+    files, binaries = _listing(path)
+    left, total = max_bytes, 0
+    for f in files:
+        if left is not None and left <= 0:
+            break
+        with open(f, "rb") as fh:
+            carry = b""
+            while True:
+                want = block_bytes if left is None else min(block_bytes, left)
+                data = fh.read(want) if want > 0 else b""
+                if left is not None:
+                    left -= len(data)
+                total += len(data)
+                buf = carry + data
+                if len(data) < block_bytes:  # end of the file, or of the cap
+                    if buf:
+                        yield buf
+                    break
+                cut = buf.rfind(b"\n") + 1
+                if cut == 0:
+                    yield buf  # one line longer than a block
+                    carry = b""
+                else:
+                    yield buf[:cut]
+                    carry = buf[cut:]
+    if total == 0:
+        _refuse_empty(path, binaries)
+
+
 def read_corpus(path: Optional[PathLike] = None, max_bytes: Optional[int] = DEFAULT_MAX_BYTES) -> bytes:
     """All bytes of the corpus at `path` (``None``: the standard library), concatenated in order.
 
@@ -82,31 +128,19 @@ def read_corpus(path: Optional[PathLike] = None, max_bytes: Optional[int] = DEFA
     text is refused; when binary files are all there is (a binary file given alone, or a folder of
     them), the message names them, the same either way.
     """
-    if max_bytes is not None and max_bytes < 1:
-        raise ValueError(f"data.max_bytes={max_bytes}: must be >= 1 (or None for no cap)")
-    files, binaries = _listing(path)
-    chunks: list[bytes] = []
-    left = max_bytes
-    for f in files:
-        if left is not None and left <= 0:
-            break
-        with open(f, "rb") as fh:
-            data = fh.read() if left is None else fh.read(left)
-        chunks.append(data)
-        if left is not None:
-            left -= len(data)
-    corpus = b"".join(chunks)
-    if not corpus:
-        where = f"the standard library at {stdlib_root()}" if path is None else repr(str(path))
-        if binaries:
-            shown = ", ".join(str(b) for b in binaries[:3]) + (f" and {len(binaries) - 3} more" if len(binaries) > 3 else "")
-            raise ValueError(
-                f"data.path={where}: the corpus is empty: {shown} {'is a binary file' if len(binaries) == 1 else 'are binary files'} "
-                f"(a NUL byte in the first {_SNIFF_BYTES} bytes, as git and grep decide), and binary files are not read; "
-                "give a text file or a folder of text files"
-            )
-        raise ValueError(f"data.path={where}: the corpus is empty (no text files or no bytes to train on)")
-    return corpus
+    return b"".join(iter_corpus(path, max_bytes))
+
+
+def _refuse_empty(path: Optional[PathLike], binaries: list[Path]) -> None:
+    where = f"the standard library at {stdlib_root()}" if path is None else repr(str(path))
+    if binaries:
+        shown = ", ".join(str(b) for b in binaries[:3]) + (f" and {len(binaries) - 3} more" if len(binaries) > 3 else "")
+        raise ValueError(
+            f"data.path={where}: the corpus is empty: {shown} {'is a binary file' if len(binaries) == 1 else 'are binary files'} "
+            f"(a NUL byte in the first {_SNIFF_BYTES} bytes, as git and grep decide), and binary files are not read; "
+            "give a text file or a folder of text files"
+        )
+    raise ValueError(f"data.path={where}: the corpus is empty (no text files or no bytes to train on)")
 
 
 def split_corpus(data: bytes, val_fraction: float) -> tuple[bytes, bytes]:
@@ -115,8 +149,13 @@ def split_corpus(data: bytes, val_fraction: float) -> tuple[bytes, bytes]:
     A contiguous tail rather than a random sample: windows never straddle the two splits, so they
     are disjoint, and the split needs no seed.
     """
+    cut = split_point(len(data), val_fraction)
+    return data[:cut], data[cut:]
+
+
+def split_point(n: int, val_fraction: float) -> int:
+    """Where the validation split starts in a stream of `n` bytes or tokens: its last
+    `int(n * val_fraction)` are validation (token streams split by the same rule)."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"data.val_fraction={val_fraction}: must be in [0, 1)")
-    n_val = int(len(data) * val_fraction)
-    cut = len(data) - n_val
-    return data[:cut], data[cut:]
+    return n - int(n * val_fraction)

@@ -1,8 +1,11 @@
-"""LightningDataModules for causal and masked language modelling on byte-level text.
+"""LightningDataModules for causal and masked language modelling on text.
 
-The corpus is read in `setup` (on every rank, deterministically) rather than in `__init__`, so
-the module stays small when Lightning pickles it to spawned processes; cheap checks (settings,
-that the path exists) run in `__init__` to fail before anything is launched.
+Text is tokenized by the byte tokenizer (the default) or a Hugging Face tokenizer.json
+(`data.tokenizer`), or comes pre-tokenized from a memory-mapped token file (`data.tokens`, written
+by `python -m lightning_pipe.data.tokenize`). The corpus is read in `setup` (on every rank,
+deterministically) rather than in `__init__`, so the module stays small when Lightning pickles it to
+spawned processes; cheap checks (settings, that the files exist, the tokenizer against the token
+file and the model's vocabulary) run in `__init__` to fail before anything is launched.
 """
 
 from __future__ import annotations
@@ -12,16 +15,16 @@ from pathlib import Path
 from typing import Optional, Union
 
 import lightning as L
-import torch
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from . import seeding
-from .checks import check_fraction, check_positive, check_seq_len
-from .corpus import DEFAULT_MAX_BYTES, PathLike, read_corpus, split_corpus
+from .checks import check_fraction, check_model_vocab, check_positive, check_seq_len, check_vocab
+from .corpus import DEFAULT_MAX_BYTES, PathLike, iter_corpus, split_point
 from .datasets import CausalLMDataset, MaskedLMDataset
 from .sampling import ResumableSampler
-from .tokenizer import ByteTokenizer
+from .tokenizer import ByteTokenizer, HFTokenizer, TokenizerInfo, load_tokenizer
+from .tokens import TokenFile, TokenSlice, encode_corpus
 from .windows import RandomWindows, StreamWindows
 
 DEFAULT_SYNTHETIC_SAMPLES = 1024
@@ -46,6 +49,9 @@ class _TokenDataModule(L.LightningDataModule):
         synthetic_samples: int = DEFAULT_SYNTHETIC_SAMPLES,
         seed: int = 0,
         max_seq_len: Optional[int] = None,
+        tokenizer: Optional[PathLike] = None,
+        tokens: Optional[PathLike] = None,
+        model_vocab_size: Optional[int] = None,
     ) -> None:
         super().__init__()
         check_seq_len(seq_len, max_seq_len)
@@ -63,6 +69,14 @@ class _TokenDataModule(L.LightningDataModule):
                     f"data.synthetic_samples={synthetic_samples} is less than data.batch_size={batch_size}: "
                     "the training loader (drop_last=True) would yield no batch"
                 )
+            if tokenizer is not None or tokens is not None:
+                raise ValueError(
+                    "data.synthetic=true draws random ids: data.tokenizer and data.tokens do not apply (set them to null, or data.synthetic=false)"
+                )
+        elif tokens is not None and path is not None:
+            raise ValueError(
+                f"data.tokens={str(tokens)!r} and data.path={str(path)!r}: a token file is a tokenized corpus already; give one of them"
+            )
         elif path is not None and not Path(path).expanduser().exists():
             raise FileNotFoundError(f"data.path={str(path)!r}: no such file or directory")
 
@@ -77,10 +91,42 @@ class _TokenDataModule(L.LightningDataModule):
         self.synthetic_samples = synthetic_samples
         self.seed = seed
         self.max_seq_len = max_seq_len
-        self.tokenizer = ByteTokenizer()
-        self.vocab_size = synthetic_vocab if synthetic else ByteTokenizer.vocab_size
+        # A missing tokenizers package, tokenizer.json or token file, or a file made with another
+        # tokenizer: an error now, in the launching process.
+        self.tokenizer: Optional[Union[ByteTokenizer, HFTokenizer]] = load_tokenizer(tokenizer)
+        self.token_file = TokenFile(tokens) if tokens is not None else None
+        self.tokenizer_setting = "data.tokenizer=null (the byte tokenizer)" if tokenizer is None else f"data.tokenizer={str(tokenizer)!r}"
+        self.token_info: TokenizerInfo = self.tokenizer.info
+        if self.token_file is not None:
+            made_with = self.token_file.info
+            if tokenizer is not None and not made_with.same_as(self.tokenizer.info):
+                raise ValueError(
+                    f"data.tokens={str(tokens)!r} was written with {made_with.describe()}, but {self.tokenizer_setting} is "
+                    f"{self.tokenizer.info.describe()}: tokenize again with --tokenizer {tokenizer}, or set data.tokenizer to the "
+                    "file it was made with (or to null: the token file's sidecar describes its tokenizer)"
+                )
+            self.token_info = made_with
+            if tokenizer is None and made_with.kind != "bytes":
+                self.tokenizer = None  # the ids need no tokenizer; set data.tokenizer to decode them
+        self.vocab_size = synthetic_vocab if synthetic else self.token_info.vocab_size
+        check_vocab(self.vocab_size, model_vocab_size, self.vocab_source)
         self.train_dataset: Optional[Dataset] = None
         self.val_dataset: Optional[Dataset] = None
+
+    @property
+    def vocab_source(self) -> str:
+        """Where the ids come from, as the setting to change (for the vocabulary check's message)."""
+        if self.synthetic:
+            return f"data.synthetic_vocab={self.synthetic_vocab}"
+        if self.token_file is not None:
+            return f"{self.token_file.where} (written with {self.token_info.describe()})"
+        return self.tokenizer_setting
+
+    @property
+    def corpus_source(self) -> str:
+        if self.token_file is not None:
+            return self.token_file.where
+        return "data.path=" + ("the standard library" if self.path is None else repr(str(self.path)))
 
     # ---- what the subclasses decide -------------------------------------------------------------
     @property
@@ -97,35 +143,42 @@ class _TokenDataModule(L.LightningDataModule):
             n_val = max(1, round(self.synthetic_samples * self.val_fraction)) if self.val_fraction > 0 else 0
             make = lambda n, stream: RandomWindows(n, self.window_len, self.synthetic_vocab, self.seed, stream)
             return make(self.synthetic_samples, seeding.TRAIN), make(n_val, seeding.VAL)
-        train, val = split_corpus(read_corpus(self.path, self.max_bytes), self.val_fraction)
-        # One byte per token: keep the stream as uint8 (8x smaller than int64).
-        as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8)
+        # The validation split is the stream's last val_fraction of tokens (bytes: of bytes).
+        if self.token_file is not None:  # memory-mapped: windows read their slices only
+            n = len(self.token_file)
+            cut = split_point(n, self.val_fraction)
+            train, val = TokenSlice(self.token_file, 0, cut), TokenSlice(self.token_file, cut, n)
+        else:  # in memory, compact: one byte per token for bytes (uint8), int32 otherwise
+            stream = encode_corpus(self.tokenizer, iter_corpus(self.path, self.max_bytes))
+            cut = split_point(stream.numel(), self.val_fraction)
+            train, val = stream[:cut], stream[cut:]
         # Stride seq_len: inputs never overlap; a causal window's extra token is the next one's first.
-        make = lambda b: StreamWindows(as_tensor(b), self.window_len, stride=self.seq_len)
-        return make(train), make(val)
+        return StreamWindows(train, self.window_len, stride=self.seq_len), StreamWindows(val, self.window_len, stride=self.seq_len)
 
     def _check_windows(self, train: Dataset, val: Dataset) -> None:
-        source = "the standard library" if self.path is None else repr(str(self.path))
+        source = self.corpus_source
         if len(train) == 0:
             raise ValueError(
-                f"data.seq_len={self.seq_len}: the training split of data.path={source} is too short for "
+                f"data.seq_len={self.seq_len}: the training split of {source} is too short for "
                 f"one window of {self.window_len} tokens; lower data.seq_len or give more text "
                 f"(data.path, data.max_bytes)"
             )
         if len(train) < self.batch_size:
             raise ValueError(
-                f"data.batch_size={self.batch_size}: the training split of data.path={source} holds only "
+                f"data.batch_size={self.batch_size}: the training split of {source} holds only "
                 f"{len(train)} windows of data.seq_len={self.seq_len}, so no full batch (drop_last=True); "
                 f"lower data.batch_size or data.seq_len, or give more text"
             )
         if self.val_fraction > 0 and len(val) == 0:
             raise ValueError(
-                f"data.val_fraction={self.val_fraction}: the validation split of data.path={source} is too "
+                f"data.val_fraction={self.val_fraction}: the validation split of {source} is too "
                 f"short for one window of {self.window_len} tokens; raise data.val_fraction, lower "
                 f"data.seq_len, or set data.val_fraction=0 for no validation"
             )
 
     def setup(self, stage: Optional[str] = None) -> None:
+        if self.trainer is not None:  # fit(model, datamodule=...) from Python: the model's vocabulary against the data's
+            check_model_vocab(self.trainer.lightning_module, self)
         if self.train_dataset is not None:
             return  # idempotent: Lightning calls setup once per stage
         train, val = self._windows()
@@ -141,7 +194,8 @@ class _TokenDataModule(L.LightningDataModule):
         # it into Lightning's checkpoints. Every stage of a pipeline draws the same batches; replicas
         # (width > 1) draw their own shard.
         strategy = self.trainer.strategy if self.trainer is not None else None
-        shard = strategy.distributed_sampler_kwargs if strategy is not None and strategy.is_distributed else {}
+        # (a single-device strategy has no is_distributed)
+        shard = strategy.distributed_sampler_kwargs if getattr(strategy, "is_distributed", False) else {}
         return StatefulDataLoader(
             dataset,
             batch_size=self.batch_size,
@@ -180,7 +234,10 @@ class MaskedLMDataModule(_TokenDataModule):
     """Masked-token prediction (BERT). Batches: ``(input_ids, attention_mask, labels)``, each (B, T) int64.
 
     Every sample predicts exactly ``k = max(1, round(mask_prob * seq_len))`` positions (labels are
-    -100 elsewhere), so a token-mean loss equals the mean of per-sample means.
+    -100 elsewhere), so a token-mean loss equals the mean of per-sample means. With a tokenizer.json
+    (or a token file made with one) it must have a mask token (``<mask>`` or ``[MASK]``); random
+    replacements are its ordinary (not special) ids. Windows are full slices of the token stream, so
+    nothing is padding and no [CLS]/[SEP] is inserted (the ids are the tokenizer's `cls_id`/`sep_id`).
     """
 
     def __init__(
@@ -197,6 +254,9 @@ class MaskedLMDataModule(_TokenDataModule):
         seed: int = 0,
         max_seq_len: Optional[int] = None,
         mask_prob: float = 0.15,
+        tokenizer: Optional[PathLike] = None,
+        tokens: Optional[PathLike] = None,
+        model_vocab_size: Optional[int] = None,
     ) -> None:
         check_fraction("mask_prob", mask_prob, low_open=True)
         # The MASK id must be a valid input id for the model's embedding.
@@ -217,14 +277,27 @@ class MaskedLMDataModule(_TokenDataModule):
             synthetic_samples,
             seed,
             max_seq_len,
+            tokenizer=tokenizer,
+            tokens=tokens,
+            model_vocab_size=model_vocab_size,
         )
         self.mask_prob = mask_prob
+        if not synthetic and self.token_info.kind != "bytes" and "mask" not in self.token_info.special:
+            raise ValueError(
+                f"{self.vocab_source}: masked LM needs a mask token (<mask> or [MASK]) among the tokenizer's special tokens; "
+                "python -m lightning_pipe.data.train_tokenizer adds one"
+            )
 
     @property
     def window_len(self) -> int:
         return self.seq_len
 
     def _samples(self, windows: Dataset, stream: int) -> Dataset:
-        # Random replacements are ordinary tokens: bytes for text, the whole vocabulary when synthetic.
-        num_random = self.synthetic_vocab if self.synthetic else ByteTokenizer.NUM_BYTES
-        return MaskedLMDataset(windows, self.mask_prob, self.seed, stream, ByteTokenizer.MASK, num_random)
+        # Random replacements are ordinary tokens: bytes for text, the whole vocabulary when synthetic,
+        # a tokenizer's ids that are not special (looked up in a table of them).
+        if self.synthetic or self.token_info.kind == "bytes":
+            num_random = self.synthetic_vocab if self.synthetic else ByteTokenizer.NUM_BYTES
+            return MaskedLMDataset(windows, self.mask_prob, self.seed, stream, ByteTokenizer.MASK, num_random)
+        ordinary = self.token_info.ordinary_ids()
+        mask_id = self.token_info.special["mask"]
+        return MaskedLMDataset(windows, self.mask_prob, self.seed, stream, mask_id, len(ordinary), random_table=ordinary)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
@@ -33,10 +35,19 @@ class MaskedLMDataset(Dataset):
     seeded by (seed, stream, index): a sample is masked the same way on every worker, rank and run.
     """
 
-    def __init__(self, windows: Dataset, mask_prob: float, seed: int, stream: int, mask_id: int, num_random: int) -> None:
+    def __init__(
+        self,
+        windows: Dataset,
+        mask_prob: float,
+        seed: int,
+        stream: int,
+        mask_id: int,
+        num_random: int,
+        random_table: Optional[Tensor] = None,
+    ) -> None:
         self.windows, self.mask_prob = windows, mask_prob
         self.seed, self.stream = seed, stream
-        self.mask_id, self.num_random = mask_id, num_random
+        self.mask_id, self.num_random, self.random_table = mask_id, num_random, random_table
 
     def __len__(self) -> int:
         return len(self.windows)
@@ -44,6 +55,6 @@ class MaskedLMDataset(Dataset):
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor, Tensor]:
         ids = self.windows[index]
         g = sample_generator(self.seed, _MASKING_PURPOSE, self.stream, index)
-        inputs, labels = mask_tokens(ids, num_predicted(ids.numel(), self.mask_prob), g, self.mask_id, self.num_random)
+        inputs, labels = mask_tokens(ids, num_predicted(ids.numel(), self.mask_prob), g, self.mask_id, self.num_random, self.random_table)
         # Windows are always full, so nothing is padding.
         return inputs, torch.ones_like(inputs), labels

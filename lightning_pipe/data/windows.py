@@ -21,7 +21,8 @@ def _check_index(index: int, length: int) -> int:
 class StreamWindows(Dataset):
     """Windows of `length` tokens starting every `stride` tokens; a short tail is left out.
 
-    The stream may be stored compactly (bytes as ``uint8``); windows come out as int64.
+    The stream may be stored compactly (bytes as ``uint8``) or be a memory-mapped token file's
+    `TokenSlice` (anything with ``dim()``, ``numel()`` and slicing to a tensor); windows come out as int64.
     """
 
     def __init__(self, tokens: Tensor, length: int, stride: int) -> None:
