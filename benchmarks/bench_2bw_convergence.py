@@ -16,7 +16,7 @@ import tempfile
 import time
 
 from lightning_pipe.bench import cli_runs as cli
-from lightning_pipe.bench.harness import Bench, Table
+from lightning_pipe.bench.harness import Bench, Table, pyplot, save_figure
 
 RUNS = {  # name -> (Hydra overrides, colour, label)
     "2bw": (["recipe=gpt-tiny-2bw"], "tab:red", "PipeDream-2BW (1-stale)"),
@@ -65,7 +65,7 @@ def reference(config_path: str, stale: bool, val_every: int) -> list[tuple[int, 
 
 
 def plot(curves: dict, smooth: int, steps: int, out: str) -> None:
-    fig, ax = cli.pyplot().subplots(figsize=(8, 4.8))
+    fig, ax = pyplot().subplots(figsize=(8, 4.8))
     for name, (train_loss, val_loss) in curves.items():
         _, color, label = RUNS[name]
         ax.plot(*cli.moving_average(train_loss, smooth), color=color, lw=1.3, alpha=0.8, label=f"{label}: train (moving avg {smooth})")
@@ -75,7 +75,7 @@ def plot(curves: dict, smooth: int, steps: int, out: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    cli.save_figure(fig, out, 120)
+    save_figure(fig, out, 120)
 
 
 def main() -> None:

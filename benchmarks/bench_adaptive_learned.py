@@ -21,7 +21,7 @@ from pathlib import Path
 
 from lightning_pipe.adaptive.offline import spearman
 from lightning_pipe.bench import provenance
-from lightning_pipe.bench.harness import Bench, Table
+from lightning_pipe.bench.harness import Bench, Table, pyplot, save_figure
 from lightning_pipe.bench.shared_cluster import add_options, dwell_medians, plot_runs, results_of, run, samples_per_s
 
 CUTS = list(range(1, 10))
@@ -136,11 +136,9 @@ def report(bench: Bench, results: dict, args) -> None:
 def predictions_figure(results: dict, args, out: Path) -> None:
     """Per load: the sweep's measured iteration time of every cut, and the predictor's (offline and
     adapted) at the learned run's last decision under that load."""
-    import matplotlib.pyplot as plt
-
     evaluations = results["learned"].get("evaluations", [])
     medians = {int(k): {int(x): v for x, v in m.items()} for k, m in results["sweep_medians_ms"].items()}
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    fig, axes = pyplot().subplots(1, 3, figsize=(12, 3.6))
     for ax, load in zip(axes, (0, 1, 2)):
         last = [e for e in evaluations if load_at(args, e["iteration"]) == load and e["iteration"] >= 10]
         ax.plot(CUTS, [medians[load][c] for c in CUTS], "k-o", label="measured (sweep)")
@@ -153,8 +151,7 @@ def predictions_figure(results: dict, args, out: Path) -> None:
     axes[0].set_ylabel("iteration ms")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "adaptive_learned_predictions.png", dpi=110)
-    print(f"wrote {out / 'adaptive_learned_predictions.png'}")
+    save_figure(fig, out / "adaptive_learned_predictions.png")
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import os
 import tempfile
 
 from lightning_pipe.bench import cli_runs as cli
-from lightning_pipe.bench.harness import Bench, Table
+from lightning_pipe.bench.harness import Bench, Table, pyplot, save_figure
 
 TOTAL_BATCH = 16
 # name -> (pipelines N, Hydra overrides, label, colour); every run: total batch 16 per step
@@ -53,7 +53,7 @@ def full_validation(run_dir: str) -> tuple[float, int]:
 
 
 def plot(curves: dict, smooth: int, steps: int, val_samples: int, out: str) -> None:
-    fig, (left, right) = cli.pyplot().subplots(1, 2, figsize=(12, 4.8))
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(12, 4.8))
     for name, (train_loss, val_loss) in curves.items():
         _, _, label, color = RUNS[name]
         x, y = cli.moving_average(train_loss, smooth)
@@ -69,7 +69,7 @@ def plot(curves: dict, smooth: int, steps: int, val_samples: int, out: str) -> N
         ax.legend(fontsize=8)
     fig.suptitle(f"GPT-tiny, 2 stages, CPU: AvgPipe N = 1, 2, 4 vs plain 1F1B, total batch {TOTAL_BATCH}/step, {steps} steps", fontsize=11)
     fig.tight_layout()
-    cli.save_figure(fig, out, 110)
+    save_figure(fig, out)
 
 
 def main() -> None:

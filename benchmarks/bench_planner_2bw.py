@@ -28,8 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_pipe import AutoPipeStrategy  # noqa: E402
-from lightning_pipe.bench.cli_runs import pyplot, save_figure  # noqa: E402
-from lightning_pipe.bench.harness import column_table  # noqa: E402
+from lightning_pipe.bench.harness import column_table, pyplot, save_figure  # noqa: E402
 from lightning_pipe.bench.launch import wait_for_quiet  # noqa: E402
 from lightning_pipe.bench.stats import spearman  # noqa: E402
 from lightning_pipe.bench.trainer_runs import fit_timed, undisturbed  # noqa: E402
@@ -320,7 +319,7 @@ def plot(runs: list[dict], path: Path) -> None:
     handles = [Line2D([], [], color=c, marker=m, ls="none", label=t, **(star if m == "*" else {})) for c, m, t in legend]
     ax.legend(handles=handles + [Line2D([], [], color="gray", ls="--", label="measured = predicted")], loc="upper left", fontsize=8)
     fig.tight_layout()
-    save_figure(fig, str(path), 110)
+    save_figure(fig, path)
 
 
 def report(bench: Bench, results: dict) -> None:

@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_pipe.bench import REPO
-from lightning_pipe.bench.cli_runs import pyplot, save_figure
-from lightning_pipe.bench.harness import Bench, column_table, interleave, names
-from lightning_pipe.bench.launch import CpuClock, foreign_load, own_seconds, wait_for_quiet
+from lightning_pipe.bench.harness import Bench, column_table, interleave, names, pyplot, save_figure
+from lightning_pipe.bench.launch import CpuClock, foreign_load, own_seconds, proc_stat, wait_for_quiet
 from lightning_pipe.bench.stats import spearman
 
 RECORD_ENV = "LIGHTNING_PIPE_TUNE_RECORD"  # lightning_pipe.lightning.tune_record.RECORD_ENV
@@ -42,14 +41,7 @@ MN = lambda x: {"microbatches": x["microbatches"], "pipelines": x["pipelines"]} 
 # ---- running one timed command -----------------------------------------------------------------
 def tree_cpu(root: int) -> dict[tuple[int, int], float]:
     """CPU seconds of `root` and its descendants (/proc), keyed by (pid, start time)."""
-    stats: dict[int, tuple[int, int, float]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        stats[int(entry)] = (int(fields[1]), int(fields[19]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    stats = {int(e): s for e in filter(str.isdigit, os.listdir("/proc")) if (s := proc_stat(int(e))) is not None}
     out, todo = {}, [root]
     while todo:
         pid = todo.pop()
@@ -297,7 +289,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
     b.set_title("memory per device (MiB): o device 0, ^ device 1; dotted: equal", fontsize=9)
     b.set(xlabel="measured (recorder's accounting)", ylabel="predicted (Eq. 8)")
     fig.tight_layout()
-    save_figure(fig, str(path), 90)
+    save_figure(fig, path, 90)
 
 
 def main() -> None:

@@ -89,22 +89,6 @@ def add_options(parser, val_every: int, smooth: int, out: str) -> None:
     parser.add_argument("--override", action="append", default=[], help="a Hydra override for every run (repeatable)")
 
 
-def pyplot():
-    """matplotlib.pyplot on the Agg backend (no display)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig, out: str, dpi: int) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=dpi)
-    pyplot().close(fig)
-
-
 def say_tails(bench, curves: dict, walls: dict, smooth: int, whose: str = "") -> None:
     """Each run's mean train loss over its last ``smooth`` logged steps, and its wall time."""
     for name, (train_loss, _) in curves.items():

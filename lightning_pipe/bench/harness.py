@@ -4,7 +4,8 @@
 - `interleave`: rounds in the order A B C, A B C, ... so a drift of the machine falls on every
   configuration alike;
 - `Spread` / `spread`: the median and the min..max (or the interquartile range) of repeated figures;
-- `Table`: a markdown table, the form the docs quote;
+- `Table`: a markdown table, the form the docs quote (`column_table`: one from columns and records);
+- `pyplot` / `save_figure`: matplotlib without a display, a figure written where asked;
 - `Bench`: one run of a benchmark: the common options (rounds, steps, warm-up, ``--quick``,
   ``--json``, ``--markdown`` and, for scripts that launch jobs, the quiet-machine options), the
   provenance header, `Bench.run` (`run_undisturbed` with those options), and at the end the JSON of
@@ -329,6 +330,24 @@ def column_table(columns: Sequence[tuple], rows: Iterable[Any], align: str | Non
     for row in rows:
         table.add(*(value(row) for value in values))
     return table
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, out: Any, dpi: int = 110) -> None:
+    """Write ``fig`` to ``out`` (its folder made), close it, say where."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    pyplot().close(fig)
+    print(f"wrote {out}", flush=True)
 
 
 def pin_to_core(core: int) -> None:

@@ -316,15 +316,22 @@ def foreign_load(start: CpuClock, end: CpuClock, own: float | None = None) -> fl
 OTHER_JOBS = ("bench_[r]untime", "[p]ytest")
 
 
+def proc_stat(pid: int) -> tuple[int, int, float] | None:
+    """(parent pid, start time in clock ticks, CPU seconds: user + system) of process ``pid`` from
+    /proc/<pid>/stat, or None where it cannot be read (it ended; not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[1]), int(fields[19]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _ancestors() -> set[str]:
     """This process and its ancestors (a benchmark's own launcher, flock, timeout, shell ...)."""
     pids, pid = {str(os.getpid()), str(os.getppid())}, os.getppid()
-    while pid > 1:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
+    while pid > 1 and (stat := proc_stat(pid)) is not None:
+        pid = stat[0]
         pids.add(str(pid))
     return pids
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.models import CausalLM, ModelConfig
 
-from .harness import pin_to_core
+from .harness import pin_to_core, pyplot, save_figure
 
 CFG = dict(vocab_size=260, n_layer=4, n_head=4, d_model=128, max_seq_len=64)
 BATCH, SEQ, M = 16, 64, 4
@@ -164,12 +164,7 @@ def plot_runs(results: dict, widths: dict[str, float], spans: list[tuple[int, in
     """Samples/s (5-iteration mean) and blocks on rank 0 over the iterations of the runs ``widths``
     names (drawn with those line widths, over each other where equal); ``spans``: shaded
     (first, end, colour) iterations."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    fig, (top, bottom) = pyplot().subplots(2, 1, figsize=(9, 6), sharex=True)
     for name, width in widths.items():
         times = results[name]["times"]
         top.plot(range(len(times)), rolling_samples_per_s(times), label=name, linewidth=1.2)
@@ -183,8 +178,7 @@ def plot_runs(results: dict, widths: dict[str, float], spans: list[tuple[int, in
     top.legend(loc="lower left", fontsize=8, ncol=len(widths))
     top.set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def add_options(parser, work: str, **iterations: int) -> None:
