@@ -38,10 +38,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from lightning_pipe.bench import REPO  # noqa: E402
-from lightning_pipe.bench.gpt import add_model_arguments, build_model, describe, gather_profile, lm_loss, make_batch, segment  # noqa: E402
+from lightning_pipe.bench import REPO, gpt  # noqa: E402
+from lightning_pipe.bench.harness import column_table, pyplot, save_figure  # noqa: E402
 from lightning_pipe.bench.launch import OTHER_JOBS, rank_zero_log, run_distributed, wait_for_quiet  # noqa: E402
-from lightning_pipe.bench.pipes import SleepBlock, best_link, gather, median_costs  # noqa: E402
+from lightning_pipe.bench.pipes import SleepBlock, best_link, gather, median_costs, pipeline_steps, spans  # noqa: E402
 from lightning_pipe.profiling import Profile  # noqa: E402
 from lightning_pipe.profiling.link import ping_pong  # noqa: E402
 from lightning_pipe.profiling.saved import SavedBytes  # noqa: E402
@@ -117,61 +117,44 @@ class LatencyTransport(Transport):
 
 # ---- the jobs -----------------------------------------------------------------------------------
 def train_schedule(schedule, rank, chunk, loss_fn, x, y, run: Any, transport, after=None, live_exclude: set[int] | None = None) -> dict:
-    """Warm-up, then timed steps: (start, pipeline end, step end) in perf_counter seconds (one clock
-    for all processes), minor page faults per step; with ``live_exclude`` one more step under LiveSaved."""
+    """Warm-up, then timed steps (`pipeline_steps`: start, pipeline end, step end), minor page faults
+    per step; with ``live_exclude`` one more step under LiveSaved."""
     from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
 
     pipe = SequentialPipeline(schedule, rank, SequentialHost({rank: chunk}, STAGES - 1, loss_fn), transport)
     opt = torch.optim.SGD(chunk.parameters(), lr=1e-3)
-
-    def step() -> tuple[float, float, float]:
-        opt.zero_grad(set_to_none=True)
-        dist.barrier()
-        t0 = time.perf_counter()
-        pipe.step(x, y)
-        t1 = time.perf_counter()
-        (after or (lambda: None))()
-        opt.step()
-        return t0, t1, time.perf_counter()
-
-    [step() for _ in range(run.warmup)]
+    pipeline_steps(pipe, opt, x, y, run.warmup, after)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    times = [step() for _ in range(run.steps)]
+    times = pipeline_steps(pipe, opt, x, y, run.steps, after)
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / max(1, run.steps)
-    tracker = LiveSaved(live_exclude or set())
+    live = None
     if live_exclude is not None:
-        with tracker:
-            step()
-    return {"times": times, "live": tracker.peak if live_exclude is not None else None, "faults": faults}
+        with LiveSaved(live_exclude) as tracker:
+            pipeline_steps(pipe, opt, x, y, 1, after)
+        live = tracker.peak
+    return {"times": times, "live": live, "faults": faults}
 
 
 def real_job(rank: int, world: int, args: Any) -> dict:
-    from lightning_pipe.runtime.tied import allreduce_tied, find_tied_parameters
-
-    log, model = rank_zero_log(rank), build_model(args)
+    log, model = rank_zero_log(rank), gpt.build_model(args)
     blocks, split = list(model), len(model) // 2
     bounds = ((0, split), (split, len(blocks)))
-    chunk, tied = nn.Sequential(*blocks[slice(*bounds[rank])]), find_tied_parameters(model, bounds)
-    groups = {}
-    for t in tied:  # new_group is collective: every rank, same order
-        group = dist.new_group(list(t.stages))
-        groups.update({t.index: group} if rank in t.stages else {})
+    chunk, tie = nn.Sequential(*blocks[slice(*bounds[rank])]), gpt.tied_allreduce(model, bounds, rank)
     exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    tie = lambda: allreduce_tied(tied, groups, rank)  # noqa: E731
-    link, _ = segment(lambda: ping_pong(rank), rank, world, args, log)
+    link, _ = gpt.segment(lambda: ping_pong(rank), rank, world, args, log)
     out: dict[str, Any] = {"link": link, "bounds": bounds, "per_m": {}}
     for m in args.microbatches:
         mbs = args.batch // m
-        x, y = make_batch(argparse.Namespace(**{**vars(args), "mbs": mbs, "microbatches": m}))
-        profile = lambda: gather_profile(blocks, x[:mbs], y[:mbs], rank, world, args.profile_repeats, False, "gpt", mbs)  # noqa: E731
-        (prof, _), prof_load = segment(profile, rank, world, args, log)
+        x, y = gpt.make_batch(argparse.Namespace(**{**vars(args), "mbs": mbs, "microbatches": m}))
+        profile = lambda: gpt.gather_profile(blocks, x[:mbs], y[:mbs], rank, world, args.profile_repeats, False, "gpt", mbs)  # noqa: E731
+        (prof, _), prof_load = gpt.segment(profile, rank, world, args, log)
         with torch.no_grad():  # one micro-batch through the stage: the bytes autograd saves (the weights left out)
             first = x[:mbs] if rank == 0 else nn.Sequential(*blocks[:split])(x[:mbs]).requires_grad_(True)
         saved = {}
         for key, weights in (("activations", list(model.parameters())), ("all", ())):  # "all": the weights autograd saves too
             with SavedBytes(weights) as counted:
                 o = chunk(first)
-                o = lm_loss(o, y[:mbs]) if rank == 1 else o
+                o = gpt.lm_loss(o, y[:mbs]) if rank == 1 else o
             saved[key] = counted.total
             del o
         d = dict(mbs=mbs, profile=asdict(prof), profile_load=prof_load, saved=saved, live={}, loads=[])
@@ -180,9 +163,9 @@ def real_job(rank: int, world: int, args: Any) -> dict:
             order = list(d["runs"]) if rnd % 2 == 0 else list(d["runs"])[::-1]
             live, transport = exclude if rnd == 0 else None, lambda: Transport(lambda r: r, torch.device("cpu"))
             one_round = lambda: {
-                a: train_schedule(schedule_of(m, a), rank, chunk, lm_loss, x, y, args, transport(), tie, live) for a in order
+                a: train_schedule(schedule_of(m, a), rank, chunk, gpt.lm_loss, x, y, args, transport(), tie, live) for a in order
             }
-            res, load = segment(one_round, rank, world, args, log)
+            res, load = gpt.segment(one_round, rank, world, args, log)
             d["loads"].append(load)
             for a, r in res.items():
                 d["runs"][a].append(r["times"])
@@ -199,7 +182,7 @@ def emulated_job(rank: int, world: int, args: Any) -> dict:
     log = rank_zero_log(rank)
     torch.manual_seed(0)
     model = nn.Sequential(*[SleepBlock(EMU_HIDDEN, args.tf / 1e3, 2 * args.tf / 1e3) for _ in range(STAGES)])
-    link, _ = segment(lambda: best_link(rank, (4, EMU_ROWS * EMU_HIDDEN * 4), rounds=1), rank, world, args, log)
+    link, _ = gpt.segment(lambda: best_link(rank, (4, EMU_ROWS * EMU_HIDDEN * 4), rounds=1), rank, world, args, log)
     g = torch.Generator().manual_seed(1)
     randn = lambda rows: torch.randn(rows, EMU_HIDDEN, generator=g)  # noqa: E731
     sample, target = randn(EMU_ROWS), randn(EMU_ROWS)
@@ -220,7 +203,7 @@ def emulated_job(rank: int, world: int, args: Any) -> dict:
         runs, loads = {}, {}
         for lat in args.latencies:
             one = lambda: {f"{lat}/{a}": timed(m, a, lat, x, y) for a in range(1, m + 1)}  # noqa: E731
-            res, loads[lat] = segment(one, rank, world, args, log)
+            res, loads[lat] = gpt.segment(one, rank, world, args, log)
             runs.update(res)
             log(f"  emulated M={m} latency {lat:g} ms done (foreign load {loads[lat]:.2f} CPUs)")
         out["per_m"][m] = {"runs": runs, "loads": loads}
@@ -261,12 +244,6 @@ def replay_rule(times: dict[int, float], low: int, high: int) -> list[int]:
 
 
 # ---- analysis and tables (from the measurements, or from --load) --------------------------------
-def spans(per_rank: list[list]) -> tuple[list[float], list[float]]:
-    """Per step index: the pipeline iteration (first start to last pipeline end) and the training step."""
-    steps = [(min(t[0] for t in s), max(t[1] for t in s), max(t[2] for t in s)) for s in zip(*per_rank)]
-    return [e - t for t, e, _ in steps], [e - t for t, _, e in steps]
-
-
 def sim_iter(schedule, costs, bounds) -> float:
     return simulate(schedule, costs, bounds, critical_path=False).iteration_time
 
@@ -275,24 +252,24 @@ def chain(k: int) -> list[tuple[int, int]]:
     return [(i, i + 1) for i in range(k)]
 
 
-REAL_COLUMNS = (  # (header, cell of a row); base: 1F1B's row
-    ("advance_num", lambda r, base, m: label(r["a"], m)),
-    ("iteration ms: median (p25-p75)", lambda r, base, m: f"{ms(r['iter'].median)} ({ms(r['iter'].lo)}-{ms(r['iter'].hi)})"),
-    ("per-round medians", lambda r, base, m: " / ".join(ms(v) for v in r["rounds"])),
-    ("vs 1F1B", lambda r, base, m: f"{base['iter'].median / r['iter'].median:.3f}x"),
-    ("simulated ms", lambda r, base, m: ms(r["sim"])),
-    ("simulated vs 1F1B", lambda r, base, m: f"{base['sim'] / r['sim']:.3f}x"),
-    ("training step ms", lambda r, base, m: ms(r["step"])),
-    ("peak stash (micro-batches) stage 0 / 1", lambda r, base, m: f"{r['peak'][0]} / {r['peak'][1]}{'' if r['checked'] else ' (!)'}"),
-    ("peak stash MB (bytes/mb x peak)", lambda r, base, m: " / ".join(mbytes(v) for v in r["stash"])),
-    ("live saved peak MB (one step)", lambda r, base, m: " / ".join(mbytes(v) for v in r["live"])),
-    ("minor page faults per step, rank 0 / 1", lambda r, base, m: " / ".join(f"{v:.0f}" for v in r["faults"])),
+REAL_COLUMNS = (  # (header, value of a row); base: 1F1B's row at the same M
+    ("advance_num", lambda r: label(r["a"], r["m"])),
+    ("iteration ms: median (p25-p75)", lambda r: f"{ms(r['iter'].median)} ({ms(r['iter'].lo)}-{ms(r['iter'].hi)})"),
+    ("per-round medians", lambda r: " / ".join(ms(v) for v in r["rounds"])),
+    ("vs 1F1B", lambda r: f"{r['base']['iter'].median / r['iter'].median:.3f}x"),
+    ("simulated ms", lambda r: ms(r["sim"])),
+    ("simulated vs 1F1B", lambda r: f"{r['base']['sim'] / r['sim']:.3f}x"),
+    ("training step ms", lambda r: ms(r["step"])),
+    ("peak stash (micro-batches) stage 0 / 1", lambda r: f"{r['peak'][0]} / {r['peak'][1]}{'' if r['checked'] else ' (!)'}"),
+    ("peak stash MB (bytes/mb x peak)", lambda r: " / ".join(mbytes(v) for v in r["stash"])),
+    ("live saved peak MB (one step)", lambda r: " / ".join(mbytes(v) for v in r["live"])),
+    ("minor page faults per step, rank 0 / 1", lambda r: " / ".join(f"{v:.0f}" for v in r["faults"])),
 )
 
 
 def print_real(bench: Bench, results: list[dict], args: Any) -> dict:
     link, bounds = results[0]["link"], [tuple(b) for b in results[0]["bounds"]]
-    model = describe(argparse.Namespace(**{**vars(args), "microbatches": "M", "mbs": "batch / M"}))
+    model = gpt.describe(argparse.Namespace(**{**vars(args), "microbatches": "M", "mbs": "batch / M"}))
     stages = " and ".join(f"[{lo}, {hi})" for lo, hi in bounds)
     bench.say(
         f"## real: 2 gloo processes x 1 thread, {model}; batch {args.batch} sequences; stages hold blocks {stages}; link {link['latency'] * 1e6:.0f} us + {link['bandwidth'] / 1e9:.2f} GB/s (ping-pong)\n"
@@ -319,11 +296,8 @@ def print_real(bench: Bench, results: list[dict], args: Any) -> dict:
                 stash=[p * s["activations"] for p, s in zip(peak, saved)], live=[r["per_m"][m]["live"].get(a) for r in results],
                 faults=[statistics.fmean(r["per_m"][m]["faults"][a]) for r in results],
             ))  # fmt: skip
-        table = Table(*(h for h, _ in REAL_COLUMNS), align="llllrrrrrrr")
         base, afab = rows[0], rows[-1]
-        for r in rows:
-            table.add(*(cell(r, base, m) for _, cell in REAL_COLUMNS))
-        bench.table(table, title)
+        bench.table(column_table(REAL_COLUMNS, [dict(r, base=base, m=m) for r in rows], "llllrrrrrrr"), title)
         best = min(rows, key=lambda r: r["iter"].median)
         iqr = statistics.median((r["iter"].hi - r["iter"].lo) / r["iter"].median for r in rows)
         bench.say(
@@ -393,13 +367,8 @@ def print_cli(bench: Bench, cli: list[dict]) -> None:
 
 def figure(real: dict, emu: dict, path: str, latencies: list[float]) -> None:
     """Fig. 7 of the paper: iteration and stash against advance_num (real), and the emulated delays."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = [p for p in (real, emu) if p]
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.6), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(panels), figsize=(6.5 * len(panels), 4.6), squeeze=False)
     axes, xlabel = list(axes[0]), "advance_num (1 = 1F1B, M = AFAB)"
     if real:
         m = 8 if 8 in real else next(iter(real))
@@ -426,9 +395,7 @@ def figure(real: dict, emu: dict, path: str, latencies: list[float]) -> None:
         ax.set(xlabel=xlabel, ylabel="iteration ms", title=title)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    print(f"\nfigure written to {path}")
+    save_figure(fig, path)
 
 
 def intkeys(value: Any) -> Any:
@@ -441,7 +408,7 @@ def intkeys(value: Any) -> Any:
 def main() -> None:
     bench = Bench(__doc__, rounds=4, steps=8, warmup=2, retries=1, max_foreign=0.15, quiet_wait=30.0, timeout=900.0, pin=False)
     bench.quick.update(microbatches=[4], emu_microbatches=[4], latencies=[0.0, 2.0], profile_repeats=2, cli_repeats=1, cli_steps=6)
-    add_model_arguments(bench.parser, layers=4, vocab=260)
+    gpt.add_model_arguments(bench.parser, layers=4, vocab=260)
     for flag, kind, default, text in (
         ("part", names, ["real", "emulated", "cli"], "comma-separated: real, emulated, cli"),
         ("save", str, None, "write the measurements (JSON) here"),

@@ -10,7 +10,6 @@ trained interleaved (pipeline step, tied-gradient all-reduce, SGD). Results: doc
 from __future__ import annotations
 
 import statistics
-import time
 
 from lightning_pipe.bench.harness import Bench, Table, pin_threads
 
@@ -19,48 +18,36 @@ pin_threads(1)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from lightning_pipe.bench.gpt import add_model_arguments, block_kinds, build_model, describe, gather_profile, lm_loss, make_batch, segment  # noqa: E402
+from lightning_pipe.bench import gpt  # noqa: E402
 from lightning_pipe.bench.launch import rank_zero_log  # noqa: E402
+from lightning_pipe.bench.pipes import pipeline_steps, spans  # noqa: E402
 from lightning_pipe.bench.trainer_runs import quiet_distributed, stage_pipeline  # noqa: E402
 from lightning_pipe.planning import plan  # noqa: E402
 from lightning_pipe.profiling.link import ping_pong  # noqa: E402
-from lightning_pipe.runtime.tied import allreduce_tied, find_tied_parameters  # noqa: E402
 
 METHODS = ("uniform", "autopipe")
 
 
 def train_partition(model, bounds, rank: int, world: int, x, y, args) -> list[tuple[float, float, float]]:
-    """Warm-up, then timed steps of this rank's stage: (start, pipeline end, step end) each. Every rank makes every tied group."""
-    chunk, pipe = stage_pipeline(model, bounds, rank, world, args.microbatches, lm_loss)
-    tied, opt = find_tied_parameters(model, tuple(bounds)), torch.optim.SGD(chunk.parameters(), lr=1e-3)
-    groups = {t.index: g for t in tied for g in [dist.new_group(list(t.stages))] if rank in t.stages}
-
-    def step() -> tuple[float, float, float]:
-        opt.zero_grad(set_to_none=True)
-        dist.barrier()
-        t0 = time.perf_counter()
-        pipe.step(x, y)
-        t1 = time.perf_counter()
-        allreduce_tied(tied, groups, rank)
-        opt.step()
-        return t0, t1, time.perf_counter()
-
-    return [step() for _ in range(args.warmup + args.steps)][args.warmup :]
+    """Warm-up, then timed steps of this rank's stage (`pipeline_steps`), the tied gradients all-reduced."""
+    chunk, pipe = stage_pipeline(model, bounds, rank, world, args.microbatches, gpt.lm_loss)
+    opt, tie = torch.optim.SGD(chunk.parameters(), lr=1e-3), gpt.tied_allreduce(model, bounds, rank)
+    return pipeline_steps(pipe, opt, x, y, args.warmup + args.steps, tie)[args.warmup :]
 
 
 def speedup_job(rank: int, world: int, args) -> dict:
-    log, model, (x, y) = rank_zero_log(rank), build_model(args), make_batch(args)
-    link, _ = segment(lambda: ping_pong(rank), rank, world, args, log)
-    run = lambda: gather_profile(list(model), x[: args.mbs], y[: args.mbs], rank, world, args.profile_repeats, False, "gpt", args.mbs)  # noqa: E731
-    (profile, loss), profile_load = segment(run, rank, world, args, log)
-    plan_all = lambda costs: {m: plan(costs, world, args.microbatches, method=m, kinds=block_kinds(model)) for m in METHODS}
+    log, model, (x, y) = rank_zero_log(rank), gpt.build_model(args), gpt.make_batch(args)
+    link, _ = gpt.segment(lambda: ping_pong(rank), rank, world, args, log)
+    run = lambda: gpt.gather_profile(list(model), x[: args.mbs], y[: args.mbs], rank, world, args.profile_repeats, False, "gpt", args.mbs)  # noqa: E731
+    (profile, loss), profile_load = gpt.segment(run, rank, world, args, log)
+    plan_all = lambda costs: {m: plan(costs, world, args.microbatches, method=m, kinds=gpt.block_kinds(model)) for m in METHODS}
     box = [plan_all(profile.costs(link["bandwidth"], link["latency"])) if rank == 0 else None]
     dist.broadcast_object_list(box, 0)
     plans = box[0]
     runs, loads = {m: [] for m in METHODS}, {m: [] for m in METHODS}
     for rnd in range(args.rounds):
         for m in METHODS if rnd % 2 == 0 else METHODS[::-1]:
-            out, load = segment(lambda: train_partition(model, plans[m].bounds, rank, world, x, y, args), rank, world, args, log)
+            out, load = gpt.segment(lambda: train_partition(model, plans[m].bounds, rank, world, x, y, args), rank, world, args, log)
             runs[m].append(out), loads[m].append(load)
             log(f"  round {rnd + 1}/{args.rounds} {m:<9} done (foreign load {load:.2f} CPUs)")
     return {"link": link, "profile": profile, "loss": loss, "profile_load": profile_load, "plans": plans, "runs": runs, "loads": loads}
@@ -71,11 +58,11 @@ def main() -> None:
     bench = Bench(__doc__, quick, rounds=3, steps=10, warmup=3, retries=2, max_foreign=0.15, quiet_wait=600.0, timeout=3600.0)
     p = bench.parser
     p.add_argument("--world", type=int, default=2, help="processes = pipeline stages")
-    add_model_arguments(p, layers=8, vocab=16384)
+    gpt.add_model_arguments(p, layers=8, vocab=16384)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--profile-repeats", type=int, default=10, help="profile_blocks repeats per block (after 2 warm-up)")
     args = bench.parse()
-    bench.say(f"gloo, {args.world} processes x 1 thread; {describe(args)} (batch {(batch := args.mbs * args.microbatches)})")
+    bench.say(f"gloo, {args.world} processes x 1 thread; {gpt.describe(args)} (batch {(batch := args.mbs * args.microbatches)})")
     results = quiet_distributed(bench, speedup_job, args.world, args)
     r0, link, profile, plans = results[0], results[0]["link"], results[0]["profile"], results[0]["plans"]
     bench.log("\n".join(plans[m].table() for m in METHODS))
@@ -86,9 +73,8 @@ def main() -> None:
     )
     rows = {}
     for m in METHODS:  # a step spans from the first rank's start to the last rank's end
-        spans = [sp for rnd in range(len(r0["runs"][m])) for sp in zip(*(r["runs"][m][rnd] for r in results))]
-        span = lambda k: statistics.median(max(s[k] for s in sp) - min(s[0] for s in sp) for sp in spans)  # noqa: E731
-        rows[m] = {"step": span(2), "iteration": span(1), "load": max(r0["loads"][m]), "n": len(spans)}
+        its, steps = spans([[t for rnd in r["runs"][m] for t in rnd] for r in results])  # every round's steps, in order
+        rows[m] = {"step": statistics.median(steps), "iteration": statistics.median(its), "load": max(r0["loads"][m]), "n": len(steps)}
     t = Table("partition", "blocks per stage", "stage contents", "measured step ms", "samples/s", "pipeline iteration ms", "simulated ms",
               "foreign load", align="lllrrrrr")  # fmt: skip
     for m, pl, r in ((m, plans[m], rows[m]) for m in METHODS):

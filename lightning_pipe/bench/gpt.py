@@ -1,5 +1,5 @@
-"""The small GPT of bench_simulator.py, bench_autopipe_speedup.py and bench_advance.py, their common options, and
-the profile of its blocks with the loss (`gather_profile`).
+"""The small GPT of bench_simulator.py, bench_autopipe_speedup.py and bench_advance.py, their common options,
+the profile of its blocks with the loss (`gather_profile`) and the tied weights' all-reduce (`tied_allreduce`).
 
 ``args`` is a benchmark's parsed command line: vocab, layers, heads, hidden, seq, mbs (micro-batch
 size in sequences), microbatches (see `add_model_arguments` / `add_common_arguments`).
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -78,6 +78,16 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-foreign", type=float, default=0.15, help="CPUs other processes may use before a segment counts as disturbed")
     p.add_argument("--quiet-wait", type=float, default=600.0, help="seconds to wait at most for a quiet machine before a segment")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per job before its processes are killed")
+
+
+def tied_allreduce(model: nn.Sequential, bounds: Any, rank: int) -> Callable[[], None]:
+    """The all-reduce of the tied weights' gradients (embedding and LM head) for this rank's stage of
+    ``model`` cut at ``bounds``. Every rank makes every group (new_group is collective: same order)."""
+    from lightning_pipe.runtime.tied import allreduce_tied, find_tied_parameters
+
+    tied = find_tied_parameters(model, tuple(tuple(b) for b in bounds))
+    groups = {t.index: g for t in tied for g in [dist.new_group(list(t.stages))] if rank in t.stages}
+    return lambda: allreduce_tied(tied, groups, rank)
 
 
 def segment(run, rank: int, world: int, args: Any, log) -> tuple[Any, float]:

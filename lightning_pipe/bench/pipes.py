@@ -1,6 +1,7 @@
 """Pieces of the pipeline benchmarks that measure our runtime on real processes and simulate it
-(bench_2bw, bench_avgpipe, bench_waves, bench_advance): the emulated device that sleeps, the link
-and block profile as the simulator gets them, and the clocks around the executor."""
+(bench_2bw, bench_avgpipe, bench_waves, bench_advance, bench_autopipe_speedup): the emulated device
+that sleeps, the link and block profile as the simulator gets them, the clocks around the executor,
+timed training steps and their spans over the ranks."""
 
 from __future__ import annotations
 
@@ -147,6 +148,31 @@ def run_layer(layer: Any, host: Any, x: torch.Tensor, y: torch.Tensor, m: int) -
     host.targets, _ = split_microbatches(y, m)
     host.losses = []
     return layer.run("train", host, [("train", signature(mb)) for mb in host.inputs])
+
+
+def pipeline_steps(pipe: Any, opt: Any, x: Any, y: Any, count: int, after: Callable | None = None) -> list[tuple[float, float, float]]:
+    """``count`` training steps of a SequentialPipeline, each after a barrier: (start, pipeline end,
+    step end) in perf_counter seconds, one clock for every process; ``after`` runs between the
+    pipeline and the optimizer step (the tied weights' all-reduce)."""
+    out = []
+    for _ in range(count):
+        opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        pipe.step(x, y)
+        t1 = time.perf_counter()
+        if after is not None:
+            after()
+        opt.step()
+        out.append((t0, t1, time.perf_counter()))
+    return out
+
+
+def spans(per_rank: Sequence[Sequence[tuple]]) -> tuple[list[float], list[float]]:
+    """Per step index, from every rank's `pipeline_steps`: the pipeline iteration (first start to last
+    pipeline end) and the training step (first start to last step end)."""
+    steps = [(min(t[0] for t in s), max(t[1] for t in s), max(t[2] for t in s)) for s in zip(*per_rank)]
+    return [e - t for t, e, _ in steps], [e - t for t, _, e in steps]
 
 
 def best_runs(configs: Sequence[Any], rounds: int, one: Callable[[Any, int], dict], score: str, worst: str) -> list[dict]:
