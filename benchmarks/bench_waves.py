@@ -4,10 +4,11 @@ bench_runtime's residual MLP (16 blocks, hidden 512, --rows-row micro-batches, S
 processes x 1 thread: samples/s of ours-{1f1b, wave1/2/4, interleaved2/4} and torch-{interleaved,
 zbv}, weights checked against one process; the simulator on a profile taken as the strategy takes
 it (link, chained blocks, setup message costs), calibrated on the runs' traces, and per-action
-traces. ``--simulated``: no process, Hanayo's order vs ours vs 1F1B from the simulator alone.
-Feeds docs/schedules.md and docs/predictions.md.
+traces. ``--simulated``: no process, Hanayo's order vs ours vs 1F1B from the simulator alone, and
+the bubble ratios of GPipe, 1F1B, interleaved and wave at B = P. Feeds docs/schedules.md and
+docs/predictions.md.
 
-    python benchmarks/bench_waves.py --simulated
+    python benchmarks/bench_waves.py --simulated --pictures docs/img
     flock /tmp/bench.lock python benchmarks/bench_waves.py --picture docs/img/waves_speedup.png
     python benchmarks/bench_waves.py --microbatches 4 --modes ours-1f1b,ours-wave4,torch-zbv
 """
@@ -18,7 +19,6 @@ import random
 import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 
 from lightning_pipe.bench.harness import Bench, Table, ints, names, pin_threads
 
@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble  # noqa: E402
 
-from lightning_pipe.bench.harness import column_table  # noqa: E402
+from lightning_pipe.bench.harness import column_table, pyplot, save_figure  # noqa: E402
 from lightning_pipe.bench.launch import timed_steps  # noqa: E402
 from lightning_pipe.bench.mlp import MSEBlock, best_runs, keep_blocks, loss_fn, make_data, make_model, single_job  # noqa: E402
 from lightning_pipe.bench.pipes import Clock, best_link, equal_bounds, gather, median_costs  # noqa: E402
@@ -41,6 +41,7 @@ from lightning_pipe.schedules.lowering import lower  # noqa: E402
 from lightning_pipe.schedules.wave import wave_placement  # noqa: E402
 from lightning_pipe.schedules.wave_hanayo import hanayo_order  # noqa: E402
 from lightning_pipe.simulation import CostModel, chunk_costs, simulate  # noqa: E402
+from lightning_pipe.simulation.timelines import gantt  # noqa: E402
 
 OURS = {"1f1b": ("1f1b", {}), **{f"wave{w}": ("wave", {"waves": w}) for w in (1, 2, 4)}}
 OURS.update({f"interleaved{v}": ("interleaved", {"chunks": v}) for v in (2, 4)})
@@ -273,14 +274,9 @@ def report(bench: Bench, m: int, cfg: dict, best: dict, errors: dict, traces: di
 
 
 def picture(tables: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     labels = {"1f1b": "1F1B", "interleaved": "torch\ninterl.", "zbv": "torch\nZBV"}
     labels.update({f"wave{w}": f"wave\nW={w}" for w in (1, 2, 4)} | {f"interleaved{v}": f"interl.\nv={v}" for v in (2, 4)})
-    fig, axes = plt.subplots(1, len(tables), figsize=(6.5 * len(tables), 4), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(tables), figsize=(6.5 * len(tables), 4), squeeze=False)
     series = [("measured", "speedup", "tab:blue"), ("simulated", "simulated", "tab:orange"), ("simulated, calibrated on the traces", "calibrated", "tab:gray")]  # fmt: skip
     for ax, (m, recs) in zip(axes[0], tables.items()):
         recs = recs[1:]  # not the single process
@@ -294,14 +290,13 @@ def picture(tables: dict, path: str) -> None:
         ax.set_title(f"2 CPU processes (gloo), 16 blocks, m = {m} micro-batches of 64 rows", fontsize=9)
         ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 # ---- the simulator alone -------------------------------------------------------------------------
-def simulated_orders(bench: Bench) -> None:
-    """The table of docs/schedules.md: Hanayo's order vs our greedy order vs 1F1B, simulated."""
+def simulated_orders(bench: Bench, pictures: str | None) -> None:
+    """The tables of docs/schedules.md: Hanayo's order vs our greedy order vs 1F1B, its closed form,
+    and the bubble ratios of every schedule at B = P (``pictures``: a folder for their P = 4 timelines)."""
 
     def run(schedule, p):
         n = schedule.num_chunks
@@ -339,6 +334,17 @@ def simulated_orders(bench: Bench) -> None:
         closed.add(p, w, f"{s:.4f}", f"{c:.4f}", f"{c - s:+.4f}", f"{(c - s) / s:+.1%}")
     title = "Hanayo's closed form (2P - 2) / (3PW + P - 1) (Eq. 1, T_B = 2 T_F, T_C = 0) vs the simulated bubble of its order, B = P:"
     bench.table(closed, title)
+    bubbles = Table("P", "gpipe", "1f1b", "interleaved v=2", "wave W=1", "W=2", "W=4", "closed form W=1 / 2 / 4", align="l" * 8)
+    variants = {"gpipe": ("gpipe", {}), "1f1b": ("1f1b", {}), "interleaved2": ("interleaved", {"chunks": 2})}
+    variants |= {f"wave{w}": ("wave", {"waves": w}) for w in (1, 2, 4)}
+    for p in (2, 4, 8):
+        row = {key: run(build_schedule(name, p, p, **options), p) for key, (name, options) in variants.items()}
+        closed_form = " / ".join(f"{(2 * p - 2) / (3 * p * w + p - 1):.3f}" for w in (1, 2, 4))
+        bubbles.add(p, *(f"{t.bubble_ratio:.3f}" for t in row.values()), closed_form)
+        if pictures and p == 4:
+            for key, t in row.items():
+                gantt(t, f"{pictures}/bubbles_p4_{key}.png")
+    bench.table(bubbles, "Bubble ratios at B = P (total idle / (ranks x iteration)), our wave order:")
 
 
 def main() -> None:
@@ -354,10 +360,11 @@ def main() -> None:
     p.add_argument("--profile-repeats", type=int, default=30)
     p.add_argument("--modes", type=names, default=MODES)
     p.add_argument("--picture", default=None, help="write a bar chart of samples/s here (matplotlib)")
-    p.add_argument("--simulated", action="store_true", help="print the simulated order table (Hanayo vs ours vs 1F1B) and exit")
+    p.add_argument("--simulated", action="store_true", help="print the simulated tables (Hanayo vs ours vs 1F1B, bubble ratios) and exit")
+    p.add_argument("--pictures", default=None, help="with --simulated: a folder for the P = 4 timelines of the bubble ratios")
     args = bench.parse()
     if args.simulated:
-        simulated_orders(bench)
+        simulated_orders(bench, args.pictures)
         return bench.finish()
     modes = ["single", "ours-1f1b"] + [m for m in args.modes if m not in ("single", "ours-1f1b")]
     if set(modes) - set(MODES) or args.blocks % 16 or any(m % 2 for m in args.microbatches):
