@@ -3,11 +3,16 @@
 ``dispatch``: the executor's own cost per compute action (v null chunks on one rank, less their
 profiled times); ``chunks``: the same 8 residual-MLP blocks on one rank as v = 1, 2, 4, 8 chunks
 (and one chunk in GPipe's order), rounds interleaved; ``transport``: 2 pinned gloo processes, the
-compute time an isend / irecv in flight takes from a fixed ~2 ms compute, by message size.
-Feeds docs/predictions.md ("What the host costs beyond the blocks").
+compute time an isend / irecv in flight takes from a fixed ~2 ms compute, by message size;
+``messages`` (asked for by --parts): the message costs the strategy measures at setup
+(lightning_pipe.profiling.messages) measured again and again in one group of 2 processes, a
+rows x hidden float32 message, --think s of work per hop: their spread (--bounce-only: the ranks
+pretend to be on two hosts). Feeds docs/predictions.md ("What the host costs beyond the blocks")
+and docs/messages.md.
 
     flock /tmp/bench.lock python benchmarks/bench_host_costs.py --rounds 40
     flock /tmp/bench.lock python benchmarks/bench_host_costs.py --parts chunks --mlp-ratio 1 --rounds 60
+    flock /tmp/bench.lock python benchmarks/bench_host_costs.py --parts messages [--bounce-only]
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from lightning_pipe.bench.harness import Bench, Table, interleave, pin_threads
+from lightning_pipe.bench.harness import Bench, Table, interleave, pin_threads, spread
 
 pin_threads(1)
 
@@ -141,17 +146,43 @@ def transport(bench: Bench, args) -> None:
     bench.table(table, title)
 
 
-PARTS = {"dispatch": dispatch, "chunks": chunks, "transport": transport}
+def messages_job(rank: int, world: int, nbytes: int, think: float, repeats: int, bounce_only: bool) -> list:
+    import lightning_pipe.profiling.messages as messages
+
+    if bounce_only:  # the ranks pretend to be on two hosts: the bounce alone, no lockstep
+        messages.socket.gethostname = lambda: f"host{rank}"
+    return [messages.measure_messages(list(range(world)), nbytes, CPU, think=think) for _ in range(repeats)]
+
+
+def messages(bench: Bench, args) -> None:
+    nbytes = args.rows * args.hidden * 4
+    bench.say(f"## messages: the setup's costs, {args.message_repeats} times, 2 processes; {nbytes} B, {args.think * 1e3:g} ms per hop\n")
+    results = run_distributed(messages_job, 2, nbytes, args.think, args.message_repeats, args.bounce_only, timeout=300)[0]
+    for r in results:
+        bench.say("  " + r.summary())
+    table = Table("term", "min us", "median us", "max us")
+    for name in ("send_overhead", "recv_overhead", "handoff_mean"):
+        s = spread(getattr(r, name) for r in results)
+        table.add(name, *(f"{1e6 * v:.0f}" for v in (s.lo, s.median, s.hi)))
+    bench.table(table)
+    bench.say(f"seconds per measurement: max {max(r.seconds for r in results):.2f} s")
+    bench.keep("measurements", [r.to_dict() for r in results])
+
+
+PARTS = {"dispatch": dispatch, "chunks": chunks, "transport": transport, "messages": messages}
 
 
 def main() -> None:
-    bench = Bench(__doc__, rounds=30, quick={"rounds": 2})
+    bench = Bench(__doc__, rounds=30, quick={"rounds": 2, "message_repeats": 2})
     p = bench.parser
-    p.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
+    p.add_argument("--parts", nargs="+", choices=list(PARTS), default=["dispatch", "chunks", "transport"])
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--mlp-ratio", type=int, default=4)
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--message-repeats", type=int, default=8, help="messages: measurements in one process group")
+    p.add_argument("--think", type=float, default=3e-3, help="messages: seconds of work per hop")
+    p.add_argument("--bounce-only", action="store_true", help="messages: the ranks pretend to be on two hosts")
     args = bench.parse()
     for part in args.parts:
         PARTS[part](bench, args)
