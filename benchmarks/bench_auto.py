@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import shutil
 import statistics
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_pipe import AutoPipeStrategy  # noqa: E402
 from lightning_pipe.bench.mlp_module import MLPModule, MLPRows  # noqa: E402
 from lightning_pipe.bench.stats import spearman  # noqa: E402
-from lightning_pipe.bench.trainer_runs import fit_timed, undisturbed  # noqa: E402
+from lightning_pipe.bench.trainer_runs import fit_timed, quiet_lightning, undisturbed  # noqa: E402
 from lightning_pipe.data import CausalLMDataModule, MaskedLMDataModule  # noqa: E402
 from lightning_pipe.models import CausalLM, MaskedLM  # noqa: E402
 from lightning_pipe.planning.auto import choose_schedule  # noqa: E402
@@ -184,9 +182,7 @@ def main() -> None:
         for case in json.loads(Path(args.report).read_text())["cases"]:
             report(bench, case)
         return bench.finish()
-    warnings.filterwarnings("ignore")
-    for logger in ("lightning.pytorch", "lightning.fabric", "lightning_pipe"):
-        logging.getLogger(logger).setLevel(logging.WARNING)
+    quiet_lightning()
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench_auto_"))
     cases: list[dict] = []
     for m in args.microbatches:

@@ -1,16 +1,28 @@
-"""Training throughput: our pipeline runtime vs torch.distributed.pipelining vs one process.
+"""Training throughput: our pipeline runtime vs torch.distributed.pipelining vs one process, and the
+Trainer path vs the raw runtime.
 
 The residual MLP of lightning_pipe.bench.mlp (default hidden 512, 8 blocks, batch 256 in 4
 micro-batches of 64 rows, SGD) on 2 gloo processes x 1 thread, cut in two equal halves; modes
-single, single-mb, pair, ours-gpipe/1f1b, torch-gpipe/1f1b; best of --repeats interleaved runs,
-final weights checked against ``single``. Method and results: docs/benchmarks.md.
+single, single-mb, pair, ours-gpipe/1f1b, torch-gpipe/1f1b and, asked for with --modes,
+trainer-single / trainer-1f1b: one process through ``Trainer``, and
+``Trainer(strategy=AutoPipeStrategy(...))`` with the same cut (the module logs its loss); best of
+--repeats interleaved runs, final weights checked against ``single``. ``--segments`` times the parts
+of trainer-1f1b's step, ``--profile cpu|wall`` cProfiles the timed steps of ours-* and trainer-1f1b.
+Method and results: docs/benchmarks.md; the Trainer path: docs/predictions.md.
 
     flock /tmp/bench.lock python benchmarks/bench_runtime.py --repeats 3 --retries 3 --quiet-wait 20 --budget 300
+    flock /tmp/bench.lock python benchmarks/bench_runtime.py --modes trainer-single,ours-1f1b,trainer-1f1b --steps 40 --repeats 4 --budget 300
+    python benchmarks/bench_runtime.py --modes trainer-1f1b --steps 40 --repeats 2 --segments
+    python benchmarks/bench_runtime.py --modes ours-1f1b,trainer-1f1b --profile cpu --repeats 1
     python benchmarks/bench_runtime.py --hidden 1024 --batch 64 --microbatches 4
     python benchmarks/bench_runtime.py --quick
 """
 
 from __future__ import annotations
+
+import os
+import statistics
+import time
 
 from lightning_pipe.bench.harness import Bench, Table, names, pin_threads
 
@@ -21,22 +33,47 @@ import torch.distributed as dist  # noqa: E402
 
 from lightning_pipe.bench.launch import timed_steps  # noqa: E402
 from lightning_pipe.bench.mlp import best_runs, loss_fn, make_data, make_model, single_job, stage_half  # noqa: E402
+from lightning_pipe.bench.pipes import equal_bounds  # noqa: E402
+from lightning_pipe.bench.trainer_runs import quiet_lightning, stage_pipeline  # noqa: E402
 
-MODES = ["single", "single-mb", "pair", "ours-gpipe", "ours-1f1b", "torch-gpipe", "torch-1f1b"]
+MODES = ["single", "single-mb", "pair", "ours-gpipe", "ours-1f1b", "torch-gpipe", "torch-1f1b"]  # the default
+TRAINER = ["trainer-single", "trainer-1f1b"]  # through Lightning's Trainer (--modes)
 
 
+def profiler(clock: str):
+    """cProfile over the timed steps (cpu: the main thread's CPU time; wall: the waits too), or None."""
+    if not clock:
+        return None
+    import cProfile
+
+    return cProfile.Profile(time.thread_time if clock == "cpu" else time.perf_counter)
+
+
+def profile_report(prof, name: str, lines: int = 35) -> str | None:
+    """Each rank's heaviest functions (own, cumulative) and who syncs the ranks; BENCH_PROFILE_DIR: the pstats too."""
+    if prof is None:
+        return None
+    import io
+    import pstats
+
+    if folder := os.environ.get("BENCH_PROFILE_DIR"):
+        prof.dump_stats(os.path.join(folder, f"{name}-rank{dist.get_rank() if dist.is_initialized() else 0}.pstats"))
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(lines)
+    stats.sort_stats("cumulative").print_stats(lines)
+    stats.print_callers(r"distributed_c10d.py.*\((broadcast|all_reduce|barrier|broadcast_object_list)\)")
+    return out.getvalue()
+
+
+# ---- workers -------------------------------------------------------------------------------------
 def _pipeline(rank: int, cfg: dict, mode: str) -> dict:
     """One stage of ``ours-*`` (SequentialPipeline) or ``torch-*`` (PipelineStage + Schedule*)."""
     model, data = make_model(cfg), make_data(cfg)
     chunk, m = stage_half(model, rank), cfg["microbatches"]
     kind, name = mode.split("-")
     if kind == "ours":
-        from lightning_pipe.runtime.p2p import Transport
-        from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
-        from lightning_pipe.schedules import build_schedule
-
-        host = SequentialHost({rank: chunk}, 1, loss_fn)
-        run = SequentialPipeline(build_schedule(name, 2, m), rank, host, Transport(lambda r: r, torch.device("cpu"))).step
+        run = stage_pipeline(model, equal_bounds(len(model), 2), rank, 2, m, loss_fn, name)[1].step
     else:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -45,21 +82,116 @@ def _pipeline(rank: int, cfg: dict, mode: str) -> dict:
         stage = PipelineStage(chunk, rank, 2, torch.device("cpu"), input_args=ins, output_args=outs)
         schedule = (ScheduleGPipe if name == "gpipe" else Schedule1F1B)(stage, m, loss_fn=loss_fn)  # scale_grads: as ours
         run = lambda x, y: schedule.step(x) if rank == 0 else schedule.step(target=y, return_outputs=False)
-    opt = torch.optim.SGD(chunk.parameters(), lr=cfg["lr"])
+    opt, prof = torch.optim.SGD(chunk.parameters(), lr=cfg["lr"]), profiler(cfg["profile"] if kind == "ours" else "")
 
     def step(i: int) -> None:
+        if i == cfg["warmup"] and prof:
+            prof.enable()
         opt.zero_grad(set_to_none=True)
         run(*data[i % len(data)])
         opt.step()
 
     timing = timed_steps(step, cfg["steps"], cfg["warmup"], dist.barrier)
-    return {"timing": timing, "params": {k: v.detach().clone() for k, v in chunk.state_dict().items()}}
+    if prof:
+        prof.disable()
+    return {
+        "timing": timing,
+        "params": {k: v.detach().clone() for k, v in chunk.state_dict().items()},
+        "profile": profile_report(prof, mode),
+    }
 
 
 def job(rank: int, world: int, mode: str, cfg: dict) -> dict:
     if mode in ("single", "pair", "single-mb"):
         return single_job(rank, world, cfg, cfg["microbatches"] if mode == "single-mb" else 1)
-    return _pipeline(rank, cfg, mode)
+    return _trainer(rank, world, cfg) if mode in TRAINER else _pipeline(rank, cfg, mode)
+
+
+def _trainer(rank: int, world: int, cfg: dict) -> dict:
+    """The Trainer inside the launched processes, as under torchrun (the environment says they exist)."""
+    if world > 1:
+        os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", GROUP_RANK="0")
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_pipe.bench.mlp_module import MLPModule
+
+    quiet_lightning()
+    data, last = make_data(cfg), cfg["warmup"] + cfg["steps"] - 1
+    barrier = dist.barrier if world > 1 else (lambda: None)
+
+    class Clock(Callback):
+        """Timed steps warmup .. last, a barrier at both ends (as timed_steps)."""
+
+        times: list[float] = []
+        prof = profiler(cfg["profile"] if world > 1 else "")
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == cfg["warmup"]:
+                barrier()
+                self.start = time.perf_counter()
+                self.prof and self.prof.enable()
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx >= cfg["warmup"]:
+                self.times.append(time.perf_counter() - self.t)
+            if batch_idx == last:
+                self.prof and self.prof.disable()
+                barrier()
+                self.total = time.perf_counter() - self.start
+
+        def on_train_end(self, trainer, pl_module):  # this rank's blocks, keyed as in the whole model
+            self.params = {k.split(".", 1)[1]: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+    clock = Clock()
+    kwargs = dict(accelerator="cpu", devices=world, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    kwargs.update(enable_model_summary=False, num_sanity_val_steps=0, max_steps=last + 1, callbacks=[clock])
+    if world > 1:
+        from lightning_pipe import AutoPipeStrategy
+
+        half = cfg["blocks"] // 2
+        kwargs["strategy"] = AutoPipeStrategy(schedule="1f1b", microbatches=cfg["microbatches"], partition=[half, cfg["blocks"] - half])
+    stamps = stamp_segments() if cfg["segments"] and world > 1 else None
+    # step i's batch is make_data's batch i mod 4, as the raw runs cycle them; batch_size=None: no collation
+    L.Trainer(**kwargs).fit(MLPModule(cfg), torch.utils.data.DataLoader([data[i % len(data)] for i in range(last + 1)], batch_size=None))
+    out = {"timing": [clock.total] + clock.times, "params": clock.params, "profile": profile_report(clock.prof, "trainer-1f1b")}
+    if stamps is not None:  # medians (ms) over the timed steps
+        timed = stamps[cfg["warmup"] :]
+        med = lambda a, b: 1e3 * statistics.median(s[b] - s[a] for s in timed)  # noqa: E731
+        out["segments"] = {
+            "run": med("start", "exchange"),  # from the step's entry: split, gradient set-aside, the executor
+            "exchange": med("exchange", "replay"),
+            "log": med("replay", "replayed"),  # Lightning's log of the exchanged values
+            "rest of the step": med("replayed", "end"),
+            "between steps": 1e3 * statistics.median(b["start"] - a["end"] for a, b in zip(timed, timed[1:])),
+        }
+    return out
+
+
+def stamp_segments() -> list[dict]:
+    """Wrap the strategy's step (PipelineSteps.train), its log exchange and the replay into
+    ``module.log``: each step records when they start and end (perf_counter); one dict per step."""
+    from lightning_pipe.lightning import steps as steps_module
+    from lightning_pipe.lightning.logs import LogBroadcaster
+
+    stamps: list[dict] = []
+
+    def stamped(fn, before: str | None, after: str):
+        def wrapper(*args, **kwargs):
+            if before == "start":
+                stamps.append({})
+            stamps[-1].update({before: time.perf_counter()} if before else {})
+            result = fn(*args, **kwargs)
+            stamps[-1][after] = time.perf_counter()
+            return result
+
+        return wrapper
+
+    steps_module.PipelineSteps.train = stamped(steps_module.PipelineSteps.train, "start", "end")
+    LogBroadcaster.exchange = stamped(LogBroadcaster.exchange, "exchange", "replay")
+    steps_module.replay = stamped(steps_module.replay, None, "replayed")
+    return stamps
 
 
 def main() -> None:
@@ -73,16 +205,26 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256, help="micro-batches of batch/microbatches rows")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--modes", type=names, default=MODES, help=f"comma-separated subset of {MODES}")
+    p.add_argument("--modes", type=names, default=MODES, help=f"comma-separated subset of {MODES + TRAINER}")
+    p.add_argument("--profile", choices=["cpu", "wall"], default="", help="cProfile the pipelined modes' timed steps (each rank's top)")
+    p.add_argument("--segments", action="store_true", help="time the parts of trainer-1f1b's step on each rank (medians)")
     args = bench.parse()
     modes = ["single"] + [m for m in args.modes if m != "single"]
-    if set(modes) - set(MODES):
-        bench.error(f"unknown modes {sorted(set(modes) - set(MODES))}; allowed: {MODES}")
+    if set(modes) - set(MODES + TRAINER):
+        bench.error(f"unknown modes {sorted(set(modes) - set(MODES + TRAINER))}; allowed: {MODES + TRAINER}")
     if args.blocks % 2 or args.batch % args.microbatches:
         bench.error("--blocks must be even and --batch divisible by --microbatches (torch's schedules need equal micro-batches)")
     keys = ("hidden", "mlp_ratio", "blocks", "batch", "microbatches", "steps", "warmup", "lr")
     cfg = {k: getattr(args, k) for k in keys}
-    best, errors = best_runs(bench, job, modes, cfg, args.rounds)
+
+    def show(mode: str, results: list[dict]) -> None:  # --segments, --profile: what each rank measured in this run
+        for r, res in enumerate(results):
+            if res.get("segments"):
+                bench.say(f"    {mode} rank {r} step segments, median ms: " + ", ".join(f"{k} {v:.2f}" for k, v in res["segments"].items()))
+            if res.get("profile"):
+                bench.log(f"\n---- {mode} rank {r} profile (timed steps) ----\n{res['profile']}")
+
+    best, errors = best_runs(bench, job, modes, dict(cfg, profile=args.profile, segments=args.segments), args.rounds, on_run=show)
     bench.keep("best", best)
     single = best["single"]["total"]
     bench.say(f"{', '.join(f'{k}={cfg[k]}' for k in keys)} repeats={args.rounds} (best run)\n")
@@ -96,6 +238,9 @@ def main() -> None:
     for sched in ("gpipe", "1f1b"):
         if f"ours-{sched}" in best and f"torch-{sched}" in best:
             bench.say(f"ours/torch {sched}: {best[f'ours-{sched}']['total'] / best[f'torch-{sched}']['total']:.2f}x")
+    for a, b, target in (("trainer-1f1b", "ours-1f1b", " (target >= 0.95)"), ("trainer-single", "single", "")):
+        if a in best and b in best:
+            bench.say(f"Trainer/raw: {a} / {b} {best[a]['total'] / best[b]['total']:.3f}x{target}")
     if "pair" in best and "single-mb" in best:
         m = args.microbatches
         bubble, pair, mb = 2 * m / (m + 1), best["pair"]["total"] / single, best["single-mb"]["total"] / single

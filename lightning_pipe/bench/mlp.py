@@ -1,4 +1,5 @@
-"""The balanced residual MLP of bench_runtime.py and bench_waves.py, and what both do with it.
+"""The balanced residual MLP of bench_runtime.py, bench_waves.py (and bench_2bw.py, bench_avgpipe.py,
+bench_memory.py, bench_auto.py), and what bench_runtime.py and bench_waves.py do with it.
 
 ``cfg`` is a benchmark's configuration dict: hidden, mlp_ratio, blocks, batch, microbatches,
 steps, warmup, lr (see bench_runtime.py).
@@ -37,9 +38,9 @@ def make_model(cfg: dict) -> nn.Sequential:
     return model
 
 
-def make_data(cfg: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A few fixed batches, cycled through the steps (made before timing starts)."""
-    g = torch.Generator().manual_seed(1234)
+def make_data(cfg: dict, seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A few fixed batches of ``cfg["batch"]`` rows, cycled through the steps (made before timing starts)."""
+    g = torch.Generator().manual_seed(seed)
     return [
         (torch.randn(cfg["batch"], cfg["hidden"], generator=g), torch.randn(cfg["batch"], cfg["hidden"], generator=g)) for _ in range(4)
     ]
@@ -115,21 +116,24 @@ def summarize(mode: str, results: list[dict], cfg: dict) -> dict:
     return {"total": cfg["steps"] * cfg["batch"] / total, "median": cfg["batch"] / median, "step_ms": 1000 * total / cfg["steps"]}
 
 
-def best_runs(bench, job, modes: list[str], cfg: dict, rounds: int, tag: str = "", on_best=None) -> tuple[dict, dict]:
-    """Every mode in every round, interleaved (``job(rank, world, mode, cfg)``; ``single*`` on one
-    process): per mode the `summarize` figures of its fastest run (with the foreign load) and the
-    largest relative error of its final weights from the first run's (``modes[0]``, not ``pair``);
-    ``on_best(mode, results)`` each time a mode's best improves."""
+def best_runs(bench, job, modes: list[str], cfg: dict, rounds: int, tag: str = "", on_best=None, on_run=None) -> tuple[dict, dict]:
+    """Every mode in every round, interleaved (``job(rank, world, mode, cfg)``; a mode named
+    ``*single*`` on one process; ``trainer-*`` without a process group: Lightning makes its own):
+    per mode the `summarize` figures of its fastest run (with the foreign load) and the largest
+    relative error of its final weights from the first run's (``modes[0]``, not ``pair``);
+    ``on_run(mode, results)`` after every run, ``on_best(mode, results)`` each time a mode's best improves."""
     best, errors, reference = {}, {}, None
     for rep in range(rounds):
         for mode in modes:
             label = f"{tag}run {rep + 1}/{rounds} {mode:18s}"
-            results, foreign = bench.run(job, 1 if mode.startswith("single") else 2, mode, cfg, label=label)
+            launch = {"backend": None} if mode.startswith("trainer-") else {}
+            results, foreign = bench.run(job, 1 if "single" in mode else 2, mode, cfg, label=label, **launch)
             stats = dict(summarize(mode, results, cfg), foreign=foreign)
             reference = reference or results[0]["params"]
             if mode not in ("single", "pair"):  # single-mb too: the same sums in another order
                 errors[mode] = max(errors.get(mode, 0.0), max_rel_error(results, reference))
             bench.log(f"  {label} {stats['total']:8.1f} samples/s ({stats['step_ms']:.1f} ms/step, foreign load {foreign:.2f} CPUs)")
+            (on_run or (lambda *_: None))(mode, results)
             if mode not in best or stats["total"] > best[mode]["total"]:
                 best[mode] = stats
                 (on_best or (lambda *_: None))(mode, results)

@@ -1,7 +1,7 @@
 """One ``Trainer.fit`` on 2 CPU processes (forked by the strategy), timed by a Callback on every rank:
 rank r pinned to core r, each step's end stamped, the foreign load over the setup and over the timed
 steps; repeated while other processes disturbed it (bench_planner_2bw.py, bench_auto.py); a stage of a
-SequentialPipeline (`stage_pipeline`)."""
+SequentialPipeline (`stage_pipeline`); Lightning's logs and warnings quieted (`quiet_lightning`)."""
 
 from __future__ import annotations
 
@@ -109,18 +109,27 @@ def undisturbed(fit: Callable[[int], dict], args: Any, patient: bool, setup_coun
 
 
 def stage_pipeline(model: Any, bounds: Any, rank: int, world: int, microbatches: int, loss: Callable, schedule: str = "1f1b"):
-    """This rank's stage of ``model`` cut at ``bounds`` (its blocks as one ``nn.Sequential``) and a
-    SequentialPipeline over gloo running it (bench_simulator.py, bench_autopipe_speedup.py)."""
-    from torch import nn
-
+    """This rank's stage of ``model`` (an ``nn.Sequential``) cut at ``bounds``, its blocks keyed as in
+    the whole model, and a SequentialPipeline over gloo running it (bench_simulator.py,
+    bench_autopipe_speedup.py, bench_runtime.py)."""
     from lightning_pipe.runtime.p2p import Transport
     from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
     from lightning_pipe.schedules import build_schedule
 
     a, b = bounds[rank]
-    chunk = nn.Sequential(*[model[i] for i in range(a, b)])
+    chunk = model[a:b]
     host = SequentialHost({rank: chunk}, world - 1, loss)
     return chunk, SequentialPipeline(build_schedule(schedule, world, microbatches), rank, host, Transport(lambda r: r, torch.device("cpu")))
+
+
+def quiet_lightning() -> None:
+    """Lightning's advice (num_workers, log sync) and info lines off: not what a benchmark measures."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_pipe"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def quiet_distributed(bench: Any, job: Callable, world: int, args: Any) -> list:
