@@ -27,8 +27,8 @@ import torch.distributed as dist  # noqa: E402
 
 from lightning_pipe.bench import pipes  # noqa: E402
 from lightning_pipe.bench.harness import column_table  # noqa: E402
-from lightning_pipe.bench.launch import timed_steps  # noqa: E402
-from lightning_pipe.bench.mlp import loss_fn, make_model, stage_half  # noqa: E402
+from lightning_pipe.bench.launch import proc_stat, timed_steps  # noqa: E402
+from lightning_pipe.bench.mlp import loss_fn, make_data, make_model, stage_half  # noqa: E402
 from lightning_pipe.bench.pipes import Clock, compute_seconds, costs_at, equal_bounds, time_executor  # noqa: E402
 from lightning_pipe.layers import ElasticAveraging, Flush  # noqa: E402
 from lightning_pipe.runtime.elastic import ReferenceLink, flat_into, flat_size  # noqa: E402
@@ -46,20 +46,9 @@ MALLOC = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(
 SERIAL = count(1)  # runs so far: each run's store prefix
 
 
-def _proc_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of process `pid` so far, from /proc (0.0 where unreadable)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
 def make_batches(cfg: dict, pipeline: int, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Pipeline `pipeline`'s own fixed batches (different for every pipeline), cycled through the steps."""
-    g = torch.Generator().manual_seed(1234 + 7919 * pipeline)
-    return [(torch.randn(rows, cfg["hidden"], generator=g), torch.randn(rows, cfg["hidden"], generator=g)) for _ in range(4)]
+    return make_data(dict(cfg, batch=rows), seed=1234 + 7919 * pipeline)
 
 
 # ---- workers ------------------------------------------------------------------------------------
@@ -87,7 +76,7 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
     # the elastic update's two halves and the optimizer step in the clock (the update's messages inside after_update)
     before, after = (clock.wrap(getattr(elastic, f"{k}_update") if n else lambda: None, k) for k in ("before", "after"))
     opt_step, trace, ref0 = clock.wrap(opt.step, "opt"), [], [0.0]
-    ref_cpu = lambda: _proc_cpu(refs[0].proc.pid) if refs and refs[0].proc is not None else 0.0
+    ref_cpu = lambda: (proc_stat(refs[0].proc.pid) or (0, 0, 0.0))[2] if refs and refs[0].proc is not None else 0.0
 
     def step(i: int) -> None:
         if i == cfg["warmup"]:  # the first timed step: the reference process's CPU clock starts here

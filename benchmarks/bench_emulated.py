@@ -18,7 +18,7 @@ import math
 import statistics
 import time
 
-from lightning_pipe.bench.harness import Bench, Table, ms, pin_threads
+from lightning_pipe.bench.harness import Bench, column_table, ms, pin_threads
 
 pin_threads(1)
 
@@ -190,11 +190,8 @@ COLUMNS = (
 
 def print_depth(bench: Bench, res: dict) -> None:
     p, cfg, link = res["p"], res["config"], res["link"]
-    t = Table(*(header for header, _ in COLUMNS), align="l" * len(COLUMNS))
-    for r in res["rows"]:
-        t.add(*(cell(r) for _, cell in COLUMNS))
-    bench.table(t, f"\n#### P = {p} EMULATED ranks ({cfg['blocks']} blocks, {cfg['f'] * 1e3:g} / {cfg['b'] * 1e3:g} ms; link "
-                   f"{link['latency'] * 1e6:.0f} us; other processes {res['foreign_load']:.2f} CPUs)")  # fmt: skip
+    title = f"\n#### P = {p} EMULATED ranks ({cfg['blocks']} blocks, {cfg['f'] * 1e3:g} / {cfg['b'] * 1e3:g} ms; link {link['latency'] * 1e6:.0f} us; "
+    bench.table(column_table(COLUMNS, res["rows"], "l" * len(COLUMNS)), title + f"other processes {res['foreign_load']:.2f} CPUs)")
     for s in res["skipped"]:
         bench.say(f"m = {s['m']} {s['label']}: skipped ({s['reason']})")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 import weakref
 
-from lightning_pipe.bench.harness import Bench, Table, ints, names, pin_threads
+from lightning_pipe.bench.harness import Bench, column_table, ints, names, pin_threads
 
 pin_threads(1)
 
@@ -24,7 +24,9 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from lightning_pipe.bench.launch import run_distributed  # noqa: E402
-from lightning_pipe.bench.mlp import loss_fn, make_model  # noqa: E402
+from lightning_pipe.bench.mlp import loss_fn, make_data, make_model  # noqa: E402
+from lightning_pipe.bench.pipes import equal_bounds, run_layer  # noqa: E402
+from lightning_pipe.runtime.sequential import SequentialHost  # noqa: E402
 from lightning_pipe.simulation import CostModel, simulate  # noqa: E402
 
 SCHEDULES = ["gpipe", "1f1b", "2bw"]
@@ -180,37 +182,26 @@ class Probe:
 
 
 # ---- the workers ---------------------------------------------------------------------------------
-def _host_class():
-    from lightning_pipe.runtime.sequential import SequentialHost
+class MeasuredHost(SequentialHost):
+    """SequentialHost with each micro-batch's input and target a tensor of its own (not a view
+    of the whole batch, which the caller holds anyway) and the executor's stash observed."""
 
-    class MeasuredHost(SequentialHost):
-        """SequentialHost with each micro-batch's input and target a tensor of its own (not a view
-        of the whole batch, which the caller holds anyway) and the executor's stash observed."""
+    def __init__(self, probe: Probe, stage: nn.Module, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.probe, self.stage = probe, stage
 
-        def __init__(self, probe: Probe, stage: nn.Module, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.probe, self.stage = probe, stage
-
-        def forward(self, chunk, microbatch, inputs):
-            self.probe.use_weights(self.stage)  # under 2BW: the version this batch runs on
-            x = self.inputs[microbatch].clone() if chunk == 0 else inputs
-            out = self.chunks[chunk](x)
-            if chunk != self.last_chunk:
-                self.probe.stash(out, counted=True)
-                return out
-            loss = self.loss_fn(out, self.targets[microbatch].clone())
-            self.losses.append(loss.detach() * self.weights[microbatch])
-            loss = loss * self.weights[microbatch]
-            self.probe.stash(loss, counted=False)  # a scalar: counted in flight, not in bytes
-            return loss
-
-    return MeasuredHost
-
-
-def _batches(cfg: dict, m: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1234)
-    rows = cfg["rows"] * m
-    return [(torch.randn(rows, cfg["hidden"], generator=g), torch.randn(rows, cfg["hidden"], generator=g)) for _ in range(count)]
+    def forward(self, chunk, microbatch, inputs):
+        self.probe.use_weights(self.stage)  # under 2BW: the version this batch runs on
+        x = self.inputs[microbatch].clone() if chunk == 0 else inputs
+        out = self.chunks[chunk](x)
+        if chunk != self.last_chunk:
+            self.probe.stash(out, counted=True)
+            return out
+        loss = self.loss_fn(out, self.targets[microbatch].clone())
+        self.losses.append(loss.detach() * self.weights[microbatch])
+        loss = loss * self.weights[microbatch]
+        self.probe.stash(loss, counted=False)  # a scalar: counted in flight, not in bytes
+        return loss
 
 
 def _param_bytes(module: nn.Module) -> int:
@@ -226,15 +217,13 @@ def job(rank: int, world: int, runs: list[tuple[str, int]], cfg: dict) -> list[d
 
 def _measure(rank: int, world: int, schedule: str, m: int, cfg: dict) -> dict:
     """One stage of a run: warm-up steps, measured steps (and 2BW's drain); the peaks."""
-    from lightning_pipe.layers import DoubleBuffer
-    from lightning_pipe.runtime.executor import Executor
-    from lightning_pipe.runtime.microbatch import signature, split_microbatches
+    from lightning_pipe.layers import DoubleBuffer, Flush
     from lightning_pipe.runtime.p2p import Transport
-    from lightning_pipe.schedules import ScheduleSpec, build_schedule
+    from lightning_pipe.schedules import ScheduleSpec
 
     per, probe = cfg["blocks"] // world, Probe()
     stage = make_model(cfg)[rank * per : (rank + 1) * per]
-    host = _host_class()(probe, stage, {rank: stage}, world - 1, loss_fn)
+    host = MeasuredHost(probe, stage, {rank: stage}, world - 1, loss_fn)
     transport = Transport(lambda r: r, torch.device("cpu"))
     probe.watch_transport(transport)
     opt = torch.optim.SGD(stage.parameters(), lr=cfg["lr"])
@@ -253,23 +242,20 @@ def _measure(rank: int, world: int, schedule: str, m: int, cfg: dict) -> dict:
         watch = lambda tensors, kind: [probe.weights.watch(t, kind) for t in tensors]  # noqa: E731
         versions.detach_live = lambda: (detach_live(), watch(versions.live, "detach_live"))[0]
         versions.snapshot = lambda: (stashed := snapshot(), watch(stashed.values(), "snapshot"))[0]
-    else:
-        executor = Executor(build_schedule(schedule, world, m), rank, transport, prefetch=cfg["prefetch"])
+    else:  # what SequentialPipeline runs: Executor(build_schedule(schedule, world, m))
+        mode = Flush(ScheduleSpec.of(schedule), world, m, rank, transport, prefetch=cfg["prefetch"])
+    data = make_data(dict(cfg, batch=cfg["rows"] * m))  # 4 batches, cycled
     with probe.hooks():
-        for step, (x, y) in enumerate(_batches(cfg, m, warmup + measured)):
+        for step in range(warmup + measured):
+            x, y = data[step % len(data)]
             if step == warmup:
                 probe.reset_peaks()
             opt.zero_grad(set_to_none=True)
-            (host.inputs, host.weights), (host.targets, _), host.losses = split_microbatches(x, m), split_microbatches(y, m), []
-            if schedule == "2bw":
-                mode.run("train", host, [("train", signature(mb)) for mb in host.inputs])
-                held = max(held, mode.versions_held())
-            else:
-                executor.run(host, [signature(mb) for mb in host.inputs])
+            run_layer(mode, host, x, y, m)
+            held = max(held, mode.versions_held()) if schedule == "2bw" else 0
             opt.step()
-        if schedule == "2bw":
-            mode.drain()
-            held = max(held, mode.versions_held())
+        mode.drain()  # 2BW: the last batch's backwards and update; flushing schedules: nothing
+        held = max(held, mode.versions_held()) if schedule == "2bw" else 0
     if probe.held.bytes or probe.in_flight:
         raise RuntimeError(f"rank {rank}: {probe.held.bytes} bytes / {probe.in_flight} micro-batches still held after the run")
     return dict(
@@ -306,8 +292,7 @@ def predict(schedule: str, d: int, m: int, cfg: dict, costs: CostModel):
     from lightning_pipe.schedules.two_bw import pipedream_2bw
 
     sched = pipedream_2bw(d, m, batches=cfg["warmup"] + cfg["steps_2bw"]) if schedule == "2bw" else build_schedule(schedule, d, m)
-    per = cfg["blocks"] // d
-    return simulate(sched, costs, [(s * per, (s + 1) * per) for s in range(d)], critical_path=False)
+    return simulate(sched, costs, equal_bounds(cfg["blocks"], d), critical_path=False)
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -315,9 +300,9 @@ def kib(n: float) -> str:
     return f"{n / KiB:,.0f}"
 
 
-KEY = ("schedule", "d", "m", "stage")
+KEY = [(k, k) for k in ("schedule", "d", "m", "stage")]
 # (header, cell of a stage's row: the measurement plus n, pred, pred_w, pred_out, the simulator's in flight and bytes)
-ACTIVATIONS = (
+ACTIVATIONS = [
     ("in flight meas/pred", lambda r: f"{r['in_flight']}/{r['n']}"),
     ("saved + stash KiB", lambda r: kib(r["held"])),
     ("predicted KiB", lambda r: kib(r["pred"])),
@@ -326,14 +311,14 @@ ACTIVATIONS = (
     ("alive / pred", lambda r: f"{r['alive'] / r['pred']:.2f}"),
     ("excess of alive at its peak (KiB)", lambda r: ", ".join(f"{k} {kib(v)}" for k, v in sorted(r["excess"].items())) or "-"),
     ("pred (output bytes) KiB", lambda r: kib(r["pred_out"])),
-)
-WEIGHTS = (
+]
+WEIGHTS = [
     ("weights measured KiB", lambda r: kib(r["weights"])),
     ("versions_held() max", lambda r: str(r["versions_held"]) if r["schedule"] == "2bw" else "-"),
     ("measured peak set by", lambda r: r["weights_peak_at"]),
     ("predicted KiB", lambda r: kib(r["pred_w"])),
     ("ratio", lambda r: f"{r['weights'] / r['pred_w']:.2f}"),
-)
+]
 
 
 def main() -> None:
@@ -362,9 +347,7 @@ def main() -> None:
         CostModel.uniform(args.blocks, 1.0, 2.0, activation_bytes=tuple(map(float, a)), param_bytes=tuple(map(float, params)))
         for a in (saved, output)
     ]
-    acts = Table(*KEY, *(h for h, _ in ACTIVATIONS), align="llll" + "r" * len(ACTIVATIONS))
-    weights = Table(*KEY, *(h for h, _ in WEIGHTS), align="llll" + "rrlrr")
-    started, results = time.monotonic(), {}
+    started, results, rows = time.monotonic(), {}, []
     for d in args.stages:
         runs, t0 = [(schedule, m) for schedule in args.schedules for m in (d, 4 * d)], time.monotonic()
         per_rank = run_distributed(job, d, runs, cfg, timeout=args.timeout)
@@ -377,13 +360,11 @@ def main() -> None:
             for s, r in enumerate(stages):
                 if r["saved"] > r["held"]:
                     raise RuntimeError("saved > saved + stash: the accounting is wrong")
-                r = {**r, "schedule": schedule, "n": t.peak_activations[s], "pred": t.peak_activation_bytes[s], "pred_w": t.weight_bytes[s]}
-                r["pred_out"] = t_out.peak_activation_bytes[s]
-                for table, columns in ((acts, ACTIVATIONS), (weights, WEIGHTS)):
-                    table.add(schedule, d, m, s, *(cell(r) for _, cell in columns))
-    bench.say(f"\n{len(acts.rows)} stage rows in {time.monotonic() - started:.0f} s\n")
-    bench.table(acts)
-    bench.table(weights)
+                rows.append(dict(r, schedule=schedule, d=d, m=m, stage=s, n=t.peak_activations[s], pred=t.peak_activation_bytes[s]))
+                rows[-1].update(pred_w=t.weight_bytes[s], pred_out=t_out.peak_activation_bytes[s])
+    bench.say(f"\n{len(rows)} stage rows in {time.monotonic() - started:.0f} s\n")
+    bench.table(column_table(KEY + ACTIVATIONS, rows, "llll" + "r" * len(ACTIVATIONS)))
+    bench.table(column_table(KEY + WEIGHTS, rows, "llllrrlrr"))
     bench.finish()
 
 
