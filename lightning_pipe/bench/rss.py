@@ -22,7 +22,8 @@ from typing import Optional
 class ProcessPeak:
     pid: int
     command: str
-    rank: Optional[int]  # RANK (else LOCAL_RANK) from the process's environment, None for a helper
+    parent: int
+    rank: Optional[int]  # RANK (else LOCAL_RANK) from the process's environment (a fork inherits it)
     rss: int = 0  # bytes
     anon: int = 0  # bytes
     first_seen: float = field(default_factory=time.perf_counter)
@@ -36,6 +37,10 @@ def _status(pid: int) -> dict[str, int]:
         if key in ("VmRSS", "RssAnon"):
             out[key] = int(value.split()[0]) * 1024
     return out
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def _rank(pid: int) -> Optional[int]:
@@ -83,7 +88,7 @@ class TreeSampler:
                 status = _status(pid)
                 if pid not in self.peaks:
                     command = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").strip()
-                    self.peaks[pid] = ProcessPeak(pid, command, _rank(pid))
+                    self.peaks[pid] = ProcessPeak(pid, command, _parent(pid), _rank(pid))
             except OSError:  # ended between listing and reading
                 continue
             peak = self.peaks[pid]
@@ -104,9 +109,13 @@ class TreeSampler:
         self._thread.join()
 
 
-def run_sampled(command: list[str], env: Optional[dict] = None, cwd: Optional[str] = None, timeout: float = 1800, interval: float = 0.2) -> tuple[int, list[ProcessPeak], str]:
+def run_sampled(
+    command: list[str], env: Optional[dict] = None, cwd: Optional[str] = None, timeout: float = 1800, interval: float = 0.2
+) -> tuple[int, list[ProcessPeak], str]:
     """Run `command`, sampling its tree: (return code, every process's peak, the output's tail)."""
-    proc = subprocess.Popen(command, env={**os.environ, **(env or {})}, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        command, env={**os.environ, **(env or {})}, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     with TreeSampler(proc.pid, interval) as sampler:
         try:
             out, _ = proc.communicate(timeout=timeout)

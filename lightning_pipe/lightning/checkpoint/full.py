@@ -1,7 +1,8 @@
 """The full checkpoint: the model in single-process layout, optimizer states by parameter name.
 
-The model's state dict is gathered to global rank 0 from replica 0's stages (its keys are the full
-model's), so a checkpoint loads into the unchanged LightningModule on one process. Optimizer states
+The model's state dict is gathered to global rank 0 from replica 0's stages, one stage and one
+tensor at a time into memory-mapped files (`gather_to_zero`; its keys are the full model's), so a
+checkpoint loads into the unchanged LightningModule on one process. Optimizer states
 are keyed by each parameter's full-model name rather than by a stage optimizer's indices, so a
 checkpoint resumes on any number of stages and any partition, exactly:
 
@@ -17,8 +18,13 @@ and partition. With checkpoint="sharded" the same states are written per rank (`
 
 from __future__ import annotations
 
+import math
+import os
+import tempfile
+from pathlib import Path
 from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -40,20 +46,102 @@ def _to_cpu(obj: Any) -> Any:
 
 
 def gather_to_zero(ctx: RankContext, obj: Any) -> Optional[list[Any]]:
-    """Gather `obj` from the stages of replica 0 onto global rank 0 (others: None)."""
+    """`obj` (tensors anywhere in it, on this rank's device) from the stages of replica 0, in stage
+    order, on global rank 0 with every tensor on the CPU (others: None).
+
+    Streamed, so rank 0 never holds the stages' states in its own memory: one stage at a time, its
+    structure as a small object and each tensor point to point (no pickled copy on either side, no
+    single gather padded to the largest message), received into a memory-mapped file in the run
+    folder that is unlinked at once. What rank 0 then holds of the other stages are file pages,
+    which the kernel writes back and may drop while torch.save copies them into the checkpoint."""
     if ctx.depth == 1:
-        return [obj] if ctx.global_rank == 0 else None
+        return [_to_cpu(obj)] if ctx.global_rank == 0 else None
     if ctx.replica_index != 0:
         return None
-    parts = [None] * ctx.depth if ctx.global_rank == 0 else None
-    dist.gather_object(obj, parts, dst=0, group=ctx.groups.pipeline)
+    group, device = ctx.groups.pipeline, ctx.device
+    transfer = device if device.type == "cuda" else None  # NCCL moves everything through device memory
+    if ctx.stage_index != 0:
+        tensors: dict[int, _Slot] = {}
+        dist.send_object_list([_flatten(obj, tensors)], dst=ctx.pipeline_rank(0), group=group, device=transfer)
+        for t in (slot.tensor for slot in tensors.values() if slot.tensor.numel() > 0):  # an empty one needs no message
+            dist.send(t.detach().to(device).contiguous(), dst=ctx.pipeline_rank(0), group=group)
+        return None
+    parts = [_to_cpu(obj)]
+    for stage in range(1, ctx.depth):
+        box: list[Any] = [None]
+        src = ctx.pipeline_rank(stage)
+        dist.recv_object_list(box, src=src, group=group, device=transfer)
+        parts.append(_receive_part(box[0], src, group, device, ctx.out_dir))
     return parts
 
 
+class _Slot:
+    """Where a tensor was in a streamed object: its shape and dtype (the tensor is sent on its own)."""
+
+    def __init__(self, index: int, t: Tensor):
+        self.index, self.shape, self.dtype, self.tensor = index, tuple(t.shape), t.dtype, t
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"index": self.index, "shape": self.shape, "dtype": self.dtype, "tensor": None}
+
+
+def _flatten(obj: Any, tensors: dict[int, _Slot]) -> Any:
+    if isinstance(obj, Tensor):
+        if id(obj) not in tensors:
+            tensors[id(obj)] = _Slot(len(tensors), obj)
+        return tensors[id(obj)]
+    if isinstance(obj, dict):
+        return type(obj)((k, _flatten(v, tensors)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_flatten(v, tensors) for v in obj)
+    return obj
+
+
+def _unflatten(obj: Any, fill: Callable[[_Slot], Tensor]) -> Any:
+    if isinstance(obj, _Slot):
+        return fill(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _unflatten(v, fill)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_unflatten(v, fill) for v in obj)
+    return obj
+
+
+def _receive_part(skeleton: Any, src: int, group: Any, device: torch.device, folder: Path) -> Any:
+    received: dict[int, Tensor] = {}  # a tensor that appears twice (a tied weight) comes once
+
+    def fill(slot: _Slot) -> Tensor:
+        if slot.index not in received:
+            received[slot.index] = _receive(slot, src, group, device, folder)
+        return received[slot.index]
+
+    return _unflatten(skeleton, fill)
+
+
+def _receive(slot: _Slot, src: int, group: Any, device: torch.device, folder: Path) -> Tensor:
+    """One tensor from `src`, into a CPU tensor backed by a file that is gone once mapped."""
+    numel = math.prod(slot.shape)
+    if numel == 0:
+        return torch.empty(slot.shape, dtype=slot.dtype)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=".checkpoint-part-", dir=folder)
+    os.close(fd)
+    try:
+        out = torch.from_file(name, shared=True, size=numel, dtype=slot.dtype).view(slot.shape)
+    finally:
+        os.unlink(name)  # the mapping stays valid; nothing is left behind
+    if device.type == "cpu":
+        dist.recv(out, src=src, group=group)
+    else:
+        buffer = torch.empty(slot.shape, dtype=slot.dtype, device=device)
+        dist.recv(buffer, src=src, group=group)
+        out.copy_(buffer)
+    return out
+
+
 def full_state_dict(ctx: RankContext) -> dict[str, Any]:
-    local = {k: v.detach().cpu() for k, v in ctx.module.state_dict().items()}
     merged: dict[str, Any] = {}
-    for part in gather_to_zero(ctx, local) or []:
+    for part in gather_to_zero(ctx, ctx.module.state_dict()) or []:
         merged.update(part)
     return merged
 
@@ -128,7 +216,7 @@ def layout(ctx: RankContext, run_state: dict[str, Any]) -> dict[str, Any]:
 
 def full_optimizer_state(ctx: RankContext, optimizer: Any, run_state: dict[str, Any], extras: Optional[ParameterExtras]) -> dict[str, Any]:
     """The name-keyed state of all stages on global rank 0 (others: {})."""
-    parts = gather_to_zero(ctx, _to_cpu(stage_named_state(ctx, optimizer, extras)))
+    parts = gather_to_zero(ctx, stage_named_state(ctx, optimizer, extras))
     if parts is None:
         return {}
     return {**merge_named(parts, ctx.cut.path + "."), **layout(ctx, run_state)}
