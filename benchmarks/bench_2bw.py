@@ -28,7 +28,7 @@ from torch import nn  # noqa: E402
 from lightning_pipe.bench import pipes  # noqa: E402
 from lightning_pipe.bench.launch import timed_steps  # noqa: E402
 from lightning_pipe.bench.mlp import loss_fn, make_data, make_model, single_job, summarize  # noqa: E402
-from lightning_pipe.bench.pipes import Clock, SleepBlock, equal_bounds  # noqa: E402
+from lightning_pipe.bench.pipes import Clock, equal_bounds, sleep_model  # noqa: E402
 from lightning_pipe.layers import DoubleBuffer, Flush  # noqa: E402
 from lightning_pipe.runtime.p2p import Transport  # noqa: E402
 from lightning_pipe.runtime.sequential import SequentialHost  # noqa: E402
@@ -43,12 +43,7 @@ def model_of(cfg: dict, sleep: bool = True) -> nn.Sequential:
     """The real part's MLP, or the emulated part's sleeping blocks (``sleep=False``: without the sleeps)."""
     if cfg["kind"] != "emulated":
         return make_model(cfg)
-    torch.manual_seed(0)
-    model = nn.Sequential(*[SleepBlock(cfg["hidden"], *((cfg["t_f"], cfg["t_b"]) if sleep else (0.0, 0.0))) for _ in range(cfg["depth"])])
-    with torch.no_grad():  # distinct weights per stage, so the final-weights check means something
-        for block in model:
-            block.scale.add_(0.1 * torch.randn(cfg["hidden"]))
-    return model
+    return sleep_model(cfg["depth"], cfg["hidden"], *((cfg["t_f"], cfg["t_b"]) if sleep else (0.0, 0.0)))
 
 
 # ---- workers -------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from torch import nn  # noqa: E402
 from lightning_pipe.bench import REPO, gpt  # noqa: E402
 from lightning_pipe.bench.harness import column_table, pyplot, save_figure  # noqa: E402
 from lightning_pipe.bench.launch import OTHER_JOBS, rank_zero_log, run_distributed, wait_for_quiet  # noqa: E402
-from lightning_pipe.bench.pipes import SleepBlock, best_link, gather, median_costs, pipeline_steps, spans  # noqa: E402
+from lightning_pipe.bench.pipes import best_link, gather, median_costs, pipeline_steps, sleep_model, spans  # noqa: E402
 from lightning_pipe.profiling import Profile  # noqa: E402
 from lightning_pipe.profiling.link import ping_pong  # noqa: E402
 from lightning_pipe.profiling.saved import SavedBytes  # noqa: E402
@@ -180,8 +180,7 @@ def emulated_job(rank: int, world: int, args: Any) -> dict:
     from lightning_pipe.profiling import profile_blocks
 
     log = rank_zero_log(rank)
-    torch.manual_seed(0)
-    model = nn.Sequential(*[SleepBlock(EMU_HIDDEN, args.tf / 1e3, 2 * args.tf / 1e3) for _ in range(STAGES)])
+    model = sleep_model(STAGES, EMU_HIDDEN, args.tf / 1e3, 2 * args.tf / 1e3)
     link, _ = gpt.segment(lambda: best_link(rank, (4, EMU_ROWS * EMU_HIDDEN * 4), rounds=1), rank, world, args, log)
     g = torch.Generator().manual_seed(1)
     randn = lambda rows: torch.randn(rows, EMU_HIDDEN, generator=g)  # noqa: E731

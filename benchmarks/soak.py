@@ -57,14 +57,9 @@ def main() -> None:
                 half, quarter = len(mine) // 2, max(1, len(mine) // 4)
                 times = [r["step_ms"] for r in mine[1:]] or [mine[0]["step_ms"]]  # the first line includes setup
                 first, last = statistics.mean(times[:quarter]), statistics.mean(times[-quarter:])
-                table.add(
-                    f"{name}, {args.steps} steps" if rank == 0 else "",
-                    rank,
-                    f"{rss[0]:.1f} -> {rss[-1]:.1f} (max {max(rss):.1f})",
-                    f"{rss[-1] - rss[half]:+.1f} MB",
-                    f"{fds[0]} -> {fds[-1]} (max {max(fds)})",
-                    f"{first:.1f} / {last:.1f}",
-                )
+                rss_cells = (f"{rss[0]:.1f} -> {rss[-1]:.1f} (max {max(rss):.1f})", f"{rss[-1] - rss[half]:+.1f} MB")
+                fd_cell, step_cell = f"{fds[0]} -> {fds[-1]} (max {max(fds)})", f"{first:.1f} / {last:.1f}"
+                table.add(f"{name}, {args.steps} steps" if rank == 0 else "", rank, *rss_cells, fd_cell, step_cell)
             series = [r["step_ms"] for r in sorted((r for r in rows if r["rank"] == 0), key=lambda r: r["step"])[1:]]
             bench.log(f"{name} rank 0 step ms, one value per logged interval: {series}")
     bench.table(table, f"soak, {args.steps} steps per configuration")

@@ -45,6 +45,17 @@ class SleepBlock(nn.Module):
         return _Sleep.apply(x * self.scale + self.bias, self.t_f, self.t_b)
 
 
+def sleep_model(depth: int, width: int, t_f: float, t_b: float) -> nn.Sequential:
+    """``depth`` SleepBlocks (seed 0), each one's scale nudged so that every stage's weights differ
+    (a final-weights check then tells the stages apart)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[SleepBlock(width, t_f, t_b) for _ in range(depth)])
+    with torch.no_grad():
+        for block in model:
+            block.scale.add_(0.1 * torch.randn(width))
+    return model
+
+
 def best_link(rank: int, sizes: Sequence[int], rounds: int = 3, repeats: int = 50) -> dict | None:
     """The link fit (ping_pong) of the fastest of ``rounds`` rounds, on rank 0 (None elsewhere).
     Even a quiet ping-pong has phases of ms stalls; the fastest round is the link without them."""
