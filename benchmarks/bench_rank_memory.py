@@ -7,7 +7,8 @@ sampled every 0.2 s (lightning_pipe.bench.rss). Predicted per stage: the planner
 (planning/auto.peak_memory), weights x 4 (weights, gradients, Adam's two moments) plus the
 simulated peak of stashed activations, on the analytic costs (planning/flops) of the partition run.
 `anon` is what a process allocated itself; `rss` adds file pages mapped in (the memory-mapped stage
-parts of a full checkpoint, which the kernel may drop). Feeds docs/memory.md ("Per-rank memory").
+parts of a full checkpoint, which the kernel may drop); `runtime` is a process that imported the
+CLI and nothing else (Python, torch, Lightning, Hydra), which the memory model leaves out. Feeds docs/memory.md ("Per-rank memory").
 
     python benchmarks/bench_rank_memory.py --markdown /tmp/rank_memory.md
     python benchmarks/bench_rank_memory.py --runs gpt2-345m:2:32-true --init empty,full --checkpoint full,sharded
@@ -71,9 +72,11 @@ def main() -> None:
     )
     bench.parser.add_argument("--checkpoint", default="full", help="the checkpoint at the end: full, sharded, none (callbacks=none)")
     args = bench.parse()
-    table = Table(
-        "model", "ranks", "precision", "init", "checkpoint", "stage", "predicted GiB", "peak anon GiB", "peak rss GiB", "anon / predicted"
-    )
+    _, idle, _ = run_sampled([sys.executable, "-c", "import time, lightning_pipe.cli.train; time.sleep(1)"])
+    runtime = idle[0].anon
+    bench.say(f"runtime (a process that imported the CLI): {runtime / GiB:.2f} GiB anonymous memory")
+    columns = ("predicted GiB", "peak anon GiB", "peak rss GiB", "anon / predicted", "(anon - runtime) / predicted")
+    table = Table("model", "ranks", "precision", "init", "checkpoint", "stage", *columns)
     for spec in names(args.runs):
         model, ranks, precision = spec.split(":")
         ranks = int(ranks)
@@ -89,17 +92,10 @@ def main() -> None:
                 bench.keep(f"{spec}:{init}:{checkpoint}", result)
                 for stage, (rss, anon) in result["ranks"].items():
                     pred = model_bytes[stage]
+                    figures = (pred / GiB, anon / GiB, rss / GiB)
+                    ratios = (anon / pred, (anon - runtime) / pred)
                     table.add(
-                        model,
-                        ranks,
-                        precision,
-                        init,
-                        checkpoint,
-                        stage,
-                        f"{pred / GiB:.2f}",
-                        f"{anon / GiB:.2f}",
-                        f"{rss / GiB:.2f}",
-                        f"{anon / pred:.2f}x",
+                        model, ranks, precision, init, checkpoint, stage, *(f"{v:.2f}" for v in figures), *(f"{v:.2f}x" for v in ratios)
                     )
                 for rank, command, rss, anon in result["helpers"]:
                     bench.say(f"- helper process of rank {rank}: rss {rss / GiB:.2f} GiB, anon {anon / GiB:.2f} GiB: `{command}`")

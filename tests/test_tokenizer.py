@@ -19,6 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.data import (
     IGNORE_INDEX,
     ByteTokenizer,
@@ -38,6 +39,7 @@ from lightning_pipe.data import tokenize as tokenize_command
 from lightning_pipe.data import train_tokenizer as train_command
 from lightning_pipe.data.tokenize import tokenize_corpus
 from lightning_pipe.data.train_tokenizer import SPECIAL_TOKENS, train_tokenizer
+from lightning_pipe.errors import SettingError
 from lightning_pipe.models import CausalLM, MaskedLM, ModelConfig
 
 pytest.importorskip("tokenizers")  # the `test` extra installs it: CI runs every test here
@@ -308,6 +310,12 @@ def test_model_vocab_must_hold_the_tokenizers_ids(files):
     with pytest.raises(ValueError, match=r"data.tokens=.*model.model.vocab_size=260"):
         trainer.fit(small, datamodule=dm)
     assert trainer.global_step == 0
+    # under the strategy: refused before any process starts (the launcher's checks)
+    strategy = AutoPipeStrategy(partition="uniform", microbatches=2, start_method="spawn")
+    pipe = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False)
+    with pytest.raises(SettingError, match=r"data.tokens=.*model.model.vocab_size=260"):
+        pipe.fit(small, datamodule=dm)
+    assert strategy.layers is None, "no process was started, nothing was set up"
 
 
 def test_cli_refuses_a_small_vocab_before_any_process_starts(files):
