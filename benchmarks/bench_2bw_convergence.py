@@ -15,6 +15,7 @@ import os
 import tempfile
 import time
 
+from lightning_pipe.bench import REPO
 from lightning_pipe.bench import cli_runs as cli
 from lightning_pipe.bench.harness import Bench, Table, pyplot, save_figure
 
@@ -22,7 +23,6 @@ RUNS = {  # name -> (Hydra overrides, colour, label)
     "2bw": (["recipe=gpt-tiny-2bw"], "tab:red", "PipeDream-2BW (1-stale)"),
     "1f1b": (["recipe=gpt-tiny-cpu", "pipeline.schedule=1f1b", "pipeline.microbatches=2"], "tab:blue", "1F1B / PipeDream-Flush"),
 }
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def reference(config_path: str, stale: bool, val_every: int) -> list[tuple[int, float]]:

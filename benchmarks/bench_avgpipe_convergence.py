@@ -15,6 +15,7 @@ import math
 import os
 import tempfile
 
+from lightning_pipe.bench import REPO
 from lightning_pipe.bench import cli_runs as cli
 from lightning_pipe.bench.harness import Bench, Table, pyplot, save_figure
 
@@ -30,7 +31,6 @@ RUNS = {
     "avg4": (4, AVG + ["pipeline.pipelines=4", "trainer.devices=8", "data.batch_size=4", "pipeline.microbatches=2"],
              "AvgPipe N=4 (alpha=1/4, 4 x batch 4)", "tab:red"),
 }  # fmt: skip
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def full_validation(run_dir: str) -> tuple[float, int]:
