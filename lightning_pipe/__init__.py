@@ -5,6 +5,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from .config import PipelineConfig
 from .errors import SettingError
 from .lightning import AutoPipeStrategy
+from .lightning.metrics import PipelineMetrics
 from .planning import Plan, plan, transformer_costs
 from .profiling import Profile
 from .schedules import PipelineSchedule, ScheduleError, ScheduleSpec, build_schedule, validate
@@ -20,6 +21,7 @@ __all__ = [
     "AutoPipeStrategy",
     "CostModel",
     "PipelineConfig",
+    "PipelineMetrics",
     "PipelineSchedule",
     "Plan",
     "Profile",

@@ -29,20 +29,23 @@ from ..config import PipelineConfig
 from ..errors import SettingError
 from ..lightning import AutoPipeStrategy
 from ..lightning.stage import find_pipeline
-from . import errors, tune
+from . import errors, loggers, tune
 from .paths import CONFIG_DIR
 
 log = logging.getLogger("lightning_pipe.tune")
 
 
-def _instantiate_all(group: Optional[DictConfig]) -> list[Any]:
-    """Instantiate each non-null entry of a callbacks / logger group (skipping optional extras not installed)."""
+def _instantiate_all(group: Optional[DictConfig], name: str) -> list[Any]:
+    """Instantiate each non-null entry of a callbacks / logger group (skipping optional extras not installed;
+    a `_requires_` package missing is an error naming `name=<entry>`, see cli/loggers.py)."""
+    loggers.check_required(group, name)
     out = []
     for entry in (group or {}).values():
         if entry is None:
             continue
         entry = OmegaConf.to_container(entry, resolve=True)
         needs = entry.pop("_if_installed_", None)
+        entry.pop("_requires_", None)
         if needs and importlib.util.find_spec(needs) is None:
             continue
         out.append(instantiate(entry))
@@ -96,13 +99,9 @@ def build(cfg: DictConfig) -> tuple[L.LightningModule, L.LightningDataModule, L.
     if HydraConfig.initialized() and not trainer_kwargs.get("default_root_dir"):
         # without a logger Lightning writes (plan.json, profiles) into the working directory: the run folder instead
         trainer_kwargs["default_root_dir"] = HydraConfig.get().runtime.output_dir
+    callbacks, logger = _instantiate_all(cfg.get("callbacks"), "callbacks"), _instantiate_all(cfg.get("logger"), "logger")
     try:
-        trainer = L.Trainer(
-            strategy=AutoPipeStrategy.from_config(config),
-            callbacks=_instantiate_all(cfg.get("callbacks")),
-            logger=_instantiate_all(cfg.get("logger")) or False,
-            **trainer_kwargs,
-        )
+        trainer = L.Trainer(strategy=AutoPipeStrategy.from_config(config), callbacks=callbacks, logger=logger or False, **trainer_kwargs)
     except SettingError as err:
         raise named(err, "trainer.devices", "trainer.num_nodes") from None
     except (MisconfigurationException, TypeError, ValueError, RuntimeError) as err:  # Lightning's checks of trainer.*
