@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 
 import pytest
 import torch
 from _dist import run_distributed
 
+from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.lightning.checkpoint.full import gather_to_zero
+from lightning_pipe.lightning.checkpoint.io import StreamedCheckpointIO
 from lightning_pipe.lightning.context import RankContext
 from lightning_pipe.topology import ProcessGroups, Topology
-
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
 
 def stage_state(rank: int) -> dict:
@@ -40,6 +41,8 @@ def _gather(rank: int, world: int, folder: str) -> object:
     return parts, os.listdir(folder)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
 def test_every_stage_arrives_whole_shared_tensors_once_and_no_file_is_left(tmp_path):
     results = run_distributed(_gather, 3, str(tmp_path), timeout=90)
     assert results[1] is None and results[2] is None
@@ -60,3 +63,17 @@ def test_every_stage_arrives_whole_shared_tensors_once_and_no_file_is_left(tmp_p
         ]:
             assert got.device.type == "cpu" and got.dtype == want.dtype and got.shape == want.shape
             assert torch.equal(got, want)
+
+
+def test_checkpoint_file_is_written_without_a_buffer_and_atomically(tmp_path):
+    io = StreamedCheckpointIO()
+    target = tmp_path / "deep" / "last.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.arange(6.0)}, "step": 3}, target)
+    assert torch.equal(torch.load(target)["state_dict"]["w"], torch.arange(6.0))
+    with pytest.raises((pickle.PicklingError, AttributeError)):  # a lambda cannot be pickled: the save fails half-way
+        io.save_checkpoint({"state_dict": {"w": torch.zeros(2)}, "bad": lambda: 0}, target)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["last.ckpt"], "nothing half-written is left"
+    assert torch.load(target)["step"] == 3, "the previous checkpoint is untouched"
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint({}, target, storage_options={"x": 1})
+    assert isinstance(AutoPipeStrategy().checkpoint_io, StreamedCheckpointIO)

@@ -8,6 +8,7 @@ resolved config) go to the Hydra run directory.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -17,6 +18,7 @@ from typing import Any, Optional
 
 import hydra
 import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
@@ -88,7 +90,8 @@ def build(cfg: DictConfig) -> tuple[L.LightningModule, L.LightningDataModule, L.
         config = pipeline_config(cfg)
     except SettingError as err:
         raise named(err) from None
-    module = instantiate(cfg.model)
+    with torch.device("meta") if cfg.get("empty_init", True) else contextlib.nullcontext():  # no rank holds the whole model
+        module = instantiate(cfg.model)
     # the model's context and vocabulary, which the data module checks its settings against (data.seq_len,
     # data.tokenizer / data.tokens: every id must be a row of the embedding)
     model_config = getattr(module, "config", None)

@@ -25,6 +25,7 @@ from ..schedules import REGISTRY
 from ..topology import ProcessGroups, Topology
 from .autoplan import AutoPlanner
 from .checkpoint import full_state_dict, load_stage_state, resumed_state, sharded
+from .checkpoint.io import StreamedCheckpointIO
 from .context import RankContext
 from .cutting import Cut, cut_module, uncut_module
 from .empty_init import EmptyInitMixin
@@ -62,7 +63,7 @@ class AutoPipeStrategy(EmptyInitMixin, ProcessGroupStrategy):
         super().__init__(
             process_group_backend=process_group_backend, timeout=timedelta(seconds=2 * self.config.timeout),
             heartbeat_timeout=self.config.timeout, accelerator=accelerator, parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+            cluster_environment=cluster_environment, checkpoint_io=checkpoint_io or StreamedCheckpointIO(), precision_plugin=precision_plugin,
         )  # fmt: skip
         self.planner = AutoPlanner(self.config)
         self.resume_path: Optional[str] = None  # fit's ckpt_path, noted by the launcher
