@@ -49,7 +49,8 @@ def run(model: str, ranks: int, precision: str, init: str, checkpoint: str, time
                    *(["callbacks=none"] if checkpoint == "none" else [f"pipeline.checkpoint={checkpoint}"])]  # fmt: skip
         rc, peaks, tail = run_sampled(command, timeout=timeout)
     if rc != 0:
-        raise RuntimeError(f"{model} x{ranks} {precision} {init} {checkpoint}: exit {rc}\n{tail}")
+        said = [line for line in tail.splitlines() if line.startswith("error:")]
+        raise RuntimeError(f"exit {rc}: {said[-1] if said else tail.splitlines()[-1:]}")
     # rank 0 is the command itself; Lightning starts the other ranks as its children; the rest are helpers
     root = peaks[0]
     ranked = {0: root, **{p.rank: p for p in peaks if p.parent == root.pid and p.rank is not None and "lightning_pipe.train" in p.command}}
@@ -97,8 +98,11 @@ def main() -> None:
                     table.add(
                         model, ranks, precision, init, checkpoint, stage, *(f"{v:.2f}" for v in figures), *(f"{v:.2f}x" for v in ratios)
                     )
-                for rank, command, rss, anon in result["helpers"]:
-                    bench.say(f"- helper process of rank {rank}: rss {rss / GiB:.2f} GiB, anon {anon / GiB:.2f} GiB: `{command}`")
+                if result["helpers"]:  # the data-loader workers, forked from the ranks: their pages are mostly the rank's
+                    most = max(anon for *_, anon in result["helpers"])
+                    bench.say(
+                        f"- {spec} init={init} checkpoint={checkpoint}: {len(result['helpers'])} other processes, at most {most / GiB:.2f} GiB anon"
+                    )
     bench.table(table, "Peak memory per rank, one step (CPU)")
     bench.finish()
 
