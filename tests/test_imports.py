@@ -123,3 +123,15 @@ def test_the_strategy_names_no_mode_and_stays_small():
     for word in ('"sync"', "2bw", "two_bw", "avgpipe", "elastic", "flush"):
         assert word not in lowered, word
     assert not re.search(r"\.mode\b", text), "a mode attribute"
+
+
+def test_the_strategy_alone_imports_neither_the_data_package_nor_the_cli():
+    """`Trainer(strategy="autopipe")` needs torch and Lightning: not the data modules' torchdata or
+    tokenizers, nor Hydra (a GPU machine with only those installed runs the strategy)."""
+    import subprocess
+    import sys
+
+    probe = "import sys, lightning_pipe; print(sorted({m.split('.')[0] if not m.startswith('lightning_pipe') else m for m in sys.modules}))"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    for name in ("lightning_pipe.data", "lightning_pipe.cli", "torchdata", "hydra", "tokenizers"):
+        assert f"'{name}'" not in loaded, name

@@ -23,13 +23,14 @@ runs, so the check cannot rot between the sessions that have a GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
@@ -68,9 +69,11 @@ def _data(seq: int, rows: int = 64) -> DataLoader:
     return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=16)
 
 
-def _fit(strategy: Any, precision: str, steps: int, args: argparse.Namespace) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _fit(
+    strategy: Any, precision: str, steps: int, args: argparse.Namespace, empty: Optional[bool] = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """`empty`: the module is created in `trainer.init_module(empty_init=empty)` (None: before the trainer)."""
     torch.manual_seed(0)
-    module = CausalLM("gpt-tiny", lr=1e-3, weight_decay=0.0)
     losses: list[float] = []
 
     class Record(L.Callback):
@@ -91,6 +94,8 @@ def _fit(strategy: Any, precision: str, steps: int, args: argparse.Namespace) ->
         callbacks=[Record()],
         default_root_dir=str(args.out),
     )
+    with trainer.init_module(empty_init=empty) if empty is not None else contextlib.nullcontext():
+        module = CausalLM("gpt-tiny", lr=1e-3, weight_decay=0.0)
     trainer.fit(module, _data(32))
     return losses, {k: v.detach().double().cpu() for k, v in module.state_dict().items()}
 
@@ -109,6 +114,12 @@ def one_gpu(args: argparse.Namespace, report: dict) -> dict:
         losses, weights = _fit(AutoPipeStrategy(schedule=schedule, microbatches=4, partition="uniform"), "64-true", 4, args)
         out[schedule] = {"max_rel_error_vs_plain_trainer": _max_rel(weights, reference), "losses": losses}
         assert out[schedule]["max_rel_error_vs_plain_trainer"] <= 1e-10, out[schedule]
+    # created empty (meta): the stage is created on the CPU and moved; the reference is created in
+    # the trainer's init context too, so both initialise in float64
+    _, reference = _fit("auto", "64-true", 4, args, empty=False)
+    _, weights = _fit(AutoPipeStrategy(schedule="1f1b", microbatches=4, partition="uniform"), "64-true", 4, args, empty=True)
+    out["created empty"] = {"max_rel_error_vs_plain_trainer": _max_rel(weights, reference)}
+    assert out["created empty"]["max_rel_error_vs_plain_trainer"] <= 1e-10, out["created empty"]
     out["two processes on one GPU"] = "not run: NCCL refuses two ranks on one device, and gloo has no CUDA point-to-point"
     return out
 

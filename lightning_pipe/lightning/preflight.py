@@ -14,7 +14,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from ..config import PipelineConfig
-from ..data.checks import check_model_vocab
 from ..errors import SettingError
 from .layers.compose import choose_layers
 from .stage import check_no_outside_parameters, find_pipeline
@@ -61,7 +60,9 @@ def validate_inputs(config: PipelineConfig, world: int, args: tuple, trainer: Op
     accumulate = getattr(trainer, "accumulate_grad_batches", 1)
     if fitting and (isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1):
         raise SettingError(f"accumulate_grad_batches={accumulate!r}: must be an integer >= 1 (Trainer / trainer.accumulate_grad_batches)")
-    if fitting and len(args) > 3 and args[3] is not None and isinstance(model, nn.Module):
+    if fitting and len(args) > 3 and type(args[3]).__module__.startswith("lightning_pipe.data") and isinstance(model, nn.Module):
+        from ..data.checks import check_model_vocab  # here: the strategy alone does not need the data package's imports
+
         try:  # every token id of the data (its tokenizer or token file) must be a row of the embedding
             check_model_vocab(model, args[3])
         except ValueError as err:
