@@ -15,7 +15,7 @@ from torch import nn
 
 from .blocks import Embedding, LMHead, MLMHead, ResidualAttentionBlock, ResidualFFNBlock
 from .config import ModelConfig
-from .init import draw_seed, is_meta, seeded
+from .init import block_generator, draw_seed, is_meta
 
 
 def _layers(cfg: ModelConfig, causal: bool) -> list[nn.Module]:
@@ -52,23 +52,31 @@ def build_bert(cfg: ModelConfig, seed: Optional[int] = None) -> nn.Sequential:
 
 
 def init_block(block: nn.Module, index: int, seed: int, n_layer: int) -> None:
-    """Block `index`'s initial values from the model's seed alone (see models/init.py)."""
-    with seeded(seed, index), torch.no_grad():
-        init_weights(block, n_layer)
+    """Block `index`'s initial values from the model's seed alone (see models/init.py): drawn by a
+    CPU generator of their own and copied in, so they are the same on any device and leave every
+    global generator (the CPU's and the GPU's) as it was."""
+    with torch.no_grad():
+        init_weights(block, n_layer, generator=block_generator(seed, index))
 
 
-def init_weights(model: nn.Module, n_layer: int, std: float = 0.02) -> None:
+def init_weights(model: nn.Module, n_layer: int, std: float = 0.02, generator: Optional[torch.Generator] = None) -> None:
     """N(0, 0.02) weights, zero biases, LayerNorm gains one; the projections that write into the
     residual stream get std / sqrt(2 * n_layer) so the stream's variance does not grow with depth
-    (GPT-2). A head's tied weight is the embedding's: initialised with the embedding's block."""
+    (GPT-2). A head's tied weight is the embedding's: initialised with the embedding's block.
+    `generator`: a CPU generator the values are drawn from (None: a fresh one from the global CPU's)."""
+    g = generator if generator is not None else torch.Generator().manual_seed(draw_seed())
+
+    def normal(t: torch.Tensor, sd: float) -> None:
+        t.copy_(torch.empty(t.shape, dtype=t.dtype, device="cpu").normal_(0.0, sd, generator=g))  # not the context's device
+
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             out = name.endswith(".proj")  # SelfAttention.proj and MLP.proj
-            nn.init.normal_(module.weight, 0.0, std / math.sqrt(2 * n_layer) if out else std)
+            normal(module.weight, std / math.sqrt(2 * n_layer) if out else std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, 0.0, std)  # also the tied head's weight
+            normal(module.weight, std)  # also the tied head's weight
         elif isinstance(module, nn.LayerNorm):
             module.reset_parameters()  # a meta-built block has no values yet
         if isinstance(module, MLMHead):

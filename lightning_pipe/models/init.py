@@ -5,8 +5,8 @@ A model built on the meta device (`trainer.init_module(empty_init=True)`, or und
 its stage's blocks (`materialize`). For every rank to end up with the weights a one-process run
 starts from, a block's initial values depend only on (the model's seed, the block's index), never on
 which blocks were created before it: block i is initialised under the torch generator seeded with
-`block_seed(seed, i)`, on the CPU (the same numbers whatever device trains it), and the caller's
-random state is left as it was.
+`block_seed(seed, i)`, on the CPU (the same numbers whatever device the block is created on or
+trains on), and the caller's random state is left as it was.
 """
 
 from __future__ import annotations
@@ -27,10 +27,16 @@ def block_seed(seed: int, index: int) -> int:
 
 @contextlib.contextmanager
 def seeded(seed: int, index: int) -> Iterator[None]:
-    """Block `index`'s random numbers, leaving the CPU generator as it was."""
+    """Block `index`'s random numbers from the global CPU generator (for a module's own
+    reset_parameters()), which is left as it was; no other device's generator is touched."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(block_seed(seed, index))
+        torch.default_generator.manual_seed(block_seed(seed, index))
         yield
+
+
+def block_generator(seed: int, index: int) -> torch.Generator:
+    """A CPU generator of block `index`'s own."""
+    return torch.Generator().manual_seed(block_seed(seed, index))
 
 
 def draw_seed() -> int:
