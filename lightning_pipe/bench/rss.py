@@ -59,7 +59,7 @@ def _children(pid: int) -> list[int]:
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
             kids += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
+        except OSError:  # the thread or process ended while the tree was walked
             pass
     return kids
 

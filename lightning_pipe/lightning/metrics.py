@@ -109,10 +109,10 @@ class _BusyMeter(StepMeter):
             self._last = time.perf_counter()
 
     def sent(self, owners: list[int], ops: list[Any]) -> None:
-        pass
+        pass  # the bubble counts compute only: messages are not recorded (StepMeter's would keep events per send)
 
     def waiting(self, pending: Any) -> None:
-        pass
+        pass  # nor waits
 
     def busy_and_span(self) -> Optional[tuple[float, float]]:
         """(compute seconds, seconds from the first compute's start to the last one's end); None if nothing ran."""
