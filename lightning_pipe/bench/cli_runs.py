@@ -1,5 +1,5 @@
 """Training runs through the CLI (``python -m lightning_pipe.train``) and their logged losses: what
-bench_2bw_convergence.py and bench_avgpipe_convergence.py share."""
+bench_convergence.py's experiments share."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def moving_average(points: Points, window: int) -> tuple[list[int], list[float]]
 
 
 def add_options(parser, val_every: int, smooth: int, out: str) -> None:
-    """The options of both convergence scripts (their defaults differ)."""
+    """The options of the convergence runs."""
     parser.add_argument("--val-every", type=int, default=val_every, help="trainer.val_check_interval")
     parser.add_argument("--smooth", type=int, default=smooth, help="moving-average window of the train loss")
     parser.add_argument("--out", default=out, help="the figure")
