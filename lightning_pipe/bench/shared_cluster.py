@@ -1,4 +1,4 @@
-"""The emulated shared cluster of bench_adaptive.py and bench_adaptive_learned.py: 2 pinned gloo
+"""The emulated shared cluster of bench_adaptive.py (one job; --changing): 2 pinned gloo
 processes training a GPT-tiny-like CausalLM through the Trainer while competing CPU-bound jobs come
 and go on a core (`SharedCluster`), one run of it (`run`), and its throughput (`samples_per_s`)."""
 
@@ -182,7 +182,7 @@ def plot_runs(results: dict, widths: dict[str, float], spans: list[tuple[int, in
 
 
 def add_options(parser, work: str, **iterations: int) -> None:
-    """The options of both scripts: their iteration counts (``steps=300, dwell=12, ...``), the work
+    """The options of both experiments: their iteration counts (``steps=300, dwell=12, ...``), the work
     folder, the pictures' folder and the raw results' file."""
     for name, default in iterations.items():
         parser.add_argument(f"--{name}", type=int, default=default)
