@@ -268,9 +268,10 @@ class PipelineConfig:
                 f"pipelines={self.pipelines} and width={self.width}: AvgPipe's parallel pipelines replace the replicas; set width=1",
                 "width",
             )
-        if self.schedule == "2bw" or self.auto:
+        if self.auto:
             raise SettingError(
-                f"pipelines={self.pipelines}: AvgPipe runs a synchronous schedule (gpipe, 1f1b, interleaved, wave, hanayo), not {self.schedule!r}",
+                f"pipelines={self.pipelines}: AvgPipe runs one schedule you name (gpipe, 1f1b, interleaved, wave, hanayo, advance "
+                "or 2bw), not 'auto'",
                 "schedule",
             )
         if self.alpha is not None and (
@@ -282,9 +283,11 @@ class PipelineConfig:
 
     def _check_advance(self) -> None:
         if self.advance_num is not None:
-            if self.schedule != "advance":
+            if self.schedule not in ("advance", "2bw"):
                 raise SettingError(
-                    f"advance_num={self.advance_num!r} is a setting of schedule='advance', not {self.schedule!r}", "advance_num"
+                    f"advance_num={self.advance_num!r} is a setting of schedule='advance' or '2bw' (AvgPipe(2BW)'s advance "
+                    f"forward order), not {self.schedule!r}",
+                    "advance_num",
                 )
             if isinstance(self.advance_num, bool) or not isinstance(self.advance_num, int) or self.advance_num < 0:
                 raise SettingError(
@@ -309,7 +312,7 @@ class PipelineConfig:
 
     def check_advance(self, stages: int) -> None:
         """A fixed advance_num must lie in [K - 1, M] on this depth."""
-        if self.schedule != "advance" or self.advance_num is None:
+        if self.schedule not in ("advance", "2bw") or self.advance_num is None:
             return
         low, high = advance_bounds(stages, self.microbatches)
         if not low <= self.advance_num <= high:

@@ -1,6 +1,7 @@
 """AvgPipe on 2 pipelines x 2 stages with stage k's reference process killed (SIGKILL) at step 3,
 for tests/test_avgpipe.py: `python tests/avgpipe_fault_job.py <stage> <out_dir>`. Runs through the
-CLI's one-line error handling with pipeline timeout 20 s."""
+CLI's one-line error handling with pipeline timeout 20 s; an optional third argument names the
+pipelines' schedule (default 1f1b)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from lightning_pipe import AutoPipeStrategy  # noqa: E402
 from lightning_pipe.cli import errors  # noqa: E402
 
 STAGE, OUT = int(sys.argv[1]), Path(sys.argv[2])
+SCHEDULE = sys.argv[3] if len(sys.argv) > 3 else "1f1b"
 
 
 class KillsItsReference(LitSeq):
@@ -31,7 +33,7 @@ class KillsItsReference(LitSeq):
 
 def main() -> None:
     torch.manual_seed(0)
-    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, partition="uniform", pipelines=2, timeout=20.0)
+    strategy = AutoPipeStrategy(schedule=SCHEDULE, microbatches=2, partition="uniform", pipelines=2, timeout=20.0)
     trainer = L.Trainer(devices=4, strategy=strategy, **trainer_kwargs(max_steps=8, default_root_dir=str(OUT)))
     trainer.fit(KillsItsReference(), loader(batch_size=4))
     if trainer.is_global_zero:

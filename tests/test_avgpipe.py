@@ -10,6 +10,7 @@ DistributedSampler, as Lightning shards it), and after each step t
 
 from __future__ import annotations
 
+import copy
 import glob
 import os
 import subprocess
@@ -72,6 +73,39 @@ def simulate(steps, pipelines, alpha, staleness, dtype="float64"):
     return [m.state_dict() for m in models], {k: v for k, v in refs[steps].items()}
 
 
+def simulate_2bw(steps, pipelines, alpha, staleness, dtype="float64"):
+    """AvgPipe(2BW) from the two papers: pipeline n's gradient of iteration t is taken at its own
+    W_n(max(t - 1, 0)) (PipeDream-2BW, §3.1) and its optimizer applies it to W_n(t), giving Δ_n(t);
+    the pull and the reference update are AvgPipe's (§3.2), unchanged."""
+    models = [LitSeq(dtype=dtype) for _ in range(pipelines)]
+    confs = [m.configure_optimizers() for m in models]
+    data = [shard_batches(n, pipelines, steps, getattr(torch, dtype)) for n in range(pipelines)]
+    previous = [copy.deepcopy(m.seq) for m in models]  # W_n(t - 1), which batch t reads
+    names = [k for k, _ in models[0].named_parameters()]
+    refs = [{k: v.detach().clone() for k, v in models[0].named_parameters()}]
+    for t in range(steps):
+        deltas = []
+        for n, (model, conf) in enumerate(zip(models, confs)):
+            at = previous[n] if t >= 1 else copy.deepcopy(model.seq)
+            x, y = data[n][t]
+            at.zero_grad()
+            nn.functional.cross_entropy(at(x), y).backward()
+            previous[n] = copy.deepcopy(model.seq)  # W_n(t), after iteration t - 1's pull
+            before = {k: v.detach().clone() for k, v in model.named_parameters()}
+            for p, q in zip(model.seq.parameters(), at.parameters()):
+                p.grad = q.grad.clone()
+            conf["optimizer"].step()
+            conf["lr_scheduler"]["scheduler"].step()
+            delta = {k: v.detach() - before[k] for k, v in model.named_parameters()}
+            pull = refs[max(t - staleness, 0)]
+            with torch.no_grad():
+                for k, p in model.named_parameters():
+                    p.copy_((1 - alpha) * before[k] + alpha * pull[k] + delta[k])
+            deltas.append(delta)
+        refs.append({k: refs[t][k] + sum(d[k] for d in deltas) / pipelines for k in names})
+    return [m.state_dict() for m in models], {k: v for k, v in refs[steps].items()}
+
+
 def fit(
     model,
     steps,
@@ -85,10 +119,12 @@ def fit(
     val=None,
     checkpoint="full",
     schedule="1f1b",
+    advance_num=None,
     **kw,
 ):
     strategy = AutoPipeStrategy(
         schedule=schedule,
+        advance_num=advance_num,
         microbatches=2,
         partition="uniform",
         start_method="spawn",
@@ -150,6 +186,60 @@ def test_parallel_and_reference_weights_follow_the_rule(tmp_path, alpha, stalene
     if schedule == "advance":  # the rule's state is in the checkpoint, the same for every pipeline (one list)
         rule = torch.load(path, weights_only=False)["optimizer_states"][0]["autopipe_advance"]
         assert 1 <= rule["advance_num"] <= 2 and len(rule["history"]) >= 1
+
+
+@pytest.mark.parametrize("alpha,staleness,advance_num", [(None, 0, None), (0.3, 1, 2)])
+def test_avgpipe_2bw_follows_both_papers_rules(tmp_path, alpha, staleness, advance_num):
+    # AvgPipe(2BW): each pipeline runs 2BW (no flush, 1-stale gradients); validation every 3 steps
+    # drains the batch in flight, and the drain's update must get its elastic pull like any other.
+    # advance_num=2 on 2 stages: every forward of a batch before its backwards, still without a flush
+    model = LitSeq()
+    val = DataLoader(dataset(seed=3), batch_size=10)
+    fit(
+        model,
+        7,
+        alpha=alpha,
+        staleness=staleness,
+        callbacks=[saved(tmp_path, 7)],
+        enable_checkpointing=True,
+        val=val,
+        val_check_interval=3,
+        schedule="2bw",
+        advance_num=advance_num,
+    )
+    alpha = 0.5 if alpha is None else alpha
+    want_parallel, want_ref = simulate_2bw(7, 2, alpha, staleness)
+    (path,) = glob.glob(os.path.join(tmp_path, "*step=7.ckpt"))
+    reference, parallel = parallel_models(path)
+    assert max_rel_diff(want_ref, reference) <= 1e-10
+    assert max_rel_diff(want_ref, model.state_dict()) <= 1e-10
+    for n in range(2):
+        assert max_rel_diff(want_parallel[n], parallel[n]) <= 1e-10
+    flush_parallel, _ = simulate(7, 2, alpha, staleness)
+    assert max_rel_diff(flush_parallel[0], parallel[0]) > 1e-6  # 2BW's stale gradients are not AvgPipe(1F1B)'s
+
+
+def test_avgpipe_2bw_resumes_mid_epoch_bit_for_bit(tmp_path):
+    # each pipeline's own 2BW stash W_n(t - 1) is in the checkpoint and comes back to its pipeline
+    def resumable():
+        return StatefulDataLoader(dataset(), batch_size=10)
+
+    common = dict(staleness=1, schedule="2bw", enable_checkpointing=True)
+    whole = LitSeq()
+    fit(whole, 6, callbacks=[saved(tmp_path / "whole", 6)], train=resumable(), **common)
+    fit(LitSeq(), 2, callbacks=[saved(tmp_path / "first", 2)], train=resumable(), **common)
+    (path,) = glob.glob(os.path.join(tmp_path, "first", "*step=2.ckpt"))
+    resumed = LitSeq(seed=5)
+    fit(resumed, 6, ckpt_path=path, callbacks=[saved(tmp_path / "resumed", 6)], train=resumable(), **common)
+    (a,) = glob.glob(os.path.join(tmp_path, "whole", "*step=6.ckpt"))
+    (b,) = glob.glob(os.path.join(tmp_path, "resumed", "*step=6.ckpt"))
+    for x, y in zip(parallel_models(a)[1], parallel_models(b)[1]):
+        for k in x:
+            assert torch.equal(x[k], y[k]), k
+    for k, v in whole.state_dict().items():
+        assert torch.equal(v, resumed.state_dict()[k]), k
+    want_parallel, want_ref = simulate_2bw(6, 2, 0.5, 1)
+    assert max_rel_diff(want_ref, resumed.state_dict()) <= 1e-10
 
 
 def test_the_reference_stays_the_mean_of_the_parallel_models(tmp_path):
@@ -215,7 +305,8 @@ def test_the_checkpoint_loads_into_the_plain_module(tmp_path):
         (dict(pipelines=2, width=2), "width"),
         (dict(pipelines=2, alpha=1.5), "alpha"),
         (dict(pipelines=2, staleness=-1), "staleness"),
-        (dict(pipelines=2, schedule="2bw"), "schedule"),
+        (dict(pipelines=2, schedule="auto"), "schedule"),
+        (dict(pipelines=2, schedule="1f1b", advance_num=1), "advance_num"),
         (dict(alpha=0.5), "alpha"),
     ],
 )
@@ -234,12 +325,13 @@ def test_pipelines_must_divide_the_devices_before_anything_starts():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage", [0, 1])
-def test_a_killed_reference_process_ends_the_job_with_its_name(tmp_path, stage):
+@pytest.mark.parametrize("stage,schedule", [(0, "1f1b"), (1, "1f1b"), (1, "2bw")])
+def test_a_killed_reference_process_ends_the_job_with_its_name(tmp_path, stage, schedule):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(JOB.parents[1]))
     env.pop("LOCAL_RANK", None)
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(JOB), str(stage), str(tmp_path)], env=env, capture_output=True, text=True, timeout=100)
+    command = [sys.executable, str(JOB), str(stage), str(tmp_path), schedule]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=100)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]  # 1: a lost peer (docs/faults.md)

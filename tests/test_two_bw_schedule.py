@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_pipe.schedules import Op, ScheduleSpec, build_schedule, validate
-from lightning_pipe.schedules.two_bw import drain_actions, pipedream_2bw, step_actions
+from lightning_pipe.schedules.two_bw import drain_actions, leads, pipedream_2bw, step_actions
 from lightning_pipe.simulation import CostModel, simulate
 
 QUICK = dict(deadline=None, database=None, max_examples=80)
@@ -21,18 +21,28 @@ def shapes(draw):
     return d, m, draw(st.integers(1, 5))
 
 
+@st.composite
+def advanced_shapes(draw):
+    """A 2BW shape with advance_num: 0 (1F1B's leads) or any of [d - 1, m] (AvgPipe(2BW)'s order)."""
+    d, m, k = draw(shapes())
+    return d, m, k, draw(st.sampled_from([0, *range(max(d - 1, 1), m + 1)]))
+
+
 def computes(actions, shift=0):
     return [(a.op, a.microbatch + shift) for a in actions if a.op.is_compute]
 
 
 @settings(**QUICK)
-@given(shapes())
+@given(advanced_shapes())
 def test_steps_cut_the_unrolled_run(shape):
-    d, m, k = shape
-    whole = pipedream_2bw(d, m, batches=k)
+    d, m, k, a = shape
+    whole = pipedream_2bw(d, m, batches=k, advance_num=a)
     validate(whole)
     assert whole.weight_versions == 2 and whole.num_microbatches == k * m
-    slices = [step_actions(d, m, None)] + [step_actions(d, m, m)] * (k - 1) + [drain_actions(d, m)]
+    ahead = leads(d, m, a)
+    if a:  # advance forward propagation: the first stage keeps advance_num forwards ahead, the last none
+        assert ahead[0] == a and (d == 1 or ahead[-1] == 0 or a == m)
+    slices = [step_actions(d, m, None, ahead)] + [step_actions(d, m, m, ahead)] * (k - 1) + [drain_actions(d, m, ahead)]
     for rank in range(d):
         joined = []
         for t, s in enumerate(slices):

@@ -29,7 +29,7 @@ from ..runtime.executor import Carry, Executor, StageHost
 from ..runtime.p2p import Activation, Transport
 from ..runtime.versions import Version, WeightVersions
 from ..schedules import ScheduleSpec
-from ..schedules.two_bw import drain_actions, step_actions
+from ..schedules.two_bw import drain_actions, leads, step_actions
 from .base import Versions
 from .flush import Flush
 
@@ -81,6 +81,8 @@ class DoubleBuffer(Versions):
             raise ValueError("schedule='2bw' has no warm-up to slice: use slicer=False")
         self.spec, self.stages, self.rank, self.transport = spec, stages, rank, transport
         self.prefetch, self.trace = prefetch, trace
+        # forwards each rank keeps ahead: fixed for the run from the configured M (advance_num: AvgPipe(2BW)'s order)
+        self.ahead = leads(stages, microbatches, self.spec.kwargs.get("advance_num", 0))
         self.versions = WeightVersions(module)
         self.apply = apply  # applies the live parameters' gradients (the caller's optimizer step)
         self.placement = tuple(range(stages))
@@ -96,7 +98,12 @@ class DoubleBuffer(Versions):
     def _executor(self, kind: str, microbatches: int, previous: Optional[int] = None) -> Executor:
         key = (kind, microbatches, previous)
         if key not in self._executors:
-            schedule = drain_actions(self.stages, microbatches) if kind == "drain" else step_actions(self.stages, microbatches, previous)
+            ahead = self.ahead
+            schedule = (
+                drain_actions(self.stages, microbatches, ahead)
+                if kind == "drain"
+                else step_actions(self.stages, microbatches, previous, ahead)
+            )
             self._executors[key] = Executor(schedule, self.rank, self.transport, self.prefetch, trace=self.trace)
         return self._executors[key]
 

@@ -1,7 +1,7 @@
 """AvgPipe's elastic averaging: one of N parallel pipelines, joined to the others through the
 stage's reference process.
 
-The pipeline's step runs under its own weight-versions layer (a flushing schedule: the gradients
+The pipeline's step runs under its own weight-versions layer (a flush, or 2BW: the gradients
 are one process's); the user's optimizer then takes its step, unchanged. Around that step the caller calls
 `before_update()` and `after_update()`: the latter turns the step into the local update Δ_n(t),
 sends it to the stage's reference process and pulls the weights towards W_ref

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections import deque
 from datetime import timedelta
 from typing import Any, Iterable, NoReturn, Optional
@@ -33,6 +34,7 @@ from .. import faults
 
 TAG_INIT, TAG_DELTA, TAG_REF = 11, 12, 13
 UPDATE, STOP = 0.0, 1.0  # the first element of a Δ message
+STARTED = "started"  # the store key a reference process sets under its prefix once it runs
 
 
 class ReferenceLost(RuntimeError):
@@ -109,6 +111,8 @@ class ReferenceLink:
             proc = self.proc
             faults.on_end(lambda: proc.poll() is None and proc.kill())  # a job ending on an error takes it along
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        if self.proc is not None:
+            self._await_start(store, prefix)
         try:
             self.group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), index, pipelines + 1, timedelta(seconds=timeout))
         except Exception as err:
@@ -119,6 +123,19 @@ class ReferenceLink:
         self._free_messages: list[Tensor] = []  # buffers reused across steps (see flat_into)
         self._free_references: list[Tensor] = []
         self.pending: deque[tuple[dist.Work, Tensor]] = deque()  # posted receives of W_ref(j), in order
+
+    def _await_start(self, store: dist.Store, prefix: str) -> None:
+        """Until the process we started says it is up: one that exits at once (e.g. cannot import) is
+        reported with its exit code now, not after the group's timeout."""
+        deadline = time.monotonic() + self.timeout
+        while not store.check([prefix + STARTED]):
+            code = self.proc.poll()
+            if code is not None:
+                raise ReferenceLost(f"{self._who()} exited with code {code} while starting (its stderr is above)")
+            if time.monotonic() > deadline:
+                self.close(kill=True)
+                raise ReferenceLost(f"{self._who()} did not start within {self.timeout:g} s")
+            time.sleep(0.05)
 
     def _who(self) -> str:
         pid = f" (pid {self.proc.pid})" if self.proc is not None else ""

@@ -11,6 +11,7 @@ so does any pipeline going away (its connection fails), so it never outlives the
 
 from __future__ import annotations
 
+import os
 import sys
 from datetime import timedelta
 
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import faults
-from .elastic import STOP, TAG_DELTA, TAG_INIT, TAG_REF
+from .elastic import STARTED, STOP, TAG_DELTA, TAG_INIT, TAG_REF
 
 
 def serve(group: dist.ProcessGroup, pipelines: int, numel: int, dtype: torch.dtype) -> int:
@@ -50,6 +51,7 @@ def main(argv: list[str]) -> int:
     seconds = timedelta(seconds=float(timeout))
     torch.set_num_threads(1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=seconds, wait_for_workers=False)
+    store.set(prefix + STARTED, str(os.getpid()))  # the worker that started us waits for this, not for the timeout
     group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), int(pipelines), int(pipelines) + 1, seconds)
     try:
         serve(group, int(pipelines), int(numel), getattr(torch, dtype))

@@ -46,7 +46,7 @@ REGISTRY: dict[str, ScheduleKind] = {
     # AvgPipe's advance forward propagation: advance_num forwards before the first backward (0: K - 1, i.e. 1F1B)
     "advance": ScheduleKind(advance, {"advance_num": 0}, zero_means_default=frozenset({"advance_num"})),
     # PipeDream-2BW: no flush, one update per batch from the previous version (its own weight-versions layer)
-    "2bw": ScheduleKind(pipedream_2bw, versions="2bw"),
+    "2bw": ScheduleKind(pipedream_2bw, {"advance_num": 0}, versions="2bw", zero_means_default=frozenset({"advance_num"})),
 }
 ALIASES = {"flush": "1f1b"}  # PipeDream-Flush is our 1F1B (PipeDream-2BW paper, §3.2)
 AUTO = "auto"  # not a schedule: the strategy and the plan command choose one of REGISTRY

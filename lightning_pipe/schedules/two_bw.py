@@ -21,17 +21,34 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from .actions import Action, Op, PipelineSchedule
+from .advance import advance_bounds, warmups
 from .lowering import lower
 
 NAME = "2bw"
 SHOWN_BATCHES = 3  # the unrolled schedule: the fill, one steady step, and the drain
 
 
-def _continuous_1f1b(stages: int, total: int) -> list[list[tuple[Op, int, int]]]:
+def leads(stages: int, microbatches: int, advance_num: int = 0) -> list[int]:
+    """Forwards each rank keeps ahead of its backwards: 1F1B's p - s - 1 (advance_num 0), or AvgPipe's
+    advance forward propagation (§4.2) run without a flush, as AvgPipe(2BW) does: advance_num on the
+    first stage, advance_num - s downstream, 0 on the last (`schedules.advance.warmups`). At most M
+    ahead, so a step still completes the batch before it and two weight versions suffice."""
+    if not advance_num:
+        return [stages - rank - 1 for rank in range(stages)]
+    low, high = advance_bounds(stages, microbatches)
+    if not low <= advance_num <= high:
+        raise ValueError(
+            f"advance_num={advance_num} is outside [K - 1, M] = [{low}, {high}] for K={stages} stages and "
+            f"M={microbatches} micro-batches ({low}: 2BW's 1F1B order, {high}: all of a batch's forwards first)"
+        )
+    return warmups(stages, microbatches, advance_num)
+
+
+def _continuous_1f1b(stages: int, total: int, ahead_of: Sequence[int]) -> list[list[tuple[Op, int, int]]]:
     """1F1B over `total` micro-batches with no flush anywhere: the order every batch lives in."""
     compute = []
     for rank in range(stages):
-        ahead = min(stages - rank - 1, total)
+        ahead = min(ahead_of[rank], total)
         order = [(Op.FORWARD, rank, i) for i in range(ahead)]
         for i in range(total - ahead):
             order += [(Op.FORWARD, rank, ahead + i), (Op.BACKWARD, rank, i)]
@@ -40,16 +57,17 @@ def _continuous_1f1b(stages: int, total: int) -> list[list[tuple[Op, int, int]]]
     return compute
 
 
-def _step_of(actions: list[Action], batch_of: list[int], drained: int) -> list[int]:
+def _step_of(actions: list[Action], batch_of: list[int], drained: int, paired: bool) -> list[int]:
     """The optimizer step each action runs in: a forward in its batch's step; a backward in the step
     of the forward before it (1F1B pairs stay together), or `drained` in the cool-down after the
-    last pair; a receive with the compute it feeds, a send with the compute that produced it."""
+    last pair (`paired`: the order has pairs at all, i.e. fewer forwards ahead than micro-batches);
+    a receive with the compute it feeds, a send with the compute that produced it."""
     steps, current, previous = [0] * len(actions), -1, None
     last_forward = max((i for i, a in enumerate(actions) if a.op is Op.FORWARD), default=-1)
     for i, a in enumerate(actions):
         if a.op is Op.FORWARD:
             current = batch_of[a.microbatch]
-        elif a.op is Op.BACKWARD and i > last_forward and previous is Op.BACKWARD:
+        elif a.op is Op.BACKWARD and i > last_forward and (previous is Op.BACKWARD or not paired):
             current = drained  # the cool-down: backwards no forward pairs with
         if a.op.is_compute:
             previous = a.op
@@ -60,19 +78,25 @@ def _step_of(actions: list[Action], batch_of: list[int], drained: int) -> list[i
     return steps
 
 
-def _unrolled(stages: int, sizes: Sequence[int]) -> tuple[PipelineSchedule, list[list[int]], list[int]]:
+def _unrolled(stages: int, sizes: Sequence[int], ahead: Sequence[int]) -> tuple[PipelineSchedule, list[list[int]], list[int]]:
     """The lowered continuous order over batches of `sizes` micro-batches (no REDUCE), each
-    action's step (len(sizes) = the drain) and each micro-batch's batch."""
+    action's step (len(sizes) = the drain) and each micro-batch's batch. `ahead` is fixed for the
+    run (not derived from `sizes`), so consecutive steps' slices agree where they meet."""
     batch_of = [b for b, m in enumerate(sizes) for _ in range(m)]
     total = len(batch_of)
-    schedule = lower(NAME, _continuous_1f1b(stages, total), tuple(range(stages)), total)
+    if min(sizes) < max(ahead):
+        raise ValueError(
+            f"a batch of {min(sizes)} micro-batches with {max(ahead)} forwards kept ahead: PipeDream-2BW would need a "
+            "third weight version; use batches of at least advance_num micro-batches (e.g. drop_last=True) or lower advance_num"
+        )
+    schedule = lower(NAME, _continuous_1f1b(stages, total, ahead), tuple(range(stages)), total)
     for rank, actions in enumerate(schedule.actions):
         schedule.actions[rank] = [a for a in actions if a.op is not Op.REDUCE_GRAD]
-    steps = [_step_of(actions, batch_of, len(sizes)) for actions in schedule.actions]
+    steps = [_step_of(actions, batch_of, len(sizes), total > ahead[rank]) for rank, actions in enumerate(schedule.actions)]
     return schedule, steps, batch_of
 
 
-def pipedream_2bw(stages: int, microbatches: int, batches: int = SHOWN_BATCHES) -> PipelineSchedule:
+def pipedream_2bw(stages: int, microbatches: int, batches: int = SHOWN_BATCHES, advance_num: int = 0) -> PipelineSchedule:
     """`batches` optimizer steps of 2BW unrolled, micro-batches numbered over the run. Batch b's
     gradients are reduced (REDUCE with the batch's last micro-batch) where the runtime applies
     them: at the end of step b + 1, or at the end of the drain for the last batch."""
@@ -82,7 +106,7 @@ def pipedream_2bw(stages: int, microbatches: int, batches: int = SHOWN_BATCHES) 
             "(micro-batches per step) to hold no more than two weight versions; raise microbatches or use fewer stages"
         )
     sizes = [microbatches] * batches
-    schedule, steps, _ = _unrolled(stages, sizes)
+    schedule, steps, _ = _unrolled(stages, sizes, leads(stages, microbatches, advance_num))
     ends = [sum(sizes[: b + 1]) - 1 for b in range(batches)]
     for rank, actions in enumerate(schedule.actions):
         out: list[Action] = []
@@ -98,10 +122,10 @@ def pipedream_2bw(stages: int, microbatches: int, batches: int = SHOWN_BATCHES) 
     return schedule
 
 
-def _slice(stages: int, sizes: Sequence[int], step: int, reduce: bool) -> list[list[Action]]:
+def _slice(stages: int, sizes: Sequence[int], step: int, reduce: bool, ahead: Sequence[int]) -> list[list[Action]]:
     """Step `step` of the continuous order over `sizes`, micro-batches renumbered relative to the
     start of batch `step` (so the previous batch's are negative)."""
-    schedule, steps, _ = _unrolled(stages, sizes)
+    schedule, steps, _ = _unrolled(stages, sizes, ahead)
     base = sum(sizes[:step])
     lists = []
     for rank, actions in enumerate(schedule.actions):
@@ -116,17 +140,20 @@ def _renumber(a: Action, base: int) -> Action:
     return Action(a.op, a.chunk, a.microbatch - base if a.microbatch is not None else None, a.peer)
 
 
-def step_actions(stages: int, microbatches: int, previous: Optional[int]) -> PipelineSchedule:
+def step_actions(stages: int, microbatches: int, previous: Optional[int], ahead: Optional[Sequence[int]] = None) -> PipelineSchedule:
     """One optimizer step on a batch of `microbatches`: the fill (`previous` None: nothing in flight)
-    or a steady step after a batch of `previous` micro-batches, whose tail it finishes and reduces."""
+    or a steady step after a batch of `previous` micro-batches, whose tail it finishes and reduces.
+    `ahead`: `leads(...)` of the run (None: 1F1B's)."""
+    ahead = ahead or leads(stages, microbatches)
     if previous is None:
-        lists = _slice(stages, [microbatches], 0, reduce=False)
+        lists = _slice(stages, [microbatches], 0, reduce=False, ahead=ahead)
     else:
-        lists = _slice(stages, [previous, microbatches], 1, reduce=True)
+        lists = _slice(stages, [previous, microbatches], 1, reduce=True, ahead=ahead)
     return PipelineSchedule(f"{NAME}-step", microbatches, tuple(range(stages)), lists, weight_versions=2)
 
 
-def drain_actions(stages: int, microbatches: int) -> PipelineSchedule:
+def drain_actions(stages: int, microbatches: int, ahead: Optional[Sequence[int]] = None) -> PipelineSchedule:
     """The drain after a batch of `microbatches`: its remaining backwards, then its REDUCE."""
-    lists = _slice(stages, [microbatches], 1, reduce=True)  # the drained batch's micro-batches are negative
+    ahead = ahead or leads(stages, microbatches)
+    lists = _slice(stages, [microbatches], 1, reduce=True, ahead=ahead)  # the drained batch's are negative
     return PipelineSchedule(f"{NAME}-drain", microbatches, tuple(range(stages)), lists, weight_versions=2)

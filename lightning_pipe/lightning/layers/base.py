@@ -39,7 +39,7 @@ class Layer:
         """The runner, gradients and steps were (re)built over the current cut."""
 
     def optimizer_step(self, step: Callable[[], Any]) -> Any:
-        """Around Lightning's optimizer step."""
+        """Around every update of the weights (Lightning's optimizer step, or a drain's update)."""
         return step()
 
     def showing_model(self) -> ContextManager[None]:
@@ -84,6 +84,10 @@ class VersionsLayer(Layer, ABC):
     def make_runner(self, settings: dict[str, Any]) -> Versions:
         """The runner over the current cut (`settings`: spec, stages, microbatches, rank, transport, ...)."""
 
+    def update_due(self) -> bool:
+        """Asked before Lightning's optimizer step: whether it will apply an update (a flush: always)."""
+        return True
+
     def drain(self) -> None:
         self.training.runner.drain()
 
@@ -96,6 +100,11 @@ class ReplicasLayer(Layer):
     """Replicas of the pipeline: whether REDUCE averages gradients across them."""
 
     averages_gradients: bool = False
+
+    def own_extras(self, extras: dict[int, dict[str, Any]], checkpoint: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        """Resume: the per-parameter extras of this replica's model, by parameter id (`extras`: the ones
+        a checkpoint stores beside its model; the same for every replica unless they train apart)."""
+        return extras
 
 
 class PartitionLayer(Layer, ABC):

@@ -134,7 +134,15 @@ class Training:
 
     # ---- a step -----------------------------------------------------------------------------------
     def optimizer_step(self, step: Callable[[], Any]) -> Any:
-        for layer in reversed(self.layers):  # the first layer's wrapper outermost
+        """Lightning's optimizer step: an update through every layer, or (2BW's fill: nothing is
+        complete yet) Lightning's step alone, which runs the batch and finds no gradient."""
+        return self.update(step) if self.versions.update_due() else step()
+
+    def update(self, step: Callable[[], Any]) -> Any:
+        """One update of the weights, wrapped by every layer (the first layer's wrapper outermost):
+        Lightning's optimizer step, or the update a drain applies (2BW), so e.g. AvgPipe's elastic
+        pull follows every update whichever path applies it."""
+        for layer in reversed(self.layers):
             step = _wrapped(layer, step)
         return step()
 
@@ -212,7 +220,7 @@ class Training:
 
     def load(self, checkpoint: dict[str, Any]) -> None:
         """The optimizers' states, then every layer's."""
-        extras = full_checkpoint.load_optimizer_states(self.ctx, checkpoint)
+        extras = self.replicas.own_extras(full_checkpoint.load_optimizer_states(self.ctx, checkpoint), checkpoint)
         states = checkpoint.get("optimizer_states") or [{}]
         run = decode_run(states[0])
         for layer in self.layers:

@@ -65,8 +65,16 @@ class DoubleBufferLayer(VersionsLayer):
 
     def make_runner(self, settings: dict[str, Any]) -> Versions:
         # a drain's update is Lightning's optimizer step (clipping, the user's optimizer), then the deferred schedulers
-        self.buffer = DoubleBuffer(**settings, module=self.ctx.cut.stage, apply=lambda: (self._apply_update(), self._catch_up()))
+        self.buffer = DoubleBuffer(**settings, module=self.ctx.cut.stage, apply=self._drain_update)
         return self.buffer
+
+    def update_due(self) -> bool:
+        """The step completes the batch in flight (none after a (re)start or a drain: the fill)."""
+        return bool(self.buffer.in_flight)
+
+    def _drain_update(self) -> None:
+        """A drain's update passes every layer's hooks, as Lightning's optimizer step does."""
+        self.training.update(lambda: (self._apply_update(), self._catch_up()))
 
     def start(self) -> None:
         """LR schedulers step after the update they follow (read the runner each time: a switch rebuilds it)."""

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ...layers import ElasticAveraging
 from ...runtime.elastic import ReferenceLink
 from ..checkpoint.full import load_named_state, parameter_names
-from ..checkpoint.keys import ALIASES, decode_parameter
+from ..checkpoint.keys import ALIASES, decode_parameter, encode_parameter
 from .base import ReplicasLayer
 
 _links = itertools.count()  # every rank creates its links in the same order: a common store prefix per fit
@@ -101,7 +101,15 @@ class ElasticReplicas(ReplicasLayer):
         """Per stored name: every pipeline's weight and optimizer state, and the pending references.
         Collective over the stage's pipelines (each sends its own to pipeline 0)."""
         elastic, topo = self.elastic, self.ctx.topology
-        own = {stored[id(p)]: {"weight": p.detach().cpu().clone(), "state": _cpu(state.get(stored[id(p)], {}))} for p in elastic.params}
+        versions = self.training.versions.parameter_state(stored, state)  # e.g. 2BW's stash: each pipeline has its own
+        own = {
+            stored[id(p)]: {
+                "weight": p.detach().cpu().clone(),
+                "state": _cpu(state.get(stored[id(p)], {})),
+                "extras": encode_parameter(versions.get(stored[id(p)], {})),
+            }
+            for p in elastic.params
+        }
         parts: list[Any] = [None] * topo.width
         if topo.width > 1:
             dist.all_gather_object(parts, own, group=self.ctx.groups.stage)
@@ -117,6 +125,20 @@ class ElasticReplicas(ReplicasLayer):
                 "refs": {j: ref[offset : offset + n].view_as(p).detach().cpu().clone() for j, ref in pending.items()},
             }
             offset += n
+        return out
+
+    def own_extras(self, extras: dict[int, dict[str, Any]], checkpoint: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        """This pipeline's per-parameter extras (e.g. its 2BW stash) from its "pipelines" entry."""
+        names, index = parameter_names(self.ctx.module), self.ctx.replica_index
+        out = {pid: dict(e) for pid, e in extras.items()}
+        for named in checkpoint.get("optimizer_states") or []:
+            aliases, entries = named.get(ALIASES, {}), named.get("state", {})
+            for p in self.ctx.module.parameters():
+                if id(p) not in names:
+                    continue
+                entry = decode_parameter(entries.get(aliases.get(names[id(p)][0], names[id(p)][0]), {}))
+                if "pipelines" in entry and len(entry["pipelines"]) > index:
+                    out.setdefault(id(p), {}).update(decode_parameter(entry["pipelines"][index].get("extras", {})))
         return out
 
     def load(self, run: dict[str, Any], extras: dict[int, dict[str, Any]], checkpoint: dict[str, Any]) -> None:
