@@ -243,18 +243,6 @@ class PipelineConfig:
             raise SettingError(f"adaptive_gain={self.adaptive_gain!r}: a fraction in [0, 1), e.g. 0.05 for 5%", "adaptive_gain")
         for name in ("adaptive_interval", "adaptive_window"):
             check_count(name, getattr(self, name))
-        if self.adaptive and self.pipelines is not None:
-            raise SettingError(
-                "adaptive=True with pipelines (AvgPipe): re-partitioning moves blocks inside one pipeline; AvgPipe's reference "
-                "processes hold a fixed partition. Use adaptive with width=1 and a synchronous schedule or 2bw",
-                "adaptive",
-            )
-        if self.adaptive and self.width > 1:
-            raise SettingError(
-                f"adaptive=True with width={self.width}: not built yet for replicated pipelines (every replica would have to "
-                "switch alike); use width=1",
-                "adaptive",
-            )
 
     def _check_avgpipe(self) -> None:
         if self.pipelines is None:

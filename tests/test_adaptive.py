@@ -17,7 +17,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from models import max_rel_diff, trainer_kwargs
+from models import EpochPerm, max_rel_diff, trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import AutoPipeStrategy
@@ -132,6 +132,26 @@ def test_forced_switches_keep_single_process_weights(name):
             assert held == [b for c, (lo, hi) in enumerate(bounds) if chunk_rank[c] == rank for b in range(lo, hi)]
 
 
+def test_replicas_switch_alike_and_keep_single_process_weights():
+    # width 2 x depth 2: both replicas move the same boundary at the same iterations; replica r reads
+    # perm[r::2] (Lightning's DistributedSampler), so a step of both is the one-process batch of 8
+    plan, partition, steps = {2: [[0, 2], [2, 6]], 4: [[0, 4], [4, 6]]}, [3, 3], 6
+    data = gpt_data().dataset
+    ref = make()
+    L.Trainer(devices=1, **trainer_kwargs(max_steps=steps)).fit(ref, DataLoader(data, batch_size=8, sampler=EpochPerm(len(data))))
+    model = make()
+    strategy = AutoPipeStrategy(microbatches=2, partition=partition, width=2, start_method="spawn")
+    trainer = L.Trainer(devices=4, strategy=strategy, callbacks=[SwitchAt(plan)], **trainer_kwargs(max_steps=steps))
+    trainer.fit(model, DataLoader(data, batch_size=4))
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    expected = partitions_over_time(plan, partition, steps, 1)
+    for rank in range(4):
+        seen = json.loads(Path(f"held-{rank}.json").read_text())
+        assert [bounds for bounds, _ in seen] == expected
+        for bounds, held in seen:
+            assert held == list(range(*bounds[rank % 2]))
+
+
 # ---- resume after a switch -----------------------------------------------------------------------
 def fit_with_checkpoints(folder, plan, resume=None, steps=8):
     model = make()
@@ -186,10 +206,7 @@ def test_adaptive_settings_are_checked_by_hydra_and_the_config():
     assert (config.adaptive, config.adaptive_gain, config.adaptive_interval) == ("rule", 0.1, 7)  # true means the rule
     with pytest.raises(SettingError, match=r"adaptive_gain=1.5: a fraction in \[0, 1\)"):
         PipelineConfig(adaptive=True, adaptive_gain=1.5)
-    with pytest.raises(SettingError, match="adaptive=True with pipelines"):
-        PipelineConfig(adaptive=True, pipelines=2)
-    with pytest.raises(SettingError, match="adaptive=True with width=2"):
-        PipelineConfig(adaptive=True, width=2)
+    assert PipelineConfig(adaptive=True, pipelines=2).adaptive == PipelineConfig(adaptive=True, width=2).adaptive == "rule"
 
 
 # ---- the monitor and the rule, end to end, with one rank slowed ----------------------------------
@@ -211,31 +228,33 @@ class Emulated(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-2)
 
 
-def emulated_data():
+def emulated_data(batch_size: int = 8, sampler=None):
     g = torch.Generator().manual_seed(5)
     x = torch.randn(8 * 40, 8, generator=g, dtype=torch.float64)
-    return DataLoader(TensorDataset(x, torch.tanh(x.flip(1))), batch_size=8)
+    return DataLoader(TensorDataset(x, torch.tanh(x.flip(1))), batch_size=batch_size, sampler=sampler)
 
 
-def emulated_reference_and_model(steps: int = 30):
-    """`Emulated` trained `steps` steps in one process (fp64), and a fresh copy for the pipeline."""
+def emulated_reference_and_model(steps: int = 30, width: int = 1):
+    """`Emulated` trained `steps` steps in one process (fp64) on the batches `width` replicas see
+    together, and a fresh copy for the pipeline."""
     torch.set_default_dtype(torch.float64)
     try:
         ref = Emulated()
-        L.Trainer(devices=1, **trainer_kwargs(max_steps=steps)).fit(ref, emulated_data())
+        data = emulated_data(sampler=EpochPerm(8 * 40) if width > 1 else None)
+        L.Trainer(devices=1, **trainer_kwargs(max_steps=steps)).fit(ref, data)
         return ref, Emulated()
     finally:
         torch.set_default_dtype(torch.float32)
 
 
 class SlowRankOne(Callback):
-    """Rank 1's device gets 3x slower from iteration 6; records the monitor's view and the partitions."""
+    """Stage 1 of the last replica gets 3x slower from iteration 6; records the monitor's view and the partitions."""
 
-    def __init__(self):
-        self.seen = []
+    def __init__(self, slowed: int = 1):
+        self.seen, self.slowed = [], slowed
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.fit_loop.total_batch_idx == 6 and trainer.global_rank == 1:
+        if trainer.fit_loop.total_batch_idx == 6 and trainer.global_rank == self.slowed:
             set_slowdown(3.0)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -255,17 +274,22 @@ class SlowRankOne(Callback):
         Path(f"monitor-{trainer.global_rank}.json").write_text(json.dumps(self.seen))
 
 
-def test_adaptive_moves_blocks_off_a_slowed_rank_and_stays_exact(tmp_path):
-    ref, model = emulated_reference_and_model()
+@pytest.mark.parametrize("width", [1, 2])
+def test_adaptive_moves_blocks_off_a_slowed_rank_and_stays_exact(tmp_path, width):
+    # width 2: only the second replica's stage 1 slows; the decision is taken on the slowest replica's
+    # metrics, so every replica moves the same boundary at the same iteration
+    ref, model = emulated_reference_and_model(width=width)
     strategy = AutoPipeStrategy(
-        microbatches=4, partition="uniform", adaptive=True, adaptive_window=3, adaptive_interval=5, start_method="spawn"
+        microbatches=4, partition="uniform", adaptive=True, adaptive_window=3, adaptive_interval=5, start_method="spawn", width=width
     )
     logger = CSVLogger(tmp_path, name="log")
-    trainer = L.Trainer(devices=2, strategy=strategy, callbacks=[SlowRankOne()], **trainer_kwargs(max_steps=30, logger=logger))
-    trainer.fit(model, emulated_data())
+    callbacks = [SlowRankOne(slowed=2 * width - 1)]
+    trainer = L.Trainer(devices=2 * width, strategy=strategy, callbacks=callbacks, **trainer_kwargs(max_steps=30, logger=logger))
+    trainer.fit(model, emulated_data(batch_size=8 // width))
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
     seen = json.loads(Path("monitor-0.json").read_text())
-    assert seen == json.loads(Path("monitor-1.json").read_text()), "every rank sees the same metrics and partitions"
+    for rank in range(1, 2 * width):
+        assert seen == json.loads(Path(f"monitor-{rank}.json").read_text()), "every rank sees the same metrics and partitions"
     assert seen[0]["bounds"] == [[0, 4], [4, 8]] and seen[3]["switches"] == 0, "nothing to gain while the ranks are equal"
     assert seen[0]["slowdown"] is None and [s["measured"] for s in seen[1:]] == list(range(29))
     assert 0.7 < seen[5]["slowdown"][1] / seen[5]["slowdown"][0] < 1.4

@@ -35,7 +35,9 @@ def test_table_markdown_alignment_and_row_width():
 
 def test_bench_quick_json_and_markdown(tmp_path, capsys):
     bench = Bench("demo.\n\nmore", quick={"sizes": [1]}, rounds=3, steps=20, warmup=5, retries=2, quiet_wait=10.0)
-    bench.parser.add_argument("--sizes", default=[1, 2, 3])
+    bench.options(sizes=[1, 2, 3], rate=(0.5, "a float"), name=None, flag=False)
+    assert bench.parse(["--sizes", "4,5", "--rate", "2", "--flag"], header=False).sizes == [4, 5]
+    assert (bench.args.rate, bench.args.name, bench.args.flag) == (2.0, None, True)
     out, md = tmp_path / "r.json", tmp_path / "r.md"
     args = bench.parse(["--quick", "--json", str(out), "--markdown", str(md)])
     assert (args.rounds, args.steps, args.warmup, args.retries, args.quiet_wait, args.sizes) == (1, 2, 1, 0, 0.0, [1])

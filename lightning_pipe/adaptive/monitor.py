@@ -145,7 +145,12 @@ class _Layout:
 
 
 class Monitor:
-    """Gathers each iteration's metrics on every rank of one pipeline; keeps the last `window`."""
+    """Gathers each iteration's metrics on every rank of one pipeline; keeps the last `window`.
+
+    With `replicas` > 1 pipelines side by side (width, or AvgPipe's N), global rank r being stage
+    r mod ranks of replica r div ranks, the gather spans the whole job and every rank keeps the
+    slowest replica's metrics, so every replica takes the same decisions (ours: AutoPipe-RL has one
+    pipeline)."""
 
     def __init__(
         self,
@@ -156,9 +161,10 @@ class Monitor:
         device: torch.device,
         to_global: Callable[[int], int],
         window: int = 5,
+        replicas: int = 1,
     ):
         self.static, self.rank, self.ranks, self.group, self.device = static, rank, ranks, group, device
-        self.to_global = to_global
+        self.to_global, self.replicas = to_global, replicas
         self.meter = StepMeter(device)
         self.history: deque[IterationMetrics] = deque(maxlen=window)
         self.latest: Optional[IterationMetrics] = None
@@ -186,10 +192,11 @@ class Monitor:
             layout = self._layouts[id(schedule)] = _Layout(schedule)
         metrics = self._collect()
         mine = layout.vector(self.rank, self.meter, times, self.offset)
-        if self.ranks > 1:
+        if self.ranks * self.replicas > 1:
             local = torch.tensor(mine, dtype=torch.float64, device=self.device)
-            parts = [torch.empty_like(local) for _ in range(self.ranks)]
-            work = dist.all_gather(parts, local, group=self.group, async_op=True)
+            parts = [torch.empty_like(local) for _ in range(self.ranks * self.replicas)]
+            group = self.group if self.replicas == 1 else None  # replicas: the whole job (the default group)
+            work = dist.all_gather(parts, local, group=group, async_op=True)
             self._inflight = (work, parts, layout, step, microbatches, tuple(bounds), tuple(chunk_rank))
         else:
             self._inflight = (None, [mine], layout, step, microbatches, tuple(bounds), tuple(chunk_rank))
@@ -207,7 +214,11 @@ class Monitor:
             rows = torch.stack(parts).cpu().tolist()
         else:
             rows = parts
-        metrics = _derive(layout, rows, step, microbatches, bounds, chunk_rank)
+        n = self.ranks
+        replicas = [_derive(layout, rows[r * n : (r + 1) * n], step, microbatches, bounds, chunk_rank) for r in range(len(rows) // n)]
+        # the slowest replica: the one with the slowest rank's compute (walls tell little: replicas that
+        # reduce gradients together wait for each other); the first of equals
+        metrics = max(replicas, key=lambda m: max(f + b for f, b in zip(m.forward_s, m.backward_s)))
         self.latest = metrics
         self.history.append(metrics)
         return metrics

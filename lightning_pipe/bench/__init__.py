@@ -2,7 +2,7 @@
 
 - `lightning_pipe.bench.mlp`: the balanced residual MLP of bench_runtime.py and bench_waves.py
   (model, data, stage cut, loss, the one-process run, weight comparison, samples/s summary);
-- `lightning_pipe.bench.gpt`: the small GPT of bench_simulator.py and bench_autopipe_speedup.py
+- `lightning_pipe.bench.gpt`: the small GPT of bench_simulator.py (and its --speedup)
   (model, batch, loss, block kinds, the profile of all blocks with the loss, common CLI options);
 - `lightning_pipe.bench.simulator_report`: bench_simulator.py's analysis, tables and pictures,
   from the measurements it saved (``--raw``).

@@ -1,10 +1,12 @@
-"""Training runs through the CLI (``python -m lightning_pipe.train``) and their logged losses: what
-bench_convergence.py's experiments share."""
+"""Training runs through the CLI (``python -m lightning_pipe.train``): their logged losses (what
+bench_convergence.py's experiments share) and one command run on a quiet machine with its process
+tree's CPU accounted (`run_command`: bench_tuner.py, bench_advance.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import fcntl
 import glob
 import os
 import shutil
@@ -12,7 +14,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from .launch import CpuClock, foreign_load, own_seconds, proc_stat, wait_for_quiet
+from .rss import tree
 
 Points = list[tuple[int, float]]
 
@@ -136,3 +143,62 @@ def run_folder(prefix: str, keep: bool, reuse: str | None = None) -> Iterator[st
     finally:
         if not (keep or reuse):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_command(
+    cmd: list[str],
+    folder: Path,
+    timeout: float,
+    label: str = "command",
+    retries: int = 0,
+    max_foreign: float = 0.1,
+    quiet_wait: float = 0.0,
+    patient: bool = True,
+    lock: str | None = None,
+    env: dict | None = None,
+    check: bool = True,
+    poll: float = 2.0,
+    patterns: Sequence[str] = (),
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """``cmd`` in a fresh ``folder`` (its working directory; the output in folder/command.log) after
+    waiting for a quiet machine (`wait_for_quiet`), holding ``lock`` (a file, locked as `flock` does)
+    if given; killed after ``timeout`` s; repeated (at most ``retries`` times) while other processes
+    used more than ``max_foreign`` CPUs, as `run_undisturbed`. The process tree's CPU is polled
+    (Lightning's workers are not always waited for, so getrusage alone can miss them). ``check``: a
+    non-zero exit raises with its last ``error:`` line. Returns the last attempt's wall, foreign load,
+    CPU seconds, returncode and output, and every attempt's figures."""
+    attempts = []
+    for _ in range(retries + 1):
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        with open(lock or os.devnull, "a") as held, open(folder / "command.log", "w") as out:
+            if lock:
+                fcntl.flock(held, fcntl.LOCK_EX)  # released when closed
+            if patient:
+                wait_for_quiet(quiet_wait, max_foreign, poll=poll, patterns=patterns, log=log)
+            out.write(" ".join(cmd) + "\n\n")
+            out.flush()
+            start, mine, t0, seen = CpuClock.now(children=True), own_seconds(), time.perf_counter(), {}
+            proc = subprocess.Popen(cmd, cwd=folder, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT)
+            try:  # the tree's CPU every 0.2 s, keyed by (pid, start time), until it exits
+                while proc.poll() is None and time.perf_counter() - t0 < timeout:
+                    tree_cpu = {(pid, st[1]): st[2] for pid in tree(proc.pid) if (st := proc_stat(pid)) is not None}
+                    seen |= {key: max(cpu, seen.get(key, 0.0)) for key, cpu in tree_cpu.items()}
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=0.2)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            wall, end = time.perf_counter() - t0, CpuClock.now(children=True)
+        output = (folder / "command.log").read_text()
+        if check and proc.returncode != 0:
+            said = [line for line in output.splitlines() if line.startswith("error:")] or output.splitlines() or ["?"]
+            raise RuntimeError(f"{label}: exit code {proc.returncode}: {said[-1]} (log: {folder})")
+        own = max(end.own - start.own, sum(seen.values()) + own_seconds() - mine)
+        attempts.append({"wall": wall, "foreign": foreign_load(start, end, own=own), "cpu": own})
+        if attempts[-1]["foreign"] <= max_foreign or not patient:
+            break
+        log(f"  {label} disturbed: other processes used {attempts[-1]['foreign']:.2f} CPUs")
+    return {**attempts[-1], "attempts": attempts, "returncode": proc.returncode, "output": output}

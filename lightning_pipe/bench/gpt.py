@@ -1,4 +1,4 @@
-"""The small GPT of bench_simulator.py, bench_autopipe_speedup.py and bench_advance.py, their common options,
+"""The small GPT of bench_simulator.py (and its --speedup) and bench_advance.py, their common options,
 the profile of its blocks with the loss (`gather_profile`) and the tied weights' all-reduce (`tied_allreduce`).
 
 ``args`` is a benchmark's parsed command line: vocab, layers, heads, hidden, seq, mbs (micro-batch
@@ -95,7 +95,7 @@ def segment(run, rank: int, world: int, args: Any, log) -> tuple[Any, float]:
     return quiet_segment(run, rank, world, retries=args.retries, max_foreign=args.max_foreign, quiet_wait=args.quiet_wait, log=log)
 
 
-# ---- the profile of every block and the loss (bench_autopipe_speedup, bench_advance) ----------------
+# ---- the profile of every block and the loss (bench_simulator --speedup, bench_advance) ----------------
 class LossBlock(nn.Module):
     """The last stage's loss as a block, so the profile times it too: SequentialHost runs the loss
     function after the last block, inside the last stage's forward, and backward starts from it."""

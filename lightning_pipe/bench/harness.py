@@ -8,8 +8,9 @@
 - `pyplot` / `save_figure`: matplotlib without a display, a figure written where asked;
 - `Bench`: one run of a benchmark: the common options (rounds, steps, warm-up, ``--quick``,
   ``--json``, ``--markdown`` and, for scripts that launch jobs, the quiet-machine options), the
-  provenance header, `Bench.run` (`run_undisturbed` with those options), and at the end the JSON of
-  raw results and the markdown of everything it printed.
+  script's own (`Bench.options`), threads pinned, the provenance header, `Bench.run`
+  (`run_undisturbed` with those options), and at the end the JSON of raw results and the markdown of
+  everything it printed.
 """
 
 from __future__ import annotations
@@ -148,13 +149,16 @@ class Bench:
     """One run of a benchmark script.
 
     ``Bench(__doc__, rounds=3, steps=20, ...)`` offers the common options whose defaults it is
-    given (``--rounds`` is also ``--repeats``); ``bench.parser`` takes the script's own. `parse`
+    given (``--rounds`` is also ``--repeats``); `options` (or ``bench.parser``) takes the script's
+    own; ``threads``: `pin_threads` now, before any worker starts. `parse`
     applies ``--quick`` (the `QUICK` values of the common options, then the script's ``quick``
     overrides) and prints the provenance header. Everything printed with `say` / `table` is
     recorded (and what is printed inside `recording`); `keep` stores raw results; `finish` writes ``--json`` and ``--markdown``.
     """
 
-    def __init__(self, doc: str | None, quick: dict[str, Any] | None = None, **defaults: Any):
+    def __init__(self, doc: str | None, quick: dict[str, Any] | None = None, threads: int | None = None, **defaults: Any):
+        if threads:
+            pin_threads(threads)
         unknown = set(defaults) - set(_OPTIONS) - {"pin"}
         if unknown:
             raise ValueError(f"no common options {sorted(unknown)}; the script adds its own to bench.parser")
@@ -180,6 +184,19 @@ class Bench:
         self.name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "bench"
 
     # ---- options and header ----
+    def options(self, **specs: Any) -> None:
+        """The script's options, ``name=default`` or ``name=(default, help)``, typed by the default:
+        a list is comma-separated (`ints`, `floats`, `names`), False a flag, None a string."""
+        for name, spec in specs.items():
+            default, text = spec if isinstance(spec, tuple) else (spec, None)
+            flag = "--" + name.replace("_", "-")
+            if default is False:
+                self.parser.add_argument(flag, action="store_true", help=text)
+                continue
+            kind = type(default[0] if isinstance(default, list) and default else default)
+            kind = {int: ints, float: floats}.get(kind, names) if isinstance(default, list) else str if default is None else kind
+            self.parser.add_argument(flag, type=kind, default=default, help=text)
+
     def parse(self, argv: Sequence[str] | None = None, header: bool = True) -> argparse.Namespace:
         args = self.parser.parse_args(argv)
         if args.quick:

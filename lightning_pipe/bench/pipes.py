@@ -1,5 +1,5 @@
 """Pieces of the pipeline benchmarks that measure our runtime on real processes and simulate it
-(bench_2bw, bench_avgpipe, bench_waves, bench_advance, bench_autopipe_speedup): the emulated device
+(bench_2bw, bench_avgpipe, bench_waves, bench_advance, bench_simulator --speedup): the emulated device
 that sleeps, the link and block profile as the simulator gets them, the clocks around the executor,
 timed training steps and their spans over the ranks."""
 

@@ -1,6 +1,6 @@
 """One ``Trainer.fit`` on 2 CPU processes (forked by the strategy), timed by a Callback on every rank:
 rank r pinned to core r, each step's end stamped, the foreign load over the setup and over the timed
-steps; repeated while other processes disturbed it (bench_planner_2bw.py, bench_auto.py); a stage of a
+steps; repeated while other processes disturbed it (bench_pick.py); a stage of a
 SequentialPipeline (`stage_pipeline`); Lightning's logs and warnings quieted (`quiet_lightning`)."""
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ def undisturbed(fit: Callable[[int], dict], args: Any, patient: bool, setup_coun
 
 def stage_pipeline(model: Any, bounds: Any, rank: int, world: int, microbatches: int, loss: Callable, schedule: str = "1f1b"):
     """This rank's stage of ``model`` (an ``nn.Sequential``) cut at ``bounds``, its blocks keyed as in
-    the whole model, and a SequentialPipeline over gloo running it (bench_simulator.py,
-    bench_autopipe_speedup.py, bench_runtime.py)."""
+    the whole model, and a SequentialPipeline over gloo running it (bench_simulator.py
+    with and without --speedup, bench_runtime.py)."""
     from lightning_pipe.runtime.p2p import Transport
     from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
     from lightning_pipe.schedules import build_schedule

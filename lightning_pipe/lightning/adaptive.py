@@ -101,7 +101,14 @@ class Adaptive:
             topo = ctx.topology
             static = StaticMetrics.from_profile(profile)
             self.monitor = Monitor(
-                static, ctx.stage_index, topo.depth, ctx.pipeline_group, ctx.device, ctx.pipeline_rank, window=config.adaptive_window
+                static,
+                ctx.stage_index,
+                topo.depth,
+                ctx.pipeline_group,
+                ctx.device,
+                ctx.pipeline_rank,
+                window=config.adaptive_window,
+                replicas=topo.width,
             )
             self.scorer = scorer or SimulatorScorer(static, costs)
             if self.kind == "learned":
@@ -109,7 +116,10 @@ class Adaptive:
                 self.decider = LearnedDecider(load_learned(folder, topo.depth), static, config.schedule, config.microbatches)
                 self.offline = copy.deepcopy(self.decider.learned.predictor)  # before online adaptation, for evaluation
                 self.scorer = self.decider.scorer
-            self.root = ctx.pipeline_rank(0)  # pipeline rank 0: the learned decision is taken there
+            # the learned decision is taken on one rank (pipeline rank 0; with replicas, the first
+            # replica's) and sent to every rank that switches: the pipeline, or the whole job
+            self.root = ctx.pipeline_rank(0) if topo.width == 1 else 0
+            self.verdict_group = ctx.groups.pipeline if topo.width == 1 else None
 
     # ---- per step -----------------------------------------------------------------------------
     def begin_step(self, transport: Any) -> None:
@@ -183,8 +193,8 @@ class Adaptive:
                         "scores": [[[list(x) for x in b], t, t0] for (b, t), t0 in zip(verdict.scores, before)],
                     }
                 )
-        if ctx.depth > 1:
-            dist.broadcast_object_list(box, self.root, group=ctx.groups.pipeline)
+        if ctx.topology.world_size > 1:
+            dist.broadcast_object_list(box, self.root, group=self.verdict_group)
         verdict = box[0]
         if verdict is not None and verdict["switch"]:
             now, best = verdict["now"], verdict["best_s"]

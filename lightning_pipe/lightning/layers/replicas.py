@@ -28,6 +28,7 @@ from ..checkpoint.full import load_named_state, parameter_names
 from ..checkpoint.keys import ALIASES, decode_parameter, encode_parameter
 from .base import ReplicasLayer
 
+REF = "ref"  # a moved parameter's W_ref(j) slice travels as extra "ref<j>"
 _links = itertools.count()  # every rank creates its links in the same order: a common store prefix per fit
 
 
@@ -49,6 +50,7 @@ class ElasticReplicas(ReplicasLayer):
     def __init__(self, *args: Any):
         super().__init__(*args)
         self.elastic: Optional[ElasticAveraging] = None
+        self._carried: Optional[tuple[int, dict[int, dict[int, torch.Tensor]]]] = None  # (t, W_ref slices) across a switch
 
     def on_runtime(self) -> None:
         if self.elastic is None:  # once per fit; its reference process starts on first use (after a resume loads)
@@ -92,6 +94,36 @@ class ElasticReplicas(ReplicasLayer):
         """Stop the reference process: by message after a finished run, by SIGKILL after a failure."""
         if self.elastic is not None:
             self.elastic.close(graceful=graceful)
+
+    # ---- a live switch: the reference re-partitions with the pipelines ---------------------------
+    def switch_extras(self) -> Optional[Callable[[torch.nn.Parameter], dict[str, Any]]]:
+        """Every W_ref(j) the coming pulls need (j = t - s .. t), cut per parameter: each slice moves
+        with its parameter. The stage's reference process stops; a new one starts over the new stage."""
+        elastic = self.elastic
+        elastic.drain()
+        refs = {j: v for j, v in elastic.refs.items() if j >= elastic.iteration - elastic.staleness}
+        slices: dict[int, dict[int, torch.Tensor]] = {}
+        offset = 0
+        for p in elastic.params:
+            slices[id(p)] = {j: ref[offset : offset + p.numel()].view_as(p).detach().clone() for j, ref in refs.items()}
+            offset += p.numel()
+        self._carried = (elastic.iteration, slices)
+        elastic.close(graceful=True)
+        return lambda p: {f"{REF}{j}": v for j, v in slices.get(id(p), {}).items()}
+
+    def after_switch(self, received: dict[int, dict[str, Any]]) -> None:
+        iteration, slices = self._carried
+        self._carried = None
+        for pid, extra in received.items():
+            refs = {int(k[len(REF) :]): v for k, v in extra.items() if k.startswith(REF)}
+            if refs:
+                slices[pid] = refs
+        self.elastic = None
+        self.on_runtime()  # over the new stage, with a new reference process (started on first use)
+        params = self.elastic.params
+        whole = lambda j: torch.cat([slices[id(p)][j].reshape(-1) for p in params]) if params else torch.zeros(0)  # noqa: E731
+        versions = sorted(slices[id(params[0])]) if params else [iteration]
+        self.elastic.load_state(iteration, whole(iteration), {j: whole(j) for j in versions if j < iteration})
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def run_state(self) -> dict[str, Any]:
