@@ -1,10 +1,9 @@
 """PipeDream-2BW vs PipeDream-Flush (1F1B) vs GPipe vs one process: samples/s, measured and simulated.
 
-Part ``real``: bench_runtime's residual MLP (lightning_pipe.bench.mlp) on 2 gloo processes at
-m = 2 and 8; part ``emulated``: d = 2, 4, 8 processes of sleeping stages (SleepBlock) at m = d, 4d.
-Per mode: samples/s, the simulator's step on the profiled costs, final weights against one process
-(2BW: against the 2BW rule), per-rank traces and one step's timeline. Feeds docs/benchmarks_2bw.md
-(method and results there).
+``real``: the residual MLP (lightning_pipe.bench.mlp) on 2 gloo processes at m = 2 and 8; ``emulated``:
+d = 2, 4, 8 processes of sleeping stages at m = d, 4d. Per mode: samples/s, the simulator's step on the
+profiled costs, weight updates against one process (2BW: against the 2BW rule), per-rank traces and
+one step's timeline. Feeds docs/benchmarks_2bw.md (method and results there).
 
     python benchmarks/bench_2bw.py
     python benchmarks/bench_2bw.py --part emulated --depths 2,4 --tf 8
@@ -17,24 +16,21 @@ import copy
 import statistics
 import time
 
-from lightning_pipe.bench.harness import Bench, Table, ints, ms, pin_threads
+import torch
+import torch.distributed as dist
+from torch import nn
 
-pin_threads(1)
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-
-from lightning_pipe.bench import pipes  # noqa: E402
-from lightning_pipe.bench.launch import timed_steps  # noqa: E402
-from lightning_pipe.bench.mlp import loss_fn, make_data, make_model, single_job, summarize  # noqa: E402
-from lightning_pipe.bench.pipes import Clock, equal_bounds, sleep_model  # noqa: E402
-from lightning_pipe.layers import DoubleBuffer, Flush  # noqa: E402
-from lightning_pipe.runtime.p2p import Transport  # noqa: E402
-from lightning_pipe.runtime.sequential import SequentialHost  # noqa: E402
-from lightning_pipe.schedules import ScheduleSpec, build_schedule  # noqa: E402
-from lightning_pipe.schedules.two_bw import pipedream_2bw  # noqa: E402
-from lightning_pipe.simulation import CostModel, chunk_costs, simulate  # noqa: E402
+from lightning_pipe.bench import pipes
+from lightning_pipe.bench.harness import Bench, Table, ms
+from lightning_pipe.bench.launch import timed_steps
+from lightning_pipe.bench.mlp import loss_fn, make_data, make_model, single_job, summarize
+from lightning_pipe.bench.pipes import Clock, equal_bounds, sleep_model
+from lightning_pipe.layers import DoubleBuffer, Flush
+from lightning_pipe.runtime.p2p import Transport
+from lightning_pipe.runtime.sequential import SequentialHost
+from lightning_pipe.schedules import ScheduleSpec, build_schedule
+from lightning_pipe.schedules.two_bw import pipedream_2bw
+from lightning_pipe.simulation import CostModel, chunk_costs, simulate
 
 SCHEDULES = ["gpipe", "1f1b", "2bw"]
 
@@ -46,7 +42,6 @@ def model_of(cfg: dict, sleep: bool = True) -> nn.Sequential:
     return sleep_model(cfg["depth"], cfg["hidden"], *((cfg["t_f"], cfg["t_b"]) if sleep else (0.0, 0.0)))
 
 
-# ---- workers -------------------------------------------------------------------------------------
 def _pipeline(rank: int, world: int, cfg: dict, name: str) -> dict:
     """Train `cfg`'s model with schedule `name` on `world` ranks (an equal share of the blocks per
     rank); per-step traces; 2BW's drain timed."""
@@ -102,7 +97,6 @@ def job(rank: int, world: int, mode: str, cfg: dict) -> dict:
     return _pipeline(rank, world, cfg, mode)
 
 
-# ---- the parent: references, simulation -----------------------------------------------------------
 def reference(cfg: dict, rule: str) -> dict:
     """The final weights of the run's steps on one process (no sleeping): plain SGD ("sgd"), or the
     2BW rule ("2bw": batch b's gradient taken at W(max(b - 1, 0)) and applied to W(b))."""
@@ -133,7 +127,6 @@ def simulated(name: str, depth: int, m: int, costs) -> dict:
     return {"step": t[1] - t[0], "busy": [m * (fr + br) for fr, br in zip(f, b)]}
 
 
-# ---- measuring -----------------------------------------------------------------------------------
 def medians(run: dict, key: str) -> list[float]:
     """Per rank, the median over the timed steps of one of a step's times (`_pipeline`)."""
     return [statistics.median(s[key] for s in steps) for steps in run["raw"]]
@@ -191,7 +184,6 @@ def print_timeline(bench: Bench, best: dict[str, dict]) -> None:
         bench.say()
 
 
-# ---- the parts -----------------------------------------------------------------------------------
 def real_table(bench: Bench, args, m: int, best: dict, sims: dict, costs) -> None:
     """The real part at one m: the modes' table, 2BW's speed-ups and its drain, the traces (the timeline at the smallest m)."""
     opt = max(medians(best["1f1b"], "opt"))  # the simulator has no optimizer: add the one measured
@@ -276,15 +268,11 @@ def run_part(bench: Bench, args, real: bool) -> None:
 def main() -> None:
     quick = dict(microbatches=[2], depths=[2], emu_factors=[1], emu_steps=2, emu_warmup=1, emu_repeats=1, profile_repeats=3)
     common = dict(rounds=3, steps=20, warmup=5, retries=2, budget=300.0, quiet_wait=10.0, timeout=300.0, max_foreign=0.1, pin=False)
-    bench = Bench(__doc__, quick, **common)
-    p = bench.parser
-    p.add_argument("--part", choices=["real", "emulated", "all"], default="all")
-    p.add_argument("--rows", type=int, default=64, help="rows per micro-batch (batch = rows x m), both parts")
-    p.add_argument("--profile-repeats", type=int, default=30)
-    p.add_argument("--microbatches", type=ints, default=[2, 8], help="real part: m values (2BW needs m >= 2)")
-    p.add_argument("--depths", type=ints, default=[2, 4, 8], help="emulated part: pipeline depths d = processes")
-    p.add_argument("--tf", type=float, default=5.0, help="emulated part: forward sleep per stage and micro-batch, ms (backward twice)")
-    p.set_defaults(emu_factors=[1, 4], emu_steps=8, emu_warmup=2, emu_repeats=1)  # emulated part: m = factor x d, one run each
+    bench = Bench(__doc__, quick, threads=1, **common)
+    bench.parser.add_argument("--part", choices=["real", "emulated", "all"], default="all")
+    bench.options(rows=(64, "rows per micro-batch, both parts"), profile_repeats=30, microbatches=([2, 8], "real part: m values (>= 2)"))
+    bench.options(depths=([2, 4, 8], "emulated part: d = processes"), tf=(5.0, "emulated part: forward sleep per stage, ms (backward 2x)"))
+    bench.parser.set_defaults(emu_factors=[1, 4], emu_steps=8, emu_warmup=2, emu_repeats=1)  # emulated part: m = factor x d, one run each
     args = bench.parse()
     if any(m < 2 for m in args.microbatches):
         bench.error("2BW needs m >= d = 2")

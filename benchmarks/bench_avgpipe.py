@@ -1,10 +1,9 @@
 """AvgPipe (N parallel pipelines, elastic averaging) vs plain GPipe / 1F1B at the same samples per step.
 
-bench_2bw's residual MLP (lightning_pipe.bench.mlp), K = 2 stages, gloo, one thread per process,
-S = 256 rows per optimizer step in every configuration; all pipelines share this machine's cores.
-Measured: samples/s, where the time goes per worker (compute, executor not computing, the elastic
-update's parts, CPU), the staleness bound, "malloc kept" runs; simulated: N pipelines with devices
-of their own. Feeds docs/benchmarks_avgpipe.md (method and results there).
+The residual MLP (lightning_pipe.bench.mlp), K = 2 stages, gloo, one thread per process, S = 256 rows
+per optimizer step, all pipelines on this machine's cores: samples/s, where the time goes per worker,
+the staleness bound, "malloc kept" runs; simulated: N pipelines with devices of their own. Feeds
+docs/benchmarks_avgpipe.md (method and results there).
 
     python benchmarks/bench_avgpipe.py --retries 1 --budget 480
     python benchmarks/bench_avgpipe.py --quick     # smoke: N = 2, M = 2, s = 1, malloc kept, 2 steps
@@ -18,24 +17,20 @@ import time
 from itertools import count
 from unittest import mock
 
-from lightning_pipe.bench.harness import Bench, ints, ms, pin_threads
+import torch
+import torch.distributed as dist
 
-pin_threads(1)
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from lightning_pipe.bench import pipes  # noqa: E402
-from lightning_pipe.bench.harness import column_table  # noqa: E402
-from lightning_pipe.bench.launch import proc_stat, timed_steps  # noqa: E402
-from lightning_pipe.bench.mlp import loss_fn, make_data, make_model, stage_half  # noqa: E402
-from lightning_pipe.bench.pipes import Clock, compute_seconds, costs_at, equal_bounds, time_executor  # noqa: E402
-from lightning_pipe.layers import ElasticAveraging, Flush  # noqa: E402
-from lightning_pipe.runtime.elastic import ReferenceLink, flat_into, flat_size  # noqa: E402
-from lightning_pipe.runtime.p2p import Transport  # noqa: E402
-from lightning_pipe.runtime.sequential import SequentialHost  # noqa: E402
-from lightning_pipe.schedules import ScheduleSpec, build_schedule  # noqa: E402
-from lightning_pipe.simulation import simulate  # noqa: E402
+from lightning_pipe.bench import pipes
+from lightning_pipe.bench.harness import Bench, column_table, ms
+from lightning_pipe.bench.launch import proc_stat, timed_steps
+from lightning_pipe.bench.mlp import loss_fn, make_data, make_model, stage_half
+from lightning_pipe.bench.pipes import Clock, compute_seconds, costs_at, equal_bounds, time_executor
+from lightning_pipe.layers import ElasticAveraging, Flush
+from lightning_pipe.runtime.elastic import ReferenceLink, flat_into, flat_size
+from lightning_pipe.runtime.p2p import Transport
+from lightning_pipe.runtime.sequential import SequentialHost
+from lightning_pipe.schedules import ScheduleSpec, build_schedule
+from lightning_pipe.simulation import simulate
 
 K = 2  # stages per pipeline
 S = 256  # samples (rows) per optimizer step, every configuration
@@ -51,7 +46,6 @@ def make_batches(cfg: dict, pipeline: int, rows: int) -> list[tuple[torch.Tensor
     return make_data(dict(cfg, batch=rows), seed=1234 + 7919 * pipeline)
 
 
-# ---- workers ------------------------------------------------------------------------------------
 def _train(rank: int, world: int, cfg: dict) -> dict:
     n, m, pipeline, stage = cfg["pipelines"], cfg["microbatches"], rank // K, rank % K  # n = 0: a plain pipeline
     chunk = stage_half(make_model(cfg), stage)
@@ -153,7 +147,6 @@ def job(rank: int, world: int, kind: str, cfg: dict) -> dict:
     return pipes.profile_job(rank, world, list(make_model(cfg)), x, y, cfg["profile_rows"], sizes, loss_fn, cfg["profile_repeats"])
 
 
-# ---- the parent ---------------------------------------------------------------------------------
 def summarize(results: list[dict], cfg: dict, foreign: float) -> dict:
     """Per key, the median over the timed steps per worker, then the mean over each stage's pipelines;
     samples/s, CPU use; with pipelines, the largest mean(W_n) vs W_ref over the stages (s = 0: equal, §3.2)."""
@@ -236,15 +229,12 @@ def simulated(records: dict, m: int, costs, elastic: float, pipelines: list[int]
 def main() -> None:
     quick = dict.fromkeys(("pipelines", "microbatches", "stale_pipelines", "malloc_pipelines", "malloc_microbatches"), [2])
     quick.update(staleness=[1], profile_repeats=3)
-    bench = Bench(__doc__, quick, rounds=2, steps=20, warmup=4, retries=2, max_foreign=0.1, budget=600.0, quiet_wait=10.0, timeout=300.0)
-    p = bench.parser
-    p.add_argument("--pipelines", type=ints, default=[1, 2, 4], help="AvgPipe N values")
-    p.add_argument("--microbatches", type=ints, default=[2, 4], help="M values (per pipeline)")
-    p.add_argument("--staleness", type=ints, default=[1, 2], help="extra staleness bounds s (besides 0), at M = 4")
-    p.add_argument("--stale-pipelines", type=ints, default=[2, 4], help="N values of the staleness runs")
-    p.add_argument("--malloc-pipelines", type=ints, default=[2, 4], help="N values run again with glibc malloc keeping freed memory")
-    p.add_argument("--malloc-microbatches", type=ints, default=[4], help="M values of the malloc runs ('' for none)")
-    p.add_argument("--profile-repeats", type=int, default=20)
+    common = dict(rounds=2, steps=20, warmup=4, retries=2, max_foreign=0.1, budget=600.0, quiet_wait=10.0, timeout=300.0)
+    bench = Bench(__doc__, quick, threads=1, **common)
+    bench.options(pipelines=([1, 2, 4], "AvgPipe N values"), microbatches=([2, 4], "M values (per pipeline)"), profile_repeats=20)
+    bench.options(staleness=([1, 2], "staleness bounds s besides 0, at M = 4"), stale_pipelines=([2, 4], "N of the staleness runs"))
+    bench.options(malloc_pipelines=([2, 4], "N values run again with glibc malloc keeping freed memory"))
+    bench.options(malloc_microbatches=([4], "M values of the malloc runs ('' for none)"))
     args = bench.parse()
     base = dict(hidden=512, mlp_ratio=1, blocks=8, batch=S, steps=args.steps, warmup=args.warmup, lr=1e-3, timeout=args.timeout)
     base["staleness"] = 0

@@ -1,10 +1,9 @@
 """Depth on EMULATED devices: every schedule at P = 2..16 ranks, measured against the simulator.
 
 Each block is a PacedBlock (lightning_pipe.bench.emulated: it sleeps its time around a float64
-Linear), everything else the real runtime over gloo, one process per rank, 8 blocks per rank. Per
-(P, m, schedule): the median iteration, the simulator's ("plain", and with measure_messages' terms),
-extra time per compute, exactness against one process; then the targets (within 5%, Spearman,
-schedule="auto"'s pick, wave's share of its simulated gain). Feeds docs/emulated.md (all tables) and
+Linear), everything else the real runtime over gloo, 8 blocks per rank. Per (P, m, schedule): the
+median iteration, the simulator's (plain, and with measure_messages' terms), extra time per
+compute, exactness against one process; then the targets. Feeds docs/emulated.md (all tables) and
 docs/predictions.md (the summary); method there.
 
     flock /tmp/bench.lock python benchmarks/bench_emulated.py --json docs/emulated_results.json --markdown <file>
@@ -18,26 +17,24 @@ import math
 import statistics
 import time
 
-from lightning_pipe.bench.harness import Bench, column_table, ms, pin_threads
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-pin_threads(1)
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from lightning_pipe.bench.emulated import emulated_model, fine_timer_slack  # noqa: E402
-from lightning_pipe.bench.launch import CpuClock, foreign_load, run_distributed, wait_for_quiet  # noqa: E402
-from lightning_pipe.bench.stats import spearman  # noqa: E402
-from lightning_pipe.errors import SettingError  # noqa: E402
-from lightning_pipe.planning import partition_blocks  # noqa: E402
-from lightning_pipe.planning.auto import CANDIDATES, choose_schedule  # noqa: E402
-from lightning_pipe.profiling.link import ping_pong  # noqa: E402
-from lightning_pipe.profiling.messages import MessageCosts, measure_messages  # noqa: E402
-from lightning_pipe.runtime.p2p import Transport  # noqa: E402
-from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline  # noqa: E402
-from lightning_pipe.schedules import Op, ScheduleSpec, build_schedule  # noqa: E402
-from lightning_pipe.simulation import CostModel, simulate  # noqa: E402
+from lightning_pipe.bench.emulated import emulated_model, fine_timer_slack
+from lightning_pipe.bench.harness import Bench, column_table, ms
+from lightning_pipe.bench.launch import CpuClock, foreign_load, run_distributed, wait_for_quiet
+from lightning_pipe.bench.pipes import pipeline_steps
+from lightning_pipe.bench.stats import spearman
+from lightning_pipe.errors import SettingError
+from lightning_pipe.planning import partition_blocks
+from lightning_pipe.planning.auto import CANDIDATES, choose_schedule
+from lightning_pipe.profiling.link import ping_pong
+from lightning_pipe.profiling.messages import MessageCosts, measure_messages
+from lightning_pipe.runtime.p2p import Transport
+from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
+from lightning_pipe.schedules import Op, ScheduleSpec, build_schedule
+from lightning_pipe.simulation import CostModel, simulate
 
 VARIANTS: tuple[tuple[str, dict[str, int]], ...] = (("gpipe", {}),) + CANDIDATES  # what auto weighs, and GPipe
 
@@ -63,7 +60,6 @@ def cases_for(p: int, blocks: int, multipliers: list[int], variants=VARIANTS) ->
     return run, skipped
 
 
-# ---- one process group per depth -------------------------------------------------------------------
 def _data(rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(rows, width, generator=g, dtype=torch.float64)
@@ -102,23 +98,18 @@ def _job(rank: int, world: int, cfg: dict, cases: list[dict], reference: dict[st
         host = SequentialHost(chunks, schedule.num_chunks - 1, F.mse_loss)
         pipe = SequentialPipeline(schedule, rank, host, transport)
         opt = torch.optim.SGD([q for c in chunks.values() for q in c.parameters()], lr=cfg["lr"])
-        spans, compute, size = [], [], [b - a for a, b in bounds]
+        compute, size = [], [b - a for a, b in bounds]
+
+        def extra() -> None:  # how long each compute occupied the rank beyond its emulated time (sleep
+            # overshoot, the Linear, autograd, the executor's work around it)
+            acts = [(pipe.executor.actions[i], e - s) for i, s, e in pipe.executor.records]
+            extra = [t - (cfg["f"] if a.op is Op.FORWARD else cfg["b"]) * size[a.chunk] for a, t in acts if a.op.is_compute]
+            compute.append((sum(extra), len(extra)))
+
         gc.collect()
-        for step in range(cfg["warmup"] + cfg["steps"]):
-            opt.zero_grad(set_to_none=True)
-            pipe.executor.trace = timed = step >= cfg["warmup"]
-            dist.barrier()
-            t0 = time.perf_counter()
-            pipe.step(x, y)
-            t1 = time.perf_counter()
-            opt.step()
-            if timed:
-                spans.append((t0, t1))
-                # how long each compute occupied the rank beyond its emulated time (sleep overshoot,
-                # the Linear, autograd, the executor's work around it)
-                acts = [(pipe.executor.actions[i], e - s) for i, s, e in pipe.executor.records]
-                extra = [t - (cfg["f"] if a.op is Op.FORWARD else cfg["b"]) * size[a.chunk] for a, t in acts if a.op.is_compute]
-                compute.append((sum(extra), len(extra)))
+        pipeline_steps(pipe, opt, x, y, cfg["warmup"])
+        pipe.executor.trace = True
+        spans = [(t0, t1) for t0, t1, _ in pipeline_steps(pipe, opt, x, y, cfg["steps"], extra)]
         mine = {k: v for k, v in model.state_dict().items() if any(a <= int(k.split(".")[0]) < b for a, b in (bounds[c] for c in chunks))}
         diff = max(((v - reference[k]).abs().max() / reference[k].abs().max().clamp(min=1e-30)).item() for k, v in mine.items())
         out.append({"spans": spans, "diff": diff, "extra": compute})
@@ -129,7 +120,6 @@ def _job(rank: int, world: int, cfg: dict, cases: list[dict], reference: dict[st
     return dict(cases=out, link=link, messages=msgs, slack=slack, foreign=foreign_load(start, end, own=sum(own)), own_cpu=own_cpu)
 
 
-# ---- predictions, tables ----------------------------------------------------------------------------
 KEYS = ("simulated", "simulated_msgs")  # the plain CostModel, and with measure_messages' terms
 
 
@@ -196,7 +186,6 @@ def print_depth(bench: Bench, res: dict) -> None:
         bench.say(f"m = {s['m']} {s['label']}: skipped ({s['reason']})")
 
 
-# ---- the targets -------------------------------------------------------------------------------------
 def auto_check(res: dict, key: str) -> list[dict]:
     """schedule="auto"'s pick among the schedules run, vs the measured fastest, per m."""
     found = []
@@ -266,14 +255,10 @@ def print_summary(bench: Bench, s: dict) -> None:
 
 
 def main() -> None:
-    bench = Bench(__doc__, dict(ranks=[2], multipliers=[1]), steps=4, warmup=1, quiet_wait=30.0, timeout=900.0)
-    p = bench.parser
-    p.add_argument("--ranks", nargs="+", type=int, default=[2, 4, 8, 16])
-    p.add_argument("--multipliers", nargs="+", type=int, default=[1, 2, 4], help="m = k x P for each k")
-    p.add_argument("--block-ms", type=float, default=1.5, help="forward ms per block (backward: twice)")
-    p.add_argument("--blocks-per-rank", type=int, default=8)
-    p.add_argument("--width", type=int, default=16)
-    p.add_argument("--rows", type=int, default=64, help="batch rows (split into m micro-batches)")
+    bench = Bench(__doc__, dict(ranks=[2], multipliers=[1]), threads=1, steps=4, warmup=1, quiet_wait=30.0, timeout=900.0)
+    bench.parser.add_argument("--ranks", nargs="+", type=int, default=[2, 4, 8, 16])
+    bench.parser.add_argument("--multipliers", nargs="+", type=int, default=[1, 2, 4], help="m = k x P for each k")
+    bench.options(block_ms=(1.5, "forward ms per block (backward: twice)"), blocks_per_rank=8, width=16, rows=(64, "batch rows"))
     args = bench.parse()
     results = [run_depth(bench, p, args) for p in args.ranks]  # each printed as it ends
     s = summary(results)

@@ -1,14 +1,11 @@
-"""What a rank's host spends beyond its blocks' profiled times: three direct measurements.
+"""What a rank's host spends beyond its blocks' profiled times: direct measurements.
 
-``dispatch``: the executor's own cost per compute action (v null chunks on one rank, less their
-profiled times); ``chunks``: the same 8 residual-MLP blocks on one rank as v = 1, 2, 4, 8 chunks
-(and one chunk in GPipe's order), rounds interleaved; ``transport``: 2 pinned gloo processes, the
-compute time an isend / irecv in flight takes from a fixed ~2 ms compute, by message size;
-``messages`` (asked for by --parts): the message costs the strategy measures at setup
-(lightning_pipe.profiling.messages) measured again and again in one group of 2 processes, a
-rows x hidden float32 message, --think s of work per hop: their spread (--bounce-only: the ranks
-pretend to be on two hosts). Feeds docs/predictions.md ("What the host costs beyond the blocks")
-and docs/messages.md.
+``dispatch``: the executor's own cost per compute action (null blocks on one rank); ``chunks``: the
+same 8 residual-MLP blocks on one rank as v = 1, 2, 4, 8 chunks; ``transport``: the compute time an
+isend / irecv in flight takes (2 pinned gloo processes); ``messages`` (asked for by --parts): the
+setup's message costs (lightning_pipe.profiling.messages) measured again and again, their spread
+(--bounce-only: the ranks pretend to be on two hosts). Feeds docs/predictions.md ("What the host
+costs beyond the blocks") and docs/messages.md.
 
     flock /tmp/bench.lock python benchmarks/bench_host_costs.py --rounds 40
     flock /tmp/bench.lock python benchmarks/bench_host_costs.py --parts chunks --mlp-ratio 1 --rounds 60
@@ -20,22 +17,19 @@ from __future__ import annotations
 import statistics
 import time
 
-from lightning_pipe.bench.harness import Bench, Table, interleave, pin_threads, spread
+import torch
+import torch.distributed as dist
+from torch import nn
 
-pin_threads(1)
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-
-from lightning_pipe.bench.launch import run_distributed  # noqa: E402
-from lightning_pipe.bench.mlp import Block  # noqa: E402
-from lightning_pipe.profiling import profile_blocks  # noqa: E402
-from lightning_pipe.runtime.executor import Executor  # noqa: E402
-from lightning_pipe.runtime.microbatch import signature  # noqa: E402
-from lightning_pipe.runtime.p2p import Transport  # noqa: E402
-from lightning_pipe.runtime.sequential import SequentialHost  # noqa: E402
-from lightning_pipe.schedules import build_schedule  # noqa: E402
+from lightning_pipe.bench.harness import Bench, Table, interleave, spread
+from lightning_pipe.bench.launch import run_distributed
+from lightning_pipe.bench.mlp import Block
+from lightning_pipe.profiling import profile_blocks
+from lightning_pipe.runtime.executor import Executor
+from lightning_pipe.runtime.microbatch import signature
+from lightning_pipe.runtime.p2p import Transport
+from lightning_pipe.runtime.sequential import SequentialHost
+from lightning_pipe.schedules import build_schedule
 
 CPU = torch.device("cpu")
 
@@ -173,16 +167,10 @@ PARTS = {"dispatch": dispatch, "chunks": chunks, "transport": transport, "messag
 
 
 def main() -> None:
-    bench = Bench(__doc__, rounds=30, quick={"rounds": 2, "message_repeats": 2})
-    p = bench.parser
-    p.add_argument("--parts", nargs="+", choices=list(PARTS), default=["dispatch", "chunks", "transport"])
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--mlp-ratio", type=int, default=4)
-    p.add_argument("--rows", type=int, default=64)
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--message-repeats", type=int, default=8, help="messages: measurements in one process group")
-    p.add_argument("--think", type=float, default=3e-3, help="messages: seconds of work per hop")
-    p.add_argument("--bounce-only", action="store_true", help="messages: the ranks pretend to be on two hosts")
+    bench = Bench(__doc__, threads=1, rounds=30, quick={"rounds": 2, "message_repeats": 2})
+    bench.parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=["dispatch", "chunks", "transport"])
+    bench.options(hidden=512, mlp_ratio=4, rows=64, microbatches=4, think=(3e-3, "messages: seconds of work per hop"))
+    bench.options(message_repeats=(8, "messages: measurements in one process group"), bounce_only=(False, "messages: two hosts, pretended"))
     args = bench.parse()
     for part in args.parts:
         PARTS[part](bench, args)

@@ -1,20 +1,14 @@
-"""Training throughput: our pipeline runtime vs torch.distributed.pipelining vs one process, and the
-Trainer path vs the raw runtime.
+"""Training throughput on 2 gloo processes x 1 thread: our runtime vs torch.distributed.pipelining vs
+one process, and the Trainer path (trainer-single / trainer-1f1b, asked for with --modes) vs the raw runtime.
 
-The residual MLP of lightning_pipe.bench.mlp (default hidden 512, 8 blocks, batch 256 in 4
-micro-batches of 64 rows, SGD) on 2 gloo processes x 1 thread, cut in two equal halves; modes
-single, single-mb, pair, ours-gpipe/1f1b, torch-gpipe/1f1b and, asked for with --modes,
-trainer-single / trainer-1f1b: one process through ``Trainer``, and
-``Trainer(strategy=AutoPipeStrategy(...))`` with the same cut (the module logs its loss); best of
---repeats interleaved runs, final weights checked against ``single``. ``--segments`` times the parts
-of trainer-1f1b's step, ``--profile cpu|wall`` cProfiles the timed steps of ours-* and trainer-1f1b.
-Method and results: docs/benchmarks.md; the Trainer path: docs/predictions.md.
+lightning_pipe.bench.mlp's residual MLP cut in two equal halves; best of --repeats interleaved runs,
+final weights checked against ``single``. ``--segments`` times the parts of trainer-1f1b's step,
+``--profile cpu|wall`` cProfiles the timed steps. Method and results: docs/benchmarks.md; the Trainer
+path: docs/predictions.md.
 
     flock /tmp/bench.lock python benchmarks/bench_runtime.py --repeats 3 --retries 3 --quiet-wait 20 --budget 300
     flock /tmp/bench.lock python benchmarks/bench_runtime.py --modes trainer-single,ours-1f1b,trainer-1f1b --steps 40 --repeats 4 --budget 300
     python benchmarks/bench_runtime.py --modes trainer-1f1b --steps 40 --repeats 2 --segments
-    python benchmarks/bench_runtime.py --modes ours-1f1b,trainer-1f1b --profile cpu --repeats 1
-    python benchmarks/bench_runtime.py --hidden 1024 --batch 64 --microbatches 4
     python benchmarks/bench_runtime.py --quick
 """
 
@@ -24,17 +18,14 @@ import os
 import statistics
 import time
 
-from lightning_pipe.bench.harness import Bench, Table, names, pin_threads
+import torch
+import torch.distributed as dist
 
-pin_threads(1)
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from lightning_pipe.bench.launch import timed_steps  # noqa: E402
-from lightning_pipe.bench.mlp import best_runs, loss_fn, make_data, make_model, single_job, stage_half  # noqa: E402
-from lightning_pipe.bench.pipes import equal_bounds  # noqa: E402
-from lightning_pipe.bench.trainer_runs import quiet_lightning, stage_pipeline  # noqa: E402
+from lightning_pipe.bench.harness import Bench, Table
+from lightning_pipe.bench.launch import timed_steps
+from lightning_pipe.bench.mlp import best_runs, loss_fn, make_data, make_model, single_job, stage_half, torch_pipeline
+from lightning_pipe.bench.pipes import equal_bounds
+from lightning_pipe.bench.trainer_runs import quiet_lightning, stage_pipeline
 
 MODES = ["single", "single-mb", "pair", "ours-gpipe", "ours-1f1b", "torch-gpipe", "torch-1f1b"]  # the default
 TRAINER = ["trainer-single", "trainer-1f1b"]  # through Lightning's Trainer (--modes)
@@ -66,7 +57,6 @@ def profile_report(prof, name: str, lines: int = 35) -> str | None:
     return out.getvalue()
 
 
-# ---- workers -------------------------------------------------------------------------------------
 def _pipeline(rank: int, cfg: dict, mode: str) -> dict:
     """One stage of ``ours-*`` (SequentialPipeline) or ``torch-*`` (PipelineStage + Schedule*)."""
     model, data = make_model(cfg), make_data(cfg)
@@ -75,13 +65,7 @@ def _pipeline(rank: int, cfg: dict, mode: str) -> dict:
     if kind == "ours":
         run = stage_pipeline(model, equal_bounds(len(model), 2), rank, 2, m, loss_fn, name)[1].step
     else:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-        shape = (cfg["batch"] // m, cfg["hidden"])  # static shapes: no run-time shape inference
-        ins, outs = (torch.empty(shape, requires_grad=rank > 0),), (torch.empty(shape, requires_grad=True),)
-        stage = PipelineStage(chunk, rank, 2, torch.device("cpu"), input_args=ins, output_args=outs)
-        schedule = (ScheduleGPipe if name == "gpipe" else Schedule1F1B)(stage, m, loss_fn=loss_fn)  # scale_grads: as ours
-        run = lambda x, y: schedule.step(x) if rank == 0 else schedule.step(target=y, return_outputs=False)
+        run = torch_pipeline(model, cfg, rank, name)[0]
     opt, prof = torch.optim.SGD(chunk.parameters(), lr=cfg["lr"]), profiler(cfg["profile"] if kind == "ours" else "")
 
     def step(i: int) -> None:
@@ -195,19 +179,12 @@ def stamp_segments() -> list[dict]:
 
 
 def main() -> None:
-    bench = Bench(
-        __doc__, rounds=2, steps=20, warmup=5, retries=2, max_foreign=0.1, quiet_wait=10.0, budget=120.0, timeout=300.0, pin=False
-    )
-    p = bench.parser
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--mlp-ratio", type=int, default=1, help="inner width of a block = hidden * mlp_ratio")
-    p.add_argument("--blocks", type=int, default=8, help="even: the two stages get half each")
-    p.add_argument("--batch", type=int, default=256, help="micro-batches of batch/microbatches rows")
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--modes", type=names, default=MODES, help=f"comma-separated subset of {MODES + TRAINER}")
-    p.add_argument("--profile", choices=["cpu", "wall"], default="", help="cProfile the pipelined modes' timed steps (each rank's top)")
-    p.add_argument("--segments", action="store_true", help="time the parts of trainer-1f1b's step on each rank (medians)")
+    common = dict(rounds=2, steps=20, warmup=5, retries=2, max_foreign=0.1, quiet_wait=10.0, budget=120.0, timeout=300.0, pin=False)
+    bench = Bench(__doc__, threads=1, **common)
+    bench.options(hidden=512, mlp_ratio=(1, "inner width of a block = hidden * mlp_ratio"), blocks=(8, "even: half per stage"), lr=1e-3)
+    bench.options(batch=(256, "rows per step"), microbatches=4, modes=(MODES, f"a subset of {MODES + TRAINER}"))
+    bench.options(segments=(False, "time the parts of trainer-1f1b's step on each rank (medians)"))
+    bench.parser.add_argument("--profile", choices=["cpu", "wall"], default="", help="cProfile the pipelined modes' timed steps")
     args = bench.parse()
     modes = ["single"] + [m for m in args.modes if m != "single"]
     if set(modes) - set(MODES + TRAINER):

@@ -1,12 +1,9 @@
 """Wave (Hanayo) and interleaved 1F1B vs our 1F1B vs torch.distributed.pipelining's multi-chunk schedules.
 
-bench_runtime's residual MLP (16 blocks, hidden 512, --rows-row micro-batches, SGD) on 2 gloo
-processes x 1 thread: samples/s of ours-{1f1b, wave1/2/4, interleaved2/4} and torch-{interleaved,
-zbv}, weights checked against one process; the simulator on a profile taken as the strategy takes
-it (link, chained blocks, setup message costs), calibrated on the runs' traces, and per-action
-traces. ``--simulated``: no process, Hanayo's order vs ours vs 1F1B from the simulator alone, and
-the bubble ratios of GPipe, 1F1B, interleaved and wave at B = P. Feeds docs/schedules.md and
-docs/predictions.md.
+bench_runtime's residual MLP on 2 gloo processes x 1 thread: samples/s, weights checked against one
+process; the simulator on a profile taken as the strategy takes it, calibrated on the runs' traces,
+and per-action traces. ``--simulated``: no process, Hanayo's order vs ours vs 1F1B and the bubble
+ratios at B = P from the simulator alone. Feeds docs/schedules.md and docs/predictions.md.
 
     python benchmarks/bench_waves.py --simulated --pictures docs/img
     flock /tmp/bench.lock python benchmarks/bench_waves.py --picture docs/img/waves_speedup.png
@@ -20,28 +17,23 @@ import statistics
 import time
 from dataclasses import replace
 
-from lightning_pipe.bench.harness import Bench, Table, ints, names, pin_threads
+import torch
+import torch.distributed as dist
 
-pin_threads(1)
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble  # noqa: E402
-
-from lightning_pipe.bench.harness import column_table, pyplot, save_figure  # noqa: E402
-from lightning_pipe.bench.launch import timed_steps  # noqa: E402
-from lightning_pipe.bench.mlp import MSEBlock, best_runs, keep_blocks, loss_fn, make_data, make_model, single_job  # noqa: E402
-from lightning_pipe.bench.pipes import Clock, best_link, equal_bounds, gather, median_costs  # noqa: E402
-from lightning_pipe.profiling import profile_blocks  # noqa: E402
-from lightning_pipe.profiling.messages import MessageCosts, measure_messages  # noqa: E402
-from lightning_pipe.runtime.p2p import Transport  # noqa: E402
-from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline  # noqa: E402
-from lightning_pipe.schedules import build_schedule  # noqa: E402
-from lightning_pipe.schedules.lowering import lower  # noqa: E402
-from lightning_pipe.schedules.wave import wave_placement  # noqa: E402
-from lightning_pipe.schedules.wave_hanayo import hanayo_order  # noqa: E402
-from lightning_pipe.simulation import CostModel, chunk_costs, simulate  # noqa: E402
-from lightning_pipe.simulation.timelines import gantt  # noqa: E402
+from lightning_pipe.bench.harness import Bench, Table, column_table, pyplot, save_figure
+from lightning_pipe.bench.launch import timed_steps
+from lightning_pipe.bench.mlp import MSEBlock, best_runs, keep_blocks, loss_fn, make_data, make_model, single_job, torch_pipeline
+from lightning_pipe.bench.pipes import Clock, best_link, equal_bounds, gather, median_costs
+from lightning_pipe.profiling import profile_blocks
+from lightning_pipe.profiling.messages import MessageCosts, measure_messages
+from lightning_pipe.runtime.p2p import Transport
+from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
+from lightning_pipe.schedules import build_schedule
+from lightning_pipe.schedules.lowering import lower
+from lightning_pipe.schedules.wave import wave_placement
+from lightning_pipe.schedules.wave_hanayo import hanayo_order
+from lightning_pipe.simulation import CostModel, chunk_costs, simulate
+from lightning_pipe.simulation.timelines import gantt
 
 OURS = {"1f1b": ("1f1b", {}), **{f"wave{w}": ("wave", {"waves": w}) for w in (1, 2, 4)}}
 OURS.update({f"interleaved{v}": ("interleaved", {"chunks": v}) for v in (2, 4)})
@@ -60,7 +52,6 @@ def sim(schedule, costs, bounds, **kw) -> float:
     return simulate(schedule, costs, bounds, critical_path=False, **kw).iteration_time
 
 
-# ---- workers -------------------------------------------------------------------------------------
 def _ours(rank: int, cfg: dict, name: str) -> dict:
     """Our schedule, traced per action (perf_counter: one clock for both processes), the compute
     thread's time inside isend / irecv counted."""
@@ -91,24 +82,17 @@ def _ours(rank: int, cfg: dict, name: str) -> dict:
 
 
 def _torch(rank: int, cfg: dict, name: str) -> dict:
-    model, data, m, n = make_model(cfg), make_data(cfg), cfg["microbatches"], 4
-    mine, bounds = sorted([rank, rank + 2] if name == "interleaved" else [rank, n - 1 - rank]), equal_bounds(cfg["blocks"], n)  # loop / V
-    tensors = lambda grad: (torch.empty(cfg["batch"] // m, cfg["hidden"], requires_grad=grad),)  # static shapes: no inference
-    stages = [
-        PipelineStage(model[slice(*bounds[s])], s, n, torch.device("cpu"), input_args=tensors(s > 0), output_args=tensors(True))
-        for s in mine
-    ]
-    schedule = (ScheduleInterleaved1F1B if name == "interleaved" else ScheduleZBVZeroBubble)(stages, m, loss_fn=loss_fn)
-    opt = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=cfg["lr"])
+    model, data = make_model(cfg), make_data(cfg)
+    run, blocks = torch_pipeline(model, cfg, rank, name)
+    opt = torch.optim.SGD([p for i in blocks for p in model[i].parameters()], lr=cfg["lr"])
 
     def step(i: int) -> None:
-        x, y = data[i % len(data)]
         opt.zero_grad(set_to_none=True)
-        schedule.step(*((x,) if 0 in mine else ()), return_outputs=False, **({"target": y} if n - 1 in mine else {}))
+        run(*data[i % len(data)])
         opt.step()
 
     timing = timed_steps(step, cfg["steps"], cfg["warmup"], dist.barrier)
-    return {"timing": timing, "params": keep_blocks(model, {i for s in mine for i in range(*bounds[s])})}
+    return {"timing": timing, "params": keep_blocks(model, blocks)}
 
 
 def _profile(rank: int, cfg: dict) -> dict:
@@ -132,7 +116,6 @@ def job(rank: int, world: int, mode: str, cfg: dict) -> dict:
     return (_ours if mode.startswith("ours-") else _torch)(rank, cfg, mode.split("-", 1)[1])
 
 
-# ---- analysis ------------------------------------------------------------------------------------
 def handoff_delays(results: list[dict]) -> list[float]:
     """For every compute whose input came from the other rank: how long after both its input was
     sent and its rank's previous compute ended it started (0 if it did not wait for the message)."""
@@ -215,7 +198,6 @@ def calibrated_iteration(costs, schedule, bounds, k: float, a: float, o: float, 
     return sim(schedule, CostModel(tuple(f), tuple(b), costs.activation_bytes, costs.param_bytes, latency=h), bounds)
 
 
-# ---- report --------------------------------------------------------------------------------------
 def report(bench: Bench, m: int, cfg: dict, best: dict, errors: dict, traces: dict, costs, messages) -> list[dict]:
     """The tables of one m, from one record per schedule: its best run, its trace (ours), the simulated
     and calibrated speed-ups over our 1F1B; the records (for the picture)."""
@@ -293,7 +275,6 @@ def picture(tables: dict, path: str) -> None:
     save_figure(fig, path)
 
 
-# ---- the simulator alone -------------------------------------------------------------------------
 def simulated_orders(bench: Bench, pictures: str | None) -> None:
     """The tables of docs/schedules.md: Hanayo's order vs our greedy order vs 1F1B, its closed form,
     and the bubble ratios of every schedule at B = P (``pictures``: a folder for their P = 4 timelines)."""
@@ -349,19 +330,12 @@ def simulated_orders(bench: Bench, pictures: str | None) -> None:
 
 def main() -> None:
     quick = dict(microbatches=[2], profile_repeats=3, modes=["ours-wave2", "ours-interleaved2", "torch-interleaved", "torch-zbv"])
-    bench = Bench(
-        __doc__, quick, rounds=3, steps=20, warmup=5, retries=2, max_foreign=0.1, quiet_wait=10.0, budget=300.0, timeout=300.0, pin=False
-    )
-    p = bench.parser
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--blocks", type=int, default=16, help="a multiple of 16 (wave W=4 on 2 ranks has 16 chunks)")
-    p.add_argument("--rows", type=int, default=64, help="rows per micro-batch (batch = rows x m)")
-    p.add_argument("--microbatches", type=ints, default=[4, 2], help="comma-separated m values to run")
-    p.add_argument("--profile-repeats", type=int, default=30)
-    p.add_argument("--modes", type=names, default=MODES)
-    p.add_argument("--picture", default=None, help="write a bar chart of samples/s here (matplotlib)")
-    p.add_argument("--simulated", action="store_true", help="print the simulated tables (Hanayo vs ours vs 1F1B, bubble ratios) and exit")
-    p.add_argument("--pictures", default=None, help="with --simulated: a folder for the P = 4 timelines of the bubble ratios")
+    common = dict(rounds=3, steps=20, warmup=5, retries=2, max_foreign=0.1, quiet_wait=10.0, budget=300.0, timeout=300.0, pin=False)
+    bench = Bench(__doc__, quick, threads=1, **common)
+    bench.options(hidden=512, blocks=(16, "a multiple of 16 (wave W=4 on 2 ranks has 16 chunks)"), rows=(64, "rows per micro-batch"))
+    bench.options(microbatches=([4, 2], "m values"), profile_repeats=30, modes=MODES, picture=(None, "a bar chart of samples/s"))
+    bench.options(simulated=(False, "only the simulated tables (Hanayo vs ours vs 1F1B, bubble ratios)"))
+    bench.options(pictures=(None, "with --simulated: a folder for the P = 4 timelines of the bubble ratios"))
     args = bench.parse()
     if args.simulated:
         simulated_orders(bench, args.pictures)
