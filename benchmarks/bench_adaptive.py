@@ -1,11 +1,10 @@
 """Adaptive re-partitioning (AutoPipe-RL) in an emulated shared cluster (lightning_pipe.bench.shared_cluster).
 
-2 pinned gloo processes train a GPT-tiny-like CausalLM while busy loops join their cores. Default: one
-job on rank 1's core from --start to --stop; runs: a sweep of every cut under the load (the oracle's
-knowledge), static, adaptive=true, oracle (docs/adaptive.md, "Shared-cluster emulation").
-``--changing``: a job joins rank 1's core at --t1, another rank 0's at --t2, both leave at --t3;
-static, adaptive=rule, adaptive=learned, oracle, and the predictor against the sweep (docs/adaptive.md,
-"Changing load"). ``--decision-time``: one learned decision for paper-size models, no job.
+Default: a busy loop on rank 1's core from --start to --stop; a sweep of every cut under the load (the
+oracle's knowledge), static, adaptive=true, oracle (docs/adaptive.md, "Shared-cluster emulation").
+``--changing``: jobs join rank 1's core at --t1, rank 0's at --t2, both leave at --t3; static, rule,
+learned, oracle and the predictor against the sweep ("Changing load"). ``--decision-time``: one
+learned decision for paper-size models.
 
     flock /tmp/bench.lock python benchmarks/bench_adaptive.py --out docs/img --save docs/adaptive_results.json
     flock /tmp/bench.lock python benchmarks/bench_adaptive.py --changing --out docs/img --save docs/adaptive_learned_results.json

@@ -1,39 +1,44 @@
-"""Peak memory per stage, measured on real processes, against the simulator's prediction.
+"""Peak memory per stage against the prediction: on real processes (default) or per rank of a CLI run (--ranks).
 
-GPipe, 1F1B and PipeDream-2BW train lightning_pipe.bench.mlp's residual MLP on d = 2, 4 gloo
-processes at m = d, 4d. Per stage: "saved + stash" (autograd's saved tensors through
-saved_tensors_hooks, plus the executor's stashed outputs), "alive" (the same and every communication
-buffer until torch frees its storage), the weight buffers (2BW: versions_held()); predicted:
-simulate() on per-block bytes measured with the same hooks. Feeds docs/memory.md (method there).
+Default: GPipe, 1F1B and PipeDream-2BW train lightning_pipe.bench.mlp's residual MLP on d = 2, 4 gloo
+processes at m = d, 4d; autograd's saved tensors, the executor's stash, communication buffers and
+weights per stage against simulate() on per-block bytes. ``--ranks``: one step of a paper-size recipe
+through the CLI on CPU, every process's peak memory (lightning_pipe.bench.rss) against the planners'
+memory model. Feeds docs/memory.md (method there).
 
     python benchmarks/bench_memory.py
     python benchmarks/bench_memory.py --no-prefetch   # Executor(prefetch=False)
-    python benchmarks/bench_memory.py --quick         # smoke: d = 2 only
+    python benchmarks/bench_memory.py --ranks --runs gpt2-345m:2:32-true --init empty,full --checkpoint full,sharded
+    python benchmarks/bench_memory.py [--ranks] --quick  # smoke: d = 2 only; gpt-tiny-cpu on 2 ranks
 """
 
 from __future__ import annotations
 
+import sys
+import tempfile
 import time
 import weakref
 
-from lightning_pipe.bench.harness import Bench, column_table, ints, names, pin_threads
+import torch
+from torch import nn
 
-pin_threads(1)
-
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from lightning_pipe.bench.launch import run_distributed  # noqa: E402
-from lightning_pipe.bench.mlp import loss_fn, make_data, make_model  # noqa: E402
-from lightning_pipe.bench.pipes import equal_bounds, run_layer  # noqa: E402
-from lightning_pipe.runtime.sequential import SequentialHost  # noqa: E402
-from lightning_pipe.simulation import CostModel, simulate  # noqa: E402
+from lightning_pipe.bench.harness import Bench, Table, column_table, names
+from lightning_pipe.bench.launch import run_distributed
+from lightning_pipe.bench.mlp import loss_fn, make_data, make_model
+from lightning_pipe.bench.pipes import equal_bounds, run_layer
+from lightning_pipe.bench.rss import run_sampled
+from lightning_pipe.planning.auto import ADAM_WEIGHT_COPIES
+from lightning_pipe.planning.flops import transformer_costs
+from lightning_pipe.planning.partition import partition_blocks
+from lightning_pipe.runtime.sequential import SequentialHost
+from lightning_pipe.schedules import build_schedule
+from lightning_pipe.simulation import CostModel, simulate
 
 SCHEDULES = ["gpipe", "1f1b", "2bw"]
-KiB = 1024.0
+KiB, GiB = 1024.0, 2.0**30
+BATCH, MICRO, SEQ = 2, 2, 128  # --ranks: one step of 2 sequences of 128 tokens in 2 micro-batches
 
 
-# ---- accounting ----------------------------------------------------------------------------------
 class Ledger:
     """Bytes of storages held for a reason, reference counted by storage data_ptr (a storage saved
     twice, or saved and stashed, counts once); the peak since the last `reset_peak`."""
@@ -181,7 +186,6 @@ class Probe:
             setattr(transport, name, watched(getattr(transport, name), kind, where))
 
 
-# ---- the workers ---------------------------------------------------------------------------------
 class MeasuredHost(SequentialHost):
     """SequentialHost with each micro-batch's input and target a tensor of its own (not a view
     of the whole batch, which the caller holds anyway) and the executor's stash observed."""
@@ -265,7 +269,6 @@ def _measure(rank: int, world: int, schedule: str, m: int, cfg: dict) -> dict:
     )  # fmt: skip
 
 
-# ---- per-block costs on one process --------------------------------------------------------------
 def block_costs(cfg: dict) -> tuple[list[int], list[int], list[int]]:
     """Per block: the bytes its forward saves for one micro-batch (the same hooks), its output's
     bytes (the profiler's activation_bytes) and its parameter bytes."""
@@ -288,14 +291,12 @@ def block_costs(cfg: dict) -> tuple[list[int], list[int], list[int]]:
 
 
 def predict(schedule: str, d: int, m: int, cfg: dict, costs: CostModel):
-    from lightning_pipe.schedules import build_schedule
     from lightning_pipe.schedules.two_bw import pipedream_2bw
 
     sched = pipedream_2bw(d, m, batches=cfg["warmup"] + cfg["steps_2bw"]) if schedule == "2bw" else build_schedule(schedule, d, m)
     return simulate(sched, costs, equal_bounds(cfg["blocks"], d), critical_path=False)
 
 
-# ---- report --------------------------------------------------------------------------------------
 def kib(n: float) -> str:
     return f"{n / KiB:,.0f}"
 
@@ -321,21 +322,84 @@ WEIGHTS = [
 ]
 
 
+def predicted(model: str, ranks: int, dtype_bytes: int) -> list[float]:
+    """Bytes per stage: the planners' memory model on the analytic costs of the uniform partition."""
+    costs, kinds = transformer_costs(model, BATCH // MICRO, SEQ, dtype_bytes=dtype_bytes)
+    bounds = partition_blocks("uniform", len(kinds), ranks).bounds
+    timeline = simulate(build_schedule("1f1b", ranks, MICRO), costs, bounds)
+    return [w * ADAM_WEIGHT_COPIES + a for w, a in zip(timeline.weight_bytes, timeline.peak_activation_bytes)]
+
+
+def cli_step(model: str, ranks: int, precision: str, init: str, checkpoint: str, timeout: float) -> dict:
+    """One step of the CLI, its process tree sampled: peak (rss, anon) of each rank and of the other processes."""
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, "-m", "lightning_pipe.train", f"recipe={model}", "trainer=cpu", "partition=uniform",
+                   "schedule=1f1b", f"trainer.devices={ranks}", f"trainer.precision={precision}", "trainer.max_steps=1",
+                   "trainer.val_check_interval=null", "trainer.limit_val_batches=0", "data.synthetic=true", f"data.batch_size={BATCH}",
+                   f"data.seq_len={SEQ}", f"pipeline.microbatches={MICRO}", f"empty_init={init == 'empty'}", f"hydra.run.dir={out}",
+                   *(["callbacks=none"] if checkpoint == "none" else [f"pipeline.checkpoint={checkpoint}"])]  # fmt: skip
+        rc, peaks, tail = run_sampled(command, timeout=timeout)
+    if rc != 0:
+        said = [line for line in tail.splitlines() if line.startswith("error:")]
+        raise RuntimeError(f"exit {rc}: {said[-1] if said else tail.splitlines()[-1:]}")
+    # rank 0 is the command itself; Lightning starts the other ranks as its children; the rest are helpers
+    root = peaks[0]
+    ranked = {0: root, **{p.rank: p for p in peaks if p.parent == root.pid and p.rank is not None and "lightning_pipe.train" in p.command}}
+    helpers = [p for p in peaks if p not in ranked.values()]
+    started_by = {p.pid: r for r, p in ranked.items()}
+    return {
+        "ranks": {r: (p.rss, p.anon) for r, p in sorted(ranked.items())},
+        "helpers": [(started_by.get(p.parent, "?"), p.command[:80], p.rss, p.anon) for p in helpers],
+    }
+
+
+def rank_peaks(bench: Bench, args) -> None:
+    _, idle, _ = run_sampled([sys.executable, "-c", "import time, lightning_pipe.cli.train; time.sleep(1)"])
+    runtime = idle[0].anon
+    bench.say(f"runtime (a process that imported the CLI): {runtime / GiB:.2f} GiB anonymous memory")
+    columns = ("predicted GiB", "peak anon GiB", "peak rss GiB", "anon / predicted", "(anon - runtime) / predicted")
+    table = Table("model", "ranks", "precision", "init", "checkpoint", "stage", *columns)
+    for spec in names(args.runs):
+        model, ranks, precision = spec.split(":")
+        ranks = int(ranks)
+        model_bytes = predicted(model.removesuffix("-cpu"), ranks, 2 if precision.startswith("bf16") else 4)
+        for init in names(args.init):
+            for checkpoint in names(args.checkpoint):
+                bench.log(f"{model} x{ranks} {precision} init={init} checkpoint={checkpoint} ...")
+                try:
+                    result = cli_step(model, ranks, precision, init, checkpoint, args.timeout)
+                except RuntimeError as err:
+                    bench.say(f"- {model} x{ranks} {precision} init={init} checkpoint={checkpoint}: failed: {str(err).splitlines()[0]}")
+                    continue
+                bench.keep(f"{spec}:{init}:{checkpoint}", result)
+                for stage, (rss, anon) in result["ranks"].items():
+                    pred = model_bytes[stage]
+                    figures, ratios = (pred / GiB, anon / GiB, rss / GiB), (anon / pred, (anon - runtime) / pred)
+                    table.add(
+                        model, ranks, precision, init, checkpoint, stage, *(f"{v:.2f}" for v in figures), *(f"{v:.2f}x" for v in ratios)
+                    )
+                if result["helpers"]:  # the data-loader workers, forked from the ranks: their pages are mostly the rank's
+                    most = max(anon for *_, anon in result["helpers"])
+                    bench.say(
+                        f"- {spec} init={init} checkpoint={checkpoint}: {len(result['helpers'])} other processes, at most {most / GiB:.2f} GiB anon"
+                    )
+    bench.table(table, "Peak memory per rank, one step (CPU)")
+
+
 def main() -> None:
-    bench = Bench(__doc__, {"stages": [2], "steps_2bw": 2}, steps=2, warmup=1, timeout=240.0)
-    for flag, kind, default, text in (
-        ("hidden", int, 256, None),
-        ("mlp-ratio", int, 2, "inner width of a block = hidden * mlp_ratio"),
-        ("blocks", int, 8, "divisible by every stage count"),
-        ("rows", int, 32, "rows per micro-batch"),
-        ("stages", ints, [2, 4], "comma-separated d"),
-        ("schedules", names, SCHEDULES, None),
-        ("steps-2bw", int, 4, "measured steps (2BW; then a drain)"),
-        ("lr", float, 1e-3, None),
-    ):
-        bench.parser.add_argument(f"--{flag}", type=kind, default=default, help=text)
-    bench.parser.add_argument("--no-prefetch", action="store_true", help="the executor posts each receive when it is due (prefetch=False)")
+    bench = Bench(__doc__, {"stages": [2], "steps_2bw": 2, "runs": "gpt-tiny-cpu:2:32-true"}, threads=1, steps=2, warmup=1, timeout=None)
+    bench.options(hidden=256, mlp_ratio=(2, "inner width of a block = hidden * mlp_ratio"), blocks=(8, "divisible by every d"), lr=1e-3)
+    bench.options(rows=(32, "rows per micro-batch"), stages=([2, 4], "d values"), schedules=SCHEDULES, steps_2bw=(4, "2BW: then a drain"))
+    bench.options(no_prefetch=(False, "the executor posts each receive when it is due (prefetch=False)"))
+    runs = "gpt2-345m:2:32-true,gpt2-345m:2:bf16-true,gpt2-345m:4:32-true,gpt2-345m:4:bf16-true,gpt2-1.3b:4:bf16-true,gpt2-1.3b:4:32-true"
+    bench.options(ranks=(False, "per rank of CLI runs (timeout per run 1800 s)"), runs=(runs, "--ranks: model:ranks:precision, ..."))
+    bench.options(init=("empty", "--ranks: empty (each rank creates its stage), full (every rank builds the model), or both"))
+    bench.options(checkpoint=("full", "--ranks: the checkpoint at the end: full, sharded, none (callbacks=none)"))
     args = bench.parse()
+    args.timeout = args.timeout or (1800.0 if args.ranks else 240.0)  # default: a CLI run's, or a process group's
+    if args.ranks:
+        rank_peaks(bench, args)
+        return bench.finish()
     if any(args.blocks % d for d in args.stages) or any(s not in SCHEDULES for s in args.schedules):
         bench.error(f"--blocks must be divisible by every d, and schedules in {SCHEDULES}")
     cfg = {k: getattr(args, k) for k in ("hidden", "mlp_ratio", "blocks", "rows", "warmup", "steps", "steps_2bw", "lr")}

@@ -1,11 +1,14 @@
-"""Simulated vs measured iteration time per partition (AutoPipe's Table II / Fig. 11 on CPU): a small GPT
-(bench/gpt.py), SequentialPipeline 1F1B m = 8 on 4, then 2, gloo processes under 7 partitions (the planners' and unbalanced
-ones), each next to the simulator's prediction from profiles and a link taken in the same job. Analysis, tables and
-pictures: lightning_pipe.bench.simulator_report. Results: docs/autopipe.md.
+"""Partitions of a small GPT (lightning_pipe.bench.gpt) measured on gloo processes against the simulator,
+on profiles and a link taken in the same job. Results: docs/autopipe.md.
+
+Default (AutoPipe's Table II / Fig. 11 on CPU): 1F1B m = 8 on 4, then 2, processes under 7 partitions
+(the planners' and unbalanced ones); analysis: lightning_pipe.bench.simulator_report. ``--speedup``:
+`autopipe` over `uniform` in training steps of a GPT with a heavy embedding / head on 2 processes.
 
     flock /tmp/bench.lock python benchmarks/bench_simulator.py   # 4 processes, then 2; ~3 min on a quiet machine
     python benchmarks/bench_simulator.py --raw run.pt             # also keep the measurements ...
     python benchmarks/bench_simulator.py --from-raw run.pt        # ... and analyse them again without measuring
+    python benchmarks/bench_simulator.py --speedup                # ~2 min on a quiet machine
 """
 
 from __future__ import annotations
@@ -17,26 +20,25 @@ import statistics
 import time
 from itertools import combinations
 
-from lightning_pipe.bench.harness import Bench, ints, pin_threads
+import torch
+import torch.distributed as dist
 
-pin_threads(1)
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from lightning_pipe.bench import REPO, simulator_report  # noqa: E402
-from lightning_pipe.bench.gpt import add_model_arguments, block_kinds, build_model, lm_loss, make_batch, segment  # noqa: E402
-from lightning_pipe.bench.launch import CpuClock, rank_zero_log  # noqa: E402
-from lightning_pipe.bench.pipes import gather  # noqa: E402
-from lightning_pipe.bench.trainer_runs import quiet_distributed, stage_pipeline  # noqa: E402
-from lightning_pipe.planning import plan  # noqa: E402
-from lightning_pipe.profiling import Profile, profile_blocks  # noqa: E402
-from lightning_pipe.profiling.link import ping_pong  # noqa: E402
-from lightning_pipe.schedules import build_schedule  # noqa: E402
-from lightning_pipe.simulation import simulate  # noqa: E402
+from lightning_pipe.bench import REPO, gpt, simulator_report
+from lightning_pipe.bench.gpt import add_model_arguments, block_kinds, build_model, lm_loss, make_batch, segment
+from lightning_pipe.bench.harness import Bench, Table
+from lightning_pipe.bench.launch import CpuClock, rank_zero_log
+from lightning_pipe.bench.pipes import gather, pipeline_steps, spans
+from lightning_pipe.bench.trainer_runs import quiet_distributed, stage_pipeline
+from lightning_pipe.planning import plan
+from lightning_pipe.profiling import Profile, profile_blocks
+from lightning_pipe.profiling.link import ping_pong
+from lightning_pipe.schedules import build_schedule
+from lightning_pipe.simulation import simulate
 
 METHODS = ("uniform", "dp", "autopipe", "parameters")
 UNBALANCED = (1.25, 1.5, 1.8)  # simulated iteration of the extra splits, relative to the best split
+SPEEDUP = ("uniform", "autopipe")  # --speedup's partitions, and its settings
+SPEEDUP_ARGS = dict(worlds=[2], layers=8, vocab=16384, rounds=3, steps=10, profile_repeats=10)
 
 
 def profile_at_once(model, x, y, rank: int, world: int, args, profilers: int, inflight):
@@ -119,21 +121,75 @@ def simulator_job(rank: int, world: int, args) -> dict:
             "loads": loads, "traces": traces, "cpu": cpu}  # fmt: skip
 
 
+def train_partition(model, bounds, rank: int, world: int, x, y, args) -> list[tuple[float, float, float]]:
+    """Warm-up, then timed steps of this rank's stage (`pipeline_steps`), the tied gradients all-reduced."""
+    chunk, pipe = stage_pipeline(model, bounds, rank, world, args.microbatches, lm_loss)
+    opt, tie = torch.optim.SGD(chunk.parameters(), lr=1e-3), gpt.tied_allreduce(model, bounds, rank)
+    return pipeline_steps(pipe, opt, x, y, args.warmup + args.steps, tie)[args.warmup :]
+
+
+def speedup_job(rank: int, world: int, args) -> dict:
+    log, model, (x, y) = rank_zero_log(rank), gpt.build_model(args), gpt.make_batch(args)
+    link, _ = gpt.segment(lambda: ping_pong(rank), rank, world, args, log)
+    run = lambda: gpt.gather_profile(list(model), x[: args.mbs], y[: args.mbs], rank, world, args.profile_repeats, False, "gpt", args.mbs)  # noqa: E731
+    (profile, loss), profile_load = gpt.segment(run, rank, world, args, log)
+    plan_all = lambda costs: {m: plan(costs, world, args.microbatches, method=m, kinds=gpt.block_kinds(model)) for m in SPEEDUP}
+    box = [plan_all(profile.costs(link["bandwidth"], link["latency"])) if rank == 0 else None]
+    dist.broadcast_object_list(box, 0)
+    plans = box[0]
+    runs, loads = {m: [] for m in SPEEDUP}, {m: [] for m in SPEEDUP}
+    for rnd in range(args.rounds):
+        for m in SPEEDUP if rnd % 2 == 0 else SPEEDUP[::-1]:
+            out, load = gpt.segment(lambda: train_partition(model, plans[m].bounds, rank, world, x, y, args), rank, world, args, log)
+            runs[m].append(out), loads[m].append(load)
+            log(f"  round {rnd + 1}/{args.rounds} {m:<9} done (foreign load {load:.2f} CPUs)")
+    return {"link": link, "profile": profile, "loss": loss, "profile_load": profile_load, "plans": plans, "runs": runs, "loads": loads}
+
+
+def speedup(bench: Bench, args) -> None:
+    bench.say(f"gloo, {args.worlds[0]} processes x 1 thread; {gpt.describe(args)} (batch {(batch := args.mbs * args.microbatches)})")
+    results = quiet_distributed(bench, speedup_job, args.worlds[0], args)
+    r0, link, profile, plans = results[0], results[0]["link"], results[0]["profile"], results[0]["plans"]
+    bench.log("\n".join(plans[m].table() for m in SPEEDUP))
+    fb = lambda i, j: 1e3 * sum(profile.forward[i:j] + profile.backward[i:j])  # noqa: E731
+    bench.say(
+        f"link: latency {link['latency'] * 1e6:.0f} us, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s; profile (both ranks at once, foreign load "
+        f"{r0['profile_load']:.2f} CPUs): f+b per micro-batch: embedding {fb(0, 1):.2f} ms, layers {fb(1, -1):.1f} ms, head {fb(-1, None):.1f} ms (of which the loss {1e3 * sum(r0['loss']):.1f} ms)\n"
+    )
+    rows = {}
+    for m in SPEEDUP:  # a step spans from the first rank's start to the last rank's end
+        its, steps = spans([[t for rnd in r["runs"][m] for t in rnd] for r in results])  # every round's steps, in order
+        rows[m] = {"step": statistics.median(steps), "iteration": statistics.median(its), "load": max(r0["loads"][m]), "n": len(steps)}
+    t = Table("partition", "blocks per stage", "stage contents", "measured step ms", "samples/s", "pipeline iteration ms", "simulated ms",
+              "foreign load", align="lllrrrrr")  # fmt: skip
+    for m, pl, r in ((m, plans[m], rows[m]) for m in SPEEDUP):
+        t.add(m, list(pl.sizes), " / ".join(pl.contents(s) for s in range(pl.stages)), f"{r['step'] * 1e3:.1f}", f"{batch / r['step']:.1f}",
+              f"{r['iteration'] * 1e3:.1f}", f"{pl.iteration_time * 1e3:.1f}", f"{r['load']:.2f}")  # fmt: skip
+    bench.table(t)
+    ratio = lambda key: rows["uniform"][key] / rows["autopipe"][key]  # noqa: E731
+    bench.say(
+        f"speed-up of autopipe over uniform: measured {ratio('step'):.3f}x (training step: samples/s), {ratio('iteration'):.3f}x (pipeline step alone); "
+        f"simulated {plans['uniform'].iteration_time / plans['autopipe'].iteration_time:.3f}x ({rows['autopipe']['n']} timed steps per partition, medians)"
+    )
+    bench.keep("rows", rows)
+
+
 def main() -> None:
     quick = dict(worlds=[2], layers=2, partitions=3, profile_repeats=4, pictures="", microbatches=2)
-    bench = Bench(__doc__, quick, rounds=2, steps=12, warmup=3, retries=2, max_foreign=0.15, quiet_wait=600.0, timeout=3600.0)
+    bench = Bench(__doc__, quick, threads=1, rounds=2, steps=12, warmup=3, retries=2, max_foreign=0.15, quiet_wait=600.0, timeout=3600.0)
     p = bench.parser
-    p.add_argument("--worlds", type=ints, default=[4, 2], help="processes (= stages) per job, comma-separated")
     add_model_arguments(p, layers=4, vocab=2048)
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--profile-repeats", type=int, default=16, help="timed samples per block; chain mode: / --inflight rounds")
-    p.add_argument("--partitions", type=int, default=7)
-    p.add_argument("--pictures", default=str(REPO / "docs" / "img"), help="folder for the pictures ('' for none)")
-    p.add_argument("--inflight", type=int, default=4, help="micro-batches in flight in the chain-mode profile")
-    p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores the processes share (the simulator's cores model)")
-    p.add_argument("--raw", default="", help="save the measurements (torch.save) to this file")
-    p.add_argument("--from-raw", default="", help="analyse measurements saved with --raw (the saved run's options, but those given here)")
+    bench.options(worlds=([4, 2], "processes (= stages) per job"), microbatches=8, partitions=7, inflight=(4, "in the chain-mode profile"))
+    bench.options(profile_repeats=(16, "per block; chain mode: / --inflight rounds"), pictures=(str(REPO / "docs" / "img"), "'': none"))
+    bench.options(cores=(os.cpu_count() or 1, "cores the processes share (the simulator's cores model)"))
+    bench.options(raw=("", "save the measurements (torch.save) here"), from_raw=("", "analyse --raw's (its options, but those given here)"))
+    bench.options(speedup=(False, f"the speed-up of autopipe over uniform (defaults: {SPEEDUP_ARGS})"))
     args = bench.parse()
+    if args.speedup:
+        for key, value in SPEEDUP_ARGS.items() if not args.quick else ():
+            setattr(args, key, value if getattr(args, key) == p.get_default(key) else getattr(args, key))
+        speedup(bench, args)
+        return bench.finish()
     if args.from_raw:
         worlds, stored, origin = simulator_report.load_raw(args.from_raw)
         args = argparse.Namespace(**{**vars(args), **(stored or {}), **{k: v for k, v in vars(args).items() if v != p.get_default(k)}})
