@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import statistics
 
-from lightning_pipe.bench.harness import Bench, Table, pin_threads
+import torch
 
-pin_threads(1)
-
-import torch  # noqa: E402
-
-from lightning_pipe.bench.emulated import EmulatedBlock, _Occupy  # noqa: E402
-from lightning_pipe.planning import plan, transformer_costs  # noqa: E402
-from lightning_pipe.planning.slicer import algorithm2_slicing, choose_slicing, simulate_sliced  # noqa: E402
-from lightning_pipe.planning.slicer_algorithm2 import algorithm2, paper_schedule, simulate_paper, stage_times  # noqa: E402
-from lightning_pipe.simulation import CostModel  # noqa: E402
+from lightning_pipe.bench.emulated import EmulatedBlock, _Occupy
+from lightning_pipe.bench.harness import Bench, Table
+from lightning_pipe.planning import plan, transformer_costs
+from lightning_pipe.planning.slicer import algorithm2_slicing, choose_slicing, simulate_sliced
+from lightning_pipe.planning.slicer_algorithm2 import algorithm2, paper_schedule, simulate_paper, stage_times
+from lightning_pipe.simulation import CostModel
 
 pct = "{:.1%}".format
 
@@ -58,7 +55,6 @@ def simulated(bench: Bench, args) -> None:
         bench.log(f"pictures written to {args.pictures}")
 
 
-# ---- measured on real processes ----------------------------------------------------------------
 class RowScaledBlock(EmulatedBlock):
     """An emulated block whose device time scales with the micro-batch's rows (`rows` = a whole
     micro-batch): the simulator's linear model, so a half occupies its rank for half the time."""
@@ -203,15 +199,12 @@ def measure(bench: Bench, args) -> None:
 
 
 def main() -> None:
-    bench = Bench(__doc__, steps=12, retries=1, max_foreign=0.15, quiet_wait=60.0, timeout=900.0)
-    bench.quick.update(models=["gpt2-345m"], stages=[2, 4])
-    p = bench.parser
-    p.add_argument("--models", nargs="+", default=["gpt2-345m", "gpt2-762m", "gpt2-1.3b", "bert-large"])
-    p.add_argument("--stages", nargs="+", type=int, default=[2, 4, 8, 16])
-    p.add_argument("--microbatch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--pictures", default=None, help="folder for timelines of gpt2-345m at 4 stages, without and with slicing")
-    p.add_argument("--measure", action="store_true", help="measure on real processes (2 real, 4 and 8 emulated ranks)")
+    quick = dict(models=["gpt2-345m"], stages=[2, 4])
+    bench = Bench(__doc__, quick, threads=1, steps=12, retries=1, max_foreign=0.15, quiet_wait=60.0, timeout=900.0)
+    bench.parser.add_argument("--models", nargs="+", default=["gpt2-345m", "gpt2-762m", "gpt2-1.3b", "bert-large"])
+    bench.parser.add_argument("--stages", nargs="+", type=int, default=[2, 4, 8, 16])
+    bench.options(microbatch=4, seq_len=1024, pictures=(None, "folder for timelines of gpt2-345m at 4 stages, without and with slicing"))
+    bench.options(measure=(False, "measure on real processes (2 real, 4 and 8 emulated ranks)"))
     args = bench.parse()
     (measure if args.measure else simulated)(bench, args)
     bench.finish()
