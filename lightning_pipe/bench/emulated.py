@@ -10,16 +10,38 @@ say so.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 from torch import nn
 
 _SLOWDOWN = [1.0]  # this process's factor on every emulated block's time
+_DEVICE: list[Any] = [None]  # an open lock file: the emulated device this process shares with others
 
 
 def set_slowdown(factor: float) -> None:
     """From now on, this process's emulated blocks take `factor` times their time."""
     _SLOWDOWN[0] = float(factor)
+
+
+def share_device(path: str) -> None:
+    """From now on, this process's emulated blocks run on the device named by the lock file `path`:
+    processes naming one file run their blocks one at a time, as kernels of several processes on
+    one GPU do (AvgPipe's N pipelines on K devices)."""
+    _DEVICE[0] = open(path, "a")
+
+
+def _occupy(seconds: float) -> None:
+    if _DEVICE[0] is None:
+        time.sleep(seconds)
+        return
+    import fcntl  # POSIX: only runs that share an emulated device need it
+
+    fcntl.flock(_DEVICE[0], fcntl.LOCK_EX)
+    try:
+        time.sleep(seconds)
+    finally:
+        fcntl.flock(_DEVICE[0], fcntl.LOCK_UN)
 
 
 def slowdown() -> float:
@@ -30,12 +52,12 @@ class _Occupy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
         ctx.backward_s = backward_s
-        time.sleep(forward_s * _SLOWDOWN[0])
+        _occupy(forward_s * _SLOWDOWN[0])
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        time.sleep(ctx.backward_s * _SLOWDOWN[0])
+        _occupy(ctx.backward_s * _SLOWDOWN[0])
         return grad, None, None
 
 
