@@ -1,11 +1,10 @@
 """AvgPipe's advance forward propagation vs 1F1B vs AFAB on 2 processes: time and stashed activations.
 
-``real``: GPT-tiny (lightning_pipe.bench.gpt, 10 blocks cut 5 / 5), batch 16 in M = 4, 8, 16
-micro-batches, every advance_num a in [1, M]: iteration (rounds alternate the order of a), step,
-the simulator on costs profiled in the job, peak stash (saved bytes x peak_stash) and the live
-saved peak. ``emulated``: sleeping stages and an EMULATED per-message delay; a simulator-only table
-on a deeper pipeline. (The "last stage 1F1B" variant is the package's schedule since 1f812f2.) ``cli``:
-Algorithm 1's adaptive rule through the CLI (train.log). Feeds docs/benchmarks_advance.md.
+``real``: GPT-tiny (lightning_pipe.bench.gpt, cut 5 / 5), batch 16 in M = 4, 8, 16 micro-batches,
+every advance_num a in [1, M]: iteration, step, the simulator on costs profiled in the job, peak stash
+and the live saved peak. ``emulated``: sleeping stages and an EMULATED per-message delay, and a
+simulator-only table on a deeper pipeline. ``cli``: Algorithm 1's adaptive rule through the CLI.
+Feeds docs/benchmarks_advance.md.
 
     flock /tmp/bench.lock python benchmarks/bench_advance.py --save /tmp/advbench/final.json --cli-dir /tmp/advbench/cli_final
     flock /tmp/bench.lock python benchmarks/bench_advance.py --part emulated --latencies 0,2,8
@@ -19,7 +18,6 @@ import json
 import re
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,27 +27,24 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from lightning_pipe.bench.harness import Bench, Table, floats, ints, ms, names, pin_threads, spread, write_json
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
-pin_threads(1)
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-
-from lightning_pipe.bench import REPO, gpt  # noqa: E402
-from lightning_pipe.bench.harness import column_table, pyplot, save_figure  # noqa: E402
-from lightning_pipe.bench.launch import OTHER_JOBS, rank_zero_log, run_distributed, wait_for_quiet  # noqa: E402
-from lightning_pipe.bench.pipes import best_link, gather, median_costs, pipeline_steps, sleep_model, spans  # noqa: E402
-from lightning_pipe.profiling import Profile  # noqa: E402
-from lightning_pipe.profiling.link import ping_pong  # noqa: E402
-from lightning_pipe.profiling.saved import SavedBytes  # noqa: E402
-from lightning_pipe.runtime.p2p import Transport  # noqa: E402
-from lightning_pipe.schedules import build_schedule  # noqa: E402
-from lightning_pipe.schedules.advance import peak_stash  # noqa: E402
-from lightning_pipe.simulation import CostModel, simulate  # noqa: E402
-from lightning_pipe.tuning.record import in_flight_peak  # noqa: E402
+from lightning_pipe.bench import gpt
+from lightning_pipe.bench.cli_runs import run_command
+from lightning_pipe.bench.harness import Bench, Table, column_table, ms, pyplot, save_figure, spread, write_json
+from lightning_pipe.bench.launch import OTHER_JOBS, rank_zero_log, run_distributed, wait_for_quiet
+from lightning_pipe.bench.pipes import best_link, gather, median_costs, pipeline_steps, sleep_model, spans
+from lightning_pipe.profiling import Profile
+from lightning_pipe.profiling.link import ping_pong
+from lightning_pipe.profiling.saved import SavedBytes
+from lightning_pipe.runtime.p2p import Transport
+from lightning_pipe.schedules import build_schedule
+from lightning_pipe.schedules.advance import peak_stash
+from lightning_pipe.simulation import CostModel, simulate
+from lightning_pipe.tuning.record import in_flight_peak
 
 STAGES, MB = 2, 1 << 20
 EMU_ROWS, EMU_HIDDEN = 256, 128  # 256 x 128 float32: GPT-tiny's activation at M = 8
@@ -115,7 +110,6 @@ class LatencyTransport(Transport):
         self._pool.shutdown()
 
 
-# ---- the jobs -----------------------------------------------------------------------------------
 def train_schedule(schedule, rank, chunk, loss_fn, x, y, run: Any, transport, after=None, live_exclude: set[int] | None = None) -> dict:
     """Warm-up, then timed steps (`pipeline_steps`: start, pipeline end, step end), minor page faults
     per step; with ``live_exclude`` one more step under LiveSaved."""
@@ -209,7 +203,6 @@ def emulated_job(rank: int, world: int, args: Any) -> dict:
     return out
 
 
-# ---- the CLI part -------------------------------------------------------------------------------
 RULE = re.compile(r"advance rule: step (\d+) at advance_num=(\d+) took ([\d.]+) ms -> (\d+) \(([^)]*)\)")
 
 
@@ -220,16 +213,15 @@ def cli_runs(args: Any, where: Path) -> list[dict]:
             run_dir = where / f"{recipe}-{i}"
             cmd = [sys.executable, "-m", "lightning_pipe.train", f"recipe={recipe}", "schedule=advance", "pipeline.microbatches=8"]
             cmd += [f"trainer.max_steps={args.cli_steps}", f"hydra.run.dir={run_dir}"]
-            wait_for_quiet(args.quiet_wait, args.max_foreign, poll=5.0, patterns=OTHER_JOBS, log=print)
-            started = time.monotonic()
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout, check=False)
+            quiet = dict(quiet_wait=args.quiet_wait, max_foreign=args.max_foreign, poll=5.0, patterns=OTHER_JOBS)
+            run = run_command(cmd, run_dir, args.timeout, check=False, **quiet)  # a failed run is a row of the table
             text = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
             decisions = [{"step": int(s), "a": int(a), "ms": float(t), "next": int(n), "why": w} for s, a, t, n, w in RULE.findall(text)]
             settled = decisions[-1]["next"] if decisions and decisions[-1]["why"] != "raised" else None
-            tail = proc.stderr.strip().splitlines()[-3:] if proc.returncode else []
-            out.append(dict(kind=f"{kind} {i + 1}", recipe=recipe, command=" ".join(cmd[1:]), returncode=proc.returncode))
-            out[-1].update(seconds=time.monotonic() - started, decisions=decisions, settled=settled, tail=tail)
-            print(f"  cli {kind} run {i + 1}/{args.cli_repeats}: exit {proc.returncode}, {len(decisions)} decisions", flush=True)
+            tail = run["output"].strip().splitlines()[-3:] if run["returncode"] else []
+            out.append(dict(kind=f"{kind} {i + 1}", recipe=recipe, command=" ".join(cmd[1:]), returncode=run["returncode"]))
+            out[-1].update(seconds=run["wall"], decisions=decisions, settled=settled, tail=tail)
+            print(f"  cli {kind} run {i + 1}/{args.cli_repeats}: exit {run['returncode']}, {len(decisions)} decisions", flush=True)
     return out
 
 
@@ -242,7 +234,6 @@ def replay_rule(times: dict[int, float], low: int, high: int) -> list[int]:
     return seen
 
 
-# ---- analysis and tables (from the measurements, or from --load) --------------------------------
 def sim_iter(schedule, costs, bounds) -> float:
     return simulate(schedule, costs, bounds, critical_path=False).iteration_time
 
@@ -405,25 +396,15 @@ def intkeys(value: Any) -> Any:
 
 
 def main() -> None:
-    bench = Bench(__doc__, rounds=4, steps=8, warmup=2, retries=1, max_foreign=0.15, quiet_wait=30.0, timeout=900.0, pin=False)
-    bench.quick.update(microbatches=[4], emu_microbatches=[4], latencies=[0.0, 2.0], profile_repeats=2, cli_repeats=1, cli_steps=6)
+    quick = dict(microbatches=[4], emu_microbatches=[4], latencies=[0.0, 2.0], profile_repeats=2, cli_repeats=1, cli_steps=6)
+    common = dict(rounds=4, steps=8, warmup=2, retries=1, max_foreign=0.15, quiet_wait=30.0, timeout=900.0, pin=False)
+    bench = Bench(__doc__, quick, threads=1, **common)
     gpt.add_model_arguments(bench.parser, layers=4, vocab=260)
-    for flag, kind, default, text in (
-        ("part", names, ["real", "emulated", "cli"], "comma-separated: real, emulated, cli"),
-        ("save", str, None, "write the measurements (JSON) here"),
-        ("load", str, None, "print (and plot) measurements saved by --save instead of measuring"),
-        ("figure", str, None, "write the Fig. 7-style trade-off (PNG) here, e.g. docs/img/advance_tradeoff.png"),
-        ("batch", int, 16, "sequences per step (split into M micro-batches)"),
-        ("microbatches", ints, [4, 8, 16], "M values (divisors of --batch)"),
-        ("profile-repeats", int, 10, None),
-        ("emu-microbatches", ints, [8], None),
-        ("tf", float, 4.0, "emulated forward per stage and micro-batch, ms (backward 2 x)"),
-        ("latencies", floats, [0.0, 2.0, 8.0], "emulated delay per message, ms"),
-        ("cli-steps", int, 20, None),
-        ("cli-repeats", int, 3, "runs per recipe (the rule decides from single steps)"),
-        ("cli-dir", str, None, "run folders (default: a temporary directory, kept)"),
-    ):
-        bench.parser.add_argument(f"--{flag}", type=kind, default=default, help=text)
+    bench.options(part=(["real", "emulated", "cli"], "of real, emulated, cli"), save=(None, "write the measurements (JSON) here"))
+    bench.options(load=(None, "print (and plot) measurements saved by --save instead of measuring"), figure=(None, "the Fig. 7-style PNG"))
+    bench.options(batch=(16, "sequences per step"), microbatches=([4, 8, 16], "M values (divisors of --batch)"), profile_repeats=10)
+    bench.options(emu_microbatches=[8], tf=(4.0, "emulated forward per stage, ms (backward 2 x)"), latencies=([0.0, 2.0, 8.0], "ms"))
+    bench.options(cli_steps=20, cli_repeats=(3, "runs per recipe"), cli_dir=(None, "run folders (default: a temporary directory, kept)"))
     args = bench.parse()
     args.part = ["real", "emulated", "cli"] if "all" in args.part else args.part
     if any(m < 1 or args.batch % m for m in args.microbatches):
