@@ -17,7 +17,7 @@ import sys
 import time
 
 from lightning_pipe.bench import REPO
-from lightning_pipe.bench.harness import Bench, Table, names
+from lightning_pipe.bench.harness import Bench, Table
 from lightning_pipe.models import get_model_config
 from lightning_pipe.planning import plan, transformer_costs
 from lightning_pipe.planning.exhaustive import EXHAUSTIVE_LIMIT, count_splits
@@ -129,12 +129,9 @@ def closure(bench: Bench) -> None:
 
 def main() -> None:
     bench = Bench(__doc__, dict(random=20, models=["gpt2-345m"], cold=1))
-    p = bench.parser
-    p.add_argument("--random", type=int, default=600, help="random small profiles compared with exhaustive search")
-    p.add_argument("--models", type=names, default=list(MODELS), help=f"comma-separated subset of {list(MODELS)}")
-    p.add_argument("--cold", type=int, default=5, help="fresh processes timing GPT-2 1.3B's planning")
-    p.add_argument("--update-docs", action="store_true", help=f"write the results into {DOC}")
-    p.add_argument("--closure", action="store_true", help="only: the paper's heuristic on GPT-2 1.3B / 16 stages without our bound")
+    bench.options(random=(600, "random small profiles compared with exhaustive search"), models=(list(MODELS), f"of {list(MODELS)}"))
+    bench.options(cold=(5, "fresh processes timing GPT-2 1.3B's planning"), update_docs=(False, f"write the results into {DOC}"))
+    bench.options(closure=(False, "only: the paper's heuristic on GPT-2 1.3B / 16 stages without our bound"))
     args = bench.parse(header=False)
     if args.closure:
         closure(bench)

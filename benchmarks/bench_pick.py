@@ -1,43 +1,51 @@
-"""PipeDream-2BW's planner (issue 16): its pick against every feasible configuration run for real
-(part a: GPT-tiny-64 on 2 CPU processes, global batch 32), paper-size decisions from analytic
-profiles (part b), and cold planning time (part time). Method and results: docs/planner_2bw.md.
+"""A planner's pick against every candidate it weighed, each trained for real through the Trainer on 2
+CPU processes in interleaved rounds: predicted vs measured, the pick against the measured best.
 
-    flock /tmp/bench.lock python benchmarks/bench_planner_2bw.py --part a --quiet-wait 300 --retries 3 --save out.json   # x 3
-    flock /tmp/bench.lock python benchmarks/bench_planner_2bw.py --part b,time --save out.json
-    python benchmarks/bench_planner_2bw.py --report out.json --plot docs/img/planner_2bw_predicted_vs_measured.png
-    python benchmarks/bench_planner_2bw.py --quick       # smoke: every part, best rows, 2 steps
+``2bw``: planner=2bw on GPT-tiny-64, global batch 32 (part a), paper-size decisions (part b), cold
+planning time (part time): docs/planner_2bw.md. ``auto``: schedule="auto" per workload (mlp,
+gpt-tiny, bert-tiny) and m, every candidate from the auto run's profile: docs/predictions.md.
+
+    flock /tmp/bench.lock python benchmarks/bench_pick.py 2bw --part a --quiet-wait 300 --retries 3 --save out.json   # x 3
+    flock /tmp/bench.lock python benchmarks/bench_pick.py 2bw --part b,time --save out.json
+    python benchmarks/bench_pick.py 2bw --report out.json --plot docs/img/planner_2bw_predicted_vs_measured.png
+    flock /tmp/bench.lock python benchmarks/bench_pick.py auto --save docs/auto_measured.json       # m = 4 and 2, ~20 min
+    python benchmarks/bench_pick.py auto --report docs/auto_measured.json                           # tables of a saved run
+    python benchmarks/bench_pick.py {2bw,auto} --quick   # smoke: every part, best rows; mlp, m = 2; 2 steps
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_pipe.bench.harness import Bench, Table, interleave, names, pin_threads
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
-pin_threads(1)
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
-from lightning_pipe import AutoPipeStrategy  # noqa: E402
-from lightning_pipe.bench.harness import column_table, pyplot, save_figure  # noqa: E402
-from lightning_pipe.bench.launch import wait_for_quiet  # noqa: E402
-from lightning_pipe.bench.stats import spearman  # noqa: E402
-from lightning_pipe.bench.trainer_runs import fit_timed, undisturbed  # noqa: E402
-from lightning_pipe.models import CausalLM, ModelConfig  # noqa: E402
-from lightning_pipe.planning.entry import block_kinds  # noqa: E402
-from lightning_pipe.planning.sized import analytic_profile  # noqa: E402
-from lightning_pipe.planning.two_bw import Candidate, _best_rows, hardware, plan_2bw, refiner, size_text  # noqa: E402
-from lightning_pipe.planning.two_bw_closed import closed_step  # noqa: E402
-from lightning_pipe.profiling.sized import profile_sizes  # noqa: E402
+from lightning_pipe import AutoPipeStrategy
+from lightning_pipe.bench.harness import Bench, Table, column_table, interleave, pyplot, save_figure
+from lightning_pipe.bench.launch import wait_for_quiet
+from lightning_pipe.bench.mlp_module import MLPModule, MLPRows
+from lightning_pipe.bench.stats import spearman
+from lightning_pipe.bench.trainer_runs import fit_timed, quiet_lightning, undisturbed
+from lightning_pipe.data import CausalLMDataModule, MaskedLMDataModule
+from lightning_pipe.models import CausalLM, MaskedLM, ModelConfig
+from lightning_pipe.planning.auto import choose_schedule
+from lightning_pipe.planning.entry import DEFAULT_LINKS, block_kinds
+from lightning_pipe.planning.sized import analytic_profile
+from lightning_pipe.planning.two_bw import Candidate, _best_rows, hardware, plan_2bw, refiner, size_text
+from lightning_pipe.planning.two_bw_closed import closed_step
+from lightning_pipe.profiling import Profile
+from lightning_pipe.profiling.sized import profile_sizes
+from lightning_pipe.schedules import build_schedule
 
 CFG = dict(vocab_size=260, n_layer=4, n_head=4, d_model=128, max_seq_len=64)
 SEQ, SIZES, GiB = 64, (1, 2, 4, 8, 16, 32), 2**30
@@ -47,7 +55,6 @@ DEVICES_B = (8, 16, 32, 64)  # 8, 16, 64: the issue's; 32: Table 1's BERT-24 on 
 KEY = ("width", "depth", "microbatch_size", "microbatches", "schedule", "recompute")
 
 
-# ---- part a: measured profile, plan, every feasible configuration for real ----------------------
 def tokens(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (rows, SEQ + 1), generator=torch.Generator().manual_seed(seed))
 
@@ -62,7 +69,7 @@ def measured_profile(repeats: int) -> Any:
     return profile_sizes(blocks, lambda b: x[:b], SIZES, "cpu", model="gpt-tiny-64", repeats=repeats, loss_fn_of=loss_of)
 
 
-def plan(profile: Any, batch: int, limit: Optional[float], **kw: Any):
+def plan_cpu(profile: Any, batch: int, limit: Optional[float], **kw: Any):
     refine = None if kw.get("cost_model") == "closed" else refiner("autopipe", block_kinds(profile.block_names))
     return plan_2bw(profile, hardware(2, 2, "cpu", limit), batch, ("2bw", "1f1b", "gpipe"), refine=refine, **kw)
 
@@ -101,10 +108,10 @@ def part_a(bench: Bench, args: Any) -> dict:
     profile = measured_profile(args.profile_repeats)
     profiled = time.perf_counter() - started
     bench.log(f"profiled {profile.num_blocks} blocks at sizes {profile.sizes} in {profiled:.1f} s")
-    free = plan(profile, args.batch, None)
+    free = plan_cpu(profile, args.batch, None)
     largest = max(c.memory for c in free.candidates if c.feasible)
     limit = args.limit_fraction * largest
-    capped = plan(profile, args.batch, limit)
+    capped = plan_cpu(profile, args.batch, limit)
     bench.log(capped.table())
     feasible = [c for c in capped.candidates if c.feasible]
     if args.rows == "best":
@@ -125,9 +132,9 @@ def part_a(bench: Bench, args: Any) -> dict:
          "closed": closed_throughput(profile, c, limit), "runs": rs}
         for c, rs in zip(feasible, runs)
     ]  # fmt: skip
-    closed = plan(profile, args.batch, limit, cost_model="closed").chosen
+    closed = plan_cpu(profile, args.batch, limit, cost_model="closed").chosen
     over = sum(c.verdict == "over memory_limit" for c in capped.candidates)
-    return {"profile": {**asdict(profile), "seconds": profiled}, "closed_chosen": [getattr(closed, k) for k in KEY], "uncapped_chosen": label(free.chosen),
+    return {"profile": {**dataclasses.asdict(profile), "seconds": profiled}, "closed_chosen": [getattr(closed, k) for k in KEY], "uncapped_chosen": label(free.chosen),
             "largest_footprint": largest, "memory_limit": limit, "plan_table": capped.table(), "discarded": over, "candidates": len(capped.candidates),
             "feasible_total": len([c for c in capped.candidates if c.feasible]), "rows": rows, "wall_s": time.perf_counter() - started,
             "settings": {k: getattr(args, k) for k in ("batch", "warmup", "steps", "rounds", "rows", "limit_fraction")}}  # fmt: skip
@@ -202,7 +209,6 @@ def report_pooled(bench: Bench, runs: list[dict]) -> None:
     )
 
 
-# ---- part b: paper-size decisions from analytic profiles ---------------------------------------
 def short(c: Any) -> dict:
     return {"w": c.width, "d": c.depth, "b": c.microbatch_size, "g": c.microbatches, "r": c.recompute, "stages_recomputed": sum(c.stage_recompute),
             "schedule": c.schedule, "throughput": c.throughput, "memory": c.memory, "blocks": [b - a for a, b in c.bounds]}  # fmt: skip
@@ -232,7 +238,7 @@ def part_b(bench: Bench, args: Any) -> dict:
     return {"rows": rows, "device_flops": 1e14, "half_rate_tokens": 512.0, "bandwidth": "cuda defaults"}
 
 
-def text(c: dict) -> str:
+def decision_text(c: dict) -> str:
     if "error" in c:
         return "nothing fits"
     r = c["r"] if c["r"] != "stages" else f"stages {c['stages_recomputed']}/{c['d']}"
@@ -246,14 +252,13 @@ def report_b(bench: Bench, res: dict) -> None:
         ours, auto, closed = r["2bw"], r["auto"], r["closed"]
         fits = "error" not in ours
         t.add(
-            r["model"], r["devices"], f"{r['cap_gb']} GB", text(ours), f"{ours['throughput']:.1f}" if fits else "-", size_text(ours["memory"]) if fits else "-",
-            "same" if fits and "error" not in auto and text(ours) == text(auto) else text(auto), "-" if "error" in auto else f"{auto['throughput']:.1f}",
-            text(closed), " / ".join("-" if "error" in x else f"{x['planning_seconds']:.2f}" for x in (ours, auto)),
+            r["model"], r["devices"], f"{r['cap_gb']} GB", decision_text(ours), f"{ours['throughput']:.1f}" if fits else "-", size_text(ours["memory"]) if fits else "-",
+            "same" if fits and "error" not in auto and decision_text(ours) == decision_text(auto) else decision_text(auto), "-" if "error" in auto else f"{auto['throughput']:.1f}",
+            decision_text(closed), " / ".join("-" if "error" in x else f"{x['planning_seconds']:.2f}" for x in (ours, auto)),
         )  # fmt: skip
     bench.table(t, "## part b (analytic profiles)")
 
 
-# ---- planning time: cold processes ------------------------------------------------------------
 COLD = """
 import json, time
 t0 = time.perf_counter()
@@ -331,29 +336,13 @@ def report(bench: Bench, results: dict) -> None:
             show(bench, results[key])
 
 
-def main() -> None:
-    quick = dict(rows="best", profile_repeats=1, cold=1, limit_fraction=0.5)
-    bench = Bench(__doc__, quick, rounds=2, steps=24, warmup=6, retries=2, max_foreign=0.3, quiet_wait=120.0, budget=float("inf"))
-    p = bench.parser
-    p.add_argument("--part", type=names, default=["a", "b", "time"], help="comma-separated: a, b, time")
-    p.add_argument("--batch", type=int, default=32, help="part a: global batch")
-    p.add_argument("--limit-fraction", type=float, default=0.5, help="part a: memory limit, a fraction of the largest uncapped footprint")
-    p.add_argument(
-        "--rows", choices=("all", "best"), default="all", help="part a: every feasible candidate, or the best per group + chosen"
-    )
-    p.add_argument("--profile-repeats", type=int, default=5)
-    p.add_argument("--cold", type=int, default=5, help="part time: fresh processes")
-    p.add_argument("--work", default="/tmp/bench_planner_2bw")
-    p.add_argument("--save", default=None, help="merge this run into a results JSON (part a runs are appended)")
-    p.add_argument("--report", default=None, help="print the tables of a saved results JSON; run nothing")
-    p.add_argument("--plot", default=None, help="with --report: the predicted vs measured picture here")
-    args = bench.parse()
+def planner_2bw(bench: Bench, args: Any) -> None:
     if args.report:
         results = json.loads(Path(args.report).read_text())
         report(bench, results)
         if args.plot:
             plot(results.get("part_a", []), Path(args.plot))
-        return bench.finish()
+        return
     results = json.loads(Path(args.save).read_text()) if args.save and Path(args.save).exists() else {}
     new: dict = {}
     for part, key, run in (("a", "part_a", part_a), ("b", "part_b", part_b), ("time", "time", part_time)):
@@ -365,6 +354,177 @@ def main() -> None:
     if args.save:
         Path(args.save).write_text(json.dumps(results))
     bench.keep("results", new)
+
+
+WORKLOADS = ["mlp", "gpt", "bert"]
+MLP_CFG = dict(hidden=512, mlp_ratio=1, blocks=16, lr=1e-3)  # bench_runtime's residual MLP, 64-row micro-batches
+LM_SEQ, LM_BATCH = 128, 16  # recipes/{gpt,bert}-tiny-cpu.yaml, synthetic tokens
+GAP_TARGET = 0.05
+PARTITION = "autopipe"
+
+
+def workload(name: str, m: int, steps: int) -> tuple[Any, dict]:
+    """The LightningModule and fit()'s data argument."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        cfg = dict(MLP_CFG, batch=64 * m)
+        return MLPModule(cfg), {"train_dataloaders": DataLoader(MLPRows(cfg, steps), batch_size=cfg["batch"], shuffle=False)}
+    lm, data = (CausalLM, CausalLMDataModule) if name == "gpt" else (MaskedLM, MaskedLMDataModule)
+    module = lm(model=name + "-tiny", lr=1e-3, warmup_steps=2, max_steps=steps)
+    dm = data(seq_len=LM_SEQ, batch_size=LM_BATCH, val_fraction=0.0, synthetic=True, synthetic_samples=LM_BATCH * steps, seed=0)
+    return module, {"datamodule": dm}
+
+
+def auto_train(bench: Bench, name: str, m: int, kw: dict, out: Path, setup_counts: bool = False) -> dict:
+    """One Trainer.fit (repeated while disturbed); its plan.json's schedule, options and bounds."""
+    args = bench.args
+
+    def fit(attempt: int) -> dict:
+        module, data = workload(name, m, args.warmup + args.steps)
+        strategy = AutoPipeStrategy(microbatches=m, partition=PARTITION, start_method="fork", **kw)
+        trainer = dict(precision="32-true", limit_val_batches=0, num_sanity_val_steps=0)
+        return fit_timed(module, data, strategy, args.warmup, args.steps, out / f"try{attempt}", **trainer)
+
+    result = undisturbed(fit, args, bench.patient, setup_counts, log=bench.log)
+    plan = json.loads((Path(result["dir"]) / "plan.json").read_text())
+    return dict(result, **{k: plan[k] for k in ("schedule", "options", "bounds")})
+
+
+def auto_label(c: dict) -> str:
+    return c["schedule"] + "".join(f" {k}={v}" for k, v in sorted(c["options"].items()))
+
+
+def built(c: dict, m: int):
+    return build_schedule(c["schedule"], 2, m, **c["options"])
+
+
+def run_case(bench: Bench, name: str, m: int, work: Path) -> dict:
+    case_dir = work / f"{name}_m{m}"
+    bench.log(f"\n=== {name}, m = {m}: the schedule='auto' run")
+    auto = auto_train(bench, name, m, {"schedule": "auto"}, case_dir / "auto", setup_counts=True)
+    plan = json.loads((Path(auto["dir"]) / "plan.json").read_text())
+    profile_path = case_dir / "profile.json"
+    shutil.copy(Path(auto["dir"]) / "profile.json", profile_path)
+    candidates = plan["schedule_choice"]["candidates"]
+    bench.log(f"auto chose {auto_label(plan)} bounds {plan['bounds']}; its own steps {auto['step_ms']:.1f} ms")
+
+    # offline from the auto run's profile, as the strategy plans: with the message costs (must reproduce
+    # plan.json), and with them zeroed (what auto would pick without the measured message costs)
+    module, _ = workload(name, m, 1)
+    kinds = block_kinds([type(b).__name__ for b in (module.seq if name == "mlp" else module.model)])
+    costs = Profile.load(profile_path).costs(*DEFAULT_LINKS["cpu"])
+    with_msg = choose_schedule(costs, 2, m, method=PARTITION, kinds=kinds)
+    bare = dataclasses.replace(costs, send_overhead=0.0, recv_overhead=0.0, handoff_delay=0.0)
+    without = choose_schedule(bare, 2, m, method=PARTITION, kinds=kinds)
+    replayed = {c.name: c.iteration_time for c in with_msg.candidates}
+    for c in candidates:
+        assert abs(replayed[auto_label(c)] / c["iteration_time"] - 1) < 1e-9, (auto_label(c), replayed[auto_label(c)], c["iteration_time"])
+    bench.log(with_msg.table() + "\nwithout message costs:\n" + without.table())
+    bare_pick = {"schedule": without.chosen.schedule, "options": dict(without.chosen.options)}
+    bare_predicted = {c.name: c.iteration_time for c in without.candidates}
+
+    # one measurement per distinct (action lists, bounds): on 2 ranks wave and Hanayo give the same lists
+    runs = [c for c in candidates if c["verdict"] in ("runs", "chosen") or auto_label(c) == auto_label(bare_pick)]
+    groups: list[list[dict]] = []
+    for c in runs:
+        same = lambda g: g[0]["bounds"] == c["bounds"] and built(g[0], m).actions == built(c, m).actions  # noqa: E731
+        group = next((g for g in groups if same(g)), None)
+        groups.append([c]) if group is None else group.append(c)
+
+    def run(g: list[dict], rnd: int) -> dict:
+        c = g[0]
+        kw = {"schedule": c["schedule"], "profile": str(profile_path), **c["options"]}
+        r = auto_train(bench, name, m, kw, case_dir / "run")
+        if (r["schedule"], r["options"], r["bounds"]) != (c["schedule"], c["options"], c["bounds"]):
+            raise AssertionError(f"{auto_label(c)}: the run planned {r['schedule']} {r['options']} {r['bounds']}, not {c['bounds']}")
+        bench.log(f"  [{rnd + 1}] {auto_label(c):<22} predicted {c['iteration_time'] * 1e3:7.2f} ms  measured {r['step_ms']:7.2f} ms")
+        return r
+
+    measured = interleave(groups, bench.args.rounds, run)
+    rows = []
+    for g, results in zip(groups, measured):
+        c, verdicts, steps = g[0], [x["verdict"] for x in g], [r["step_ms"] for r in results]
+        rows.append({"candidate": auto_label(c), "labels": [auto_label(x) for x in g], "bounds": c["bounds"], "measured_rounds_ms": steps,
+                     "verdict": "chosen" if "chosen" in verdicts else ("runs" if "runs" in verdicts else c["verdict"]),
+                     "messages_per_rank": [sum(1 for a in acts if a.op.is_send or a.op.is_recv) for acts in built(c, m).actions],
+                     "predicted_ms": c["iteration_time"] * 1e3, "predicted_no_messages_ms": bare_predicted[auto_label(c)] * 1e3,
+                     "measured_ms": statistics.median(steps), "foreign_cpus": [r["foreign_cpus"] for r in results]})  # fmt: skip
+    terms = ("send_overhead", "recv_overhead", "handoff_delay")
+    return {"workload": name, "microbatches": m, "chosen": auto_label(plan), "no_message_pick": auto_label(bare_pick), "messages": plan["messages"],
+            "cost_terms": {k: getattr(costs, k) for k in terms}, "candidates": candidates, "plan_seconds": plan["profiled_and_planned_seconds"],
+            "auto_run": {k: auto[k] for k in ("step_ms", "foreign_cpus", "setup_foreign_cpus", "foreign_tries", "wall_s")}, "rows": rows}  # fmt: skip
+
+
+def report_auto(bench: Bench, case: dict) -> None:
+    rows = case["rows"]
+    row_of = lambda name: next((r for r in rows if name in r["labels"]), None)  # noqa: E731
+    order_m, order_p = sorted(rows, key=lambda r: r["measured_ms"]), sorted(rows, key=lambda r: r["predicted_ms"])
+    best, pick, bare = order_m[0], row_of(case["chosen"]), row_of(case["no_message_pick"])
+    ratios = [r["measured_ms"] / r["predicted_ms"] for r in rows]
+    t = Table("candidate", "chunks (blocks)", "messages / rank", "predicted ms", "predicted, no messages", "measured ms (rounds)",
+              "measured / predicted", "rank predicted", "rank measured", align="llrrrrrrr")  # fmt: skip
+    for r in order_p:
+        name = f"**{' = '.join(r['labels'])} (auto)**" if r is pick else " = ".join(r["labels"])
+        name += "" if r["verdict"] in ("runs", "chosen") else " (auto rejected: " + r["verdict"].split(" (")[0] + ")"
+        t.add(
+            name, f"{len(r['bounds'])} ({'/'.join(str(b - a) for a, b in r['bounds'])})", max(r["messages_per_rank"]), f"{r['predicted_ms']:.1f}",
+            f"{r['predicted_no_messages_ms']:.1f}", f"{r['measured_ms']:.1f} ({', '.join(f'{x:.1f}' for x in r['measured_rounds_ms'])})",
+            f"{r['measured_ms'] / r['predicted_ms']:.2f}", order_p.index(r) + 1, order_m.index(r) + 1,
+        )  # fmt: skip
+    us = {k: v * 1e6 for k, v in case["cost_terms"].items()}
+    bench.table(t, f"**{case['workload']}, m = {case['microbatches']}** — message terms from the auto run: send {us['send_overhead']:.0f} us, "
+                   f"receive {us['recv_overhead']:.0f} us, hand-off delay {us['handoff_delay']:.0f} us per message ({case['messages']['nbytes']} B)")  # fmt: skip
+    gap = pick["measured_ms"] / best["measured_ms"] - 1
+    sp = lambda key: spearman([r[key] for r in rows], [r["measured_ms"] for r in rows])  # noqa: E731
+    vs = lambda r: f"{r['measured_ms'] / best['measured_ms'] - 1:+.1%} vs the measured fastest"  # noqa: E731
+    fastest = "the measured fastest" if pick is best else f"{vs(pick)} {best['candidate']} ({best['measured_ms']:.1f} ms)"
+    bare_text = " (not measured)" if bare is None else (" (the same pick)" if bare is pick else "") + f": {vs(bare)}"
+    bench.say(
+        f"auto's pick {case['chosen']}: {pick['measured_ms']:.1f} ms, {fastest} (target within {GAP_TARGET:.0%}: "
+        f"**{'met' if gap <= GAP_TARGET else 'MISSED'}**); Spearman predicted vs measured {sp('predicted_ms'):+.2f} (without message "
+        f"costs {sp('predicted_no_messages_ms'):+.2f}); measured / predicted {min(ratios):.2f}-{max(ratios):.2f}.\n"
+        f"Without message costs auto would pick {case['no_message_pick']}{bare_text}.\n"
+    )
+
+
+def planner_auto(bench: Bench, args: Any) -> None:
+    if args.report:
+        for case in json.loads(Path(args.report).read_text())["cases"]:
+            report_auto(bench, case)
+        return
+    quiet_lightning()
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench_auto_"))
+    cases: list[dict] = []
+    for m in args.microbatches:
+        for name in args.workloads:
+            cases.append(run_case(bench, name, m, work))
+            report_auto(bench, cases[-1])
+            bench.keep("cases", cases)
+            if args.save:  # after every case: a cut-short run keeps what it measured
+                Path(args.save).write_text(json.dumps({"provenance": bench.provenance, "command": bench.command, "cases": cases}, indent=1))
+
+
+COMMON = {  # planner -> the common options' defaults (given on the command line: those)
+    "2bw": dict(rounds=2, steps=24, warmup=6, retries=2, max_foreign=0.3, quiet_wait=120.0),
+    "auto": dict(rounds=3, steps=15, warmup=5, retries=1, max_foreign=0.15, quiet_wait=5.0),
+}
+
+
+def main() -> None:
+    quick = dict(rows="best", profile_repeats=1, cold=1, limit_fraction=0.5, microbatches=[2], workloads=["mlp"])
+    bench = Bench(__doc__, quick, threads=1, budget=float("inf"), **dict.fromkeys(COMMON["2bw"]))
+    bench.parser.add_argument("planner", choices=list(COMMON))
+    bench.options(part=(["a", "b", "time"], "2bw: of a, b, time"), batch=(32, "2bw part a: global batch"), profile_repeats=5)
+    bench.options(limit_fraction=(0.5, "2bw part a: memory limit, of the largest uncapped footprint"), cold=(5, "2bw part time"))
+    bench.parser.add_argument("--rows", choices=("all", "best"), default="all", help="2bw part a: every feasible candidate, or the best")
+    bench.options(workloads=(WORKLOADS, f"auto: of {WORKLOADS}"), microbatches=([4, 2], "auto"), work=(None, "the runs' folder"))
+    bench.options(save=(None, "2bw: merge this run into a results JSON (part a runs are appended); auto: write it (after every case)"))
+    bench.options(report=(None, "print the tables of a saved results JSON; run nothing"), plot=(None, "2bw, with --report: a picture"))
+    args = bench.parse()
+    for key, value in COMMON[args.planner].items():
+        setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
+    args.work = args.work or ("/tmp/bench_planner_2bw" if args.planner == "2bw" else None)
+    (planner_2bw if args.planner == "2bw" else planner_auto)(bench, args)
     bench.finish()
 
 
