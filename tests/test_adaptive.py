@@ -132,26 +132,6 @@ def test_forced_switches_keep_single_process_weights(name):
             assert held == [b for c, (lo, hi) in enumerate(bounds) if chunk_rank[c] == rank for b in range(lo, hi)]
 
 
-def test_replicas_switch_alike_and_keep_single_process_weights():
-    # width 2 x depth 2: both replicas move the same boundary at the same iterations; replica r reads
-    # perm[r::2] (Lightning's DistributedSampler), so a step of both is the one-process batch of 8
-    plan, partition, steps = {2: [[0, 2], [2, 6]], 4: [[0, 4], [4, 6]]}, [3, 3], 6
-    data = gpt_data().dataset
-    ref = make()
-    L.Trainer(devices=1, **trainer_kwargs(max_steps=steps)).fit(ref, DataLoader(data, batch_size=8, sampler=EpochPerm(len(data))))
-    model = make()
-    strategy = AutoPipeStrategy(microbatches=2, partition=partition, width=2, start_method="spawn")
-    trainer = L.Trainer(devices=4, strategy=strategy, callbacks=[SwitchAt(plan)], **trainer_kwargs(max_steps=steps))
-    trainer.fit(model, DataLoader(data, batch_size=4))
-    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
-    expected = partitions_over_time(plan, partition, steps, 1)
-    for rank in range(4):
-        seen = json.loads(Path(f"held-{rank}.json").read_text())
-        assert [bounds for bounds, _ in seen] == expected
-        for bounds, held in seen:
-            assert held == list(range(*bounds[rank % 2]))
-
-
 # ---- resume after a switch -----------------------------------------------------------------------
 def fit_with_checkpoints(folder, plan, resume=None, steps=8):
     model = make()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import glob
-import json
 import os
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 from models import LitSeq, dataset, max_rel_diff, trainer_kwargs
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
@@ -241,37 +240,6 @@ def test_avgpipe_2bw_resumes_mid_epoch_bit_for_bit(tmp_path):
         assert torch.equal(v, resumed.state_dict()[k]), k
     want_parallel, want_ref = simulate_2bw(6, 2, 0.5, 1)
     assert max_rel_diff(want_ref, resumed.state_dict()) <= 1e-10
-
-
-class SwitchAt(Callback):
-    """Every rank asks for the same switch at the start of iteration `at`; records what it held."""
-
-    def __init__(self, at, bounds):
-        self.at, self.bounds, self.held = at, bounds, []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.fit_loop.total_batch_idx == self.at:
-            trainer.strategy.repartition(self.bounds)
-
-    def on_train_end(self, trainer, pl_module):
-        Path(f"avg-held-{trainer.global_rank}.json").write_text(json.dumps(sorted(trainer.strategy.cut.stage.blocks())))
-
-
-@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
-def test_a_switch_moves_the_pipelines_and_the_reference_together(tmp_path, monkeypatch, schedule):
-    # at iteration 3 both pipelines move a boundary; stage k's reference process is replaced by one over
-    # the new stage, fed W_ref(3) and, with s = 1, the older W_ref(2) the next pull still needs
-    monkeypatch.chdir(tmp_path)
-    model = LitSeq()
-    callbacks = [saved(tmp_path, 7), SwitchAt(3, [[0, 1], [1, 6]])]
-    fit(model, 7, alpha=0.3, staleness=1, callbacks=callbacks, enable_checkpointing=True, schedule=schedule)
-    want_parallel, want_ref = (simulate_2bw if schedule == "2bw" else simulate)(7, 2, 0.3, 1)
-    reference, parallel = parallel_models(glob.glob(os.path.join(tmp_path, "*step=7.ckpt"))[0])
-    assert max_rel_diff(want_ref, model.state_dict()) <= 1e-10
-    for n in range(2):
-        assert max_rel_diff(want_parallel[n], parallel[n]) <= 1e-10
-    held = [json.loads(Path(f"avg-held-{rank}.json").read_text()) for rank in range(4)]
-    assert held == [[0], [1, 2, 3, 4, 5]] * 2  # both pipelines switched
 
 
 def test_the_reference_stays_the_mean_of_the_parallel_models(tmp_path):
