@@ -39,8 +39,12 @@ RUNS = {  # experiment -> name -> (pipelines N, Hydra overrides, label, colour)
                  "AvgPipe N=4 (alpha=1/4, 4 x batch 4)", "tab:red"),
     },
 }  # fmt: skip
-# experiment -> steps, --val-every, --smooth, the figure
+# experiment -> steps, --val-every, --smooth, the figure; its title
 DEFAULTS = {"2bw": (300, 50, 10, "2bw_vs_1f1b_loss.png"), "avgpipe": (800, 100, 20, "avgpipe_convergence.png")}
+TITLES = {
+    "2bw": "PipeDream-2BW vs 1F1B, 2 micro-batches/step",
+    "avgpipe": f"AvgPipe N = 1, 2, 4 vs plain 1F1B, total batch {TOTAL_BATCH}/step",
+}
 
 
 def reference(config_path: str, stale: bool, val_every: int) -> list[tuple[int, float]]:
@@ -102,36 +106,26 @@ def full_validation(run_dir: str) -> tuple[float, int]:
 
 
 def plot(experiment: str, curves: dict, args) -> None:
-    """2bw: one panel, train (moving average) and val against steps; avgpipe: train and val side by
-    side against samples seen."""
-    avg = experiment == "avgpipe"
-    fig, axes = pyplot().subplots(1, 1 + avg, figsize=(12, 4.8) if avg else (8, 4.8), squeeze=False)
-    left, right, per_step = axes[0][0], axes[0][-1], TOTAL_BATCH if avg else 1
+    """Train loss (moving average) and validation loss side by side, against samples seen (avgpipe) or steps (2bw)."""
+    avg = experiment == "avgpipe"  # pipeline 0 logs its own batch's loss; the reference is validated
+    per_step = TOTAL_BATCH if avg else 1
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(12, 4.8))
     for name, (train_loss, val_loss) in curves.items():
         _, _, label, color = RUNS[experiment][name]
         x, y = cli.moving_average(train_loss, args.smooth)
-        if avg:  # 1f1b under the others: avg1 lies on it
-            style = {"ls": "--", "lw": 2.2, "zorder": 1} if name == "1f1b" else {"lw": 1.2, "zorder": 2}
-            train, val = dict(style, alpha=0.85, label=label), dict(style, marker="o", ms=7 if name == "1f1b" else 4, label=label)
-        else:
-            train = dict(lw=1.3, alpha=0.8, label=f"{label}: train (moving avg {args.smooth})")
-            val = dict(ls="--", marker="o", ms=4, label=f"{label}: val")
-        left.plot([s * per_step for s in x], y, color=color, **train)
-        right.plot([s * per_step for s, _ in val_loss], [v for _, v in val_loss], color=color, **val)
-    if avg:
-        left.set_title(f"train loss (pipeline 0's own batch; moving avg over {args.smooth} steps)", fontsize=10)
-        right.set_title(f"validation loss (reference model; same {args.val_samples} val samples)", fontsize=10)
-        title = f"GPT-tiny, 2 stages, CPU: AvgPipe N = 1, 2, 4 vs plain 1F1B, total batch {TOTAL_BATCH}/step, {args.steps} steps"
-        fig.suptitle(title, fontsize=11)
-    else:
-        left.set_title(f"GPT-tiny, 2 stages on 2 CPU processes, 2 micro-batches/step, {args.steps} steps")
-    for ax in dict.fromkeys((left, right)):
-        xlabel = f"samples seen (steps x {TOTAL_BATCH})" if avg else "optimizer step"
-        ax.set(xlabel=xlabel, ylabel="cross-entropy loss (nats / byte)")
+        style = {"ls": "--", "lw": 2.2, "zorder": 1} if name == "1f1b" else {"lw": 1.2, "zorder": 2}  # the baseline under the others
+        left.plot([s * per_step for s in x], y, color=color, alpha=0.85, label=label, **style)
+        right.plot([s * per_step for s, _ in val_loss], [v for _, v in val_loss], color=color, marker="o", ms=4, label=label, **style)
+    whose, which = ("pipeline 0's own batch; ", f" (reference model; same {args.val_samples} val samples)") if avg else ("", "")
+    left.set_title(f"train loss ({whose}moving avg over {args.smooth} steps)", fontsize=10)
+    right.set_title(f"validation loss{which}", fontsize=10)
+    for ax in (left, right):
+        ax.set(xlabel=f"samples seen (steps x {TOTAL_BATCH})" if avg else "optimizer step", ylabel="cross-entropy (nats / byte)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    fig.suptitle(f"GPT-tiny, 2 stages, CPU: {TITLES[experiment]}, {args.steps} steps", fontsize=11)
     fig.tight_layout()
-    save_figure(fig, args.out, 110 if avg else 120)
+    save_figure(fig, args.out)
 
 
 def two_bw(bench: Bench, args, curves: dict, folder: str) -> list[str]:

@@ -11,21 +11,15 @@ holding /tmp/bench.lock; predicted vs measured time and memory per setting. Resu
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
-import os
-import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
 from lightning_pipe.bench import REPO
-from lightning_pipe.bench.harness import Bench, column_table, interleave, names, pyplot, save_figure
-from lightning_pipe.bench.launch import CpuClock, foreign_load, own_seconds, proc_stat, wait_for_quiet
+from lightning_pipe.bench import cli_runs as cli
+from lightning_pipe.bench.harness import Bench, column_table, interleave, pyplot, save_figure
 from lightning_pipe.bench.stats import spearman
 
 RECORD_ENV = "LIGHTNING_PIPE_TUNE_RECORD"  # lightning_pipe.lightning.tune_record.RECORD_ENV
@@ -38,57 +32,14 @@ MiB = 2**20
 MN = lambda x: {"microbatches": x["microbatches"], "pipelines": x["pipelines"]}  # a setting's (M, N)
 
 
-# ---- running one timed command -----------------------------------------------------------------
-def tree_cpu(root: int) -> dict[tuple[int, int], float]:
-    """CPU seconds of `root` and its descendants (/proc), keyed by (pid, start time)."""
-    stats = {int(e): s for e in filter(str.isdigit, os.listdir("/proc")) if (s := proc_stat(int(e))) is not None}
-    out, todo = {}, [root]
-    while todo:
-        pid = todo.pop()
-        if pid in stats:
-            out[(pid, stats[pid][1])] = stats[pid][2]
-        todo += [child for child, (ppid, _, _) in stats.items() if ppid == pid]
-    return out
-
-
 def run_command(bench: Bench, cmd: list[str], folder: Path, label: str, env: Optional[dict] = None) -> dict[str, Any]:
-    """`cmd` in a fresh `folder` holding the lock; repeated while disturbed. The process tree's CPU is
-    polled (Lightning's workers are not always waited for, so getrusage alone can miss them)."""
-    args, attempts = bench.args, []
-    for attempt in range(args.retries + 1):
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        with open(args.lock, "a") as lock, open(folder / "command.log", "w") as log:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # the same lock as `flock /tmp/bench.lock ...`, released when closed
-            if bench.patient:
-                wait_for_quiet(args.quiet_wait, args.max_foreign, poll=2.0, log=bench.log)
-            log.write(" ".join(cmd) + "\n\n")
-            log.flush()
-            start, mine, t0, seen = CpuClock.now(children=True), own_seconds(), time.perf_counter(), {}
-            proc = subprocess.Popen(cmd, cwd=folder, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
-            try:  # the tree's CPU every 0.2 s until it exits (killed after args.timeout)
-                while proc.poll() is None and time.perf_counter() - t0 < args.timeout:
-                    seen |= {key: max(cpu, seen.get(key, 0.0)) for key, cpu in tree_cpu(proc.pid).items()}
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(timeout=0.2)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-            wall, end = time.perf_counter() - t0, CpuClock.now(children=True)
-        output = (folder / "command.log").read_text()
-        if proc.returncode != 0:
-            said = [line for line in output.splitlines() if line.startswith("error:")] or output.splitlines() or ["?"]
-            raise RuntimeError(f"{label}: exit code {proc.returncode}: {said[-1]} (log: {folder})")
-        own = max(end.own - start.own, sum(seen.values()) + own_seconds() - mine)
-        attempts.append({"wall": wall, "foreign": foreign_load(start, end, own=own), "cpu": own})
-        if attempts[-1]["foreign"] <= args.max_foreign or not bench.patient:
-            break
-        bench.log(f"  {label} disturbed: other processes used {attempts[-1]['foreign']:.2f} CPUs")
-    return {**attempts[-1], "attempts": attempts}
+    """`cmd` in a fresh `folder` holding the lock, on a quiet machine; repeated while disturbed."""
+    a = bench.args
+    quiet = dict(retries=a.retries, max_foreign=a.max_foreign, quiet_wait=a.quiet_wait, patient=bench.patient, log=bench.log)
+    run = cli.run_command(cmd, folder, a.timeout, label, lock=a.lock, env=env, **quiet)
+    return {k: run[k] for k in ("wall", "foreign", "cpu", "attempts")}
 
 
-# ---- one model --------------------------------------------------------------------------------
 def setting_overrides(m: int, n: int, k: int, steps: int, folder: Path) -> list[str]:
     """The tuner's profile-run command line (lightning_pipe.cli.tune.run_profile) at (M, N)."""
     return (
@@ -175,7 +126,6 @@ def run_model(bench: Bench, name: str) -> dict[str, Any]:
             "batch_size": batch, "tuner": tuner, "settings": settings, "confirm": confirm}  # fmt: skip
 
 
-# ---- the report -------------------------------------------------------------------------------
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
     settings, tuner = res["settings"], res["tuner"]
     key = lambda s: (s["microbatches"], s["pipelines"])
@@ -296,17 +246,12 @@ def main() -> None:
     quick = dict(models=["gpt-tiny"], tune_batches=2, batches=2, confirm=0, img="", out="/tmp/bench_tuner_quick.json",
                  set=["pipeline.tune_microbatches=[1,2]", "pipeline.tune_pipelines=[1,2]"])  # fmt: skip
     bench = Bench(__doc__, quick, rounds=1, retries=1, max_foreign=0.15, quiet_wait=60.0, budget=1500.0, timeout=900.0)
-    p = bench.parser
-    p.add_argument("--models", type=names, default=list(MODELS), help=f"comma-separated, of {list(MODELS)}")
-    p.add_argument("--set", nargs="*", default=[], help="extra Hydra overrides for every run (e.g. pipeline.tune_pipelines=[1,2])")
-    p.add_argument("--tune-batches", type=int, default=20, help="pipeline.tune_batches of the tuner (the paper's twenty)")
-    p.add_argument("--batches", type=int, default=8, help="recorded steps per traversal setting (one warm-up step more)")
-    p.add_argument("--confirm", type=int, default=1, help="re-runs of the pick and the best (not counted in the traversal)")
-    p.add_argument("--workdir", default="/tmp/bench_tuner", help="scratch folder: every run's Hydra folder and cwd")
-    p.add_argument("--out", default=str(REPO / "docs" / "tuner_results.json"), help="raw results (JSON)")
-    p.add_argument("--img", default=str(REPO / "docs" / "img"), help="folder for tuner_<model>.png ('' for none)")
-    p.add_argument("--report", default=None, help="print the tables (and plots) of a saved results file; run nothing")
-    p.add_argument("--lock", default="/tmp/bench.lock")
+    bench.options(models=(list(MODELS), f"of {list(MODELS)}"), tune_batches=(20, "pipeline.tune_batches (the paper's twenty)"))
+    bench.parser.add_argument("--set", nargs="*", default=[], help="extra Hydra overrides for every run (pipeline.tune_pipelines=[1,2])")
+    bench.options(batches=(8, "recorded steps per traversal setting (one warm-up step more)"), lock="/tmp/bench.lock")
+    bench.options(confirm=(1, "re-runs of the pick and the best (not counted in the traversal)"), workdir="/tmp/bench_tuner")
+    bench.options(out=(str(REPO / "docs" / "tuner_results.json"), "raw results (JSON)"), img=(str(REPO / "docs" / "img"), "'': none"))
+    bench.options(report=(None, "print the tables (and plots) of a saved results file; run nothing"))
     args = bench.parse()
     if args.report:
         saved = json.loads(Path(args.report).read_text())
