@@ -80,6 +80,10 @@ def test_tiny_recipe_trains_5_steps_on_2_processes(tmp_path):
     assert [float(v) for v in summary.groups()] == pytest.approx([losses[-1], val_loss, val_ppl], abs=1e-4)
     assert (run / "checkpoints" / "last.ckpt").exists()
     assert "schedule: 1f1b" in (run / "config_resolved.yaml").read_text()
+    # a quiet CLI: Lightning's start-up lines only with verbose=true (our plan lines stay)
+    shown = proc.stdout + proc.stderr
+    assert "GPU available" not in shown and "litlogger" not in shown and "Initializing distributed" not in shown, shown[-3000:]
+    assert "plan, profile and predicted timeline written" in shown
 
 
 @pytest.mark.timeout(300)
