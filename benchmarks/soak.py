@@ -1,10 +1,8 @@
 """Soak: long CLI runs, checking that memory, file descriptors and step time stay flat.
 
 ``python -m lightning_pipe.train`` (GPT-tiny, synthetic tokens, validation and a checkpoint every
-250 steps) for --steps steps per configuration; `lightning_pipe.bench.soak.SoakMonitor` records
-every rank's RSS, open fds and mean step time every 50 steps. Per configuration and rank: RSS
-first -> last (max), its growth over the second half, fds, step time of the first / last quarter.
-Feeds docs/faults.md ("Soak").
+250 steps) for --steps steps per configuration; `lightning_pipe.bench.soak.SoakMonitor` records every
+rank's RSS, open fds and mean step time every 50 steps. Feeds docs/faults.md ("Soak").
 
     python benchmarks/soak.py                        # 1F1B on 4 ranks and 2BW on 2 ranks, 1000 steps each
     python benchmarks/soak.py --steps 200 --configs 1f1b-4
