@@ -30,7 +30,9 @@ def test_the_installed_wheel_plans_and_trains_from_anywhere(tmp_path):
         (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, source / name)
     shutil.copytree(ROOT / "conf", source / "conf", symlinks=True)  # conf/recipe stays a link to ../recipes
     shutil.copytree(ROOT / "lightning_pipe", source / "lightning_pipe", ignore=shutil.ignore_patterns("__pycache__"))
-    built = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "dist", source], tmp_path)
+    built = run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "dist", source], tmp_path
+    )
     assert built.returncode == 0, built.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("lightning_pipe-*.whl")
     venv = tmp_path / "venv"
@@ -46,7 +48,15 @@ def test_the_installed_wheel_plans_and_trains_from_anywhere(tmp_path):
     planned = run([python, "-m", "lightning_pipe.plan", "recipe=gpt-tiny-cpu"], elsewhere)
     assert planned.returncode == 0 and "autopipe plan" in planned.stdout, planned.stdout[-2000:] + planned.stderr[-2000:]
     trained = run(
-        [python, "-m", "lightning_pipe.train", "trainer.max_steps=2", "trainer.limit_val_batches=0", "data.max_bytes=100000", "callbacks=none"],
+        [
+            python,
+            "-m",
+            "lightning_pipe.train",
+            "trainer.max_steps=2",
+            "trainer.limit_val_batches=0",
+            "data.max_bytes=100000",
+            "callbacks=none",
+        ],
         elsewhere,
     )
     assert trained.returncode == 0 and "[lightning-pipe] gpt-tiny-cpu: train_loss=" in trained.stdout, trained.stderr[-3000:]
