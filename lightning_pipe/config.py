@@ -233,12 +233,23 @@ class PipelineConfig:
         if not isinstance(value, (bool, str, type(None))) or value not in normal:
             raise SettingError(f"adaptive={self.adaptive!r}: one of rule (or true), learned, false", "adaptive")
         self.adaptive = normal[value]
-        if self.adaptive == "learned" and canonical(self.schedule) not in ("gpipe", "1f1b"):
-            raise SettingError(
-                f"adaptive=learned with schedule={self.schedule!r}: the learned predictor was trained on gpipe and 1f1b "
-                "iterations only; use one of them, or adaptive=rule (any synchronous schedule or 2bw)",
-                "adaptive",
-            )
+        if self.adaptive == "learned":
+            # the predictor reads the schedule it scores and was trained on each with these options
+            # (adaptive/offline.py SCHEDULE_OPTIONS): anything else is outside what it has seen
+            if self.auto:
+                raise SettingError(
+                    "adaptive=learned with schedule='auto': the learned predictor reads the schedule it scores; name one "
+                    "(gpipe, 1f1b, interleaved, wave, hanayo, advance or 2bw), or use adaptive=rule",
+                    "adaptive",
+                )
+            trained = {"interleaved": ("chunks", 2), "wave": ("waves", 1), "hanayo": ("waves", 1)}.get(canonical(self.schedule))
+            if trained is not None and getattr(self, trained[0]) != trained[1]:
+                name, value = trained
+                raise SettingError(
+                    f"adaptive=learned with schedule={self.schedule!r} and {name}={getattr(self, name)}: the learned predictor "
+                    f"was trained on {self.schedule} with {name}={value}; use that, or adaptive=rule (any {name})",
+                    name,
+                )
         if isinstance(self.adaptive_gain, bool) or not isinstance(self.adaptive_gain, (int, float)) or not 0 <= self.adaptive_gain < 1:
             raise SettingError(f"adaptive_gain={self.adaptive_gain!r}: a fraction in [0, 1), e.g. 0.05 for 5%", "adaptive_gain")
         for name in ("adaptive_interval", "adaptive_window"):

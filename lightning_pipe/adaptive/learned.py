@@ -58,7 +58,10 @@ class Verdict:
 
 
 class LearnedDecider:
-    def __init__(self, learned: Learned, static: StaticMetrics, schedule: str, microbatches: int):
+    """`schedule`: the running schedule, a `ScheduleSpec` (its options reach the predictor: an
+    advance / 2BW order's advance_num) or a name; any of `features.SCHEDULES`, each trained on."""
+
+    def __init__(self, learned: Learned, static: StaticMetrics, schedule: Any, microbatches: int):
         self.learned = learned
         self.scorer = LearnedScorer(learned.predictor, static, schedule, microbatches)
         self.static = static

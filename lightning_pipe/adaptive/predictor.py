@@ -34,11 +34,16 @@ class SpeedPredictor(nn.Module):
         self.head = nn.Sequential(
             nn.Linear(hidden + F.candidate_width(depth), 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 1)
         )
+        # training starts from the prior itself (a correction of 0), which already orders most candidates
+        nn.init.zeros_(self.head[-1].weight)
+        nn.init.zeros_(self.head[-1].bias)
 
     def forward(self, sequence: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
-        """sequence (B, W, 2d - 1), candidate (B, 4d + 3) -> predicted log(T / T0), (B,)."""
+        """sequence (B, W, 2d - 1), candidate (B, `F.candidate_width(d)`) -> predicted log(T / T0), (B,)."""
         _, (h, _) = self.lstm(sequence)
-        return self.head(torch.cat([h[-1], candidate], dim=1)).squeeze(1)
+        # ours: the network learns the correction to a closed-form estimate (`features.estimate`), so a
+        # partition unlike the training set's is still predicted at the right scale
+        return self.head(torch.cat([h[-1], candidate], dim=1)).squeeze(1) + candidate[:, F.PRIOR]
 
     def meta(self) -> dict[str, Any]:
         return {"kind": "speed_predictor", "depth": self.depth, "hidden": self.hidden, "features": F.FEATURE_VERSION}
@@ -88,15 +93,18 @@ class LearnedScorer:
         self,
         predictor: SpeedPredictor,
         static: StaticMetrics,
-        schedule: str,
+        schedule: Any,
         microbatches: int,
         steps: int = 2,
         buffer: int = 256,
         lr: float = 1e-3,
         seed: int = 0,
     ):
-        self.predictor, self.static, self.schedule, self.m = predictor, static, schedule, microbatches
+        self.predictor, self.static, self.m = predictor, static, microbatches
         self.depth = predictor.depth
+        # the running schedule's name and order (a name, or a ScheduleSpec with its options): inputs
+        # of every prediction, since one network per depth predicts all the schedules
+        self.schedule, self.advance = F.schedule_of(schedule, self.depth, microbatches)
         self.steps = steps
         self.replay: deque[tuple[list, list, float]] = deque(maxlen=buffer)
         # transfer learning: the job's own iterations fine-tune the output layer only; the features the
@@ -116,7 +124,18 @@ class LearnedScorer:
     def _candidate(self, bounds: Any, chunk_rank: Sequence[int], slow: list[float], bw: list[float]) -> list[float]:
         s = self.static
         return F.candidate_row(
-            s.forward, s.backward, s.output_bytes, s.param_bytes, bounds, chunk_rank, self.depth, self.m, slow, bw, self.schedule
+            s.forward,
+            s.backward,
+            s.output_bytes,
+            s.param_bytes,
+            bounds,
+            chunk_rank,
+            self.depth,
+            self.m,
+            slow,
+            bw,
+            self.schedule,
+            self.advance,
         )
 
     def _t0(self) -> float:

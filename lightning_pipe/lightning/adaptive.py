@@ -113,7 +113,8 @@ class Adaptive:
             self.scorer = scorer or SimulatorScorer(static, costs)
             if self.kind == "learned":
                 folder = Path(config.adaptive_weights) if config.adaptive_weights else None
-                self.decider = LearnedDecider(load_learned(folder, topo.depth), static, config.schedule, config.microbatches)
+                # the spec, not the name: the predictor reads the schedule and its options (advance_num)
+                self.decider = LearnedDecider(load_learned(folder, topo.depth), static, config.schedule_spec, config.microbatches)
                 self.offline = copy.deepcopy(self.decider.learned.predictor)  # before online adaptation, for evaluation
                 self.scorer = self.decider.scorer
             # the learned decision is taken on one rank (pipeline rank 0; with replicas, the first
