@@ -6,13 +6,14 @@ One command, one JSON + markdown report, on one accelerator (under 8 minutes on 
    runtime uses) against a plain one-process Trainer run: the same weights after a few steps;
    two processes sharing one GPU are not run (NCCL refuses two ranks on one device and gloo has no
    CUDA point-to-point), and the report says so;
-2. bf16-mixed and 16-mixed through the Trainer's precision plugin (the pipeline-aware subclass):
+2. PipeDream-2BW and AvgPipe(2BW) (N = 1, its reference process on the host) on one GPU;
+3. bf16-mixed and 16-mixed through the Trainer's precision plugin (the pipeline-aware subclass):
    the loss falls and stays finite, and ends within a tolerance of the plain Trainer's;
-3. CUDA-timed block profiles of GPT-2 345M and 1.3B in bf16, saved as profile files, and the
+4. CUDA-timed block profiles of GPT-2 345M and 1.3B in bf16, saved as profile files, and the
    monitor's CUDA-event meter on a timed step;
-4. the planners on those measured profiles for 8 and 16 GPUs: AutoPipe, `schedule="auto"` and
+5. the planners on those measured profiles for 8 and 16 GPUs: AutoPipe, `schedule="auto"` and
    PipeDream-2BW's planner (from a sized profile at micro-batch sizes 1, 2, 4), with their tables;
-5. peak memory of each stage of the 2BW planner's 8-GPU choice for GPT-2 345M, run on the GPU one
+6. peak memory of each stage of the 2BW planner's 8-GPU choice for GPT-2 345M, run on the GPU one
    stage at a time (its in-flight micro-batches, gradients, Adam state, 2BW's second version),
    against the planner's memory model.
 
@@ -121,6 +122,19 @@ def one_gpu(args: argparse.Namespace, report: dict) -> dict:
     out["created empty"] = {"max_rel_error_vs_plain_trainer": _max_rel(weights, reference)}
     assert out["created empty"]["max_rel_error_vs_plain_trainer"] <= 1e-10, out["created empty"]
     out["two processes on one GPU"] = "not run: NCCL refuses two ranks on one device, and gloo has no CUDA point-to-point"
+    return out
+
+
+@section("2BW and AvgPipe(2BW) on one GPU")
+def versions(args: argparse.Namespace, report: dict) -> dict:
+    # one stage: PipeDream-2BW's double buffer on the device; AvgPipe(2BW) with N = 1 (its reference
+    # process on the host: every update copied out, the reference copied back and pulled in) equals
+    # plain 2BW up to rounding, the drain at the end of fit included
+    kw = dict(schedule="2bw", microbatches=4, partition="uniform")
+    _, plain = _fit(AutoPipeStrategy(**kw), "64-true", 6, args)
+    _, averaged = _fit(AutoPipeStrategy(pipelines=1, **kw), "64-true", 6, args)
+    out = {"AvgPipe(2BW) N=1 vs 2BW: max rel error": _max_rel(averaged, plain)}
+    assert out["AvgPipe(2BW) N=1 vs 2BW: max rel error"] <= 1e-10, out
     return out
 
 
