@@ -1,10 +1,9 @@
 """AvgPipe's advance forward propagation vs 1F1B vs AFAB on 2 processes: time and stashed activations.
 
-``real``: GPT-tiny (lightning_pipe.bench.gpt, cut 5 / 5), batch 16 in M = 4, 8, 16 micro-batches,
-every advance_num a in [1, M]: iteration, step, the simulator on costs profiled in the job, peak stash
-and the live saved peak. ``emulated``: sleeping stages and an EMULATED per-message delay, and a
-simulator-only table on a deeper pipeline. ``cli``: Algorithm 1's adaptive rule through the CLI.
-Feeds docs/benchmarks_advance.md.
+``real``: GPT-tiny cut 5 / 5, batch 16 in M = 4, 8, 16 micro-batches, every advance_num a in [1, M]:
+iteration, step, the simulator on costs profiled in the job, peak stash, the live saved peak.
+``emulated``: sleeping stages, an EMULATED per-message delay; a deeper pipeline simulated. ``cli``:
+Algorithm 1's adaptive rule through the CLI. Feeds docs/benchmarks_advance.md.
 
     flock /tmp/bench.lock python benchmarks/bench_advance.py --save /tmp/advbench/final.json --cli-dir /tmp/advbench/cli_final
     flock /tmp/bench.lock python benchmarks/bench_advance.py --part emulated --latencies 0,2,8
@@ -37,10 +36,11 @@ from lightning_pipe.bench.cli_runs import run_command
 from lightning_pipe.bench.harness import Bench, Table, column_table, ms, pyplot, save_figure, spread, write_json
 from lightning_pipe.bench.launch import OTHER_JOBS, rank_zero_log, run_distributed, wait_for_quiet
 from lightning_pipe.bench.pipes import best_link, gather, median_costs, pipeline_steps, sleep_model, spans
-from lightning_pipe.profiling import Profile
+from lightning_pipe.profiling import Profile, profile_blocks
 from lightning_pipe.profiling.link import ping_pong
 from lightning_pipe.profiling.saved import SavedBytes
 from lightning_pipe.runtime.p2p import Transport
+from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
 from lightning_pipe.schedules import build_schedule
 from lightning_pipe.schedules.advance import peak_stash
 from lightning_pipe.simulation import CostModel, simulate
@@ -113,8 +113,6 @@ class LatencyTransport(Transport):
 def train_schedule(schedule, rank, chunk, loss_fn, x, y, run: Any, transport, after=None, live_exclude: set[int] | None = None) -> dict:
     """Warm-up, then timed steps (`pipeline_steps`: start, pipeline end, step end), minor page faults
     per step; with ``live_exclude`` one more step under LiveSaved."""
-    from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
-
     pipe = SequentialPipeline(schedule, rank, SequentialHost({rank: chunk}, STAGES - 1, loss_fn), transport)
     opt = torch.optim.SGD(chunk.parameters(), lr=1e-3)
     pipeline_steps(pipe, opt, x, y, run.warmup, after)
@@ -171,8 +169,6 @@ def real_job(rank: int, world: int, args: Any) -> dict:
 
 
 def emulated_job(rank: int, world: int, args: Any) -> dict:
-    from lightning_pipe.profiling import profile_blocks
-
     log = rank_zero_log(rank)
     model = sleep_model(STAGES, EMU_HIDDEN, args.tf / 1e3, 2 * args.tf / 1e3)
     link, _ = gpt.segment(lambda: best_link(rank, (4, EMU_ROWS * EMU_HIDDEN * 4), rounds=1), rank, world, args, log)
@@ -242,19 +238,17 @@ def chain(k: int) -> list[tuple[int, int]]:
     return [(i, i + 1) for i in range(k)]
 
 
+joined = lambda key, fmt: lambda r: " / ".join(fmt(v) for v in r[key])  # a row's values (per rank, per round)
 REAL_COLUMNS = (  # (header, value of a row); base: 1F1B's row at the same M
     ("advance_num", lambda r: label(r["a"], r["m"])),
     ("iteration ms: median (p25-p75)", lambda r: f"{ms(r['iter'].median)} ({ms(r['iter'].lo)}-{ms(r['iter'].hi)})"),
-    ("per-round medians", lambda r: " / ".join(ms(v) for v in r["rounds"])),
-    ("vs 1F1B", lambda r: f"{r['base']['iter'].median / r['iter'].median:.3f}x"),
-    ("simulated ms", lambda r: ms(r["sim"])),
-    ("simulated vs 1F1B", lambda r: f"{r['base']['sim'] / r['sim']:.3f}x"),
+    ("per-round medians", joined("rounds", ms)), ("vs 1F1B", lambda r: f"{r['base']['iter'].median / r['iter'].median:.3f}x"),
+    ("simulated ms", lambda r: ms(r["sim"])), ("simulated vs 1F1B", lambda r: f"{r['base']['sim'] / r['sim']:.3f}x"),
     ("training step ms", lambda r: ms(r["step"])),
     ("peak stash (micro-batches) stage 0 / 1", lambda r: f"{r['peak'][0]} / {r['peak'][1]}{'' if r['checked'] else ' (!)'}"),
-    ("peak stash MB (bytes/mb x peak)", lambda r: " / ".join(mbytes(v) for v in r["stash"])),
-    ("live saved peak MB (one step)", lambda r: " / ".join(mbytes(v) for v in r["live"])),
-    ("minor page faults per step, rank 0 / 1", lambda r: " / ".join(f"{v:.0f}" for v in r["faults"])),
-)
+    ("peak stash MB (bytes/mb x peak)", joined("stash", mbytes)), ("live saved peak MB (one step)", joined("live", mbytes)),
+    ("minor page faults per step, rank 0 / 1", joined("faults", "{:.0f}".format)),
+)  # fmt: skip
 
 
 def print_real(bench: Bench, results: list[dict], args: Any) -> dict:
@@ -406,7 +400,6 @@ def main() -> None:
     bench.options(emu_microbatches=[8], tf=(4.0, "emulated forward per stage, ms (backward 2 x)"), latencies=([0.0, 2.0, 8.0], "ms"))
     bench.options(cli_steps=20, cli_repeats=(3, "runs per recipe"), cli_dir=(None, "run folders (default: a temporary directory, kept)"))
     args = bench.parse()
-    args.part = ["real", "emulated", "cli"] if "all" in args.part else args.part
     if any(m < 1 or args.batch % m for m in args.microbatches):
         bench.error(f"--microbatches {args.microbatches}: each must divide --batch {args.batch}")
     data = {"args": dict(vars(args))}

@@ -13,6 +13,7 @@ windows, then each final model (last.ckpt: the reference for AvgPipe) on the who
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import tempfile
@@ -39,8 +40,9 @@ RUNS = {  # experiment -> name -> (pipelines N, Hydra overrides, label, colour)
                  "AvgPipe N=4 (alpha=1/4, 4 x batch 4)", "tab:red"),
     },
 }  # fmt: skip
-# experiment -> steps, --val-every, --smooth, the figure; its title
-DEFAULTS = {"2bw": (300, 50, 10, "2bw_vs_1f1b_loss.png"), "avgpipe": (800, 100, 20, "avgpipe_convergence.png")}
+# experiment -> its defaults of --steps, --val-every, --smooth (given on the command line: those); its figure and title
+DEFAULTS = {"2bw": dict(steps=300, val_every=50, smooth=10), "avgpipe": dict(steps=800, val_every=100, smooth=20)}
+FIGURES = {"2bw": "2bw_vs_1f1b_loss.png", "avgpipe": "avgpipe_convergence.png"}
 TITLES = {
     "2bw": "PipeDream-2BW vs 1F1B, 2 micro-batches/step",
     "avgpipe": f"AvgPipe N = 1, 2, 4 vs plain 1F1B, total batch {TOTAL_BATCH}/step",
@@ -51,8 +53,6 @@ def reference(config_path: str, stale: bool, val_every: int) -> list[tuple[int, 
     """The update rule on one process, from a pipelined run's resolved config: (steps, val_loss).
     The CLI's own construction and Lightning's step (clipping, optimizer, scheduler); ``stale``:
     batch t's gradient is taken on a copy holding W(max(t-1, 0)) and applied to W(t)."""
-    import copy
-
     import torch
 
     cfg, module, data = cli.instantiate_run(config_path, seed=True)
@@ -91,9 +91,8 @@ def full_validation(run_dir: str) -> tuple[float, int]:
     import torch
 
     _, module, data = cli.instantiate_run(os.path.join(run_dir, "config_resolved.yaml"))
-    module.load_state_dict(
-        torch.load(os.path.join(run_dir, "checkpoints", "last.ckpt"), map_location="cpu", weights_only=False)["state_dict"]
-    )
+    checkpoint = torch.load(os.path.join(run_dir, "checkpoints", "last.ckpt"), map_location="cpu", weights_only=False)
+    module.load_state_dict(checkpoint["state_dict"])
     module.eval()
     data.batch_size = 64
     data.setup("validate")
@@ -170,8 +169,8 @@ def avgpipe(bench: Bench, args, curves: dict, folder: str) -> list[str]:
 def main() -> None:
     bench = Bench(__doc__, dict(steps=4, val_every=2, val_samples=16, smooth=2), steps=None, timeout=1800.0)
     p = bench.parser
-    p.add_argument("experiment", choices=list(RUNS))
-    cli.add_options(p, val_every=0, smooth=0, out=None)  # 0, None: the experiment's
+    bench.experiment(DEFAULTS)
+    cli.add_options(p, val_every=None, smooth=None, out=None)  # None: the experiment's
     p.add_argument("--reuse", help="analyse the run folders kept by an earlier --keep (no training)")
     p.add_argument("--runs", nargs="+", default=None, help="which runs (default all; 1f1b is the baseline)")
     p.add_argument("--tolerance", type=float, default=0.03, help="2bw: criterion on |val 2bw / val 1f1b - 1|")
@@ -180,10 +179,8 @@ def main() -> None:
     p.add_argument("--no-full-val", action="store_true", help="avgpipe: skip evaluating each final model on the whole val split")
     args = bench.parse()
     exp, runs = args.experiment, RUNS[args.experiment]
-    steps, val_every, smooth, figure = DEFAULTS[exp]
-    args.steps, args.val_every, args.smooth = args.steps or steps, args.val_every or val_every, args.smooth or smooth
     folder = tempfile.gettempdir() if args.quick else os.path.join(REPO, "docs", "img")
-    args.out = args.out or os.path.join(folder, f"bench_{exp}_convergence_quick.png" if args.quick else figure)
+    args.out = args.out or os.path.join(folder, f"bench_{exp}_convergence_quick.png" if args.quick else FIGURES[exp])
     overrides = {name: runs[name][1] for name in args.runs or runs}
     if set(overrides) - set(runs) or (exp == "2bw" and len(overrides) < 2):
         bench.error(f"--runs: of {list(runs)}" + (" (2bw: both)" if exp == "2bw" else ""))

@@ -1,10 +1,9 @@
 """Depth on EMULATED devices: every schedule at P = 2..16 ranks, measured against the simulator.
 
-Each block is a PacedBlock (lightning_pipe.bench.emulated: it sleeps its time around a float64
-Linear), everything else the real runtime over gloo, 8 blocks per rank. Per (P, m, schedule): the
-median iteration, the simulator's (plain, and with measure_messages' terms), extra time per
-compute, exactness against one process; then the targets. Feeds docs/emulated.md (all tables) and
-docs/predictions.md (the summary); method there.
+PacedBlocks (lightning_pipe.bench.emulated), 8 per rank, in the real runtime over gloo. Per (P, m,
+schedule): the median iteration against the simulator's (plain, and with measure_messages' terms),
+extra time per compute, exactness; then the targets. Method and tables: docs/emulated.md (the
+summary: docs/predictions.md).
 
     flock /tmp/bench.lock python benchmarks/bench_emulated.py --json docs/emulated_results.json --markdown <file>
     python benchmarks/bench_emulated.py --quick     # smoke: P = 2, m = P, 2 steps
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 from lightning_pipe.bench.emulated import emulated_model, fine_timer_slack
 from lightning_pipe.bench.harness import Bench, column_table, ms
 from lightning_pipe.bench.launch import CpuClock, foreign_load, run_distributed, wait_for_quiet
-from lightning_pipe.bench.pipes import pipeline_steps
+from lightning_pipe.bench.pipes import chunk_pipeline, pipeline_steps
 from lightning_pipe.bench.stats import spearman
 from lightning_pipe.errors import SettingError
 from lightning_pipe.planning import partition_blocks
@@ -32,7 +31,6 @@ from lightning_pipe.planning.auto import CANDIDATES, choose_schedule
 from lightning_pipe.profiling.link import ping_pong
 from lightning_pipe.profiling.messages import MessageCosts, measure_messages
 from lightning_pipe.runtime.p2p import Transport
-from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
 from lightning_pipe.schedules import Op, ScheduleSpec, build_schedule
 from lightning_pipe.simulation import CostModel, simulate
 
@@ -94,10 +92,7 @@ def _job(rank: int, world: int, cfg: dict, cases: list[dict], reference: dict[st
         schedule = build_schedule(case["schedule"], world, case["m"], **case["options"])
         bounds = uniform_bounds(cfg["blocks"], schedule.num_chunks)
         model = emulated_model(cfg["blocks"], cfg["width"], cfg["f"], cfg["b"], seed=cfg["seed"], paced=True, gain=cfg["gain"])
-        chunks = {c: model[bounds[c][0] : bounds[c][1]] for c in schedule.chunks_of(rank)}
-        host = SequentialHost(chunks, schedule.num_chunks - 1, F.mse_loss)
-        pipe = SequentialPipeline(schedule, rank, host, transport)
-        opt = torch.optim.SGD([q for c in chunks.values() for q in c.parameters()], lr=cfg["lr"])
+        chunks, pipe, opt = chunk_pipeline(model, schedule, bounds, rank, transport, F.mse_loss, cfg["lr"])
         compute, size = [], [b - a for a, b in bounds]
 
         def extra() -> None:  # how long each compute occupied the rank beyond its emulated time (sleep
@@ -159,7 +154,10 @@ def run_depth(bench: Bench, p: int, args) -> dict:
         row = dict(case, measured=statistics.median(its), measured_all=its, max_rel_diff=diff, exact=diff <= 1e-10)
         row["extra_per_compute"] = sum(e for e, _ in extra) / max(sum(n for _, n in extra), 1)
         res["rows"].append(dict(row, **{key: simulated(case, costs_for(res, case["m"], key)) for key in KEYS}))
-    print_depth(bench, res)
+    head = f"{blocks} blocks, {cfg['f'] * 1e3:g} / {cfg['b'] * 1e3:g} ms; link {link['latency'] * 1e6:.0f} us; other processes {res['foreign_load']:.2f} CPUs"
+    bench.table(column_table(COLUMNS, res["rows"], "l" * len(COLUMNS)), f"\n#### P = {p} EMULATED ranks ({head})")
+    for s in skipped:
+        bench.say(f"m = {s['m']} {s['label']}: skipped ({s['reason']})")
     return res
 
 
@@ -176,14 +174,6 @@ COLUMNS = (
     ("extra per compute us", lambda r: f"{r['extra_per_compute'] * 1e6:.0f}"),
     ("exact", lambda r: f"{'yes' if r['exact'] else 'NO'} ({r['max_rel_diff']:.0e})"),
 )  # fmt: skip
-
-
-def print_depth(bench: Bench, res: dict) -> None:
-    p, cfg, link = res["p"], res["config"], res["link"]
-    title = f"\n#### P = {p} EMULATED ranks ({cfg['blocks']} blocks, {cfg['f'] * 1e3:g} / {cfg['b'] * 1e3:g} ms; link {link['latency'] * 1e6:.0f} us; "
-    bench.table(column_table(COLUMNS, res["rows"], "l" * len(COLUMNS)), title + f"other processes {res['foreign_load']:.2f} CPUs)")
-    for s in res["skipped"]:
-        bench.say(f"m = {s['m']} {s['label']}: skipped ({s['reason']})")
 
 
 def auto_check(res: dict, key: str) -> list[dict]:

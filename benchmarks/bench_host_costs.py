@@ -3,9 +3,8 @@
 ``dispatch``: the executor's own cost per compute action (null blocks on one rank); ``chunks``: the
 same 8 residual-MLP blocks on one rank as v = 1, 2, 4, 8 chunks; ``transport``: the compute time an
 isend / irecv in flight takes (2 pinned gloo processes); ``messages`` (asked for by --parts): the
-setup's message costs (lightning_pipe.profiling.messages) measured again and again, their spread
-(--bounce-only: the ranks pretend to be on two hosts). Feeds docs/predictions.md ("What the host
-costs beyond the blocks") and docs/messages.md.
+spread of the setup's message costs measured again and again. Feeds docs/predictions.md ("What the
+host costs beyond the blocks") and docs/messages.md.
 
     flock /tmp/bench.lock python benchmarks/bench_host_costs.py --rounds 40
     flock /tmp/bench.lock python benchmarks/bench_host_costs.py --parts chunks --mlp-ratio 1 --rounds 60
@@ -24,6 +23,7 @@ from torch import nn
 from lightning_pipe.bench.harness import Bench, Table, interleave, spread
 from lightning_pipe.bench.launch import run_distributed
 from lightning_pipe.bench.mlp import Block
+from lightning_pipe.bench.pipes import broadcast
 from lightning_pipe.profiling import profile_blocks
 from lightning_pipe.runtime.executor import Executor
 from lightning_pipe.runtime.microbatch import signature
@@ -110,9 +110,7 @@ def _compute(a: torch.Tensor, n: int) -> float:
 def transport_job(rank: int, world: int, sizes: list[int], rounds: int) -> dict:
     a = torch.randn(128, 128)
     _compute(a, 200)  # warm up, then size the work to ~2 ms, the same on both ranks
-    box = [max(1, round(2e-3 / (min(_compute(a, 200) for _ in range(5)) / 200)))]
-    dist.broadcast_object_list(box, 0)
-    n, out = box[0], {}
+    n, out = broadcast(max(1, round(2e-3 / (min(_compute(a, 200) for _ in range(5)) / 200)))), {}
     for nbytes in sizes:
         buf = torch.zeros(nbytes // 4)
         inbox = torch.empty_like(buf)

@@ -1,10 +1,9 @@
 """Peak memory per stage against the prediction: on real processes (default) or per rank of a CLI run (--ranks).
 
-Default: GPipe, 1F1B and PipeDream-2BW train lightning_pipe.bench.mlp's residual MLP on d = 2, 4 gloo
-processes at m = d, 4d; autograd's saved tensors, the executor's stash, communication buffers and
-weights per stage against simulate() on per-block bytes. ``--ranks``: one step of a paper-size recipe
-through the CLI on CPU, every process's peak memory (lightning_pipe.bench.rss) against the planners'
-memory model. Feeds docs/memory.md (method there).
+Default: GPipe, 1F1B and PipeDream-2BW train the residual MLP on d = 2, 4 gloo processes at m = d,
+4d; saved tensors, stash, communication buffers and weights per stage against simulate(). ``--ranks``:
+one CLI step of a paper-size recipe on CPU, every process's peak memory against the planners' memory
+model. Feeds docs/memory.md (method there).
 
     python benchmarks/bench_memory.py
     python benchmarks/bench_memory.py --no-prefetch   # Executor(prefetch=False)
@@ -20,18 +19,21 @@ import time
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_pipe.bench.harness import Bench, Table, column_table, names
 from lightning_pipe.bench.launch import run_distributed
 from lightning_pipe.bench.mlp import loss_fn, make_data, make_model
-from lightning_pipe.bench.pipes import equal_bounds, run_layer
+from lightning_pipe.bench.pipes import equal_bounds, run_layer, schedule_layer
 from lightning_pipe.bench.rss import run_sampled
 from lightning_pipe.planning.auto import ADAM_WEIGHT_COPIES
 from lightning_pipe.planning.flops import transformer_costs
 from lightning_pipe.planning.partition import partition_blocks
+from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sequential import SequentialHost
 from lightning_pipe.schedules import build_schedule
+from lightning_pipe.schedules.two_bw import pipedream_2bw
 from lightning_pipe.simulation import CostModel, simulate
 
 SCHEDULES = ["gpipe", "1f1b", "2bw"]
@@ -214,17 +216,11 @@ def _param_bytes(module: nn.Module) -> int:
 
 def job(rank: int, world: int, runs: list[tuple[str, int]], cfg: dict) -> list[dict]:
     """Every (schedule, m) of `runs` on this rank's stage, one after the other (one launch per d)."""
-    import torch.distributed as dist
-
     return [(_measure(rank, world, schedule, m, cfg), dist.barrier())[0] for schedule, m in runs]
 
 
 def _measure(rank: int, world: int, schedule: str, m: int, cfg: dict) -> dict:
     """One stage of a run: warm-up steps, measured steps (and 2BW's drain); the peaks."""
-    from lightning_pipe.layers import DoubleBuffer, Flush
-    from lightning_pipe.runtime.p2p import Transport
-    from lightning_pipe.schedules import ScheduleSpec
-
     per, probe = cfg["blocks"] // world, Probe()
     stage = make_model(cfg)[rank * per : (rank + 1) * per]
     host = MeasuredHost(probe, stage, {rank: stage}, world - 1, loss_fn)
@@ -234,20 +230,15 @@ def _measure(rank: int, world: int, schedule: str, m: int, cfg: dict) -> dict:
     for p in stage.parameters():
         probe.weights.watch(p, "live")
     warmup, measured, held = cfg["warmup"], cfg["steps_2bw"] if schedule == "2bw" else cfg["steps"], 0
+    apply = lambda: (opt.step(), opt.zero_grad(set_to_none=True))  # 2BW: a drain's update, the caller's optimizer step
+    # flushing schedules: what SequentialPipeline runs, Executor(build_schedule(schedule, world, m))
+    mode = schedule_layer(schedule, world, m, rank, transport, stage, apply, prefetch=cfg["prefetch"])
     if schedule == "2bw":
-
-        def apply() -> None:  # a drain's update: the caller's optimizer step
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        mode = DoubleBuffer(ScheduleSpec.of("2bw"), world, m, rank, transport, stage, apply, prefetch=cfg["prefetch"])
         versions = mode.versions
         detach_live, snapshot = versions.detach_live, versions.snapshot
         watch = lambda tensors, kind: [probe.weights.watch(t, kind) for t in tensors]  # noqa: E731
         versions.detach_live = lambda: (detach_live(), watch(versions.live, "detach_live"))[0]
         versions.snapshot = lambda: (stashed := snapshot(), watch(stashed.values(), "snapshot"))[0]
-    else:  # what SequentialPipeline runs: Executor(build_schedule(schedule, world, m))
-        mode = Flush(ScheduleSpec.of(schedule), world, m, rank, transport, prefetch=cfg["prefetch"])
     data = make_data(dict(cfg, batch=cfg["rows"] * m))  # 4 batches, cycled
     with probe.hooks():
         for step in range(warmup + measured):
@@ -290,13 +281,6 @@ def block_costs(cfg: dict) -> tuple[list[int], list[int], list[int]]:
     return saved, output, params
 
 
-def predict(schedule: str, d: int, m: int, cfg: dict, costs: CostModel):
-    from lightning_pipe.schedules.two_bw import pipedream_2bw
-
-    sched = pipedream_2bw(d, m, batches=cfg["warmup"] + cfg["steps_2bw"]) if schedule == "2bw" else build_schedule(schedule, d, m)
-    return simulate(sched, costs, equal_bounds(cfg["blocks"], d), critical_path=False)
-
-
 def kib(n: float) -> str:
     return f"{n / KiB:,.0f}"
 
@@ -304,22 +288,18 @@ def kib(n: float) -> str:
 KEY = [(k, k) for k in ("schedule", "d", "m", "stage")]
 # (header, cell of a stage's row: the measurement plus n, pred, pred_w, pred_out, the simulator's in flight and bytes)
 ACTIVATIONS = [
-    ("in flight meas/pred", lambda r: f"{r['in_flight']}/{r['n']}"),
-    ("saved + stash KiB", lambda r: kib(r["held"])),
-    ("predicted KiB", lambda r: kib(r["pred"])),
-    ("ratio", lambda r: f"{r['held'] / r['pred']:.2f}"),
-    ("alive KiB", lambda r: kib(r["alive"])),
-    ("alive / pred", lambda r: f"{r['alive'] / r['pred']:.2f}"),
+    ("in flight meas/pred", lambda r: f"{r['in_flight']}/{r['n']}"), ("saved + stash KiB", lambda r: kib(r["held"])),
+    ("predicted KiB", lambda r: kib(r["pred"])), ("ratio", lambda r: f"{r['held'] / r['pred']:.2f}"),
+    ("alive KiB", lambda r: kib(r["alive"])), ("alive / pred", lambda r: f"{r['alive'] / r['pred']:.2f}"),
     ("excess of alive at its peak (KiB)", lambda r: ", ".join(f"{k} {kib(v)}" for k, v in sorted(r["excess"].items())) or "-"),
     ("pred (output bytes) KiB", lambda r: kib(r["pred_out"])),
-]
+]  # fmt: skip
 WEIGHTS = [
     ("weights measured KiB", lambda r: kib(r["weights"])),
     ("versions_held() max", lambda r: str(r["versions_held"]) if r["schedule"] == "2bw" else "-"),
-    ("measured peak set by", lambda r: r["weights_peak_at"]),
-    ("predicted KiB", lambda r: kib(r["pred_w"])),
+    ("measured peak set by", lambda r: r["weights_peak_at"]), ("predicted KiB", lambda r: kib(r["pred_w"])),
     ("ratio", lambda r: f"{r['weights'] / r['pred_w']:.2f}"),
-]
+]  # fmt: skip
 
 
 def predicted(model: str, ranks: int, dtype_bytes: int) -> list[float]:
@@ -419,8 +399,9 @@ def main() -> None:
         results[d] = {run: [r[i] for r in per_rank] for i, run in enumerate(runs)}
         bench.keep(f"d={d}", {f"{s} m={m}": stages for (s, m), stages in results[d].items()})
     for d, runs in results.items():
-        for (schedule, m), stages in runs.items():
-            t, t_out = (predict(schedule, d, m, cfg, c) for c in costs)
+        for (schedule, m), stages in runs.items():  # the prediction: the same schedule (2BW: as many batches) simulated
+            sched = pipedream_2bw(d, m, batches=cfg["warmup"] + cfg["steps_2bw"]) if schedule == "2bw" else build_schedule(schedule, d, m)
+            t, t_out = (simulate(sched, c, equal_bounds(cfg["blocks"], d), critical_path=False) for c in costs)
             for s, r in enumerate(stages):
                 if r["saved"] > r["held"]:
                     raise RuntimeError("saved > saved + stash: the accounting is wrong")

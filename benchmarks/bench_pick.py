@@ -147,15 +147,13 @@ def report_a(bench: Bench, res: dict, title: str) -> None:
     best, pick = order[0], next(r for r in rows if r["chosen"])
     columns = [
         ("configuration [blocks per stage]", lambda r: f"**{r['config']} (chosen)**" if r["chosen"] else r["config"]),
-        ("predicted samples/s", lambda r: f"{r['candidate']['throughput']:.1f}"),
-        ("measured samples/s", lambda r: f"{r['measured']:.1f}"),
+        ("predicted samples/s", lambda r: f"{r['candidate']['throughput']:.1f}"), ("measured samples/s", "measured", ".1f"),
         ("per round", lambda r: ", ".join(f"{x['samples_per_s']:.0f}" for x in r["runs"])),
         ("predicted / measured", lambda r: f"{r['candidate']['throughput'] / r['measured']:.2f}"),
-        ("measured rank", lambda r: order.index(r) + 1),
-        ("memory (predicted)", lambda r: size_text(r["candidate"]["memory"])),
+        ("measured rank", lambda r: order.index(r) + 1), ("memory (predicted)", lambda r: size_text(r["candidate"]["memory"])),
         ("other load (CPUs)", lambda r: f"{max(x['foreign_cpus'] for x in r['runs']):.2f}"),
         ("closed form samples/s", lambda r: "-" if r["closed"] is None else f"{r['closed']:.1f}"),
-    ]
+    ]  # fmt: skip
     limits = (
         f"memory limit {size_text(res['memory_limit'])} (= {res['settings']['limit_fraction']} x the largest uncapped footprint "
         f"{size_text(res['largest_footprint'])}): {res['discarded']} of {res['candidates']} candidates over it; uncapped pick {res['uncapped_chosen']}"
@@ -204,9 +202,8 @@ def report_pooled(bench: Bench, runs: list[dict]) -> None:
         found = (order.index(pick) + 1, f"{measured[pick] / measured[order[0]]:.2f}") if pick in measured else "--"
         t.add(i + 1, f"{sp:+.2f}", pick, *found)
     best = order[0]
-    bench.table(
-        t, f"## part a, pooled over {len(runs)} runs ({len(measured)} configurations): best {best} at {measured[best]:.1f} samples/s"
-    )
+    title = f"## part a, pooled over {len(runs)} runs ({len(measured)} configurations): best {best} at {measured[best]:.1f} samples/s"
+    bench.table(t, title)
 
 
 def short(c: Any) -> dict:
@@ -283,9 +280,8 @@ def part_time(bench: Bench, args: Any) -> dict:
             t = time.perf_counter()
             out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, check=True, cwd=work)
             wall = time.perf_counter() - t
-            runs[key].append(
-                dict(json.loads(out.stdout.strip().splitlines()[-1]), process_wall_s=wall) if key == "cold" else {"wall_s": wall}
-            )
+            record = dict(json.loads(out.stdout.strip().splitlines()[-1]), process_wall_s=wall) if key == "cold" else {"wall_s": wall}
+            runs[key].append(record)
     return {**runs, "cli_command": "python " + CLI, "cli_output": out.stdout + out.stderr}
 
 
@@ -504,16 +500,18 @@ def planner_auto(bench: Bench, args: Any) -> None:
                 Path(args.save).write_text(json.dumps({"provenance": bench.provenance, "command": bench.command, "cases": cases}, indent=1))
 
 
-COMMON = {  # planner -> the common options' defaults (given on the command line: those)
-    "2bw": dict(rounds=2, steps=24, warmup=6, retries=2, max_foreign=0.3, quiet_wait=120.0),
+COMMON = {  # planner -> its defaults of the common options and --work (given on the command line: those)
+    "2bw": dict(rounds=2, steps=24, warmup=6, retries=2, max_foreign=0.3, quiet_wait=120.0, work="/tmp/bench_planner_2bw"),
     "auto": dict(rounds=3, steps=15, warmup=5, retries=1, max_foreign=0.15, quiet_wait=5.0),
 }
 
 
 def main() -> None:
     quick = dict(rows="best", profile_repeats=1, cold=1, limit_fraction=0.5, microbatches=[2], workloads=["mlp"])
-    bench = Bench(__doc__, quick, threads=1, budget=float("inf"), **dict.fromkeys(COMMON["2bw"]))
-    bench.parser.add_argument("planner", choices=list(COMMON))
+    bench = Bench(
+        __doc__, quick, threads=1, budget=float("inf"), **dict.fromkeys(COMMON["auto"])
+    )  # the common options; None: the planner's
+    bench.experiment(COMMON, "planner")
     bench.options(part=(["a", "b", "time"], "2bw: of a, b, time"), batch=(32, "2bw part a: global batch"), profile_repeats=5)
     bench.options(limit_fraction=(0.5, "2bw part a: memory limit, of the largest uncapped footprint"), cold=(5, "2bw part time"))
     bench.parser.add_argument("--rows", choices=("all", "best"), default="all", help="2bw part a: every feasible candidate, or the best")
@@ -521,9 +519,6 @@ def main() -> None:
     bench.options(save=(None, "2bw: merge this run into a results JSON (part a runs are appended); auto: write it (after every case)"))
     bench.options(report=(None, "print the tables of a saved results JSON; run nothing"), plot=(None, "2bw, with --report: a picture"))
     args = bench.parse()
-    for key, value in COMMON[args.planner].items():
-        setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
-    args.work = args.work or ("/tmp/bench_planner_2bw" if args.planner == "2bw" else None)
     (planner_2bw if args.planner == "2bw" else planner_auto)(bench, args)
     bench.finish()
 

@@ -21,6 +21,7 @@ from lightning_pipe.bench.harness import Bench, Table
 from lightning_pipe.models import get_model_config
 from lightning_pipe.planning import plan, transformer_costs
 from lightning_pipe.planning.exhaustive import EXHAUSTIVE_LIMIT, count_splits
+from lightning_pipe.planning.heuristic import MAX_EXPANSIONS_PER_STAGE, autopipe_search
 from lightning_pipe.planning.partitioners import PARTITIONERS
 from lightning_pipe.planning.replay import Evaluator, cached_schedule, compiled
 from lightning_pipe.simulation import CostModel
@@ -117,8 +118,6 @@ def target_timing(method: str, repeats: int) -> tuple[float, float, float]:
 
 
 def closure(bench: Bench) -> None:
-    from lightning_pipe.planning.heuristic import MAX_EXPANSIONS_PER_STAGE, autopipe_search
-
     costs, _ = transformer_costs("gpt2-1.3b", 16)
     for bound in (MAX_EXPANSIONS_PER_STAGE * 16, 10**9):
         ev, started = Evaluator(costs, "1f1b", 16, 32), time.perf_counter()

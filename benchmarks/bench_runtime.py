@@ -2,9 +2,7 @@
 one process, and the Trainer path (trainer-single / trainer-1f1b, asked for with --modes) vs the raw runtime.
 
 lightning_pipe.bench.mlp's residual MLP cut in two equal halves; best of --repeats interleaved runs,
-final weights checked against ``single``. ``--segments`` times the parts of trainer-1f1b's step,
-``--profile cpu|wall`` cProfiles the timed steps. Method and results: docs/benchmarks.md; the Trainer
-path: docs/predictions.md.
+final weights checked against ``single``. Results: docs/benchmarks.md; the Trainer path: docs/predictions.md.
 
     flock /tmp/bench.lock python benchmarks/bench_runtime.py --repeats 3 --retries 3 --quiet-wait 20 --budget 300
     flock /tmp/bench.lock python benchmarks/bench_runtime.py --modes trainer-single,ours-1f1b,trainer-1f1b --steps 40 --repeats 4 --budget 300
@@ -14,7 +12,10 @@ path: docs/predictions.md.
 
 from __future__ import annotations
 
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import time
 
@@ -22,10 +23,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_pipe.bench.harness import Bench, Table
-from lightning_pipe.bench.launch import timed_steps
-from lightning_pipe.bench.mlp import best_runs, loss_fn, make_data, make_model, single_job, stage_half, torch_pipeline
-from lightning_pipe.bench.pipes import equal_bounds
-from lightning_pipe.bench.trainer_runs import quiet_lightning, stage_pipeline
+from lightning_pipe.bench.mlp import best_runs, make_data, single_job, stage_job
+from lightning_pipe.bench.trainer_runs import quiet_lightning
 
 MODES = ["single", "single-mb", "pair", "ours-gpipe", "ours-1f1b", "torch-gpipe", "torch-1f1b"]  # the default
 TRAINER = ["trainer-single", "trainer-1f1b"]  # through Lightning's Trainer (--modes)
@@ -35,8 +34,6 @@ def profiler(clock: str):
     """cProfile over the timed steps (cpu: the main thread's CPU time; wall: the waits too), or None."""
     if not clock:
         return None
-    import cProfile
-
     return cProfile.Profile(time.thread_time if clock == "cpu" else time.perf_counter)
 
 
@@ -44,9 +41,6 @@ def profile_report(prof, name: str, lines: int = 35) -> str | None:
     """Each rank's heaviest functions (own, cumulative) and who syncs the ranks; BENCH_PROFILE_DIR: the pstats too."""
     if prof is None:
         return None
-    import io
-    import pstats
-
     if folder := os.environ.get("BENCH_PROFILE_DIR"):
         prof.dump_stats(os.path.join(folder, f"{name}-rank{dist.get_rank() if dist.is_initialized() else 0}.pstats"))
     out = io.StringIO()
@@ -57,38 +51,13 @@ def profile_report(prof, name: str, lines: int = 35) -> str | None:
     return out.getvalue()
 
 
-def _pipeline(rank: int, cfg: dict, mode: str) -> dict:
-    """One stage of ``ours-*`` (SequentialPipeline) or ``torch-*`` (PipelineStage + Schedule*)."""
-    model, data = make_model(cfg), make_data(cfg)
-    chunk, m = stage_half(model, rank), cfg["microbatches"]
-    kind, name = mode.split("-")
-    if kind == "ours":
-        run = stage_pipeline(model, equal_bounds(len(model), 2), rank, 2, m, loss_fn, name)[1].step
-    else:
-        run = torch_pipeline(model, cfg, rank, name)[0]
-    opt, prof = torch.optim.SGD(chunk.parameters(), lr=cfg["lr"]), profiler(cfg["profile"] if kind == "ours" else "")
-
-    def step(i: int) -> None:
-        if i == cfg["warmup"] and prof:
-            prof.enable()
-        opt.zero_grad(set_to_none=True)
-        run(*data[i % len(data)])
-        opt.step()
-
-    timing = timed_steps(step, cfg["steps"], cfg["warmup"], dist.barrier)
-    if prof:
-        prof.disable()
-    return {
-        "timing": timing,
-        "params": {k: v.detach().clone() for k, v in chunk.state_dict().items()},
-        "profile": profile_report(prof, mode),
-    }
-
-
 def job(rank: int, world: int, mode: str, cfg: dict) -> dict:
     if mode in ("single", "pair", "single-mb"):
         return single_job(rank, world, cfg, cfg["microbatches"] if mode == "single-mb" else 1)
-    return _trainer(rank, world, cfg) if mode in TRAINER else _pipeline(rank, cfg, mode)
+    if mode in TRAINER:
+        return _trainer(rank, world, cfg)
+    prof = profiler(cfg["profile"] if mode.startswith("ours-") else "")  # ours-* (SequentialPipeline) cProfiled on request
+    return dict(stage_job(rank, cfg, mode, prof), profile=profile_report(prof, mode))
 
 
 def _trainer(rank: int, world: int, cfg: dict) -> dict:

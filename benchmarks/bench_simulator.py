@@ -27,7 +27,7 @@ from lightning_pipe.bench import REPO, gpt, simulator_report
 from lightning_pipe.bench.gpt import add_model_arguments, block_kinds, build_model, lm_loss, make_batch, segment
 from lightning_pipe.bench.harness import Bench, Table
 from lightning_pipe.bench.launch import CpuClock, rank_zero_log
-from lightning_pipe.bench.pipes import gather, pipeline_steps, spans
+from lightning_pipe.bench.pipes import broadcast, gather, pipeline_steps, spans
 from lightning_pipe.bench.trainer_runs import quiet_distributed, stage_pipeline
 from lightning_pipe.planning import plan
 from lightning_pipe.profiling import Profile, profile_blocks
@@ -104,9 +104,8 @@ def simulator_job(rank: int, world: int, args) -> dict:
     profiles, profile_loads = {}, {}
     for key, v in variants.items() if world > cores else list(variants.items())[:3]:
         profiles[key], profile_loads[key] = segment(lambda: profile_at_once(model, x, y, rank, world, args, *v), rank, world, args, log)
-    box = [{"link": link, "partitions": choose_partitions(profiles["main"], link, model, world, args)} if rank == 0 else None]
-    dist.broadcast_object_list(box, 0)
-    link, partitions = box[0]["link"], box[0]["partitions"]
+    shared = broadcast({"link": link, "partitions": choose_partitions(profiles["main"], link, model, world, args)} if rank == 0 else None)
+    link, partitions = shared["link"], shared["partitions"]
     log(f"  link: latency {link['latency'] * 1e6:.0f} us, bandwidth {link['bandwidth'] / 1e9:.2f} GB/s; partitions: "
         + ", ".join(f"{label} {simulator_report.sizes_of(b)}" for label, b in partitions))  # fmt: skip
     n = len(partitions)
@@ -134,9 +133,7 @@ def speedup_job(rank: int, world: int, args) -> dict:
     run = lambda: gpt.gather_profile(list(model), x[: args.mbs], y[: args.mbs], rank, world, args.profile_repeats, False, "gpt", args.mbs)  # noqa: E731
     (profile, loss), profile_load = gpt.segment(run, rank, world, args, log)
     plan_all = lambda costs: {m: plan(costs, world, args.microbatches, method=m, kinds=gpt.block_kinds(model)) for m in SPEEDUP}
-    box = [plan_all(profile.costs(link["bandwidth"], link["latency"])) if rank == 0 else None]
-    dist.broadcast_object_list(box, 0)
-    plans = box[0]
+    plans = broadcast(plan_all(profile.costs(link["bandwidth"], link["latency"])) if rank == 0 else None)
     runs, loads = {m: [] for m in SPEEDUP}, {m: [] for m in SPEEDUP}
     for rnd in range(args.rounds):
         for m in SPEEDUP if rnd % 2 == 0 else SPEEDUP[::-1]:

@@ -1,10 +1,9 @@
 """AutoPipe slicer (paper §III-C): start-up and iteration time with and without slicing.
 
-Simulated on FLOP-based profiles (`transformer_costs`) with each depth's AutoPipe plan, 1F1B,
-m = 2 x stages: ours (`choose_slicing`) vs the paper's Algorithm 2. ``--measure``: the runtime
-(SequentialHost + traced Executor, gloo, 1 thread) with and without slicing, start-up and
-iteration off the trace, at 2 ranks on the residual MLP and 4 / 8 ranks on emulated devices whose
-time scales with the rows, against the simulator on the same costs. Feeds docs/autopipe.md.
+Simulated on FLOP-based profiles with each depth's AutoPipe plan, 1F1B, m = 2 x stages: ours
+(`choose_slicing`) vs the paper's Algorithm 2. ``--measure``: the traced runtime (gloo) with and
+without slicing at 2 ranks (the residual MLP) and 4 / 8 (emulated devices whose time scales with
+the rows), against the simulator on the same costs. Feeds docs/autopipe.md.
 
     python benchmarks/bench_slicer.py --pictures docs/img
     flock /tmp/bench.lock python benchmarks/bench_slicer.py --measure   # real processes, ~3 min
@@ -15,12 +14,21 @@ from __future__ import annotations
 import statistics
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from lightning_pipe.bench.emulated import EmulatedBlock, _Occupy
 from lightning_pipe.bench.harness import Bench, Table
+from lightning_pipe.bench.mlp import make_model
 from lightning_pipe.planning import plan, transformer_costs
 from lightning_pipe.planning.slicer import algorithm2_slicing, choose_slicing, simulate_sliced
 from lightning_pipe.planning.slicer_algorithm2 import algorithm2, paper_schedule, simulate_paper, stage_times
+from lightning_pipe.profiling.link import ping_pong
+from lightning_pipe.runtime.executor import Executor
+from lightning_pipe.runtime.microbatch import signature, split_microbatches
+from lightning_pipe.runtime.p2p import Transport
+from lightning_pipe.runtime.sequential import SequentialHost
+from lightning_pipe.schedules import build_schedule
 from lightning_pipe.simulation import CostModel
 
 pct = "{:.1%}".format
@@ -70,8 +78,6 @@ class RowScaledBlock(EmulatedBlock):
 
 def _stage(cfg: dict, rank: int) -> torch.nn.Module:
     if cfg["kind"] == "mlp":
-        from lightning_pipe.bench.mlp import make_model
-
         per = cfg["blocks"] // cfg["stages"]
         return make_model(cfg)[rank * per : (rank + 1) * per]
     torch.manual_seed(rank)
@@ -80,22 +86,11 @@ def _stage(cfg: dict, rank: int) -> torch.nn.Module:
 
 
 def _schedule(p: int, m: int, variant: tuple[str, int]):
-    from lightning_pipe.schedules import build_schedule
-
     name, k = variant
     return paper_schedule(p, m, k, merge=not name.endswith("nomerge")) if name.startswith("alg2") else build_schedule("1f1b", p, m + k)
 
 
 def _measure_job(rank: int, world: int, cfg: dict, variants: list) -> dict:
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from lightning_pipe.profiling.link import ping_pong
-    from lightning_pipe.runtime.executor import Executor
-    from lightning_pipe.runtime.microbatch import signature, split_microbatches
-    from lightning_pipe.runtime.p2p import Transport
-    from lightning_pipe.runtime.sequential import SequentialHost
-
     link = ping_pong(rank) if cfg.get("ping") else None
     stage, m = _stage(cfg, rank), cfg["microbatches"]
     host = SequentialHost({rank: stage}, world - 1, lambda out, y: F.mse_loss(out, y))

@@ -1,9 +1,9 @@
 """Wave (Hanayo) and interleaved 1F1B vs our 1F1B vs torch.distributed.pipelining's multi-chunk schedules.
 
-bench_runtime's residual MLP on 2 gloo processes x 1 thread: samples/s, weights checked against one
-process; the simulator on a profile taken as the strategy takes it, calibrated on the runs' traces,
-and per-action traces. ``--simulated``: no process, Hanayo's order vs ours vs 1F1B and the bubble
-ratios at B = P from the simulator alone. Feeds docs/schedules.md and docs/predictions.md.
+bench_runtime's residual MLP on 2 gloo processes x 1 thread: samples/s and weights against one
+process, the simulator (on the strategy's kind of profile, and calibrated on the traces), per-action
+traces. ``--simulated``: the simulator alone, Hanayo's order vs ours vs 1F1B and the bubble ratios at
+B = P. Feeds docs/schedules.md and docs/predictions.md.
 
     python benchmarks/bench_waves.py --simulated --pictures docs/img
     flock /tmp/bench.lock python benchmarks/bench_waves.py --picture docs/img/waves_speedup.png
@@ -22,12 +22,11 @@ import torch.distributed as dist
 
 from lightning_pipe.bench.harness import Bench, Table, column_table, pyplot, save_figure
 from lightning_pipe.bench.launch import timed_steps
-from lightning_pipe.bench.mlp import MSEBlock, best_runs, keep_blocks, loss_fn, make_data, make_model, single_job, torch_pipeline
-from lightning_pipe.bench.pipes import Clock, best_link, equal_bounds, gather, median_costs
+from lightning_pipe.bench.mlp import MSEBlock, best_runs, keep_blocks, loss_fn, make_data, make_model, single_job, stage_job
+from lightning_pipe.bench.pipes import Clock, best_link, chunk_pipeline, equal_bounds, gather, median_costs
 from lightning_pipe.profiling import profile_blocks
 from lightning_pipe.profiling.messages import MessageCosts, measure_messages
 from lightning_pipe.runtime.p2p import Transport
-from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
 from lightning_pipe.schedules import build_schedule
 from lightning_pipe.schedules.lowering import lower
 from lightning_pipe.schedules.wave import wave_placement
@@ -57,13 +56,11 @@ def _ours(rank: int, cfg: dict, name: str) -> dict:
     thread's time inside isend / irecv counted."""
     model, data = make_model(cfg), make_data(cfg)
     schedule, bounds = our_schedule(name, cfg["microbatches"], cfg["blocks"])
-    chunks = {c: model[slice(*bounds[c])] for c in schedule.chunks_of(rank)}
     transport, clock = Transport(lambda r: r, torch.device("cpu")), Clock()
     transport.issue = clock.wrap(transport.issue, "issue")
-    pipe = SequentialPipeline(schedule, rank, SequentialHost(chunks, schedule.num_chunks - 1, loss_fn), transport)
+    chunks, pipe, opt = chunk_pipeline(model, schedule, bounds, rank, transport, loss_fn, cfg["lr"])
     pipe.executor.trace = True
     acts, steps = pipe.executor.actions, []
-    opt = torch.optim.SGD([p for c in chunks.values() for p in c.parameters()], lr=cfg["lr"])
 
     def step(i: int) -> None:
         clock.zero()
@@ -79,20 +76,6 @@ def _ours(rank: int, cfg: dict, name: str) -> dict:
 
     timing = timed_steps(step, cfg["steps"], cfg["warmup"], dist.barrier)
     return {"timing": timing, "params": keep_blocks(model, {i for c in chunks for i in range(*bounds[c])}), "trace": steps[cfg["warmup"] :]}
-
-
-def _torch(rank: int, cfg: dict, name: str) -> dict:
-    model, data = make_model(cfg), make_data(cfg)
-    run, blocks = torch_pipeline(model, cfg, rank, name)
-    opt = torch.optim.SGD([p for i in blocks for p in model[i].parameters()], lr=cfg["lr"])
-
-    def step(i: int) -> None:
-        opt.zero_grad(set_to_none=True)
-        run(*data[i % len(data)])
-        opt.step()
-
-    timing = timed_steps(step, cfg["steps"], cfg["warmup"], dist.barrier)
-    return {"timing": timing, "params": keep_blocks(model, blocks)}
 
 
 def _profile(rank: int, cfg: dict) -> dict:
@@ -113,7 +96,7 @@ def _profile(rank: int, cfg: dict) -> dict:
 def job(rank: int, world: int, mode: str, cfg: dict) -> dict:
     if mode in ("single", "profile"):
         return single_job(rank, world, cfg) if mode == "single" else _profile(rank, cfg)
-    return (_ours if mode.startswith("ours-") else _torch)(rank, cfg, mode.split("-", 1)[1])
+    return _ours(rank, cfg, mode.split("-", 1)[1]) if mode.startswith("ours-") else stage_job(rank, cfg, mode)
 
 
 def handoff_delays(results: list[dict]) -> list[float]:
@@ -232,10 +215,7 @@ def report(bench: Bench, m: int, cfg: dict, best: dict, errors: dict, traces: di
         ("simulated, calibrated", "calibrated", ".3f"), ("weights vs single", "error", ".1e"), ("other load", "foreign", ".2f"),
     ]  # fmt: skip
     bench.table(column_table(columns, recs))
-    top = {
-        kind: max((r for r in recs[2:] if r["mode"].startswith(kind)), key=lambda r: r["total"], default=None)
-        for kind in ("ours-", "torch-")
-    }
+    top = {k: max((r for r in recs[2:] if r["mode"].startswith(k)), key=lambda r: r["total"], default=None) for k in ("ours-", "torch-")}
     if all(top.values()):
         ratio = top["ours-"]["total"] / top["torch-"]["total"]
         bench.say(f"our best multi-chunk ({top['ours-']['mode']}) / torch's best multi-chunk ({top['torch-']['mode']}): {ratio:.3f}x\n")

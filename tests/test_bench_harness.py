@@ -59,3 +59,17 @@ def test_bench_quick_json_and_markdown(tmp_path, capsys):
     assert text.startswith("# ") and "| x | y |\n|---|---:|\n| 1 | 2 |" in text
     assert "printed inside\nand a second line\n" in text and "outside" not in text
     assert "| 1 | 2 |" in capsys.readouterr().out
+
+
+def test_bench_experiment_defaults_fill_what_the_command_line_left():
+    # rounds and sizes default to None in the parser: the chosen experiment's, unless given or set by --quick
+    defaults = {"a": {"rounds": 3, "sizes": [1, 2]}, "b": {"rounds": 5, "sizes": [4]}}
+    bench = Bench("demo.", quick={"sizes": [9]}, rounds=None, steps=20)
+    bench.experiment(defaults, "which")
+    bench.parser.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")])
+    args = bench.parse(["b"], header=False)
+    assert (args.which, args.rounds, args.sizes) == ("b", 5, [4])
+    args = bench.parse(["a", "--rounds", "7"], header=False)
+    assert (args.rounds, args.sizes) == (7, [1, 2])
+    args = bench.parse(["a", "--quick"], header=False)
+    assert (args.rounds, args.sizes) == (1, [9])

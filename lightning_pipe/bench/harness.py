@@ -8,9 +8,9 @@
 - `pyplot` / `save_figure`: matplotlib without a display, a figure written where asked;
 - `Bench`: one run of a benchmark: the common options (rounds, steps, warm-up, ``--quick``,
   ``--json``, ``--markdown`` and, for scripts that launch jobs, the quiet-machine options), the
-  script's own (`Bench.options`), threads pinned, the provenance header, `Bench.run`
-  (`run_undisturbed` with those options), and at the end the JSON of raw results and the markdown of
-  everything it printed.
+  script's own (`Bench.options`; `Bench.experiment`: several experiments with defaults of their
+  own), threads pinned, the provenance header, `Bench.run` (`run_undisturbed` with those options),
+  and at the end the JSON of raw results and the markdown of everything it printed.
 """
 
 from __future__ import annotations
@@ -175,6 +175,7 @@ class Bench:
         g.add_argument("--json", default=None, help="write the raw results (and the tables) here")
         g.add_argument("--markdown", default=None, help="write what is printed (the tables) here, as markdown")
         self.quick = dict(quick or {})
+        self.experiments: tuple[str, dict[str, dict[str, Any]]] | None = None
         self.args: argparse.Namespace | None = None
         self.lines: list[str] = []
         self._pending = ""
@@ -197,12 +198,23 @@ class Bench:
             kind = {int: ints, float: floats}.get(kind, names) if isinstance(default, list) else str if default is None else kind
             self.parser.add_argument(flag, type=kind, default=default, help=text)
 
+    def experiment(self, defaults: dict[str, dict[str, Any]], name: str = "experiment") -> None:
+        """A positional choice of experiment (one script, several experiments), each with its own
+        defaults of some options: those options default to None in the parser and `parse` fills in
+        the chosen experiment's (after ``--quick``; a value given on the command line stays)."""
+        self.parser.add_argument(name, choices=list(defaults))
+        self.experiments = (name, defaults)
+
     def parse(self, argv: Sequence[str] | None = None, header: bool = True) -> argparse.Namespace:
         args = self.parser.parse_args(argv)
         if args.quick:
             for key, value in {**QUICK, **self.quick}.items():
                 if hasattr(args, key) or key in self.quick:
                     setattr(args, key, value)
+        if self.experiments:
+            name, defaults = self.experiments
+            for key, value in defaults[getattr(args, name)].items():
+                setattr(args, key, value if getattr(args, key, None) is None else getattr(args, key))
         self.args = args
         self.started = time.monotonic()
         if header:

@@ -1,6 +1,6 @@
-"""The balanced residual MLP of bench_runtime.py, bench_waves.py (and bench_2bw.py, bench_avgpipe.py,
-bench_memory.py, bench_pick.py auto), and what bench_runtime.py and bench_waves.py do with it (torch's
-schedules over it, the one-process reference, the best of interleaved runs).
+"""The balanced residual MLP of bench_runtime.py, bench_waves.py (and bench_updates.py, bench_memory.py,
+bench_pick.py auto), and what bench_runtime.py and bench_waves.py do with it (torch's schedules over
+it, a stage's timed steps, the one-process reference, the best of interleaved runs).
 
 ``cfg`` is a benchmark's configuration dict: hidden, mlp_ratio, blocks, batch, microbatches,
 steps, warmup, lr (see bench_runtime.py).
@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -89,6 +90,35 @@ def torch_pipeline(model: nn.Sequential, cfg: dict, rank: int, name: str) -> tup
     schedule = kinds[name](stages[0] if n == 2 else stages, m, loss_fn=loss_fn)  # scale_grads: as ours
     run = lambda x, y: schedule.step(*((x,) if 0 in mine else ()), return_outputs=False, **({"target": y} if n - 1 in mine else {}))  # noqa: E731
     return run, {i for s in mine for i in range(*bounds[s])}
+
+
+def stage_job(rank: int, cfg: dict, mode: str, prof=None) -> dict:
+    """Rank ``rank`` of the MLP's 2-rank pipeline ``mode``: ``ours-<schedule>`` (a SequentialPipeline
+    over equal halves) or ``torch-<schedule>`` (`torch_pipeline`); its timed steps (``prof``: a
+    cProfile enabled over them) and the final weights of its blocks (bench_runtime, bench_waves)."""
+    from .pipes import equal_bounds
+    from .trainer_runs import stage_pipeline
+
+    model, data = make_model(cfg), make_data(cfg)
+    kind, name = mode.split("-", 1)
+    if kind == "ours":
+        bounds = equal_bounds(len(model), 2)
+        run, blocks = stage_pipeline(model, bounds, rank, 2, cfg["microbatches"], loss_fn, name)[1].step, set(range(*bounds[rank]))
+    else:
+        run, blocks = torch_pipeline(model, cfg, rank, name)
+    opt = torch.optim.SGD([p for i in sorted(blocks) for p in model[i].parameters()], lr=cfg["lr"])
+
+    def step(i: int) -> None:
+        if i == cfg["warmup"] and prof:
+            prof.enable()
+        opt.zero_grad(set_to_none=True)
+        run(*data[i % len(data)])
+        opt.step()
+
+    timing = timed_steps(step, cfg["steps"], cfg["warmup"], dist.barrier)
+    if prof:
+        prof.disable()
+    return {"timing": timing, "params": keep_blocks(model, blocks)}
 
 
 def keep_blocks(model: nn.Sequential, blocks: set[int]) -> dict:

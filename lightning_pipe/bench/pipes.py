@@ -1,7 +1,7 @@
 """Pieces of the pipeline benchmarks that measure our runtime on real processes and simulate it
-(bench_2bw, bench_avgpipe, bench_waves, bench_advance, bench_simulator --speedup): the emulated device
-that sleeps, the link and block profile as the simulator gets them, the clocks around the executor,
-timed training steps and their spans over the ranks."""
+(bench_updates, bench_waves, bench_advance, bench_emulated, bench_memory, bench_simulator): the
+emulated device that sleeps, the link and block profile as the simulator gets them, a rank's chunks
+and layer, the clocks around the executor, timed training steps and their spans over the ranks."""
 
 from __future__ import annotations
 
@@ -70,6 +70,23 @@ def gather(value: Any, world: int) -> list:
     parts: list = [None] * world
     dist.all_gather_object(parts, value)
     return parts
+
+
+def broadcast(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (broadcast_object_list)."""
+    box = [value]
+    dist.broadcast_object_list(box, 0)
+    return box[0]
+
+
+def chunk_pipeline(model: nn.Sequential, schedule: Any, bounds: Sequence[tuple[int, int]], rank: int, transport: Any, loss, lr: float):
+    """This rank's chunks of ``model`` (cut at ``bounds``, placed by ``schedule``), a SequentialPipeline
+    running them, and their SGD."""
+    from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
+
+    chunks = {c: model[slice(*bounds[c])] for c in schedule.chunks_of(rank)}
+    pipe = SequentialPipeline(schedule, rank, SequentialHost(chunks, schedule.num_chunks - 1, loss), transport)
+    return chunks, pipe, torch.optim.SGD([p for c in chunks.values() for p in c.parameters()], lr=lr)
 
 
 def median_costs(parts: list[dict], link: dict, name: str = "bench", fold_loss: bool = False, messages: dict | None = None):
@@ -148,6 +165,17 @@ def profile_job(rank: int, world: int, blocks: list, x, y, rows: Sequence[int], 
 def costs_at(prof: dict, rows: int, name: str = "bench"):
     """The CostModel of a `profile_job`'s blocks at ``rows`` rows per micro-batch."""
     return median_costs([p[rows] for p in prof["blocks"]], prof["link"], name)
+
+
+def schedule_layer(name: str, world: int, m: int, rank: int, transport: Any, chunk: Any, update: Callable, **kw: Any) -> Any:
+    """The pipeline layer running schedule ``name`` on this rank: DoubleBuffer for 2BW (``update``: a
+    drain's optimizer step, what the caller's own step does), Flush for the flushing schedules."""
+    from lightning_pipe.layers import DoubleBuffer, Flush
+    from lightning_pipe.schedules import ScheduleSpec
+
+    if name == "2bw":
+        return DoubleBuffer(ScheduleSpec.of(name), world, m, rank, transport, chunk, update, **kw)
+    return Flush(ScheduleSpec.of(name), world, m, rank, transport, **kw)
 
 
 def run_layer(layer: Any, host: Any, x: torch.Tensor, y: torch.Tensor, m: int) -> Any:
