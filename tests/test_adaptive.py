@@ -17,7 +17,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from models import EpochPerm, max_rel_diff, trainer_kwargs
+from models import START, EpochPerm, max_rel_diff, trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import AutoPipeStrategy
@@ -108,12 +108,12 @@ def test_forced_switches_keep_single_process_weights(name):
     steps = 6
     if options["schedule"] == "2bw":  # 2BW's own trajectory (1-stale updates) is the reference: an unswitched run
         ref = make(layers)
-        strategy = AutoPipeStrategy(microbatches=4, partition=partition, start_method="spawn", **options)
+        strategy = AutoPipeStrategy(microbatches=4, partition=partition, start_method=START, **options)
         L.Trainer(devices=devices, strategy=strategy, **trainer_kwargs(max_steps=steps)).fit(ref, gpt_data())
     else:
         ref = single_process(layers, steps, accumulate)
     model = make(layers)
-    strategy = AutoPipeStrategy(microbatches=4, partition=partition, start_method="spawn", **options)
+    strategy = AutoPipeStrategy(microbatches=4, partition=partition, start_method=START, **options)
     trainer = L.Trainer(
         devices=devices,
         strategy=strategy,
@@ -135,7 +135,7 @@ def test_forced_switches_keep_single_process_weights(name):
 # ---- resume after a switch -----------------------------------------------------------------------
 def fit_with_checkpoints(folder, plan, resume=None, steps=8):
     model = make()
-    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=4, partition=[3, 3], start_method="spawn")
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=4, partition=[3, 3], start_method=START)
     saver = ModelCheckpoint(dirpath=folder, every_n_train_steps=4, save_top_k=-1)
     trainer = L.Trainer(
         devices=2, strategy=strategy, callbacks=[saver, SwitchAt(plan)], **trainer_kwargs(max_steps=steps, enable_checkpointing=True)
@@ -166,7 +166,7 @@ def test_a_switch_leaving_a_worker_without_blocks_is_refused():
     with pytest.raises(ValueError, match="has 2 chunks; this schedule runs 4"):
         check_bounds([[0, 2], [2, 6]], 6, (0, 1, 0, 1))
     model = make()
-    strategy = AutoPipeStrategy(microbatches=4, partition=[3, 3], start_method="spawn")
+    strategy = AutoPipeStrategy(microbatches=4, partition=[3, 3], start_method=START)
     trainer = L.Trainer(devices=2, strategy=strategy, callbacks=[SwitchAt({1: [[0, 6], [6, 6]]})], **trainer_kwargs(max_steps=3))
     with pytest.raises(Exception, match="with no block"):  # raised on every rank before anything moves
         trainer.fit(model, gpt_data())
@@ -260,7 +260,7 @@ def test_adaptive_moves_blocks_off_a_slowed_rank_and_stays_exact(tmp_path, width
     # metrics, so every replica moves the same boundary at the same iteration
     ref, model = emulated_reference_and_model(width=width)
     strategy = AutoPipeStrategy(
-        microbatches=4, partition="uniform", adaptive=True, adaptive_window=3, adaptive_interval=5, start_method="spawn", width=width
+        microbatches=4, partition="uniform", adaptive=True, adaptive_window=3, adaptive_interval=5, start_method=START, width=width
     )
     logger = CSVLogger(tmp_path, name="log")
     callbacks = [SlowRankOne(slowed=2 * width - 1)]

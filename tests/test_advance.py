@@ -13,7 +13,7 @@ from _dist import run_distributed
 from hypothesis import given
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import ModelCheckpoint
-from models import LitSeq, loader, max_rel_diff, mlp_blocks, trainer_kwargs
+from models import START, LitSeq, loader, max_rel_diff, mlp_blocks, trainer_kwargs
 from torch import nn
 
 from lightning_pipe import AutoPipeStrategy
@@ -202,7 +202,7 @@ def test_the_adaptive_rule_trains_as_one_process_through_the_trainer(tmp_path):
     ref = LitSeq()
     L.Trainer(devices=1, **trainer_kwargs(max_steps=6)).fit(ref, loader())
     model = LitSeq()
-    strategy = AutoPipeStrategy(schedule="advance", microbatches=4, partition="uniform", start_method="spawn")
+    strategy = AutoPipeStrategy(schedule="advance", microbatches=4, partition="uniform", start_method=START)
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=6, save_top_k=-1)
     L.Trainer(devices=2, strategy=strategy, callbacks=[saver], **trainer_kwargs(max_steps=6, enable_checkpointing=True)).fit(
         model, loader()

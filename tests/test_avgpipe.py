@@ -22,7 +22,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from models import LitSeq, dataset, max_rel_diff, trainer_kwargs
+from models import START, LitSeq, dataset, max_rel_diff, trainer_kwargs
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -127,7 +127,7 @@ def fit(
         advance_num=advance_num,
         microbatches=2,
         partition="uniform",
-        start_method="spawn",
+        start_method=START,
         pipelines=pipelines,
         alpha=alpha,
         staleness=staleness,
@@ -253,7 +253,7 @@ def test_the_reference_stays_the_mean_of_the_parallel_models(tmp_path):
 
 def test_one_pipeline_without_pull_is_plain_pipeline_training(tmp_path):
     plain = LitSeq()
-    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, partition="uniform", start_method="spawn")
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, partition="uniform", start_method=START)
     L.Trainer(devices=2, strategy=strategy, **trainer_kwargs(max_steps=6)).fit(plain, DataLoader(dataset(), batch_size=10))
     elastic = LitSeq()
     fit(elastic, 6, pipelines=1, devices=2, alpha=0.0, callbacks=[saved(tmp_path, 6)], enable_checkpointing=True)
@@ -319,7 +319,7 @@ def test_bad_settings_are_named(settings, name):
 def test_pipelines_must_divide_the_devices_before_anything_starts():
     start = time.monotonic()
     with pytest.raises(SettingError, match=r"pipelines=3 does not divide the world size 4 .*allowed values: \[1, 2, 4\]"):
-        trainer = L.Trainer(devices=4, strategy=AutoPipeStrategy(pipelines=3, start_method="spawn"), **trainer_kwargs(max_steps=1))
+        trainer = L.Trainer(devices=4, strategy=AutoPipeStrategy(pipelines=3, start_method=START), **trainer_kwargs(max_steps=1))
         trainer.fit(LitSeq(), DataLoader(dataset(), batch_size=10))
     assert time.monotonic() - start < 10
 
@@ -345,7 +345,7 @@ def test_validation_reports_the_reference_over_all_pipelines_shards():
     # each pipeline validates its shard (20 of 40 samples, batches of 10) on the reference; the logged
     # val_loss is the mean over the pipelines, i.e. the reference's loss on the whole set
     model = LitSeq()
-    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, partition="uniform", start_method="spawn", pipelines=2)
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, partition="uniform", start_method=START, pipelines=2)
     trainer = L.Trainer(devices=4, strategy=strategy, **trainer_kwargs())
     val = DataLoader(dataset(n=40, seed=3), batch_size=10)
     (metrics,) = trainer.validate(model, val)

@@ -8,7 +8,7 @@ import time
 import lightning as L
 import pytest
 import torch
-from models import LitSeq, loader, trainer_kwargs
+from models import START, LitSeq, loader, trainer_kwargs
 from torch import nn
 
 from lightning_pipe import AutoPipeStrategy
@@ -44,7 +44,7 @@ def test_strategy_settings(kwargs, match):
 
 def test_width_must_divide_world_size():
     with pytest.raises(ValueError, match=r"width=3 does not divide the world size 4 .*allowed widths: \[1, 2, 4\]"):
-        L.Trainer(devices=4, strategy=AutoPipeStrategy(width=3, start_method="spawn"), **trainer_kwargs())
+        L.Trainer(devices=4, strategy=AutoPipeStrategy(width=3, start_method=START), **trainer_kwargs())
 
 
 class NoPipeline(L.LightningModule):
@@ -66,7 +66,7 @@ class OutsideParameter(LitSeq):
 
 
 def fails_before_spawn(model, devices, match, **strategy_kwargs):
-    trainer = L.Trainer(devices=devices, strategy=AutoPipeStrategy(start_method="spawn", **strategy_kwargs), **trainer_kwargs())
+    trainer = L.Trainer(devices=devices, strategy=AutoPipeStrategy(start_method=START, **strategy_kwargs), **trainer_kwargs())
     start = time.perf_counter()
     with pytest.raises(ValueError, match=match):
         trainer.fit(model, loader(batch_size=strategy_kwargs.pop("batch_size", 10)))
@@ -111,7 +111,7 @@ def test_more_interleaved_chunks_than_blocks():
 def test_microbatches_interleaved_cannot_use():
     # known as soon as the Trainer knows its devices: it refuses to be built
     with pytest.raises(ValueError, match=r"microbatches=3: interleaved 1F1B needs a multiple of the 2 stages \(e.g. 4\)"):
-        L.Trainer(devices=2, strategy=AutoPipeStrategy(schedule="interleaved", microbatches=3, start_method="spawn"), **trainer_kwargs())
+        L.Trainer(devices=2, strategy=AutoPipeStrategy(schedule="interleaved", microbatches=3, start_method=START), **trainer_kwargs())
 
 
 def test_module_without_pipeline():
@@ -127,7 +127,7 @@ def test_parameters_outside_the_pipeline():
 
 
 def test_batch_smaller_than_microbatches():
-    trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(microbatches=4, start_method="spawn"), **trainer_kwargs())
+    trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(microbatches=4, start_method=START), **trainer_kwargs())
     with pytest.raises(ValueError, match=r"batch_size=3 is smaller than microbatches=4"):
         trainer.fit(LitSeq(), loader(batch_size=3))
     assert not multiprocessing.active_children()
@@ -136,7 +136,7 @@ def test_batch_smaller_than_microbatches():
 @pytest.mark.multiprocess
 def test_short_last_batch_fails_clearly_in_the_workers():
     # 41 samples in batches of 10: the last batch holds 1 sample, fewer than 2 micro-batches
-    trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(microbatches=2, start_method="spawn"), **trainer_kwargs(max_steps=10))
+    trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(microbatches=2, start_method=START), **trainer_kwargs(max_steps=10))
     with pytest.raises(Exception, match=r"a batch of 1 samples cannot be split into microbatches=2"):
         trainer.fit(LitSeq(), loader(n=41))
 

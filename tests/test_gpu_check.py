@@ -28,6 +28,7 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     sections = report["sections"]
     assert set(sections) == {
         "strategy on one GPU",
+        "2BW and AvgPipe(2BW) on one GPU",
         "precision plugin",
         "CUDA-timed block profiles",
         "planners on the measured profiles",
@@ -36,6 +37,7 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     assert all(s["status"] == "ok" for s in sections.values()), {k: s["result"] for k, s in sections.items() if s["status"] != "ok"}
     exact = sections["strategy on one GPU"]["result"]
     assert all(exact[s]["max_rel_error_vs_plain_trainer"] <= 1e-10 for s in ("1f1b", "interleaved"))
+    assert sections["2BW and AvgPipe(2BW) on one GPU"]["result"]["AvgPipe(2BW) N=1 vs 2BW: max rel error"] <= 1e-10
     assert Profile.load(tmp_path / "profile_gpt-tiny.json").num_blocks == 10
     assert "autopipe plan, 1f1b, 4 stages" in sections["planners on the measured profiles"]["result"]["gpt-tiny on 4"]["autopipe"]
     assert "# GPU check: cpu (smoke)" in (tmp_path / "gpu_check.md").read_text()

@@ -7,7 +7,7 @@ import json
 import lightning as L
 import pytest
 import torch
-from models import max_rel_diff, trainer_kwargs
+from models import START, max_rel_diff, trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import AutoPipeStrategy
@@ -48,7 +48,7 @@ def test_language_model_with_tied_embedding_equals_single_process(cls, data, par
     assert ref.model[-1].weight is ref.model[0].token.weight
     L.Trainer(devices=1, **trainer_kwargs(gradient_clip_val=0.5)).fit(ref, data())
     model = make(cls)
-    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=4, partition=partition, start_method="spawn")
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=4, partition=partition, start_method=START)
     L.Trainer(devices=2, strategy=strategy, **trainer_kwargs(gradient_clip_val=0.5)).fit(model, data())
     assert model.model[-1].weight is model.model[0].token.weight, "the trained model comes back tied"
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
@@ -72,7 +72,7 @@ def test_multichunk_schedules_with_tied_embedding_equal_single_process(devices, 
     L.Trainer(devices=1, **trainer_kwargs()).fit(ref, gpt_data())
     torch.manual_seed(0)
     model = CausalLM(model=ModelConfig(**cfg), lr=1e-2, warmup_steps=1, max_steps=4).double()
-    strategy = AutoPipeStrategy(schedule=schedule, microbatches=m, partition="uniform", start_method="spawn", **options)
+    strategy = AutoPipeStrategy(schedule=schedule, microbatches=m, partition="uniform", start_method=START, **options)
     trainer = L.Trainer(devices=devices, strategy=strategy, **trainer_kwargs())
     trainer.fit(model, gpt_data())
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
@@ -91,7 +91,7 @@ def test_bert_wave_equals_single_process(devices, waves):
     L.Trainer(devices=1, **trainer_kwargs()).fit(ref, bert_data())
     torch.manual_seed(0)
     model = MaskedLM(model=ModelConfig(**cfg), lr=1e-2, warmup_steps=1, max_steps=4).double()
-    strategy = AutoPipeStrategy(schedule="wave", waves=waves, microbatches=4, partition="uniform", start_method="spawn")
+    strategy = AutoPipeStrategy(schedule="wave", waves=waves, microbatches=4, partition="uniform", start_method=START)
     L.Trainer(devices=devices, strategy=strategy, **trainer_kwargs()).fit(model, bert_data())
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
 
@@ -102,7 +102,7 @@ def fit_auto(cls, data, cfg, devices, tmp_path, **kw):
     L.Trainer(devices=1, **trainer_kwargs()).fit(ref, data())
     torch.manual_seed(0)
     model = cls(model=ModelConfig(**cfg), lr=1e-2, warmup_steps=1, max_steps=4).double()
-    strategy = AutoPipeStrategy(schedule="auto", microbatches=4, start_method="spawn", **kw)
+    strategy = AutoPipeStrategy(schedule="auto", microbatches=4, start_method=START, **kw)
     L.Trainer(devices=devices, strategy=strategy, default_root_dir=tmp_path, **trainer_kwargs()).fit(model, data())
     summary = json.loads((tmp_path / "plan.json").read_text())
     return ref, model, summary

@@ -118,6 +118,7 @@ def group_loggers(choice, run):
 def fit(run, microbatches, loggers):
     model = LitSeq(blocks=8, width=WIDTH, dtype="float32")
     train = DataLoader(dataset(n=BATCH * STEPS, width=WIDTH, dtype=torch.float32), batch_size=BATCH)
+    # spawn: wandb's run state must not be inherited by a forked rank 0 (its history then lacks the metrics)
     strategy = AutoPipeStrategy(schedule="gpipe", microbatches=microbatches, partition="uniform", start_method="spawn", timeout=60)
     callbacks = [BatchEnds(run / "ends.json"), PipelineMetrics(window_size=WINDOW, peak_flops=PEAK)]
     kw = trainer_kwargs(max_steps=STEPS, log_every_n_steps=5, logger=loggers)

@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from models import max_rel_diff, trainer_kwargs
+from models import START, max_rel_diff, trainer_kwargs
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -67,7 +67,7 @@ def test_fp16_overflow_is_agreed_by_every_stage():
     assert plugin.scaler.get_scale() < SCALE  # one process skipped steps and backed off
     untrained, model = Lopsided(), Lopsided()
     assert max_rel_diff(untrained.state_dict(), ref.state_dict()) > 1e-3  # and it trained after that
-    strategy = AutoPipeStrategy(microbatches=2, partition=[1, 1], start_method="spawn")
+    strategy = AutoPipeStrategy(microbatches=2, partition=[1, 1], start_method=START)
     L.Trainer(devices=2, strategy=strategy, plugins=[fp16(SCALE)], **trainer_kwargs(max_steps=STEPS)).fit(model, data())
     # the first stage skipped exactly the steps one process skipped (alone, it would have taken them)
     assert max_rel_diff(ref.state_dict(), model.state_dict()) < 1e-5

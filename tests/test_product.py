@@ -29,7 +29,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import Callback
-from models import LitSeq, dataset, max_rel_diff, trainer_kwargs
+from models import START, LitSeq, dataset, max_rel_diff, trainer_kwargs
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -169,7 +169,7 @@ def check(schedule: str, replicas: str, switch: bool, m: int, depth: int) -> Non
     width = 2 if replicas == "width" else 1
     pipelines = 2 if replicas == "avgpipe" else None
     devices = depth * (2 if replicas != "none" else 1)
-    settings_ = dict(schedule=schedule, microbatches=m, width=width, pipelines=pipelines, start_method="spawn")
+    settings_ = dict(schedule=schedule, microbatches=m, width=width, pipelines=pipelines, start_method=START)
     if pipelines:
         settings_.update(alpha=ALPHA, staleness=STALENESS)
     broken = clashes(schedule, depth, m)

@@ -17,7 +17,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from models import LitSeq, loader, max_rel_diff, trainer_kwargs
+from models import START, LitSeq, loader, max_rel_diff, trainer_kwargs
 from torch import nn
 from torch.nn import functional as F
 
@@ -154,9 +154,7 @@ class LitDrop(LitSeq):
 
 def fit(folder: Path, schedule: str, recompute) -> tuple[LitDrop, list[dict[str, int]]]:
     model = LitDrop(str(folder))
-    strategy = AutoPipeStrategy(
-        schedule=schedule, microbatches=M, partition=[3, 3], recompute=recompute, start_method="spawn", timeout=30.0
-    )
+    strategy = AutoPipeStrategy(schedule=schedule, microbatches=M, partition=[3, 3], recompute=recompute, start_method=START, timeout=30.0)
     L.Trainer(devices=2, strategy=strategy, **trainer_kwargs(max_steps=STEPS)).fit(model, loader())
     return model, [json.loads(Path(folder, f"calls-{r}.json").read_text()) for r in range(2)]
 
@@ -207,7 +205,7 @@ def test_2bw_recompute_equals_2bw_without(tmp_path):
 
 
 def test_a_list_for_another_depth_fails_before_spawning():
-    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=M, partition="uniform", recompute=[True, False, True], start_method="spawn")
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=M, partition="uniform", recompute=[True, False, True], start_method=START)
     with pytest.raises(SettingError, match=r"recompute=\[True, False, True\]: 3 entries for 2 stages"):
         L.Trainer(devices=2, strategy=strategy, **trainer_kwargs()).fit(LitDrop(), loader())
     assert not multiprocessing.active_children()

@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from models import EpochPerm, LitSeq, dataset, loader, max_rel_diff, trainer_kwargs
+from models import START, EpochPerm, LitSeq, dataset, loader, max_rel_diff, trainer_kwargs
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -48,7 +48,7 @@ def single(model, steps=4, train=None, val=None, **kw):
 
 
 def pipelined(model, devices, steps=4, train=None, val=None, callbacks=(), strategy=None, **kw):
-    strategy = strategy or AutoPipeStrategy(start_method="spawn")
+    strategy = strategy or AutoPipeStrategy(start_method=START)
     trainer = L.Trainer(devices=devices, strategy=strategy, callbacks=list(callbacks), **trainer_kwargs(max_steps=steps, **kw))
     trainer.fit(model, train or loader(), val)
     return trainer
@@ -70,7 +70,7 @@ def test_fit_equals_single_process(tmp_path, schedule, devices, partition, m, dt
     ref = LitSeq(dtype=dtype)
     single(ref, steps=6, train=loader(dtype=tdtype), val=loader(dtype=tdtype))
     model = LitSeq(dtype=dtype)
-    strategy = AutoPipeStrategy(schedule=schedule, microbatches=m, partition=partition, start_method="spawn")
+    strategy = AutoPipeStrategy(schedule=schedule, microbatches=m, partition=partition, start_method=START)
     pipelined(
         model,
         devices,
@@ -95,7 +95,7 @@ def test_gradient_accumulation_and_global_norm_clipping(tmp_path):
     ref = LitSeq()
     single(ref, steps=3, **kw)
     model = LitSeq()
-    pipelined(model, 2, steps=3, strategy=AutoPipeStrategy(microbatches=3, partition=[4, 2], start_method="spawn"), **kw)
+    pipelined(model, 2, steps=3, strategy=AutoPipeStrategy(microbatches=3, partition=[4, 2], start_method=START), **kw)
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
     # the clip was active: without it the weights differ
     unclipped = LitSeq()
@@ -111,7 +111,7 @@ def test_width_2_depth_2_equals_single_process_on_the_global_batch():
     ref = LitSeq()
     single(ref, steps=6, train=DataLoader(ds, batch_size=2 * per_replica, sampler=EpochPerm(n)))
     model = LitSeq()
-    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, width=2, start_method="spawn")
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, width=2, start_method=START)
     pipelined(model, 4, steps=6, train=DataLoader(ds, batch_size=per_replica), strategy=strategy)
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
 
@@ -121,7 +121,7 @@ def test_tuple_activation_with_integer_mask():
     ref = LitSeq(**kw)
     single(ref, train=loader(masked=True))
     model = LitSeq(**kw)
-    pipelined(model, 2, train=loader(masked=True), strategy=AutoPipeStrategy(partition=[2, 3], microbatches=3, start_method="spawn"))
+    pipelined(model, 2, train=loader(masked=True), strategy=AutoPipeStrategy(partition=[2, 3], microbatches=3, start_method=START))
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
 
 
@@ -136,7 +136,7 @@ def test_tied_embedding_across_first_and_last_stage(tmp_path, devices, partition
         model,
         devices,
         train=loader(tied=True),
-        strategy=AutoPipeStrategy(partition=partition, microbatches=3, start_method="spawn"),
+        strategy=AutoPipeStrategy(partition=partition, microbatches=3, start_method=START),
         enable_checkpointing=True,
         callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4)],
         **kw,
@@ -159,7 +159,7 @@ def test_checkpoint_loads_in_single_process_and_resume_is_bit_exact(tmp_path):
         train=loader(**data),
         enable_checkpointing=True,
         callbacks=[ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4, save_top_k=-1)],
-        strategy=AutoPipeStrategy(microbatches=3, start_method="spawn"),
+        strategy=AutoPipeStrategy(microbatches=3, start_method=START),
     )
     trainer.save_checkpoint(tmp_path / "after_fit.ckpt")  # from the launching process, after the fit
     after = LitSeq.load_from_checkpoint(tmp_path / "after_fit.ckpt")
@@ -176,7 +176,7 @@ def test_checkpoint_loads_in_single_process_and_resume_is_bit_exact(tmp_path):
     assert max_rel_diff(ref.state_dict(), loaded.state_dict()) <= 1e-10
     # resuming from step 4 with the same topology continues bit for bit (weights, AdamW state, LR schedule)
     resumed = LitSeq(seed=123)  # other initial weights: everything must come from the checkpoint
-    trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(microbatches=3, start_method="spawn"), **trainer_kwargs(max_steps=8))
+    trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(microbatches=3, start_method=START), **trainer_kwargs(max_steps=8))
     trainer.fit(resumed, loader(**data), ckpt_path=files[0])
     for k, v in model.state_dict().items():
         assert torch.equal(v, resumed.state_dict()[k]), k
@@ -200,7 +200,7 @@ def test_validate_test_and_predict_run_forward_only_pipelines(tmp_path):
     val_ref = L.Trainer(devices=1, **trainer_kwargs()).validate(ref, loader(batch_size=7), verbose=False)
     trainer = L.Trainer(
         devices=2,
-        strategy=AutoPipeStrategy(microbatches=3, start_method="spawn"),
+        strategy=AutoPipeStrategy(microbatches=3, start_method=START),
         callbacks=[RecordPredictions(tmp_path)],
         **trainer_kwargs(),
     )
@@ -238,7 +238,7 @@ def test_precision_plugins_apply_inside_the_schedule(tmp_path, precision):
         train=loader(dtype=torch.float32),
         precision=precision,
         callbacks=[RecordDtype(tmp_path)],
-        strategy=AutoPipeStrategy(microbatches=2, start_method="spawn"),
+        strategy=AutoPipeStrategy(microbatches=2, start_method=START),
     )
     dtypes = [torch.load(tmp_path / f"dtype-rank{r}.pt") for r in range(2)]
     err = max_rel_diff(ref.state_dict(), model.state_dict())
@@ -262,7 +262,7 @@ def test_slicer_equals_single_process_and_writes_the_plan(tmp_path, devices, sli
     # planned on the link model alone: with measured message terms a receive's fixed thread time can cover
     # the whole start-up (CI measured 447 us per receive once, start-up 0.45 -> 0.45 ms), so whether halves
     # shorten it would depend on the machine's noise; test_slicer_algorithm2 checks the slicer weighs those terms
-    strategy = AutoPipeStrategy(partition="autopipe", slicer=sliced, microbatches=4, trace=True, message_costs=False, start_method="spawn")
+    strategy = AutoPipeStrategy(partition="autopipe", slicer=sliced, microbatches=4, trace=True, message_costs=False, start_method=START)
     pipelined(model, devices, steps=4, strategy=strategy, default_root_dir=tmp_path)
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
     import json
@@ -281,7 +281,7 @@ def test_slicer_equals_single_process_and_writes_the_plan(tmp_path, devices, sli
 
 def test_trace_writes_a_measured_timeline(tmp_path):
     model = LitSeq()
-    strategy = AutoPipeStrategy(partition="uniform", microbatches=3, trace=True, start_method="spawn")
+    strategy = AutoPipeStrategy(partition="uniform", microbatches=3, trace=True, start_method=START)
     pipelined(model, 2, steps=2, strategy=strategy, default_root_dir=tmp_path)
     import json
 
@@ -302,12 +302,12 @@ def test_resume_reuses_the_checkpoints_partition(tmp_path):
         train=loader(n=40),
         enable_checkpointing=True,
         callbacks=[ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4)],
-        strategy=AutoPipeStrategy(partition=[1, 5], microbatches=3, start_method="spawn"),
+        strategy=AutoPipeStrategy(partition=[1, 5], microbatches=3, start_method=START),
     )
     ckpt = glob.glob(str(ckpts / "*.ckpt"))[0]
     assert torch.load(ckpt, weights_only=False)["optimizer_states"][0]["autopipe_bounds"] == [[0, 1], [1, 6]]
     resumed = LitSeq()
-    trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(microbatches=3, start_method="spawn"), **trainer_kwargs(max_steps=8))
+    trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(microbatches=3, start_method=START), **trainer_kwargs(max_steps=8))
     trainer.fit(resumed, loader(n=40), ckpt_path=ckpt)
     ref = LitSeq()
     single(ref, steps=8, train=loader(n=40))
@@ -322,7 +322,7 @@ def test_auto_resume_keeps_the_checkpoints_schedule(tmp_path):
 
     profile = str(Profile.synthetic([1e-3] * 6, activation_bytes=1e6).save(tmp_path / "profile.json"))
     ckpts = tmp_path / "ckpt"
-    first = AutoPipeStrategy(schedule="auto", microbatches=4, profile=profile, start_method="spawn")
+    first = AutoPipeStrategy(schedule="auto", microbatches=4, profile=profile, start_method=START)
     pipelined(
         LitSeq(),
         2,
@@ -337,7 +337,7 @@ def test_auto_resume_keeps_the_checkpoints_schedule(tmp_path):
     state = torch.load(ckpt, weights_only=False)["optimizer_states"][0]
     assert state["autopipe_schedule"] == ["interleaved", {"chunks": 2}] and len(state["autopipe_bounds"]) == 4
     resumed = LitSeq()
-    again = AutoPipeStrategy(schedule="auto", microbatches=4, profile=profile, memory_limit=6.2 * 2**20, start_method="spawn")
+    again = AutoPipeStrategy(schedule="auto", microbatches=4, profile=profile, memory_limit=6.2 * 2**20, start_method=START)
     trainer = L.Trainer(devices=2, strategy=again, **trainer_kwargs(max_steps=8))
     trainer.fit(resumed, loader(n=40), ckpt_path=ckpt)
     ref = LitSeq()

@@ -18,6 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from models import START
 
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.data import (
@@ -311,7 +312,7 @@ def test_model_vocab_must_hold_the_tokenizers_ids(files):
         trainer.fit(small, datamodule=dm)
     assert trainer.global_step == 0
     # under the strategy: refused before any process starts (the launcher's checks)
-    strategy = AutoPipeStrategy(partition="uniform", microbatches=2, start_method="spawn")
+    strategy = AutoPipeStrategy(partition="uniform", microbatches=2, start_method=START)
     pipe = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False, enable_checkpointing=False)
     with pytest.raises(SettingError, match=r"data.tokens=.*model.model.vocab_size=260"):
         pipe.fit(small, datamodule=dm)

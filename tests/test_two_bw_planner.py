@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import ModelCheckpoint
-from models import EpochPerm, LitSeq, dataset, loader, max_rel_diff, trainer_kwargs
+from models import START, EpochPerm, LitSeq, dataset, loader, max_rel_diff, trainer_kwargs
 from torch.utils.data import DataLoader
 
 from lightning_pipe import AutoPipeStrategy
@@ -220,7 +220,7 @@ def test_planner_picks_and_runs_a_configuration_equal_to_one_process_and_resumes
 
     def run(root, steps, ckpt_path=None):
         model = LitSeq()
-        strategy = AutoPipeStrategy(planner="2bw", schedule="1f1b", global_batch=8, start_method="spawn")
+        strategy = AutoPipeStrategy(planner="2bw", schedule="1f1b", global_batch=8, start_method=START)
         saving = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=4, save_top_k=-1)
         kw = trainer_kwargs(max_steps=steps, enable_checkpointing=True, callbacks=[saving])
         L.Trainer(devices=2, strategy=strategy, default_root_dir=str(root), **kw).fit(

@@ -14,7 +14,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
-from models import LitSeq, loader, max_rel_diff, trainer_kwargs
+from models import START, LitSeq, loader, max_rel_diff, trainer_kwargs
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -64,7 +64,7 @@ class RecordLoss(Callback):
 
 
 def fit(model, devices, steps, m, callbacks=(), ckpt_path=None, val=None, train=None, checkpoint="full", **kw):
-    strategy = AutoPipeStrategy(schedule="2bw", microbatches=m, partition="uniform", start_method="spawn", checkpoint=checkpoint)
+    strategy = AutoPipeStrategy(schedule="2bw", microbatches=m, partition="uniform", start_method=START, checkpoint=checkpoint)
     trainer = L.Trainer(devices=devices, strategy=strategy, callbacks=list(callbacks), **trainer_kwargs(max_steps=steps, **kw))
     trainer.fit(model, train or loader(dtype=next(model.parameters()).dtype), val, ckpt_path=ckpt_path)
     return trainer
@@ -141,7 +141,7 @@ def test_width_2_follows_the_rule_on_the_global_batch():
             return n
 
     model = LitSeq()
-    strategy = AutoPipeStrategy(schedule="2bw", microbatches=2, width=2, partition="uniform", start_method="spawn")
+    strategy = AutoPipeStrategy(schedule="2bw", microbatches=2, width=2, partition="uniform", start_method=START)
     trainer = L.Trainer(devices=4, strategy=strategy, **trainer_kwargs(max_steps=6))
     trainer.fit(model, torch.utils.data.DataLoader(ds, batch_size=5))
     ref = LitSeq()
@@ -174,7 +174,7 @@ def test_width_2_follows_the_rule_on_the_global_batch():
 )
 def test_what_2bw_cannot_honour_fails_before_spawning(strategy_kwargs, trainer_kw, match):
     def attempt():
-        strategy = AutoPipeStrategy(schedule="2bw", start_method="spawn", **strategy_kwargs)
+        strategy = AutoPipeStrategy(schedule="2bw", start_method=START, **strategy_kwargs)
         trainer = L.Trainer(devices=2, strategy=strategy, **trainer_kwargs(**trainer_kw))
         trainer.fit(LitSeq(), loader())
 

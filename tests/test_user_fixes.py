@@ -15,7 +15,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from models import LitSeq, loader, max_rel_diff, trainer_kwargs
+from models import START, LitSeq, loader, max_rel_diff, trainer_kwargs
 from torch import nn
 
 from lightning_pipe import AutoPipeStrategy
@@ -29,7 +29,7 @@ def single(model, steps=4, train=None, **kw):
 
 
 def pipelined(model, partition="autopipe", steps=4, train=None, **kw):
-    strategy = AutoPipeStrategy(partition=partition, microbatches=2, start_method="spawn")
+    strategy = AutoPipeStrategy(partition=partition, microbatches=2, start_method=START)
     trainer = L.Trainer(devices=2, strategy=strategy, **trainer_kwargs(max_steps=steps, **kw))
     trainer.fit(model, train or loader())
     return trainer
@@ -133,7 +133,7 @@ def test_frozen_parameters_outside_the_pipeline_are_accepted_trainable_ones_refu
         check_no_outside_parameters(mixed, "seq")
     assert "proj.weight" not in str(err.value) and "temperature" not in str(err.value)
     # through the Trainer: refused before any process starts
-    trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(start_method="spawn"), **trainer_kwargs())
+    trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(start_method=START), **trainer_kwargs())
     with pytest.raises(PipelineSetupError, match=r"trainable parameters outside its pipeline 'seq': proj.weight, proj.bias\. "):
         trainer.fit(FrozenOutside(trainable=True), loader())
 
@@ -161,6 +161,6 @@ def test_frozen_parameters_outside_the_pipeline_train_checkpoint_and_resume_as_o
     ref6 = FrozenOutside()
     single(ref6, steps=6, train=loader(**data))
     resumed = FrozenOutside()
-    strategy = AutoPipeStrategy(microbatches=2, start_method="spawn")
+    strategy = AutoPipeStrategy(microbatches=2, start_method=START)
     L.Trainer(devices=2, strategy=strategy, **trainer_kwargs(max_steps=6)).fit(resumed, loader(**data), ckpt_path=path)
     assert max_rel_diff(ref6.state_dict(), resumed.state_dict()) <= 1e-10
