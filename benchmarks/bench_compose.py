@@ -76,7 +76,7 @@ def steady(schedule: str, stages: int, m: int, costs: CostModel, bounds: list, a
 
 
 def main() -> None:
-    bench = Bench(__doc__, rounds=3, steps=12, warmup=4, quick={"steps": 2, "warmup": 2})
+    bench = Bench(__doc__, rounds=3, steps=12, warmup=4, quick={"steps": 2, "warmup": 2}, threads=1)
     bench.parser.add_argument("part", choices=["emulated", "real"])
     args = bench.parse()
     quiet_lightning()
