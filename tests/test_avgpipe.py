@@ -47,53 +47,29 @@ def shard_batches(n, pipelines, steps, dtype):
     return out[:steps]
 
 
-def simulate(steps, pipelines, alpha, staleness, dtype="float64"):
-    """(parallel models' state dicts, the reference's state dict) after `steps` iterations."""
+def simulate(steps, pipelines, alpha, staleness, dtype="float64", versions="flush"):
+    """(parallel models' state dicts, the reference's state dict) after `steps` iterations.
+    versions="2bw": AvgPipe(2BW) from the two papers: pipeline n's gradient of iteration t is taken at
+    its own W_n(max(t - 1, 0)) (PipeDream-2BW, §3.1) and its optimizer applies it to W_n(t), giving
+    Δ_n(t); the pull and the reference update are AvgPipe's (§3.2), unchanged."""
     models = [LitSeq(dtype=dtype) for _ in range(pipelines)]  # one seed: the same start
     confs = [m.configure_optimizers() for m in models]
     data = [shard_batches(n, pipelines, steps, getattr(torch, dtype)) for n in range(pipelines)]
+    previous = [copy.deepcopy(m.seq) for m in models]  # 2BW: W_n(t - 1), which batch t reads
     names = [k for k, _ in models[0].named_parameters()]
     refs = [{k: v.detach().clone() for k, v in models[0].named_parameters()}]  # refs[j] = W_ref(j)
     for t in range(steps):
         deltas = []
         for n, (model, conf) in enumerate(zip(models, confs)):
-            before = {k: v.detach().clone() for k, v in model.named_parameters()}
-            x, y = data[n][t]
-            model.zero_grad()
-            nn.functional.cross_entropy(model.seq(x), y).backward()
-            conf["optimizer"].step()
-            conf["lr_scheduler"]["scheduler"].step()
-            delta = {k: v.detach() - before[k] for k, v in model.named_parameters()}
-            pull = refs[max(t - staleness, 0)]
-            with torch.no_grad():
-                for k, p in model.named_parameters():
-                    p.copy_((1 - alpha) * before[k] + alpha * pull[k] + delta[k])
-            deltas.append(delta)
-        refs.append({k: refs[t][k] + sum(d[k] for d in deltas) / pipelines for k in names})
-    return [m.state_dict() for m in models], {k: v for k, v in refs[steps].items()}
-
-
-def simulate_2bw(steps, pipelines, alpha, staleness, dtype="float64"):
-    """AvgPipe(2BW) from the two papers: pipeline n's gradient of iteration t is taken at its own
-    W_n(max(t - 1, 0)) (PipeDream-2BW, §3.1) and its optimizer applies it to W_n(t), giving Δ_n(t);
-    the pull and the reference update are AvgPipe's (§3.2), unchanged."""
-    models = [LitSeq(dtype=dtype) for _ in range(pipelines)]
-    confs = [m.configure_optimizers() for m in models]
-    data = [shard_batches(n, pipelines, steps, getattr(torch, dtype)) for n in range(pipelines)]
-    previous = [copy.deepcopy(m.seq) for m in models]  # W_n(t - 1), which batch t reads
-    names = [k for k, _ in models[0].named_parameters()]
-    refs = [{k: v.detach().clone() for k, v in models[0].named_parameters()}]
-    for t in range(steps):
-        deltas = []
-        for n, (model, conf) in enumerate(zip(models, confs)):
-            at = previous[n] if t >= 1 else copy.deepcopy(model.seq)
+            at = previous[n] if versions == "2bw" and t >= 1 else model.seq
             x, y = data[n][t]
             at.zero_grad()
             nn.functional.cross_entropy(at(x), y).backward()
-            previous[n] = copy.deepcopy(model.seq)  # W_n(t), after iteration t - 1's pull
+            if versions == "2bw":
+                previous[n] = copy.deepcopy(model.seq)  # W_n(t), after iteration t - 1's pull
+                for p, q in zip(model.seq.parameters(), at.parameters()):
+                    p.grad = q.grad.clone()
             before = {k: v.detach().clone() for k, v in model.named_parameters()}
-            for p, q in zip(model.seq.parameters(), at.parameters()):
-                p.grad = q.grad.clone()
             conf["optimizer"].step()
             conf["lr_scheduler"]["scheduler"].step()
             delta = {k: v.detach() - before[k] for k, v in model.named_parameters()}
@@ -208,7 +184,7 @@ def test_avgpipe_2bw_follows_both_papers_rules(tmp_path, alpha, staleness, advan
         advance_num=advance_num,
     )
     alpha = 0.5 if alpha is None else alpha
-    want_parallel, want_ref = simulate_2bw(7, 2, alpha, staleness)
+    want_parallel, want_ref = simulate(7, 2, alpha, staleness, versions="2bw")
     (path,) = glob.glob(os.path.join(tmp_path, "*step=7.ckpt"))
     reference, parallel = parallel_models(path)
     assert max_rel_diff(want_ref, reference) <= 1e-10
@@ -217,29 +193,6 @@ def test_avgpipe_2bw_follows_both_papers_rules(tmp_path, alpha, staleness, advan
         assert max_rel_diff(want_parallel[n], parallel[n]) <= 1e-10
     flush_parallel, _ = simulate(7, 2, alpha, staleness)
     assert max_rel_diff(flush_parallel[0], parallel[0]) > 1e-6  # 2BW's stale gradients are not AvgPipe(1F1B)'s
-
-
-def test_avgpipe_2bw_resumes_mid_epoch_bit_for_bit(tmp_path):
-    # each pipeline's own 2BW stash W_n(t - 1) is in the checkpoint and comes back to its pipeline
-    def resumable():
-        return StatefulDataLoader(dataset(), batch_size=10)
-
-    common = dict(staleness=1, schedule="2bw", enable_checkpointing=True)
-    whole = LitSeq()
-    fit(whole, 6, callbacks=[saved(tmp_path / "whole", 6)], train=resumable(), **common)
-    fit(LitSeq(), 2, callbacks=[saved(tmp_path / "first", 2)], train=resumable(), **common)
-    (path,) = glob.glob(os.path.join(tmp_path, "first", "*step=2.ckpt"))
-    resumed = LitSeq(seed=5)
-    fit(resumed, 6, ckpt_path=path, callbacks=[saved(tmp_path / "resumed", 6)], train=resumable(), **common)
-    (a,) = glob.glob(os.path.join(tmp_path, "whole", "*step=6.ckpt"))
-    (b,) = glob.glob(os.path.join(tmp_path, "resumed", "*step=6.ckpt"))
-    for x, y in zip(parallel_models(a)[1], parallel_models(b)[1]):
-        for k in x:
-            assert torch.equal(x[k], y[k]), k
-    for k, v in whole.state_dict().items():
-        assert torch.equal(v, resumed.state_dict()[k]), k
-    want_parallel, want_ref = simulate_2bw(6, 2, 0.5, 1)
-    assert max_rel_diff(want_ref, resumed.state_dict()) <= 1e-10
 
 
 def test_the_reference_stays_the_mean_of_the_parallel_models(tmp_path):
@@ -265,20 +218,20 @@ def test_one_pipeline_without_pull_is_plain_pipeline_training(tmp_path):
     assert max_rel_diff(plain.state_dict(), elastic.state_dict()) <= 1e-12
 
 
-@pytest.mark.parametrize("layout", ["full", "sharded"])
-def test_resume_continues_every_parallel_model(tmp_path, layout):
+# 2bw: AvgPipe(2BW), each pipeline's own stash W_n(t - 1) in the checkpoint comes back to its pipeline
+@pytest.mark.parametrize("layout,schedule", [("full", "1f1b"), ("sharded", "1f1b"), ("full", "2bw")])
+def test_resume_continues_every_parallel_model(tmp_path, layout, schedule):
     def resumable():
         return StatefulDataLoader(dataset(), batch_size=10)
 
+    common = dict(staleness=1, schedule=schedule, enable_checkpointing=True)
     whole = LitSeq()
-    fit(whole, 7, staleness=1, callbacks=[saved(tmp_path / "whole", 7)], enable_checkpointing=True, train=resumable())
+    fit(whole, 7, callbacks=[saved(tmp_path / "whole", 7)], train=resumable(), **common)
     # step 2 is mid-epoch (3 batches per pipeline and epoch): Lightning resumes the shard where it stopped
-    first = [saved(tmp_path / "first", 2)]
-    fit(LitSeq(), 2, staleness=1, callbacks=first, enable_checkpointing=True, train=resumable(), checkpoint=layout)
+    fit(LitSeq(), 2, callbacks=[saved(tmp_path / "first", 2)], train=resumable(), checkpoint=layout, **common)
     (path,) = glob.glob(os.path.join(tmp_path, "first", "*step=2.ckpt"))
     resumed = LitSeq(seed=5)
-    last = [saved(tmp_path / "resumed", 7)]
-    fit(resumed, 7, staleness=1, ckpt_path=path, callbacks=last, enable_checkpointing=True, train=resumable())  # reads either layout
+    fit(resumed, 7, ckpt_path=path, callbacks=[saved(tmp_path / "resumed", 7)], train=resumable(), **common)  # reads either layout
     for k, v in whole.state_dict().items():
         assert torch.equal(v, resumed.state_dict()[k]), k
     (a,) = glob.glob(os.path.join(tmp_path, "whole", "*step=7.ckpt"))
@@ -286,7 +239,7 @@ def test_resume_continues_every_parallel_model(tmp_path, layout):
     for x, y in zip(parallel_models(a)[1], parallel_models(b)[1]):
         for k in x:
             assert torch.equal(x[k], y[k]), k
-    _, want = simulate(7, 2, 0.5, 1)
+    _, want = simulate(7, 2, 0.5, 1, versions="2bw" if schedule == "2bw" else "flush")
     assert max_rel_diff(want, resumed.state_dict()) <= 1e-10
 
 

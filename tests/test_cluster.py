@@ -28,6 +28,10 @@ def environment(**extra: str) -> dict:
     return dict(env, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent)]), OMP_NUM_THREADS="1", **extra)
 
 
+def start(cmd: list, cwd: Path, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def all_succeed(procs: list, timeout: float = 200) -> None:
     for proc in procs:
         out, err = proc.communicate(timeout=timeout)
@@ -37,32 +41,9 @@ def all_succeed(procs: list, timeout: float = 200) -> None:
 def torchrun_nodes(tmp_path: Path, per_node: int, pipelines: int = 0) -> dict:
     """Two torchrun agents (two "nodes" of `per_node` processes) meeting at one c10d endpoint."""
     out, endpoint = tmp_path / "out.pt", f"127.0.0.1:{free_port()}"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                f"--nproc-per-node={per_node}",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={endpoint}",
-                "--rdzv-id=job",
-                str(JOB),
-                str(per_node),
-                "2",
-                str(pipelines),
-                str(out),
-            ],
-            cwd=tmp_path,
-            env=environment(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for _ in range(2)
-    ]
-    all_succeed(procs)
+    rendezvous = ["--nnodes=2", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=job"]
+    command = [sys.executable, "-m", "torch.distributed.run", *rendezvous, JOB, per_node, 2, pipelines, out]
+    all_succeed([start(command, tmp_path, environment()) for _ in range(2)])
     return torch.load(out)
 
 
@@ -84,17 +65,8 @@ def test_slurm_tasks(tmp_path):
     out, port = tmp_path / "out.pt", str(free_port())
     common = dict(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_NNODES="1", SLURM_NODEID="0", SLURM_JOB_ID="4242",
                   SLURM_JOB_NAME="train", SLURM_NODELIST="127.0.0.1", MASTER_PORT=port)  # fmt: skip
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(JOB), "2", "1", "0", str(out)],
-            cwd=tmp_path,
-            env=environment(SLURM_PROCID=str(r), SLURM_LOCALID=str(r), **common),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for r in range(2)
-    ]
+    tasks = [environment(SLURM_PROCID=str(r), SLURM_LOCALID=str(r), **common) for r in range(2)]
+    procs = [start([sys.executable, JOB, 2, 1, 0, out], tmp_path, env) for env in tasks]
     all_succeed(procs)
     saved = torch.load(out)
     assert saved["environment"] == "SLURMEnvironment" and saved["world"] == 2
