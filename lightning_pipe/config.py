@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from .errors import SettingError, check_choice, check_count
+from .planning.heuristic import MAX_EXPANSIONS_PER_STAGE, check_expansions
 from .planning.partition import PartitionSpec, partition_blocks
 from .planning.partitioners import PARTITIONERS
 from .profiling import Profile
@@ -41,8 +42,9 @@ class PipelineConfig:
     # ---- schedule ----------------------------------------------------------------------------
     schedule: str = "1f1b"
     """gpipe | 1f1b (alias flush: PipeDream-Flush) | interleaved | wave (Hanayo's placement, our greedy order) |
-    hanayo (Hanayo's placement and order) | 2bw (PipeDream-2BW: no flush,
-    1-stale updates), or auto (the simulator's fastest synchronous schedule within memory_limit)."""
+    hanayo (Hanayo's placement and order) | advance (AvgPipe's 1F1B with advance forward, §4.2) |
+    2bw (PipeDream-2BW: no flush, 1-stale updates), or auto (the simulator's fastest synchronous
+    schedule within memory_limit)."""
     chunks: int = 2
     """interleaved: model chunks per rank (v)."""
     waves: int = 1
@@ -66,6 +68,9 @@ class PipelineConfig:
     # ---- planning ----------------------------------------------------------------------------
     partition: Any = "autopipe"
     """A partitioner (autopipe, dp, parameters, exhaustive, uniform) or blocks per stage, e.g. [4, 6]."""
+    autopipe_expansions: int = MAX_EXPANSIONS_PER_STAGE
+    """partition=autopipe: splits AutoPipe's heuristic processes per stage before it stops (ours: the
+    paper sets no bound); a search the bound stops is logged (INFO, lightning_pipe.planning.heuristic)."""
     slicer: Any = False
     """AutoPipe slicer: True (the simulator picks how many warm-up micro-batches to halve), False, or a count."""
     memory_limit: Any = None
@@ -150,6 +155,10 @@ class PipelineConfig:
         if self.stages is not None:
             check_count("stages", self.stages)
         self.partition = _partition(self.partition)
+        try:
+            check_expansions(self.autopipe_expansions)
+        except ValueError as err:
+            raise SettingError(str(err), "autopipe_expansions") from None
         if not isinstance(self.slicer, (bool, int)) or (not isinstance(self.slicer, bool) and not 0 <= self.slicer <= self.microbatches):
             raise SettingError(
                 f"slicer={self.slicer!r}: True (the simulator chooses), False, or a count 0..microbatches={self.microbatches}", "slicer"

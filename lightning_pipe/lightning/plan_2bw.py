@@ -163,7 +163,7 @@ def _plan(config: PipelineConfig, where: Where, module: Any, trainer: Any, batch
     )
     kinds = block_kinds([type(b).__name__ for b in blocks])
     schedules = ("2bw", "1f1b", "gpipe") if config.auto else (config.schedule,)
-    result = plan_2bw(profile, hw, batch, schedules, refine=refiner(config.partition, kinds))
+    result = plan_2bw(profile, hw, batch, schedules, refine=refiner(config.partition, kinds), every_device=True)
     result.notes.append(f"profiled {len(blocks)} blocks at micro-batch sizes {sizes} in {profiled:.1f} s on {device}")
     out = where.out_dir
     if out is not None:

@@ -16,6 +16,7 @@ from ..config import PipelineConfig
 from ..schedules import ScheduleSpec
 from ..simulation import CostModel, Timeline, simulate
 from .auto import ScheduleChoice, choose_schedule
+from .heuristic import expansion_bound
 from .partition import partition_blocks
 from .planner import Plan, plan
 from .replay import cached_schedule
@@ -103,6 +104,13 @@ def plan_run(
 ) -> RunPlan:
     """The run's schedule, partition and slicing on `stages` pipeline ranks. `kinds`: each block's
     kind (embedding, attention, ...) for the partitioners that use it."""
+    with expansion_bound(config.autopipe_expansions):  # AutoPipe's heuristic reads the run's bound
+        return _plan_run(costs, stages, config, kinds, memory_limit)
+
+
+def _plan_run(
+    costs: CostModel, stages: int, config: PipelineConfig, kinds: Optional[Sequence[str]], memory_limit: Optional[float]
+) -> RunPlan:
     m, method, num_blocks = config.microbatches, config.partitioner, costs.num_blocks
     if config.auto:
         choice = choose_schedule(

@@ -40,8 +40,10 @@ Where the paper is ambiguous, and what we chose:
 - The paper gives no order for the candidates and no bound on the search, and the closure of its
   rule is far beyond a planning budget (`benchmarks/bench_planner.py --closure` prints its size on
   GPT-2 1.3B / 16 stages). Ours: candidates are taken fastest first (a heap on simulated time),
-  each split processed by 2) at most once, and at most `MAX_EXPANSIONS_PER_STAGE` x stages of them
-  (the paper argues its cost from the master stage ranging over the pipeline depth).
+  each split processed by 2) at most once, and at most `autopipe_expansions` x stages of them
+  (PipelineConfig.autopipe_expansions, default `MAX_EXPANSIONS_PER_STAGE`; the paper argues its
+  cost from the master stage ranging over the pipeline depth). When the bound stops a search that
+  had splits left, it is logged (logger `lightning_pipe.planning.heuristic`, INFO).
 - A split that cannot finish (no master stage) is dropped.
 
 `refine.py` is ours, not the paper's: `partition="autopipe+refine"` runs its local search from
@@ -51,13 +53,38 @@ this heuristic's result.
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+import logging
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator, Sequence
 
 from .minmax import MinMaxTable
 from .refine import EPS, refine
 from .replay import Bounds, Evaluator
 
 MAX_EXPANSIONS_PER_STAGE = 2  # splits processed by step 2), per stage: see the module notes
+log = logging.getLogger(__name__)
+# the run's setting, set around planning (a context variable: plan() and its callers need no new argument)
+_per_stage: ContextVar[int] = ContextVar("autopipe_expansions", default=MAX_EXPANSIONS_PER_STAGE)
+
+
+def check_expansions(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"autopipe_expansions={value!r}: an integer >= 1, the splits AutoPipe's heuristic processes per stage "
+            f"before it stops (default {MAX_EXPANSIONS_PER_STAGE}; the paper sets no bound)"
+        )
+    return value
+
+
+@contextmanager
+def expansion_bound(per_stage: int) -> Iterator[None]:
+    """Inside, `autopipe_search` processes at most per_stage x stages splits (unless given its own bound)."""
+    token = _per_stage.set(check_expansions(per_stage))
+    try:
+        yield
+    finally:
+        _per_stage.reset(token)
 
 
 def rule_one_steps(bounds: Bounds, master: int, weights: Sequence[float], backward: Sequence[float]):
@@ -111,7 +138,7 @@ def master_moves(bounds: Bounds, master: int, table: MinMaxTable) -> list[Bounds
 def autopipe_search(evaluator: Evaluator, stages: int, max_expansions: int | None = None) -> Bounds:
     """Steps 1)-4): the paper's heuristic, nothing of ours added but the bound on its length."""
     if max_expansions is None:
-        max_expansions = MAX_EXPANSIONS_PER_STAGE * stages
+        max_expansions = _per_stage.get() * stages
     costs = evaluator.costs
     weights = [f + b for f, b in zip(costs.forward, costs.backward)]
     table = MinMaxTable(weights, stages)
@@ -154,7 +181,24 @@ def autopipe_search(evaluator: Evaluator, stages: int, max_expansions: int | Non
             if candidate not in processed:
                 pushed += 1
                 heapq.heappush(frontier, (t, pushed, candidate, master))
+    if len(processed) >= max_expansions and _would_take(evaluator, frontier, processed):
+        log.info(
+            "AutoPipe's heuristic hit its bound: %d splits processed (at most %d: autopipe_expansions x %d stages) with "
+            "splits still to process; best simulated iteration time %.6g. Raise autopipe_expansions to search further",
+            len(processed),
+            max_expansions,
+            stages,
+            best_time,
+        )
     return best
+
+
+def _would_take(evaluator: Evaluator, frontier: list, processed: set) -> bool:
+    """Whether step 2) would still take a queued split (the loop skips the others): the bound stopped it."""
+    for _, _, bounds, came_from in sorted(frontier):
+        if bounds not in processed and (master := evaluator.master(bounds)) is not None and master <= came_from:
+            return True
+    return False
 
 
 def autopipe_bounds(evaluator: Evaluator, stages: int, refined: bool = False) -> Bounds:

@@ -1,7 +1,8 @@
 """PipeDream-2BW's planner (Narayanan et al., 2021, §4): width, depth, micro-batch size and
 recomputation under a memory cap.
 
-Algorithm 1 sweeps every equi-replicated (w, d) with w x d = devices; SEARCH finds, for each, the
+Algorithm 1 sweeps every equi-replicated (w, d), w = 1..N and d = 1..N/w (a grid may use fewer than
+the N devices; the strategy, which starts N processes, keeps w x d = N); SEARCH finds, for each, the
 micro-batch size b and recomputation r with the highest THROUGHPUT whose MEMORY fits the device;
 gradient accumulation g = B / (w b) micro-batches per step reaches the global batch B.
 Beyond the paper's closed forms (§4.2), and named as ours:
@@ -305,14 +306,16 @@ def throughput(step: float, allreduce: float, width: int, b: int, m: int) -> flo
 
 
 # ---- Algorithm 1 ------------------------------------------------------------------------------------
-def grids(devices: int, blocks: int) -> list[tuple[int, int]]:
-    """Every equi-replicated (w, d) with w x d = devices and at least one block per stage."""
-    return [(devices // d, d) for d in range(1, devices + 1) if devices % d == 0 and d <= blocks]
+def grids(devices: int, blocks: int, every_device: bool = False) -> list[tuple[int, int]]:
+    """Algorithm 1's loop: w = 1..N, d = 1..N/w (a grid may leave devices unused), at least one block
+    per stage. `every_device`: only w x d = N (a run that starts N processes uses all of them)."""
+    pairs = [(w, d) for w in range(1, devices + 1) for d in range(1, devices // w + 1) if d <= blocks]
+    return [(w, d) for w, d in pairs if w * d == devices] if every_device else pairs
 
 
 def check_reachable(devices: int, blocks: int, global_batch: int, schedules: Sequence[str] = ("2bw",)) -> None:
     """Before any profiling: some (w, d) exists, divides the global batch and (2bw alone) has g >= d."""
-    pairs = grids(devices, blocks)
+    pairs = grids(devices, blocks, every_device=True)  # the run starts all its processes
     if not pairs:
         raise ValueError(f"devices={devices}: no (width, depth) with width x depth = devices and depth <= {blocks} blocks")
     for w, d in pairs:
@@ -335,8 +338,11 @@ def plan_2bw(
     refine: Optional[callable] = None,
     finalists: int = 6,
     cost_model: str = "simulated",
+    every_device: bool = False,
 ) -> TwoBWPlan:
     """Algorithm 1 over every (w, d), schedule, r and b dividing B / w; the fastest that fits wins.
+    (w, d) runs as Algorithm 1's loop does, w = 1..N, d = 1..N/w, so a grid on fewer than N devices
+    competes; `every_device=True` keeps only w x d = N (the strategy: it starts all N processes).
     Every candidate is screened (`step_time(exact=False)`); the `finalists` fastest are simulated
     exactly and the best of those is chosen.
 
@@ -350,7 +356,8 @@ def plan_2bw(
     if cost_model == "closed":
         recompute, refine = tuple(r for r in recompute if r != "stages"), None
     with paused_gc():  # one collection after planning instead of hundreds during it
-        return _plan(profile, hw, global_batch, tuple(schedules), tuple(recompute), max_microbatch_size, refine, finalists, cost_model)
+        found = tuple(schedules), tuple(recompute), max_microbatch_size, refine, finalists, cost_model, every_device
+        return _plan(profile, hw, global_batch, *found)
 
 
 def _plan(
@@ -363,6 +370,7 @@ def _plan(
     refine: Optional[callable],
     finalists: int,
     cost_model: str,
+    every_device: bool,
 ) -> TwoBWPlan:
     started = time.perf_counter()
     search = _search if cost_model == "simulated" else _search_closed
@@ -372,9 +380,10 @@ def _plan(
     for r in recompute:
         if r not in RECOMPUTE:
             raise ValueError(f"recompute option {r!r}: one of {list(RECOMPUTE)}")
-    pairs = grids(hw.devices, profile.num_blocks)
+    pairs = grids(hw.devices, profile.num_blocks, every_device)
     if not pairs:
-        raise ValueError(f"devices={hw.devices}: no (width, depth) with width x depth = devices and depth <= {profile.num_blocks} blocks")
+        shape = "width x depth = devices" if every_device else "width x depth <= devices"
+        raise ValueError(f"devices={hw.devices}: no (width, depth) with {shape} and depth <= {profile.num_blocks} blocks")
     candidates: list[Candidate] = []
     at: dict[int, BlockCosts] = {}
     for w, d in pairs:
@@ -410,6 +419,11 @@ def _plan(
                 pick[id(c)] = again
     best = max(ranked, key=lambda c: (pick[id(c)].throughput, -pick[id(c)].memory))
     chosen = pick[id(best)]
+    if best.width * best.depth < hw.devices:
+        notes.append(
+            f"the chosen grid w x d = {best.width * best.depth} leaves {hw.devices - best.width * best.depth} of the "
+            f"{hw.devices} devices unused (Algorithm 1 allows it); a run on all {hw.devices} plans with every_device=True"
+        )
     if refine is not None and chosen is best:
         notes.append("the partitioner's plan of the chosen configuration was no faster or over the limit: the min-max partition is kept")
     candidates = [replace(chosen, verdict="chosen") if c is best else c for c in candidates]
@@ -463,7 +477,8 @@ def _search_closed(costs: BlockCosts, w: int, d: int, b: int, m: int, schedule: 
         if footprint > limit:
             c.verdict = "over memory_limit"
         else:
-            c.step_time = m * closed_step(costs, d, w, m, on, hw)
+            # one micro-batch per step (g = 1) is not pipelined: the paper's sum over stages
+            c.step_time = m * closed_step(costs, d, w, m, on, hw, pipelined=m > 1)
             c.throughput, c.verdict = w * b * m / c.step_time, "runs"
         found.append(c)
     return found

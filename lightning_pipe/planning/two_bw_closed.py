@@ -10,6 +10,8 @@ Per stage i of d (B/d blocks each, the paper's even split), per-device micro-bat
                      bw_width(w); amortised over the g micro-batches of a step (our reading of §5.4.1:
                      "throughput increases with gradient accumulation due to less communication")
     t = max_i max(T_comp_i, sum_j T_{j->i}, T_i^comm)         (pipelined: one micro-batch every t)
+    t = sum_i max(T_comp_i + sum_j T_{j->i}, T_i^comm)        (without pipelining: g = 1, one micro-batch
+                                                               passes the stages one after the other)
     THROUGHPUT = w b / t samples/s
 
 MEMORY (§4.2.2, §3.1): 2|W|/d + |A_total(b)| without recomputation (d stashed versions of a stage's
@@ -30,12 +32,13 @@ def even_bounds(blocks: int, depth: int) -> tuple[tuple[int, int], ...]:
     return tuple(tuple(b) for b in partition_blocks("uniform", blocks, depth).bounds)
 
 
-def closed_step(costs: BlockCosts, depth: int, width: int, g: int, recompute: bool, hw: object) -> float:
-    """t: seconds per micro-batch in the steady state (the paper's pipelined expression)."""
+def closed_step(costs: BlockCosts, depth: int, width: int, g: int, recompute: bool, hw: object, pipelined: bool = True) -> float:
+    """t: seconds per micro-batch, the paper's pipelined expression (the steady state) or, with
+    `pipelined=False`, its expression without pipelining (stages add up, communication after compute)."""
     bounds = even_bounds(len(costs.forward), depth)
     link = hw.pipeline_bandwidth(depth)
     replica = hw.replica_bandwidth(width, depth)
-    worst = 0.0
+    worst = total = 0.0
     for i, (a, b) in enumerate(bounds):
         compute = sum(costs.forward[a:b]) + sum(costs.backward[a:b])
         if recompute:
@@ -50,7 +53,8 @@ def closed_step(costs: BlockCosts, depth: int, width: int, g: int, recompute: bo
         params = sum(costs.param_bytes[a:b])
         allreduce = 2 * (width - 1) / width * params / replica / g if width > 1 else 0.0
         worst = max(worst, compute, comm, allreduce)
-    return worst
+        total += max(compute + comm, allreduce)
+    return worst if pipelined else total
 
 
 def closed_memory(costs: BlockCosts, depth: int, schedule: str, m: int, recompute: bool) -> float:
