@@ -49,9 +49,17 @@ def test_language_model_with_tied_embedding_equals_single_process(cls, data, par
     L.Trainer(devices=1, **trainer_kwargs(gradient_clip_val=0.5)).fit(ref, data())
     model = make(cls)
     strategy = AutoPipeStrategy(schedule="1f1b", microbatches=4, partition=partition, start_method=START)
-    L.Trainer(devices=2, strategy=strategy, **trainer_kwargs(gradient_clip_val=0.5)).fit(model, data())
+    trainer = L.Trainer(devices=2, strategy=strategy, **trainer_kwargs(gradient_clip_val=0.5))
+    trainer.fit(model, data())
     assert model.model[-1].weight is model.model[0].token.weight, "the trained model comes back tied"
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    # the modules' torchmetrics (perplexity; BERT's masked-token accuracy), 4 micro-batches per batch of
+    # 6 and 4 batches: the epoch's values are one process's
+    (want,) = L.Trainer(devices=1, **trainer_kwargs()).validate(ref, data(), verbose=False)
+    (got,) = trainer.validate(model, data(), verbose=False)
+    assert set(got) == set(want) >= {"val_loss", "val_ppl"} | ({"val_acc"} if cls is MaskedLM else set())
+    for key in want:
+        assert got[key] == pytest.approx(want[key], rel=1e-9), key
 
 
 @pytest.mark.parametrize(

@@ -491,6 +491,7 @@ def test_masked_lm_trains_with_a_lightning_trainer():
     loss, acc = masked_lm_loss_and_accuracy_by_hand(logits, labels)
     torch.testing.assert_close(m["val_loss"].double(), loss, atol=1e-5, rtol=0)
     torch.testing.assert_close(m["val_acc"].double(), acc, atol=1e-6, rtol=0)
+    torch.testing.assert_close(m["val_ppl"], m["val_loss"].exp())  # over the labelled positions only
     predicted = trainer.predict(lit, mlm_batches())[0]
     torch.testing.assert_close(predicted, logits, atol=0, rtol=0)
 

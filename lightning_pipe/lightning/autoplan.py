@@ -34,6 +34,7 @@ from ..profiling.messages import MessageCosts, measure_messages
 from ..schedules import ScheduleSpec
 from ..simulation.timelines import chrome_trace, gantt, traced_timeline
 from .context import RankContext
+from .metric_state import untouched
 from .stage import _Handoff
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ def profile_pipeline(
         blocks = profiling_blocks(blocks, mine)
     buffers = [{n: b.detach().clone() for n, b in blk.named_buffers()} for blk in blocks]
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), untouched(module):  # the user's step runs here: metrics as if it had not
         x = pipeline_input(module, pipeline, batch)
         module.log = lambda *a, **k: None  # type: ignore[method-assign]  # the loss step logs nothing here
         try:  # the rank's blocks run together, 2 micro-batches in flight: caches as busy as in training

@@ -4,7 +4,8 @@
 large model) create it on the meta device here: shapes and dtypes (the precision plugin's, e.g.
 bf16-true), no storage. The strategy plans from block-by-block profiles and, when it cuts the model,
 allocates and initialises its own blocks only (`cutting`, `models/init.py`). Everything created
-in `configure_model()` is empty, so create metrics and other non-pipeline state in `__init__`.
+in `configure_model()` is empty, so create metrics and other non-pipeline state in `__init__`
+under `with torch.device("cpu"):` (a torchmetrics state made on the meta device has lost its initial value).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def loss_of(output: Any, step: str) -> Tensor:
 class LightningHost:
     def __init__(self, module: Any, stage: PipelineStage, last_chunk: int, reduce: Callable[[int], None]):
         self.module, self.stage, self.last_chunk, self._reduce = module, stage, last_chunk, reduce
-        self.recorder = LogRecorder()
+        self.recorder = LogRecorder(module)
         self.step_name = "training_step"
         self.microbatches: list[Any] = []
         self.weights: list[float] = []

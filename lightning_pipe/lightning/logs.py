@@ -12,6 +12,10 @@ knows the last step's schema (names, options, dtypes), so the tensor's length is
 ends and its first element says whether the schema still holds. Only when it changed (the first
 step, or a step that logs other keys) do the new schema (as an object) and the values follow.
 The broadcast ends the step on every rank at once, so it is kept to one message.
+
+A torchmetrics ``Metric`` logged on the last stage rides in the same message: the batch's state,
+merged into the metric on every rank (`metric_state.py`), then logged as the Metric itself, so
+Lightning's step value, epoch ``compute()`` and reset work as in one process.
 """
 
 from __future__ import annotations
@@ -21,16 +25,23 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torchmetrics import Metric
+
+from .metric_state import Layout, MetricSteps, merge, metrics_of, unpack
+
+Kind = Any  # a scalar's dtype (None for a Python number), or ("metric", path) for a Metric
 
 
 class LogRecorder:
     """Stands in for ``module.log`` during a pipelined step."""
 
-    def __init__(self) -> None:
+    def __init__(self, module: Any = None) -> None:
         self.active = False
         self.weight = 0.0
         self.values: dict[str, Any] = {}  # name -> weighted sum, a tensor on the device (no sync per call)
-        self.options: dict[str, tuple[dict, Optional[torch.dtype]]] = {}
+        self.options: dict[str, tuple[dict, Kind]] = {}
+        self.metrics = MetricSteps(module) if module is not None else None
+        self.paths = {id(m): p for p, m in metrics_of(module).items()} if module is not None else {}
 
     def reset(self) -> None:
         self.values, self.options = {}, {}
@@ -40,6 +51,14 @@ class LogRecorder:
             raise TypeError("pass self.log options by keyword under AutoPipeStrategy (self.log(name, value, prog_bar=True))")
         if not self.active:
             return  # a stage other than the last runs the step only up to the pipeline call
+        if isinstance(value, Metric):
+            path = self.paths.get(id(value))
+            if path is None:
+                raise ValueError(
+                    f"self.log({name!r}, <Metric>): under AutoPipeStrategy the metric must be an attribute of the LightningModule"
+                )
+            self.options.setdefault(name, (kwargs, ("metric", path)))
+            return
         if isinstance(value, Tensor):
             if value.numel() != 1:
                 raise ValueError(f"self.log({name!r}, ...) got a tensor of {value.numel()} elements; log a scalar")
@@ -49,10 +68,14 @@ class LogRecorder:
         else:
             raise TypeError(
                 f"self.log({name!r}, <{type(value).__name__}>) is not supported under AutoPipeStrategy: the value must be "
-                "a number or a scalar tensor (for a torchmetrics Metric, log the tensor its call returns)"
+                "a number, a scalar tensor or a torchmetrics Metric"
             )
         self.values[name] = self.values.get(name, 0.0) + self.weight * number
         self.options.setdefault(name, (kwargs, dtype))
+
+
+Schema = tuple[list[tuple[str, dict, Kind]], list[tuple[str, Layout]]]  # logged keys; metric states sent
+Entries = list[tuple[str, Any, dict, Kind]]
 
 
 class LogBroadcaster:
@@ -60,47 +83,83 @@ class LogBroadcaster:
 
     def __init__(self, group: Any, src: int, device: torch.device, is_src: bool):
         self.group, self.src, self.device, self.is_src = group, src, device, is_src
-        self._schema: Optional[list[tuple[str, dict, Optional[torch.dtype]]]] = None
+        self._schema: Optional[Schema] = None
 
-    def exchange(self, recorder: LogRecorder, loss: Any) -> tuple[float, list[tuple[str, float, dict, Optional[torch.dtype]]]]:
-        """Return the batch loss and the (name, value, options, dtype) list, identical on every rank."""
+    def exchange(self, recorder: LogRecorder, loss: Any) -> tuple[float, Entries]:
+        """Return the batch loss and the (name, value, options, kind) list, identical on every rank; the
+        metrics the step updated hold the same state on every rank."""
         if self.is_src:
-            schema = [(n, *recorder.options[n]) for n in recorder.values]
-            values = [loss] + [recorder.values[n] for n in recorder.values]
-            data = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in values])
+            schema, data = self._pack(recorder, loss)
         if self.group is None:  # a one-stage pipeline: nothing to move
-            numbers = data.tolist()
-            return numbers[0], [(n, v, kw, dt) for (n, kw, dt), v in zip(schema, numbers[1:])]
+            return self._unpack(recorder, schema, data)
         if self._schema is not None:
             # [changed, loss, values...] sized by the schema every rank knows: one message per step
-            size = 2 + len(self._schema)
+            frame = torch.zeros(1 + _size(self._schema), dtype=torch.float64, device=self.device)
             if self.is_src:
                 changed = schema != self._schema
-                frame = torch.zeros(size, dtype=torch.float64, device=self.device)
                 frame[0] = float(changed)
                 if not changed:
                     frame[1:] = data
-            else:
-                frame = torch.zeros(size, dtype=torch.float64, device=self.device)
             dist.broadcast(frame, self.src, group=self.group)
-            numbers = frame.tolist()
-            if numbers[0] == 0.0:
-                return numbers[1], [(n, v, kw, dt) for (n, kw, dt), v in zip(self._schema, numbers[2:])]
+            if frame[0].item() == 0.0:
+                return self._unpack(recorder, self._schema, frame[1:])
         # first step, or the schema changed: the schema as an object, then the values
         box = [schema if self.is_src else None]
         dist.broadcast_object_list(box, self.src, group=self.group, device=self.device)
         self._schema = box[0]
         if not self.is_src:
-            data = torch.zeros(1 + len(self._schema), dtype=torch.float64, device=self.device)
+            data = torch.zeros(_size(self._schema), dtype=torch.float64, device=self.device)
         dist.broadcast(data, self.src, group=self.group)
-        numbers = data.tolist()
-        return numbers[0], [(n, v, kw, dt) for (n, kw, dt), v in zip(self._schema, numbers[1:])]
+        return self._unpack(recorder, self._schema, data)
+
+    def _pack(self, recorder: LogRecorder, loss: Any) -> tuple[Schema, Tensor]:
+        entries = [(n, kw, kind) for n, (kw, kind) in recorder.options.items()]
+        values = [loss] + [recorder.values[n] for n, _, kind in entries if not _is_metric(kind)]
+        parts = [torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in values])]
+        logged = {kind[1] for _, _, kind in entries if _is_metric(kind)}
+        sent = recorder.metrics.payload(logged) if recorder.metrics is not None else {}
+        for _layout, flat, updates, value in sent.values():
+            parts += [torch.tensor([updates, value], dtype=torch.float64, device=self.device), flat.to(self.device)]
+        return (entries, [(path, item[0]) for path, item in sent.items()]), torch.cat(parts)
+
+    def _unpack(self, recorder: LogRecorder, schema: Schema, data: Tensor) -> tuple[float, Entries]:
+        entries, layouts = schema
+        scalars = sum(not _is_metric(kind) for _, _, kind in entries)
+        numbers = data[: 1 + scalars].tolist()
+        at = 1 + scalars
+        metrics = metrics_of(recorder.metrics.module) if recorder.metrics is not None else {}
+        for path, layout in layouts:
+            size = _numel(layout)
+            updates, value = data[at : at + 2].tolist()
+            metric = metrics[path]
+            merge(metric, unpack(layout, data[at + 2 : at + 2 + size], metric.device), int(updates), value)
+            at += 2 + size
+        values = iter(numbers[1:])
+        out = [(n, metrics[kind[1]] if _is_metric(kind) else next(values), kw, kind) for n, kw, kind in entries]
+        return numbers[0], out
 
 
-def replay(module: Any, entries: list[tuple[str, float, dict, Optional[torch.dtype]]], device: torch.device, sync: bool = False) -> None:
+def _is_metric(kind: Kind) -> bool:
+    return isinstance(kind, tuple)
+
+
+def _numel(layout: Layout) -> int:
+    return sum(int(torch.Size(shape).numel()) for _, shape, _, _ in layout)
+
+
+def _size(schema: Schema) -> int:
+    entries, layouts = schema
+    return 1 + sum(not _is_metric(kind) for _, _, kind in entries) + sum(2 + _numel(layout) for _, layout in layouts)
+
+
+def replay(module: Any, entries: Entries, device: torch.device, sync: bool = False) -> None:
     """`sync`: evaluation with several pipelines, each over its shard of the data: the logged value is
-    the mean over the pipelines (``sync_dist=True`` unless the user chose otherwise)."""
-    for name, value, options, dtype in entries:
+    the mean over the pipelines (``sync_dist=True`` unless the user chose otherwise). A Metric syncs itself
+    at compute() (over its stage's ranks, `metric_state.attach`)."""
+    for name, value, options, kind in entries:
+        if _is_metric(kind):
+            module.log(name, value, **options)
+            continue
         if sync:
             options = {"sync_dist": True, **options}
-        module.log(name, torch.tensor(value, dtype=dtype, device=device) if dtype is not None else value, **options)
+        module.log(name, torch.tensor(value, dtype=kind, device=device) if kind is not None else value, **options)

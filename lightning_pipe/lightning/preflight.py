@@ -16,6 +16,7 @@ from torch import nn
 from ..config import PipelineConfig
 from ..errors import SettingError
 from .layers.compose import choose_layers
+from .metric_state import check_metrics
 from .stage import check_no_outside_parameters, find_pipeline
 
 _LIGHTNING_CKPT_ALIASES = ("last", "best", "hpc", "registry")  # fit resolves these itself
@@ -50,6 +51,10 @@ def validate_inputs(config: PipelineConfig, world: int, args: tuple, trainer: Op
     if isinstance(model, nn.Module):
         path, pipeline = find_pipeline(model)
         check_no_outside_parameters(model, path)
+        try:
+            check_metrics(model)
+        except ValueError as err:
+            raise SettingError(str(err)) from None
         config.check_model(world, len(pipeline))
         if resume_path is not None:
             check_checkpoint(resume_path, model)

@@ -19,6 +19,7 @@ from .context import RankContext
 from .gradients import GradientStash
 from .host import LightningHost
 from .logs import LogBroadcaster, replay
+from .metric_state import attach
 from .outputs import merge_outputs
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class PipelineSteps:
     def build(cls, ctx: RankContext, training: "Training") -> "PipelineSteps":
         cut = ctx.cut
         host = LightningHost(ctx.module, cut.stage, len(cut.placement) - 1, training.gradients.reduce_chunk)
+        attach(ctx.module, ctx.groups.stage, ctx.topology.width)
         return cls(ctx, training, host, ctx.pipeline_group, ctx.pipeline_rank(cut.loss_stage))
 
     def _run(self, kind: str, step: str, context: Callable, args: tuple, kwargs: dict, m: int, scaler: Any = None) -> float:
@@ -48,6 +50,8 @@ class PipelineSteps:
         keys = [(kind, signature(mb)) for mb in microbatches]
         host.begin(step, microbatches, weights, args[1:], kwargs, scaler.scale if scaler is not None else None)
         module.log = host.recorder  # type: ignore[method-assign]
+        if self.logs.is_src and host.recorder.metrics is not None:
+            host.recorder.metrics.begin()  # the micro-batches build each metric's batch state
         if self.trace_group is not None:
             dist.barrier(group=self.trace_group)  # a common start, so the ranks' traces line up
         partition, runner = self.training.partition, self.training.runner

@@ -2,6 +2,8 @@
 
 The whole model is `self.model`, the module's only nn.Sequential child and the only place with
 parameters, so `Trainer(strategy="autopipe")` can cut it into stages. Each step calls it once.
+Validation metrics are torchmetrics objects, logged as such: their states add up over the batches
+(and over pipelines and replicas), so the epoch's perplexity is exp of the mean over all tokens.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Optional, Union
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.text import Perplexity
 
 from .build import build_bert, build_gpt, init_block
 from .config import ModelConfig, resolve_config
@@ -53,6 +57,8 @@ class _LanguageModel(L.LightningModule):
         self.config = cfg
         self.model = self.build(cfg)
         self.init_seed: int = self.model.init_seed
+        with torch.device("cpu"):  # real (small) states even when the model is built empty on the meta device
+            self.val_ppl = Perplexity(ignore_index=-100)
 
     def init_pipeline_block(self, index: int, block: torch.nn.Module) -> None:
         """Initial values of block `index` (called by the strategy for the blocks a rank creates
@@ -62,18 +68,6 @@ class _LanguageModel(L.LightningModule):
     @staticmethod
     def build(cfg: ModelConfig):
         raise NotImplementedError
-
-    def on_validation_end(self):
-        # Perplexity of the epoch's mean loss, exp(mean), not a mean of per-batch exps: exact under
-        # micro-batching too, where logged values are averaged linearly over micro-batches. The epoch
-        # mean exists only now, after logging is closed, so it goes to the loggers directly.
-        loss = self.trainer.callback_metrics.get("val_loss")
-        if loss is None or self.trainer.sanity_checking:
-            return
-        ppl = loss.exp()
-        self.trainer.callback_metrics["val_ppl"] = ppl
-        for logger in self.loggers:
-            logger.log_metrics({"val_ppl": float(ppl)}, step=self.global_step)
 
     def configure_optimizers(self):
         # decay matrices (linear and embedding weights), not biases and LayerNorm gains (nanoGPT);
@@ -117,8 +111,12 @@ class CausalLM(_LanguageModel):
         return loss
 
     def validation_step(self, batch, batch_idx):
-        loss = self._loss(batch)
+        ids, targets = batch
+        logits = self.model(ids)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        self.val_ppl(logits.float(), targets)
         self.log("val_loss", loss, prog_bar=True)
+        self.log("val_ppl", self.val_ppl)
 
     def test_step(self, batch, batch_idx):
         self.log("test_loss", self._loss(batch))
@@ -141,6 +139,12 @@ class MaskedLM(_LanguageModel):
     default_model = "bert-tiny"
     build = staticmethod(build_bert)
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # masked-token accuracy over the predicted positions (every one counts once, whatever its batch)
+        with torch.device("cpu"):
+            self.val_acc = MulticlassAccuracy(num_classes=self.config.vocab_size, average="micro", ignore_index=-100)
+
     def _forward(self, batch):
         ids, mask, labels = batch
         logits = self.model((ids, mask))
@@ -154,10 +158,11 @@ class MaskedLM(_LanguageModel):
 
     def validation_step(self, batch, batch_idx):
         loss, logits, labels = self._forward(batch)
-        predicted = labels != -100
-        acc = (logits.argmax(-1)[predicted] == labels[predicted]).float().mean()
+        self.val_acc(logits.argmax(-1).flatten(), labels.flatten())
+        self.val_ppl(logits.float(), labels)
         self.log("val_loss", loss, prog_bar=True)
-        self.log("val_acc", acc)  # masked-token accuracy (same per-sample-count assumption)
+        self.log("val_acc", self.val_acc)
+        self.log("val_ppl", self.val_ppl)
 
     def test_step(self, batch, batch_idx):
         loss, _, _ = self._forward(batch)
