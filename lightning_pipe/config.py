@@ -251,6 +251,14 @@ class PipelineConfig:
                     "(gpipe, 1f1b, interleaved, wave, hanayo, advance or 2bw), or use adaptive=rule",
                     "adaptive",
                 )
+            from .adaptive.features import SCHEDULES as LEARNED  # the schedules its predictor was trained on
+
+            if canonical(self.schedule) not in LEARNED:
+                raise SettingError(
+                    f"adaptive=learned with schedule={self.schedule!r}: the learned predictor was not trained on it "
+                    f"(it knows {', '.join(LEARNED)}); use adaptive=rule",
+                    "adaptive",
+                )
             trained = {"interleaved": ("chunks", 2), "wave": ("waves", 1), "hanayo": ("waves", 1)}.get(canonical(self.schedule))
             if trained is not None and getattr(self, trained[0]) != trained[1]:
                 name, value = trained

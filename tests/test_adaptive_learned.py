@@ -50,7 +50,8 @@ REPORT = json.loads((WEIGHTS / "report.json").read_text())
 def test_shipped_report_meets_the_targets(depth):
     # issue 28: below the constant predictor's held-out error and a median Spearman >= 0.9 over a
     # scenario's candidates, at every depth, on scenarios drawn over every schedule the runtime runs
-    assert set(REPORT["schedules"]) == set(REGISTRY) == set(F.SCHEDULES)
+    # every schedule but the zero-bubble ones (issue 29), which adaptive=learned refuses (test_adaptive_values)
+    assert set(REPORT["schedules"]) == set(F.SCHEDULES) == set(REGISTRY) - {"zb-h1", "zb-v"}
     held = REPORT["depths"][str(depth)]["held_out"]
     assert held["mean_relative_error"] < held["constant_mean_relative_error"], held
     assert held["median_spearman_over_candidates"] >= 0.9, held
@@ -123,8 +124,11 @@ def test_adaptive_values():
     assert PipelineConfig(adaptive="false").adaptive is False
     with pytest.raises(SettingError, match="one of rule"):
         PipelineConfig(adaptive="sometimes")
-    for name in REGISTRY:  # every schedule the predictor was trained on, with the options it saw
+    for name in F.SCHEDULES:  # every schedule the predictor was trained on, with the options it saw
         assert PipelineConfig(adaptive="learned", schedule=name).adaptive == "learned"
+    for name in set(REGISTRY) - set(F.SCHEDULES):  # one it never saw: refused, pointing to the rule
+        with pytest.raises(SettingError, match=f"schedule='{name}': the learned predictor was not trained on it.*adaptive=rule"):
+            PipelineConfig(adaptive="learned", schedule=name)
     with pytest.raises(SettingError, match="trained on interleaved with chunks=2") as error:
         PipelineConfig(adaptive="learned", schedule="interleaved", chunks=3)
     assert error.value.setting == "chunks"

@@ -75,7 +75,7 @@ from lightning_pipe.runtime.microbatch import microbatch_sizes
 from lightning_pipe.runtime.tied import find_tied_parameters
 from lightning_pipe.schedules import REGISTRY, Action, PipelineSchedule, dump, load, validate
 from lightning_pipe.schedules.two_bw import SHOWN_BATCHES
-from lightning_pipe.simulation import CostModel, Timeline, input_source, message_of, produced_by, simulate
+from lightning_pipe.simulation import CostModel, Timeline, done_key, input_source, message_of, produced_by, simulate
 from lightning_pipe.simulation.timelines import traced_timeline
 from lightning_pipe.topology import Topology
 
@@ -129,7 +129,7 @@ def order_errors(schedule: PipelineSchedule, events: Iterable[Timed], ready_when
         expected = [a for a in schedule.actions[r] if a.op.is_compute or a.op.is_send]
         if got != expected:
             errors.append(f"rank {r}: computes and sends in the order {list(map(str, got))}, the list has {list(map(str, expected))}")
-    ended = {(a.op, a.chunk, a.microbatch): (r, end) for r, a, _, end in events if a.op.is_compute}
+    ended = {done_key(a): (r, end) for r, a, _, end in events if a.op.is_compute}  # a BI answers to its backward's key
     sent = {message_of(a): (r, end if ready_when == "arrival" else start) for r, a, start, end in events if a.op.is_send}
     for r, a, start, _ in events:
         if not a.op.is_compute:

@@ -60,7 +60,7 @@ class RunPlan:
 
     def timeline(self, costs: CostModel) -> Timeline:
         """The simulated step of this plan."""
-        if self.spec.options:
+        if self.spec.options or self.spec.kind.chunks is not None:  # multi-chunk (zb-v has no option): never sliced
             return simulate(cached_schedule(self.spec.name, self.stages, self.microbatches, self.spec.options), costs, self.bounds)
         return simulate_sliced(costs, self.bounds, self.microbatches, self.sliced, self.spec.name)
 

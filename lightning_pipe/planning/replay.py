@@ -28,9 +28,21 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from ..schedules import Op, PipelineSchedule, get_schedule
-from ..simulation import CostModel, chunk_costs, input_source, master_stage, message_of, produced_by, simulate, trace_critical_path
+from ..simulation import (
+    CostModel,
+    chunk_costs,
+    done_key,
+    input_source,
+    master_stage,
+    message_of,
+    produced_by,
+    simulate,
+    split_costs,
+    trace_critical_path,
+)
 
 Bounds = tuple[tuple[int, int], ...]
+_KINDS = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)  # the blocks of `Replay._times`
 
 
 @contextmanager
@@ -63,7 +75,7 @@ class Replay:
         self.schedule = schedule
         chunks = schedule.num_chunks
         self.chunk_rank = schedule.chunk_rank
-        per_rank: list[list[tuple[bool, int, Optional[tuple]]]] = []  # (forward?, chunk, input source)
+        per_rank: list[list[tuple[Op, int, Optional[tuple]]]] = []  # (op, chunk, input source)
         senders: dict[tuple, tuple[int, int]] = {}  # message -> (rank, index of the compute before the send)
         # the sends and receives a rank issues before each compute (since the one before) and before
         # each send: `CostModel.message_gap`'s counts, the thread time taken from computing
@@ -71,12 +83,12 @@ class Replay:
         leaves: dict[tuple, tuple[int, int]] = {}  # message -> counts up to and including its send
         self.trailing: list[tuple[int, int]] = []  # after the rank's last compute
         for r, actions in enumerate(schedule.actions):
-            computes: list[tuple[bool, int, Optional[tuple]]] = []
+            computes: list[tuple[Op, int, Optional[tuple]]] = []
             counts: list[tuple[int, int]] = []
             sends = recvs = 0
             for a in actions:
                 if a.op.is_compute:
-                    computes.append((a.op is Op.FORWARD, a.chunk, input_source(schedule, a, r)))
+                    computes.append((a.op, a.chunk, input_source(schedule, a, r)))
                     counts.append((sends, recvs))
                     sends = recvs = 0
                 elif a.op.is_send:
@@ -91,10 +103,10 @@ class Replay:
             self.trailing.append((sends, recvs))
 
         # (op, chunk, microbatch) -> (rank, position): the producer of a message, the cause on the path
-        done_key: dict[tuple, tuple[int, int]] = {}
+        produced: dict[tuple, tuple[int, int]] = {}
         for r, actions in enumerate(schedule.actions):
             for j, a in enumerate(a for a in actions if a.op.is_compute):
-                done_key[(a.op, a.chunk, a.microbatch)] = (r, j)
+                produced[done_key(a)] = (r, j)
         index_of: dict[tuple[int, int], int] = {}
 
         # topological order: round-robin over ranks, a compute goes once what releases it has gone
@@ -105,8 +117,8 @@ class Replay:
             progressed = False
             for r, computes in enumerate(per_rank):
                 while pointer[r] < len(computes):
-                    fwd, c, key = computes[pointer[r]]
-                    dep = self._release(key, senders, done_key)
+                    _, c, key = computes[pointer[r]]
+                    dep = self._release(key, senders, produced)
                     if dep is not None and dep[0] not in index_of:
                         break
                     index_of[(r, pointer[r])] = len(order)
@@ -119,7 +131,7 @@ class Replay:
 
         n = len(order)
         self.rank = [0] * n
-        self.duration = [0] * n  # index into forward + backward chunk times
+        self.duration = [0] * n  # index into the chunk times of forward, backward, BI, then W
         self.sender = [-1] * n  # compute whose end the message leaves at (or the local producer)
         self.producer: list[Optional[int]] = [None] * n  # compute that produced the data (the cause on the critical path)
         self.boundary = [chunks] * n  # stage boundary crossed (chunk index); `chunks` = no transfer
@@ -128,16 +140,22 @@ class Replay:
         self.forward = [True] * n
         self.counts_f = [0] * chunks
         self.counts_b = [0] * chunks
+        self.split = False  # any backward split in BI + W (zero-bubble)
         for k, (r, j) in enumerate(order):
-            fwd, c, key = per_rank[r][j]
+            op, c, key = per_rank[r][j]
+            fwd = op is Op.FORWARD
             self.rank[k] = r
             self.forward[k] = fwd
-            self.duration[k] = c if fwd else chunks + c
-            (self.counts_f if fwd else self.counts_b)[c] += 1
+            self.duration[k] = _KINDS.index(op) * chunks + c
+            if fwd:
+                self.counts_f[c] += 1
+            elif op.gives_weight_grad:  # a split backward's BI + W: its W counted as the whole (bounds only)
+                self.counts_b[c] += 1
+            self.split = self.split or op is Op.BACKWARD_WEIGHT
             self.gap_counts[k] = gaps[r][j]
             if key is not None and not key[0]:
                 self.leave_counts[k] = leaves[key[1]]
-            dep = self._release(key, senders, done_key)
+            dep = self._release(key, senders, produced)
             if dep is not None:
                 send_at, producer = dep
                 self.sender[k] = index_of[send_at]
@@ -177,21 +195,22 @@ class Replay:
         ]
 
     @staticmethod
-    def _release(source, senders, done_key) -> Optional[tuple[tuple[int, int], tuple[int, int]]]:
+    def _release(source, senders, produced) -> Optional[tuple[tuple[int, int], tuple[int, int]]]:
         """(compute the message leaves after, compute that produced it) for a compute's input."""
         if source is None:
             return None
         local, key = source
         if local:
-            return done_key[key], done_key[key]
-        return senders[key], done_key[produced_by(key)]
+            return produced[key], produced[key]
+        return senders[key], produced[produced_by(key)]
 
     def _times(self, costs: CostModel, bounds: Sequence[tuple[int, int]]) -> tuple[list[float], list[float]]:
-        """Per-compute durations (forward chunks, then backward chunks; slowdown included) and
+        """Per-compute durations (forward chunks, backward, BI, then W chunks; slowdown included) and
         per-boundary comm times, plus a 0.0 for `chunks` (a local hand-over): `chunk_costs`'."""
         fwd, bwd, comm = chunk_costs(costs, bounds, self.chunk_rank)
+        bi, w = split_costs(costs, bounds, self.chunk_rank) if self.split else ([0.0] * self.chunks,) * 2
         comm.append(0.0)
-        return fwd + bwd, comm
+        return fwd + bwd + bi + w, comm
 
     def _shared(self, costs: CostModel) -> bool:
         # Shared cores make a compute's duration depend on what the other ranks do meanwhile, which
@@ -247,7 +266,7 @@ class Replay:
         if self._shared(costs):
             return [self.iteration_time(costs, bounds) for bounds in candidates]
         k, n, chunks = len(candidates), len(self.rank), self.chunks
-        durations = np.empty((2 * chunks, k))
+        durations = np.empty((len(_KINDS) * chunks, k))
         comm = np.empty((chunks + 1, k))
         for j, bounds in enumerate(candidates):
             durations[:, j], comm[:, j] = self._times(costs, bounds)
@@ -269,7 +288,7 @@ class Replay:
         them: T >= sum_{s<i} (f_s + c_s) + m (f_i + b_i) + sum_{s<i} (b_s + c_s). Otherwise the
         busiest rank's compute, back to back. Shared cores only slow computes down, so these still
         hold, and the machine's floor (all compute over the cores) is one more."""
-        if not self.one_chunk_per_rank:
+        if not self.one_chunk_per_rank or self.split:  # a split backward drains by BI only
             return self.busy_bound(costs, bounds)
         durations, comm = self._times(costs, bounds)
         c = self.chunks

@@ -12,6 +12,8 @@ serves plain PyTorch (tests, benchmarks) and the Lightning strategy.
   neighbours exchanging at once cannot deadlock.
 - Each chunk's boundary is a fresh leaf tensor: backward stops there and the input gradient is
   handed to the previous chunk explicitly, by message or locally when it lives on this rank.
+- A split backward (zero-bubble) runs BI, the input gradient only, and later W, the weight
+  gradients (`split_backward`); the micro-batch's graph and activations live until its W.
 
 `Executor.run` walks the list and dispatches each action to the handler of its op (`_handlers`);
 what one run accumulates (stashes, posted receives, the group being built, trace records) lives
@@ -30,6 +32,7 @@ from torch import Tensor
 
 from ..schedules.actions import Action, Op, PipelineSchedule
 from .p2p import Activation, PendingRecv, Transport
+from .split_backward import Deferred, backward_input, backward_weight
 
 
 class StageHost(Protocol):
@@ -84,6 +87,7 @@ class _Run:
         self.stash_out: dict[tuple[int, int], Any] = carry.stash_out if carry is not None else {}
         self.outbox: dict[tuple[str, int, int], Any] = {}  # produced, waiting for its SEND action
         self.local: dict[tuple[Op, int, int], Any] = {}  # hand-over between chunks on this rank
+        self.deferred: dict[tuple[int, int], Deferred] = {}  # (chunk, mb) -> what its W needs, after its BI
         self.inbox: dict[tuple[Op, int, int], PendingRecv] = {}  # posted receives by (op, chunk, mb)
         self.send_works: list = []
         self.crossing_works: list = []  # sends received in the peer's next run: not waited in this one
@@ -113,6 +117,8 @@ class Executor:
         self._handlers: dict[Op, Callable[[_Run, int, Action], None]] = {
             Op.FORWARD: self._forward,
             Op.BACKWARD: self._backward,
+            Op.BACKWARD_INPUT: self._backward_input,
+            Op.BACKWARD_WEIGHT: self._backward_weight,
             Op.REDUCE_GRAD: self._reduce,
             Op.SEND_ACT: self._send_activation,
             Op.SEND_GRAD: self._send_gradients,
@@ -294,11 +300,46 @@ class Executor:
         if timer is not None:
             self.meter.stop(timer, forward=False)
         if c > 0:
-            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in _needs_grad(inputs)]
-            if self.schedule.chunk_rank[c - 1] == self.rank:
-                st.local[(Op.RECV_GRAD, c - 1, mb)] = grads
-            else:
-                st.outbox[("gradient", c, mb)] = grads
+            self._hand_back(st, c, mb, [t.grad if t.grad is not None else torch.zeros_like(t) for t in _needs_grad(inputs)])
+        if st.trace:
+            self._record(st, index, started)
+
+    def _hand_back(self, st: _Run, c: int, mb: int, grads: list) -> None:
+        """Chunk c's input gradients go to chunk c - 1: locally, or by its SEND action."""
+        if self.schedule.chunk_rank[c - 1] == self.rank:
+            st.local[(Op.RECV_GRAD, c - 1, mb)] = grads
+        else:
+            st.outbox[("gradient", c, mb)] = grads
+
+    def _backward_input(self, st: _Run, index: int, a: Action) -> None:
+        """BI: the input gradient only; the graph is kept for the micro-batch's W."""
+        c, mb = a.chunk, a.microbatch
+        out, inputs = st.stash_out.pop((c, mb)), st.stash_in.pop((c, mb))
+        received = self._take(st, Op.RECV_GRAD, c, mb) if c != self.last_chunk else None
+        started = self._clock(st) if st.trace else 0.0
+        timer = self.meter.start() if self.meter is not None else None
+        if c == self.last_chunk:
+            outputs = [out] if out is not None and out.requires_grad else []
+            grads = [None] * len(outputs)
+        else:
+            outputs, grads = _needs_grad(out), list(received)
+        leaves = _needs_grad(inputs) if c > 0 and inputs is not None else []
+        input_grads, st.deferred[(c, mb)] = backward_input(outputs, grads, leaves)
+        if timer is not None:
+            self.meter.stop(timer, forward=False)
+        if c > 0:
+            self._hand_back(st, c, mb, input_grads)
+        if st.trace:
+            self._record(st, index, started)
+
+    def _backward_weight(self, st: _Run, index: int, a: Action) -> None:
+        """W: the weight gradients of a micro-batch whose BI has run (accumulated into ``.grad``)."""
+        deferred = st.deferred.pop((a.chunk, a.microbatch))
+        started = self._clock(st) if st.trace else 0.0
+        timer = self.meter.start() if self.meter is not None else None
+        backward_weight(deferred)
+        if timer is not None:
+            self.meter.stop(timer, forward=False)
         if st.trace:
             self._record(st, index, started)
 

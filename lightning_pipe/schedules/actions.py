@@ -9,6 +9,10 @@ Model chunks are numbered globally along the pipeline: chunk ``c`` feeds chunk `
 ``chunk_rank[c]`` says which pipeline rank holds chunk ``c``; with one chunk per rank (GPipe,
 1F1B) chunk ``c`` lives on rank ``c``, multi-chunk schedules (interleaved, wave) place several
 chunks on one rank, and adjacent chunks on one rank hand over locally without communication.
+
+A backward is one action (B: input and weight gradients together) or two, as zero-bubble
+pipelines split it (Qi et al., ICLR 2024): BI, the gradient with respect to the chunk's input,
+which the previous chunk waits for, and W, the weight gradients, which can wait to fill a bubble.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from typing import Optional
 
 class Op(str, Enum):
     FORWARD = "F"
-    BACKWARD = "B"
+    BACKWARD = "B"  # input and weight gradients at once
+    BACKWARD_INPUT = "BI"  # the paper's B: the input gradient only (what the previous chunk waits for)
+    BACKWARD_WEIGHT = "W"  # the weight gradients of a micro-batch whose BI has run
     SEND_ACT = "SEND_F"  # send the activation chunk `chunk` produced for `microbatch` to `peer`
     RECV_ACT = "RECV_F"  # receive the activation that chunk `chunk` consumes, from `peer`
     SEND_GRAD = "SEND_B"  # send the input gradient of chunk `chunk` to `peer`
@@ -30,7 +36,17 @@ class Op(str, Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Op.FORWARD, Op.BACKWARD)
+        return self in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+
+    @property
+    def gives_input_grad(self) -> bool:
+        """The compute that produces the gradient the previous chunk consumes."""
+        return self in (Op.BACKWARD, Op.BACKWARD_INPUT)
+
+    @property
+    def gives_weight_grad(self) -> bool:
+        """The compute after which a micro-batch's weight gradients are accumulated (and its activations free)."""
+        return self in (Op.BACKWARD, Op.BACKWARD_WEIGHT)
 
     @property
     def is_send(self) -> bool:

@@ -21,12 +21,13 @@ def lower(
     num_microbatches: int,
     backward: bool = True,
 ) -> PipelineSchedule:
-    """``compute[rank]`` is an ordered list of ``(Op.FORWARD | Op.BACKWARD, chunk, microbatch)``."""
+    """``compute[rank]`` is an ordered list of ``(op, chunk, microbatch)``, op one of F, B, or a split
+    backward's BI and W (the reduction follows a chunk's last B or W)."""
     last = len(chunk_rank) - 1
     lists: list[list[Action]] = []
     for rank, order in enumerate(compute):
         out: list[Action] = []
-        last_backward = {c: i for i, (op, c, _) in enumerate(order) if op is Op.BACKWARD}
+        last_backward = {c: i for i, (op, c, _) in enumerate(order) if op.gives_weight_grad}
         for index, (op, chunk, mb) in enumerate(order):
             if op is Op.FORWARD:
                 if chunk > 0 and chunk_rank[chunk - 1] != rank:
@@ -34,16 +35,16 @@ def lower(
                 out.append(Action(Op.FORWARD, chunk, mb))
                 if chunk < last and chunk_rank[chunk + 1] != rank:
                     out.append(Action(Op.SEND_ACT, chunk, mb, chunk_rank[chunk + 1]))
-            elif op is Op.BACKWARD:
-                if chunk < last and chunk_rank[chunk + 1] != rank:
+            elif op.is_compute:
+                if op.gives_input_grad and chunk < last and chunk_rank[chunk + 1] != rank:
                     out.append(Action(Op.RECV_GRAD, chunk, mb, chunk_rank[chunk + 1]))
-                out.append(Action(Op.BACKWARD, chunk, mb))
-                if chunk > 0 and chunk_rank[chunk - 1] != rank:
+                out.append(Action(op, chunk, mb))
+                if op.gives_input_grad and chunk > 0 and chunk_rank[chunk - 1] != rank:
                     out.append(Action(Op.SEND_GRAD, chunk, mb, chunk_rank[chunk - 1]))
                 if last_backward[chunk] == index:
                     out.append(Action(Op.REDUCE_GRAD, chunk))
             else:
-                raise ValueError(f"compute order of rank {rank} holds {op}; only F and B are compute ops")
+                raise ValueError(f"compute order of rank {rank} holds {op}; only F, B, BI and W are compute ops")
         lists.append(out)
     return PipelineSchedule(name, num_microbatches, tuple(chunk_rank), _receives_in_send_order(lists), backward)
 

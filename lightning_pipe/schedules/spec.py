@@ -23,6 +23,8 @@ from .two_bw import pipedream_2bw
 from .validate import validate
 from .wave import wave, wave_chunks, wave_misfit
 from .wave_hanayo import hanayo
+from .zero_bubble import zb_h1
+from .zero_bubble_v import zb_v, zb_v_chunks, zb_v_misfit
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,9 @@ REGISTRY: dict[str, ScheduleKind] = {
     "advance": ScheduleKind(advance, {"advance_num": 0}, zero_means_default=frozenset({"advance_num"})),
     # PipeDream-2BW: no flush, one update per batch from the previous version (its own weight-versions layer)
     "2bw": ScheduleKind(pipedream_2bw, {"advance_num": 0}, versions="2bw", zero_means_default=frozenset({"advance_num"})),
+    # zero bubble (Qi et al., ICLR 2024): backward split in BI (input gradient) and W (weight gradients)
+    "zb-h1": ScheduleKind(zb_h1),  # 1F1B's memory, W's deferred into its bubbles
+    "zb-v": ScheduleKind(zb_v, chunks=zb_v_chunks, misfit=zb_v_misfit),  # two chunks per rank in a V
 }
 ALIASES = {"flush": "1f1b"}  # PipeDream-Flush is our 1F1B (PipeDream-2BW paper, §3.2)
 AUTO = "auto"  # not a schedule: the strategy and the plan command choose one of REGISTRY
@@ -117,7 +122,8 @@ class ScheduleSpec:
         if self.chunk_count(stages) <= num_blocks:
             return
         if self.kind.misfit is not None:
-            raise SettingError(self.kind.misfit(stages, num_blocks, **self.kwargs), self.options[0][0])
+            # the option to lower (chunks, waves), else the width that sets the stages (zb-v)
+            raise SettingError(self.kind.misfit(stages, num_blocks, **self.kwargs), self.options[0][0] if self.options else "width")
         raise SettingError(
             f"the pipeline has {stages} stages but the model only {num_blocks} blocks: use at most {num_blocks} "
             "stages (devices x nodes / width) or split the model into more blocks",

@@ -12,7 +12,9 @@ separated), ``backward`` (false for forward-only schedules) and, when not 1, ``w
 rank, ``<rank>:``, ranks 0, 1, ... in order. A token is ``<op><chunk>[.<microbatch>][<sigil><peer>]``:
 
     F<c>.<mb>          forward of chunk c on micro-batch mb
-    B<c>.<mb>          backward
+    B<c>.<mb>          backward (input and weight gradients)
+    BI<c>.<mb>         the input gradient only (zero-bubble's B)            (Op.BACKWARD_INPUT)
+    W<c>.<mb>          the weight gradients, after BI                     (Op.BACKWARD_WEIGHT)
     SF<c>.<mb>><peer>  send the activation chunk c produced to peer        (Op.SEND_ACT)
     RF<c>.<mb><<peer>  receive the activation chunk c consumes from peer  (Op.RECV_ACT)
     SB<c>.<mb>><peer>  send the input gradient of chunk c to peer         (Op.SEND_GRAD)
@@ -38,6 +40,8 @@ from .actions import Action, Op, PipelineSchedule
 _PREFIX = {
     Op.FORWARD: "F",
     Op.BACKWARD: "B",
+    Op.BACKWARD_INPUT: "BI",
+    Op.BACKWARD_WEIGHT: "W",
     Op.SEND_ACT: "SF",
     Op.RECV_ACT: "RF",
     Op.SEND_GRAD: "SB",
@@ -49,7 +53,7 @@ _HEADER = "schedule"
 _FIELDS = ("name", "microbatches", "chunk_rank", "backward")
 _OPTIONAL = ("weight_versions",)
 _INT = r"-?[0-9]+"
-_TOKEN = re.compile(rf"(SF|RF|SB|RB|F|B|R)({_INT})(?:\.({_INT}))?(?:([<>@])({_INT}))?")
+_TOKEN = re.compile(rf"(SF|RF|SB|RB|BI|F|B|W|R)({_INT})(?:\.({_INT}))?(?:([<>@])({_INT}))?")
 _PAIR = re.compile(r'([A-Za-z_]+)=("(?:[^"\\]|\\.)*"|\S*)')
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.+:/-]+")
 
@@ -104,7 +108,7 @@ def parse_token(text: str) -> Action:
             f"{head}<chunk>.<micro-batch>{_sigil(_OPS[head])}<peer>"
             if head in ("SF", "RF", "SB", "RB")
             else f"{head}<chunk>.<micro-batch>"
-            if head in ("F", "B")
+            if head in ("F", "B", "BI", "W")
             else f"{head}<chunk>"
         )
         raise ValueError(f"expected {form}, with integers")

@@ -6,6 +6,8 @@ ranks arrive in the order they were sent (one ordered channel per direction, as 
 deliver them). It reports the first rank and action at fault: a compute whose input no earlier
 action provides, a send without its receive or the reverse, receives posted in another order
 than the sends, a micro-batch never forwarded or backwarded, or ranks waiting on each other.
+A split backward (BI then W, zero-bubble) must run both halves, W after BI on the chunk's rank,
+and the gradient reduction after every W.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def _check_static(s: PipelineSchedule) -> None:
                 raise ScheduleError(f"{_where(rank, index, a)}: micro-batch out of range 0..{s.num_microbatches - 1}")
             if (a.op.is_compute or a.op is Op.REDUCE_GRAD) and s.chunk_rank[a.chunk] != rank:
                 raise ScheduleError(f"{_where(rank, index, a)}: chunk {a.chunk} is held by rank {s.chunk_rank[a.chunk]}")
-            if a.op is Op.BACKWARD and not s.backward:
+            if a.op.is_compute and a.op is not Op.FORWARD and not s.backward:
                 raise ScheduleError(f"{_where(rank, index, a)}: backward in a forward-only schedule")
             if a.op.is_send or a.op.is_recv:
                 if s.chunk_rank[a.chunk] != rank:
@@ -55,17 +57,22 @@ def _check_static(s: PipelineSchedule) -> None:
                 if not 0 <= neighbour <= last or s.chunk_rank[neighbour] != a.peer or a.peer == rank:
                     raise ScheduleError(f"{_where(rank, index, a)}: the peer must be the rank holding chunk {neighbour}")
     computes = Counter((a.op, a.chunk, a.microbatch) for acts in s.actions for a in acts if a.op.is_compute)
-    ops = (Op.FORWARD, Op.BACKWARD) if s.backward else (Op.FORWARD,)
-    for op in ops:
-        for c in range(s.num_chunks):
-            for mb in range(s.num_microbatches):
-                n = computes[(op, c, mb)]
+    for c in range(s.num_chunks):
+        for mb in range(s.num_microbatches):
+            # a backward is whole (B) or split in its two halves (BI and W), each exactly once
+            bi, w = computes[(Op.BACKWARD_INPUT, c, mb)], computes[(Op.BACKWARD_WEIGHT, c, mb)]
+            counts = [(computes[(Op.FORWARD, c, mb)], "forwarded")]
+            if s.backward:
+                counts.append((computes[(Op.BACKWARD, c, mb)] + max(bi, w), "backwarded"))
+            for n, what in counts:
                 if n != 1:
-                    what = "never" if n == 0 else f"{n} times"
-                    raise ScheduleError(
-                        f"rank {s.chunk_rank[c]}: micro-batch {mb} is {what} {'forwarded' if op is Op.FORWARD else 'backwarded'}"
-                        f" on chunk {c}"
-                    )
+                    how = "never" if n == 0 else f"{n} times"
+                    raise ScheduleError(f"rank {s.chunk_rank[c]}: micro-batch {mb} is {how} {what} on chunk {c}")
+            if bi != w:
+                raise ScheduleError(
+                    f"rank {s.chunk_rank[c]}: micro-batch {mb} on chunk {c} has {bi} input-gradient (BI) and"
+                    f" {w} weight-gradient (W) actions: a split backward needs one of each"
+                )
     sends = Counter(_message(r, a) for r, acts in enumerate(s.actions) for a in acts if a.op.is_send)
     recvs = Counter(_message(r, a) for r, acts in enumerate(s.actions) for a in acts if a.op.is_recv)
     for rank, actions in enumerate(s.actions):
@@ -87,10 +94,12 @@ def _needs(s: PipelineSchedule, rank: int, a: Action) -> tuple[Optional[tuple], 
         if s.chunk_rank[c - 1] == rank:
             return (Op.FORWARD, c - 1, mb), None
         return None, ("activation", c - 1, mb)
+    if a.op is Op.BACKWARD_WEIGHT:  # needs its own BI only (checked by the caller)
+        return None, None
     if c == last:
         return None, None
     if s.chunk_rank[c + 1] == rank:
-        return (Op.BACKWARD, c + 1, mb), None
+        return ("input gradient", c + 1, mb), None
     return None, ("gradient", c + 1, mb)
 
 
@@ -136,9 +145,13 @@ def validate(s: PipelineSchedule) -> None:
                     posted_count[(src, dst)] = k + 1
                     posted[rank].add(msg)
                 elif a.op.is_compute:
-                    if a.op is Op.BACKWARD and (Op.FORWARD, a.chunk, a.microbatch) not in done[rank]:
+                    if a.op.gives_input_grad and (Op.FORWARD, a.chunk, a.microbatch) not in done[rank]:
                         raise ScheduleError(
                             f"{_where(rank, index, a)}: needs its own forward of micro-batch {a.microbatch}, which no earlier action provides"
+                        )
+                    if a.op is Op.BACKWARD_WEIGHT and (Op.BACKWARD_INPUT, a.chunk, a.microbatch) not in done[rank]:
+                        raise ScheduleError(
+                            f"{_where(rank, index, a)}: runs before the input gradient (BI) of micro-batch {a.microbatch} on chunk {a.chunk}"
                         )
                     local, remote = _needs(s, rank, a)
                     if local is not None and local not in done[rank]:
@@ -153,9 +166,13 @@ def validate(s: PipelineSchedule) -> None:
                         if remote not in sent:
                             break  # posted, not yet sent: wait for the peer
                     done[rank].add((a.op, a.chunk, a.microbatch))
+                    if a.op.gives_input_grad:
+                        done[rank].add(("input gradient", a.chunk, a.microbatch))
+                    if a.op.gives_weight_grad:
+                        done[rank].add(("weight gradient", a.chunk, a.microbatch))
                 elif a.op is Op.REDUCE_GRAD:
                     upto = s.num_microbatches if a.microbatch is None else a.microbatch + 1  # a batch's REDUCE: up to its end
-                    pending = [mb for mb in range(upto) if (Op.BACKWARD, a.chunk, mb) not in done[rank]]
+                    pending = [mb for mb in range(upto) if ("weight gradient", a.chunk, mb) not in done[rank]]
                     if pending:
                         raise ScheduleError(f"{_where(rank, index, a)}: runs before the backward of micro-batches {pending}")
                 pointer[rank] += 1

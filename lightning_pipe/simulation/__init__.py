@@ -8,11 +8,13 @@ from .simulator import (
     Event,
     Timeline,
     chunk_costs,
+    done_key,
     input_source,
     master_stage,
     message_of,
     produced_by,
     simulate,
+    split_costs,
     trace_critical_path,
 )
 from .timelines import chrome_trace, gantt, traced_timeline
@@ -23,12 +25,14 @@ __all__ = [
     "Timeline",
     "chrome_trace",
     "chunk_costs",
+    "done_key",
     "gantt",
     "input_source",
     "master_stage",
     "message_of",
     "produced_by",
     "simulate",
+    "split_costs",
     "trace_critical_path",
     "traced_timeline",
 ]

@@ -19,7 +19,8 @@ class CostModel:
     ``forward[i]`` / ``backward[i]``: seconds for block i; ``activation_bytes[i]``: bytes of block i's
     output (what crosses a stage boundary after it); ``param_bytes[i]``: its weights. Communication
     takes ``latency + bytes / bandwidth``; ``slowdown[r]`` multiplies rank r's compute times (a
-    shared or slower device).
+    shared or slower device). ``weight[i]``: the part of ``backward[i]`` that computes block i's
+    weight gradients (a zero-bubble schedule's W; the rest is its BI); empty: half the backward.
 
     ``cores``: the ranks share this many processors (e.g. 4 CPU processes on 2 cores). While k
     ranks compute at once, each progresses at min(1, cores / k) of its profiled speed (processor
@@ -45,16 +46,19 @@ class CostModel:
     send_overhead: float = 0.0  # s of the sender's thread per message
     recv_overhead: float = 0.0  # s of the receiver's thread per message
     handoff_delay: float = 0.0  # s, mean, added to every message's arrival
+    weight: tuple[float, ...] = ()  # s of backward[i] spent on weight gradients (W); empty: half
 
     def __post_init__(self) -> None:
         n = len(self.forward)
         if n == 0 or len(self.backward) != n:
             raise ValueError(f"costs: forward ({n}) and backward ({len(self.backward)}) need one time per block")
-        for name in ("activation_bytes", "param_bytes"):
+        for name in ("activation_bytes", "param_bytes", "weight"):
             values = getattr(self, name)
             if values and len(values) != n:
                 raise ValueError(f"costs: {name} has {len(values)} entries for {n} blocks")
-        for name in ("forward", "backward", "activation_bytes", "param_bytes"):
+        if any(w > b for w, b in zip(self.weight, self.backward)):
+            raise ValueError("costs: a block's weight-gradient time is part of its backward: weight[i] <= backward[i]")
+        for name in ("forward", "backward", "activation_bytes", "param_bytes", "weight"):
             bad = [v for v in getattr(self, name) if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0)]
             if bad:
                 raise ValueError(f"costs: {name} must hold finite numbers >= 0, got {bad[:3]}")

@@ -103,6 +103,22 @@ def chunk_costs(
     return f, b_, comm
 
 
+def split_costs(
+    costs: CostModel, bounds: Sequence[tuple[int, int]], ranks: Optional[Sequence[int]] = None
+) -> tuple[list[float], list[float]]:
+    """Input-gradient (BI) and weight-gradient (W) time of each chunk, a split of `chunk_costs`'
+    backward: W is the blocks' measured weight share (`CostModel.weight`; without it half the
+    backward, the paper's T_B = T_W). The profiler gives the first block all of its backward as W
+    (its input is data: the executor's BI has nothing to compute there)."""
+    _, backward, _ = chunk_costs(costs, bounds, ranks)
+    bi, w = [], []
+    for (a, b), total in zip(bounds, backward):
+        share = sum(costs.weight[a:b]) / max(sum(costs.backward[a:b]), 1e-300) if costs.weight else 0.5
+        w.append(total * min(share, 1.0))
+        bi.append(total - w[-1])
+    return bi, w
+
+
 # ---- what a compute waits for, and the critical path: one definition for `simulate` and `Replay` ----
 #
 # `planning/replay.py` compiles a schedule once and replays it for many partitions; it does not
@@ -119,14 +135,23 @@ def message_of(a: Action) -> tuple[str, int, int]:
 def produced_by(message: tuple[str, int, int]) -> tuple[Op, int, int]:
     """The compute whose output a message carries, as (op, chunk, micro-batch)."""
     kind, c, mb = message
-    return (Op.FORWARD if kind == "act" else Op.BACKWARD, c, mb)
+    return (Op.FORWARD if kind == "act" else Op.BACKWARD, c, mb)  # a split backward's BI answers to B's key
+
+
+def done_key(a: Action) -> tuple[Op, int, int]:
+    """The key a compute is known by to what consumes it: a BI by its backward's (B's), since it
+    produces what B would hand to the previous chunk (a micro-batch's backward is B or BI + W)."""
+    return (Op.BACKWARD if a.op is Op.BACKWARD_INPUT else a.op, a.chunk, a.microbatch)
 
 
 def input_source(schedule: PipelineSchedule, a: Action, r: int) -> Optional[tuple[bool, tuple]]:
     """Where compute `a` on rank `r` takes its input from: None when it is there from the start
-    (the first chunk's forward, the last chunk's backward); (True, (op, chunk, mb)) for a hand-over
-    from the adjacent chunk on the same rank (no message); (False, message) otherwise."""
+    (the first chunk's forward, the last chunk's backward, a W: its BI ran before it on this rank);
+    (True, (op, chunk, mb)) for a hand-over from the adjacent chunk on the same rank (no message;
+    a BI is keyed as B, `done_key`); (False, message) otherwise."""
     c, mb = a.chunk, a.microbatch
+    if a.op is Op.BACKWARD_WEIGHT:
+        return None
     if a.op is Op.FORWARD:
         if c == 0:
             return None
@@ -195,6 +220,7 @@ class _Run:
     ):
         self.schedule, self.costs, self.bounds, self.scale, self.delays = schedule, costs, bounds, scale, delays
         self.fwd, self.bwd, self.comm = chunk_costs(costs, bounds, schedule.chunk_rank)
+        self.bi, self.w = split_costs(costs, bounds, schedule.chunk_rank)
         ranks = schedule.num_ranks
         self.arrival: dict[tuple, tuple[float, Optional[int]]] = {}  # message -> (arrival time, producing compute)
         self.done: dict[tuple, int] = {}  # (op, chunk, mb) -> compute index
@@ -230,7 +256,7 @@ class _Run:
 
     def work(self, a: Action) -> float:
         """Seconds of profiled compute (slowdown included, scaled by the micro-batch's size)."""
-        t = self.fwd[a.chunk] if a.op is Op.FORWARD else self.bwd[a.chunk]
+        t = {Op.FORWARD: self.fwd, Op.BACKWARD: self.bwd, Op.BACKWARD_INPUT: self.bi, Op.BACKWARD_WEIGHT: self.w}[a.op][a.chunk]
         return t * self.scale[a.microbatch] if self.scale is not None else t
 
     def free_at(self, r: int) -> float:
@@ -268,7 +294,7 @@ class _Run:
         self.clock[r] = end
         self.busy[r] += spent
         self.last[r] = k
-        self.done[(a.op, a.chunk, a.microbatch)] = k
+        self.done[done_key(a)] = k
         self.computes.append(event)
         self.events.append(event)
 
@@ -316,7 +342,7 @@ def simulate(
         for r, actions in enumerate(schedule.actions):
             while pointer[r] < len(actions):
                 a = actions[pointer[r]]
-                if a.op is Op.FORWARD or a.op is Op.BACKWARD:
+                if a.op.is_compute:
                     inputs = run.input(a, r)
                     if inputs is None:
                         break  # the message is not sent yet: another rank must advance first
@@ -371,7 +397,7 @@ def _simulate_shared(run: _Run, critical_path: bool) -> Timeline:
                 actions = schedule.actions[r]
                 while pointer[r] < len(actions):
                     a = actions[pointer[r]]
-                    if a.op is Op.FORWARD or a.op is Op.BACKWARD:
+                    if a.op.is_compute:
                         inputs = run.input(a, r)
                         if inputs is None:
                             break  # not sent yet
@@ -418,7 +444,8 @@ def _simulate_shared(run: _Run, critical_path: bool) -> Timeline:
 
 def _memory(t: Timeline, costs: CostModel, bounds: Sequence[tuple[int, int]]) -> None:
     """Peak micro-batches whose activations a rank holds for backward, and their bytes (every block's
-    output in the chunk is kept: the autograd graph's saved tensors, approximately)."""
+    output in the chunk is kept: the autograd graph's saved tensors, approximately). A split
+    backward frees them at its W: the graph is kept for W (the executor retains it after BI)."""
     ranks = t.schedule.num_ranks
     per_chunk = [sum(costs.activation_bytes[a:b]) if costs.activation_bytes else 0.0 for a, b in bounds]
     t.peak_activations, t.peak_activation_bytes = [0] * ranks, [0.0] * ranks
@@ -428,7 +455,7 @@ def _memory(t: Timeline, costs: CostModel, bounds: Sequence[tuple[int, int]]) ->
         for a in t.schedule.actions[r]:
             if a.op is Op.FORWARD and t.schedule.backward:
                 live, live_bytes = live + 1, live_bytes + per_chunk[a.chunk]
-            elif a.op is Op.BACKWARD:
+            elif a.op.gives_weight_grad:
                 live, live_bytes = live - 1, live_bytes - per_chunk[a.chunk]
             peak, peak_bytes = max(peak, live), max(peak_bytes, live_bytes)
         t.peak_activations[r], t.peak_activation_bytes[r] = peak, peak_bytes

@@ -17,7 +17,15 @@ from .simulator import Event, Timeline
 log = logging.getLogger(__name__)
 _warned: list[bool] = []  # the missing-matplotlib warning, once per process
 
-COLOURS = {Op.FORWARD: "#4C72B0", Op.BACKWARD: "#DD8452", "comm": "#55A868", "idle": "#EEEEEE"}
+COLOURS = {
+    Op.FORWARD: "#4C72B0",
+    Op.BACKWARD: "#DD8452",
+    Op.BACKWARD_INPUT: "#C44E52",  # a split backward: its input gradient (zero-bubble's B) ...
+    Op.BACKWARD_WEIGHT: "#8172B3",  # ... and its weight gradients (W)
+    "comm": "#55A868",
+    "idle": "#EEEEEE",
+}
+LABELS = {Op.FORWARD: "forward", Op.BACKWARD: "backward", Op.BACKWARD_INPUT: "input grad (BI)", Op.BACKWARD_WEIGHT: "weight grad (W)"}
 
 
 def gantt(timeline: Timeline, path: str | Path, title: Optional[str] = None, show_comm: bool = True) -> Optional[Path]:
@@ -62,13 +70,13 @@ def gantt(timeline: Timeline, path: str | Path, title: Optional[str] = None, sho
         or f"{timeline.schedule.name}: {ranks} ranks, m={timeline.schedule.num_microbatches}, "
         f"iteration {timeline.iteration_time * scale:.3g} {unit}, bubble {timeline.bubble_ratio:.1%}"
     )
+    drawn = {e.action.op for e in timeline.events if e.action.op.is_compute} or {Op.FORWARD, Op.BACKWARD}
     handles = [
-        Patch(color=COLOURS[Op.FORWARD], label="forward"),
-        Patch(color=COLOURS[Op.BACKWARD], label="backward"),
+        *(Patch(color=COLOURS[op], label=text) for op, text in LABELS.items() if op in drawn),
         Patch(color=COLOURS["comm"], label="send"),
         Patch(color=COLOURS["idle"], label="idle"),
     ]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4, frameon=False, fontsize=8)
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(handles), frameon=False, fontsize=8)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

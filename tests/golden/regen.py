@@ -26,6 +26,9 @@ CASES: dict[str, Callable[[], PipelineSchedule]] = {
     "forward-p3-m2": lambda: forward_only(3, 2),
     # evaluation of a wave run: forward-only over the multi-chunk placement (local hand-overs)
     "forward-p2-m2-wave1": lambda: forward_only(2, 2, wave_placement(2, 1)),
+    # zero bubble: backwards split in BI (input gradient) and W (weight gradients)
+    "zb-h1-p3-m4": lambda: build_schedule("zb-h1", 3, 4),
+    "zb-v-p2-m4": lambda: build_schedule("zb-v", 2, 4),
 }
 
 
