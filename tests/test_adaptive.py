@@ -8,8 +8,10 @@ and 2BW. GPT tiny keeps its tied embedding / LM head on the first and last stage
 
 from __future__ import annotations
 
+import csv
 import itertools
 import json
+import statistics
 from pathlib import Path
 
 import lightning as L
@@ -278,5 +280,16 @@ def test_adaptive_moves_blocks_off_a_slowed_rank_and_stays_exact(tmp_path, width
     # balanced: 6 | 2; with width 2 four processes share the 2 cores, so the measured balance point
     # varies (5 | 3 seen): there the claim is only that blocks moved to the fast stage
     assert final[0][1] >= (6 if width == 1 else 5), f"blocks moved to the fast rank 0 (balanced: 6 | 2), got {final}"
-    metrics = (tmp_path / "log" / "version_0" / "metrics.csv").read_text().splitlines()[0].split(",")
-    assert {"adaptive/stage0_compute_ms", "adaptive/stage1_compute_ms", "adaptive/link0to1_MBps"} <= set(metrics)
+    # the logged per-stage compute tells the same story as the monitor: equal stages, then stage 1
+    # about 3x slower (steps 7, 8: before any switch can act), then less on stage 1 once blocks left it
+    rows = csv.DictReader((tmp_path / "log" / "version_0" / "metrics.csv").read_text().splitlines())
+    logged = {
+        int(r["step"]): (float(r["adaptive/stage0_compute_ms"]), float(r["adaptive/stage1_compute_ms"]))
+        for r in rows
+        if r["adaptive/stage0_compute_ms"]
+    }
+    ratio = lambda step: logged[step][1] / logged[step][0]  # noqa: E731
+    assert 0.7 < statistics.median(ratio(k) for k in range(1, 6)) < 1.4, logged
+    assert all(2.0 < ratio(k) < 4.5 for k in (7, 8)), logged
+    after = statistics.median(logged[k][1] for k in sorted(logged)[-5:])
+    assert after < 0.9 * min(logged[7][1], logged[8][1]), f"stage 1 still computes as much after the switch: {logged}"

@@ -268,15 +268,17 @@ def test_slicer_equals_single_process_and_writes_the_plan(tmp_path, devices, sli
     import json
 
     summary = json.loads((tmp_path / "plan.json").read_text())
-    assert summary["slicer"]["sliced"] == sliced
     assert summary["slicer"]["startup"] < summary["slicer"]["baseline_startup"]
     assert sum(b - a for a, b in summary["bounds"]) == len(ref.seq) and len(summary["bounds"]) == devices
     assert summary["plan"]["method"] == "autopipe"
     assert (tmp_path / "plan_timeline.png").exists() and (tmp_path / "profile.json").exists()
-    # the run really executed the halves: (4 + sliced) forwards and backwards per rank
+    # the run really executed the halves: (4 + sliced) forwards and backwards per rank, and the plan
+    # written says as many halves as the ranks ran (one more forward for each halved micro-batch)
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     computes = [e for e in events if e.get("cat") == "compute"]
     assert len(computes) == devices * (4 + sliced) * 2
+    forwards = [e for e in computes if e["pid"] == 0 and e["name"].startswith("F")]
+    assert len(forwards) - 4 == summary["slicer"]["sliced"]
 
 
 def test_trace_writes_a_measured_timeline(tmp_path):
