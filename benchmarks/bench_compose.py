@@ -107,7 +107,7 @@ def main() -> None:
         module = Module(seq(), depth, devices)
         out = Path(tempfile.mkdtemp(prefix="bench_compose_run_"))
         timed = fit_timed(
-            module, {"train_dataloaders": DataLoader(data, batch_size=batch)}, strategy, args.warmup, args.steps, out, devices=n * depth
+            module, {"train_dataloaders": DataLoader(data, batch_size=batch)}, strategy, args.warmup, args.steps, out, devices=depth
         )
         return {"samples_per_s": n * batch * 1e3 / timed["step_ms"], "depth": depth, "n": n, "advance": settings.get("advance_num", 0)}
 

@@ -25,8 +25,8 @@ from lightning_pipe.bench.stats import spearman
 RECORD_ENV = "LIGHTNING_PIPE_TUNE_RECORD"  # lightning_pipe.lightning.tune_record.RECORD_ENV
 MODELS: dict[str, list[str]] = {
     "gpt-tiny": ["recipe=gpt-tiny-avgpipe"],  # K = 2; batch 8 per pipeline -> M in 1, 2, 4, 8
-    # masked LM (the attention mask travels): 4 devices / 2 pipelines = K = 2; batch 16 -> M in 1 .. 16
-    "bert-tiny": ["recipe=bert-tiny-cpu", "pipeline=avgpipe", "trainer.devices=4"],
+    # masked LM (the attention mask travels): K = 2 devices, shared by the pipelines; batch 16 -> M in 1 .. 16
+    "bert-tiny": ["recipe=bert-tiny-cpu", "pipeline=avgpipe", "trainer.devices=2"],
 }
 MiB = 2**20
 MN = lambda x: {"microbatches": x["microbatches"], "pipelines": x["pipelines"]}  # a setting's (M, N)
@@ -43,7 +43,7 @@ def run_command(bench: Bench, cmd: list[str], folder: Path, label: str, env: Opt
 def setting_overrides(m: int, n: int, k: int, steps: int, folder: Path) -> list[str]:
     """The tuner's profile-run command line (lightning_pipe.cli.tune.run_profile) at (M, N)."""
     return (
-        f"pipeline.tune=false pipeline.pipelines={n} pipeline.microbatches={m} pipeline.trace=false trainer.devices={n * k} "
+        f"pipeline.tune=false pipeline.pipelines={n} pipeline.microbatches={m} pipeline.trace=false trainer.devices={k} "
         f"trainer.num_nodes=1 trainer.max_steps={steps} trainer.limit_val_batches=0 logger=none callbacks=none ckpt_path=null "
         f"test_after_fit=false hydra.run.dir={folder}"
     ).split()

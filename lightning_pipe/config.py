@@ -64,6 +64,9 @@ class PipelineConfig:
     """AvgPipe: the pull towards the reference, in [0, 1] (None: 1 / pipelines, as the paper)."""
     staleness: int = 0
     """AvgPipe: the pull at iteration t uses the reference after iterations up to t - 1 - staleness."""
+    share_devices: bool = True
+    """AvgPipe: the N pipelines share the Trainer's devices, N processes per device (the paper's layout:
+    stages = devices x nodes); False: a device per process (stages = devices x nodes / N)."""
 
     # ---- planning ----------------------------------------------------------------------------
     partition: Any = "autopipe"
@@ -273,6 +276,8 @@ class PipelineConfig:
             check_count(name, getattr(self, name))
 
     def _check_avgpipe(self) -> None:
+        if not isinstance(self.share_devices, bool):
+            raise SettingError(f"share_devices={self.share_devices!r}: true (N processes per device) or false", "share_devices")
         if self.pipelines is None:
             for name in ("alpha", "staleness"):
                 if getattr(self, name) not in (None, 0):
@@ -345,6 +350,15 @@ class PipelineConfig:
         return self.pipelines if self.pipelines is not None else self.width
 
     @property
+    def processes_per_device(self) -> int:
+        """AvgPipe's shared devices: N processes on each device; else 1."""
+        return self.pipelines if self.pipelines is not None and self.share_devices else 1
+
+    def world(self, devices: int, nodes: int = 1) -> int:
+        """Processes of a job on `devices` per node x `nodes`."""
+        return devices * nodes * self.processes_per_device
+
+    @property
     def elastic_alpha(self) -> float:
         return float(self.alpha) if self.alpha is not None else 1.0 / (self.pipelines or 1)
 
@@ -378,9 +392,10 @@ class PipelineConfig:
         return PipelineConfig(**values)
 
     # ---- checks once more is known -------------------------------------------------------------
-    def topology(self, world_size: int) -> Topology:
+    def topology(self, world_size: int, node_devices: int = 0) -> Topology:
+        """`node_devices`: devices per node, which hold consecutive stages when pipelines share them."""
         try:
-            return Topology(world_size, self.replicas)
+            return Topology(world_size, self.replicas, node_devices if self.processes_per_device > 1 else 0)
         except ValueError as err:
             if self.pipelines is None:
                 raise SettingError(str(err), "width") from None

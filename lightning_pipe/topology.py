@@ -3,6 +3,12 @@
 Global rank ``r`` is stage ``r % depth`` of replica ``r // depth``: the stages of one pipeline
 are consecutive ranks, so on a multi-GPU node a pipeline's point-to-point traffic stays inside
 the node where it can, and the gradient all-reduce of a stage runs across replicas.
+
+AvgPipe's shared devices (`node_stages`, the paper's layout): each node holds `node_stages`
+consecutive stages of *every* pipeline, N processes per device. Lightning numbers a node's processes
+after the node's (``node * processes + local``), so there the ranks go node by node, pipeline by
+pipeline within a node: local rank ``n * node_stages + k`` is stage ``node * node_stages + k`` of
+pipeline n, on the node's device k. With one node both orders are the same.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch.distributed as dist
 class Topology:
     world_size: int
     width: int
+    node_stages: int = 0  # stages per node when the pipelines share the nodes' devices; 0: the whole depth
 
     def __post_init__(self) -> None:
         if self.width < 1:
@@ -27,18 +34,28 @@ class Topology:
                 f"width={self.width} does not divide the world size {self.world_size} (devices x nodes); allowed widths: {divisors}"
             )
 
+        if self.node_stages and self.depth % self.node_stages:
+            raise ValueError(f"{self.node_stages} stages per node do not divide the depth {self.depth}")
+
     @property
     def depth(self) -> int:
         return self.world_size // self.width
 
+    @property
+    def _per_node(self) -> int:
+        return self.node_stages or self.depth
+
     def stage_of(self, rank: int) -> int:
-        return rank % self.depth
+        k = self._per_node
+        return rank // (self.width * k) * k + rank % k
 
     def replica_of(self, rank: int) -> int:
-        return rank // self.depth
+        k = self._per_node
+        return rank % (self.width * k) // k
 
     def global_rank(self, replica: int, stage: int) -> int:
-        return replica * self.depth + stage
+        k = self._per_node
+        return stage // k * (self.width * k) + replica * k + stage % k
 
     def pipeline_ranks(self, replica: int) -> list[int]:
         return [self.global_rank(replica, s) for s in range(self.depth)]
@@ -53,7 +70,8 @@ class ProcessGroups:
     `new_group` is collective over the world, so every rank creates every group in one order.
     """
 
-    def __init__(self, topology: Topology, rank: int, backend: Optional[str] = None):
+    def __init__(self, topology: Topology, rank: int, backend: Optional[str] = None, pipeline_backend: Optional[str] = None):
+        """`pipeline_backend`: the pipelines' groups' own (NCCL where the world is gloo: pipelines sharing GPUs)."""
         self.topology, self.rank = topology, rank
         self.pipeline: Any = None
         self.stage: Any = None
@@ -61,7 +79,7 @@ class ProcessGroups:
             return
         for w in range(topology.width):
             ranks = topology.pipeline_ranks(w)
-            group = dist.new_group(ranks, backend=backend) if topology.width > 1 else dist.group.WORLD
+            group = dist.new_group(ranks, backend=pipeline_backend or backend) if topology.width > 1 else dist.group.WORLD
             if rank in ranks:
                 self.pipeline = group
         for s in range(topology.depth):

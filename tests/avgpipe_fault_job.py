@@ -34,7 +34,7 @@ class KillsItsReference(LitSeq):
 def main() -> None:
     torch.manual_seed(0)
     strategy = AutoPipeStrategy(schedule=SCHEDULE, microbatches=2, partition="uniform", pipelines=2, timeout=20.0)
-    trainer = L.Trainer(devices=4, strategy=strategy, **trainer_kwargs(max_steps=8, default_root_dir=str(OUT)))
+    trainer = L.Trainer(devices=2, strategy=strategy, **trainer_kwargs(max_steps=8, default_root_dir=str(OUT)))  # shared: 4 processes
     trainer.fit(KillsItsReference(), loader(batch_size=4))
     if trainer.is_global_zero:
         print("finished")

@@ -38,11 +38,11 @@ def all_succeed(procs: list, timeout: float = 200) -> None:
         assert proc.returncode == 0, err[-4000:]
 
 
-def torchrun_nodes(tmp_path: Path, per_node: int, pipelines: int = 0) -> dict:
+def torchrun_nodes(tmp_path: Path, per_node: int, pipelines: int = 0, *layout: str) -> dict:
     """Two torchrun agents (two "nodes" of `per_node` processes) meeting at one c10d endpoint."""
     out, endpoint = tmp_path / "out.pt", f"127.0.0.1:{free_port()}"
     rendezvous = ["--nnodes=2", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=job"]
-    command = [sys.executable, "-m", "torch.distributed.run", *rendezvous, JOB, per_node, 2, pipelines, out]
+    command = [sys.executable, "-m", "torch.distributed.run", *rendezvous, JOB, per_node, 2, pipelines, out, *layout]
     all_succeed([start(command, tmp_path, environment()) for _ in range(2)])
     return torch.load(out)
 
@@ -73,9 +73,12 @@ def test_slurm_tasks(tmp_path):
     assert max_rel_diff(one_process(), saved["state"]) <= 1e-10
 
 
-def test_avgpipe_references_serve_the_other_node(tmp_path):
-    # 2 nodes x 2 processes, pipelines=2: node 0 holds pipeline 0 and starts both stages' reference
-    # processes; node 1's pipeline reaches them through the job's store
-    saved = torchrun_nodes(tmp_path, 2, pipelines=2)
+@pytest.mark.parametrize("layout", [(), ("separate",)])
+def test_avgpipe_references_serve_the_other_node(tmp_path, layout):
+    # 2 nodes x 2 processes, pipelines=2. Shared devices (the paper's layout): each node's one device runs
+    # its stage of both pipelines (stage 0 on node 0, stage 1 on node 1), so every pipeline crosses the
+    # nodes. Separate: node 0 holds pipeline 0 and starts both stages' reference processes; node 1's
+    # pipeline reaches them through the job's store.
+    saved = torchrun_nodes(tmp_path, 2, 2, *layout)
     _, reference = simulate(4, 2, 0.5, 0)
     assert max_rel_diff(reference, saved["state"]) <= 1e-10

@@ -168,7 +168,8 @@ def test_every_combination_is_exact_or_refused(tmp_path_factory, combination):
 def check(schedule: str, replicas: str, switch: bool, m: int, depth: int) -> None:
     width = 2 if replicas == "width" else 1
     pipelines = 2 if replicas == "avgpipe" else None
-    devices = depth * (2 if replicas != "none" else 1)
+    devices = depth * (2 if replicas == "width" else 1)  # AvgPipe's 2 pipelines share the depth's devices
+    world = depth * (2 if replicas != "none" else 1)
     settings_ = dict(schedule=schedule, microbatches=m, width=width, pipelines=pipelines, start_method=START)
     if pipelines:
         settings_.update(alpha=ALPHA, staleness=STALENESS)
@@ -190,5 +191,5 @@ def check(schedule: str, replicas: str, switch: bool, m: int, depth: int) -> Non
     versions = "2bw" if schedule == "2bw" else "flush"
     assert max_rel_diff(reference(versions, replicas), model.state_dict()) <= 1e-10, (schedule, replicas, switch, m, depth)
     if switch:  # every rank ended on the switched partition
-        for rank in range(devices):
+        for rank in range(world):
             assert json.loads(Path(f"product-held-{rank}.json").read_text()) == moved(partition)

@@ -52,7 +52,7 @@ def _main(cfg: DictConfig) -> None:
             print(result.table())
             print(f"written: {out / 'plan_2bw.json'}")
             return
-        world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
+        world = config.world(int(cfg.trainer.devices), int(cfg.trainer.get("num_nodes", 1)))
         stages = config.stages or config.topology(world).depth
         microbatch = max(1, int(cfg.data.batch_size) // config.microbatches)
         device = "cpu" if str(cfg.trainer.get("accelerator", "auto")) == "cpu" else "cuda"

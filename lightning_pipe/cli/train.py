@@ -111,7 +111,7 @@ def build(cfg: DictConfig) -> tuple[L.LightningModule, L.LightningDataModule, L.
     except (MisconfigurationException, TypeError, ValueError, RuntimeError) as err:  # Lightning's checks of trainer.*
         where = ", ".join(f"trainer.{k}={cfg.trainer.get(k)}" for k in ("accelerator", "devices", "num_nodes"))
         raise SettingError(f"trainer: {str(err).splitlines()[0]} ({where})") from None
-    world = trainer.num_devices * trainer.num_nodes
+    world = config.world(trainer.num_devices, trainer.num_nodes)
     _, blocks = find_pipeline(module)
     try:
         config.check_model(world, len(blocks))

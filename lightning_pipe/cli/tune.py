@@ -39,8 +39,9 @@ _OWN += ("trainer.limit_val_batches", "logger", "callbacks", "ckpt_path", "test_
 
 
 def depth(cfg: DictConfig, config: PipelineConfig) -> int:
-    """K, the depth of one pipeline, as configured: devices x nodes / pipelines (or pipeline.stages)."""
-    world = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
+    """K, the depth of one pipeline, as configured: devices x nodes (/ pipelines with share_devices=false;
+    or pipeline.stages)."""
+    world = config.world(int(cfg.trainer.devices), int(cfg.trainer.get("num_nodes", 1)))
     return config.stages or config.topology(world).depth
 
 
@@ -106,8 +107,9 @@ def tune(cfg: DictConfig, config: PipelineConfig, out: Path) -> TuneResult:
 
 
 def apply(cfg: DictConfig, stages: int, microbatches: int, pipelines: int, partition: Optional[list[int]] = None) -> None:
-    """The job's config with the tuner's choice: N x K devices, M micro-batches, N pipelines, and the
-    profiled run's partition (what the prediction assumed; not planned again)."""
+    """The job's config with the tuner's choice: K devices shared by N pipelines (N x K with
+    share_devices=false), M micro-batches, and the profiled run's partition (what the prediction
+    assumed; not planned again)."""
     with open_dict(cfg):
         if partition:
             cfg.pipeline.partition = list(partition)
@@ -115,7 +117,7 @@ def apply(cfg: DictConfig, stages: int, microbatches: int, pipelines: int, parti
         cfg.pipeline.microbatches = microbatches
         cfg.pipeline.pipelines = pipelines
         cfg.pipeline.stages = None
-        cfg.trainer.devices = pipelines * stages
+        cfg.trainer.devices = stages if cfg.pipeline.get("share_devices", True) else pipelines * stages
 
 
 def tuned_before(cfg: DictConfig, config: PipelineConfig) -> Optional[tuple[int, int, Optional[list[int]]]]:

@@ -304,6 +304,8 @@ def _gather(row: Tensor, rank: int) -> Optional[list[list[float]]]:
     """Every rank's row on global rank 0 (one gather); None on the other ranks."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [row.tolist()]
+    if dist.get_backend() == "gloo":
+        row = row.cpu()  # gloo gathers host tensors (the world is gloo when pipelines share GPUs)
     out = [torch.empty_like(row) for _ in range(dist.get_world_size())] if rank == 0 else None
     dist.gather(row, out, dst=0)
     return [t.tolist() for t in out] if out is not None else None

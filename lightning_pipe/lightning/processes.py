@@ -1,6 +1,12 @@
 """The process side of the strategy, as Lightning's DDPStrategy does it: one process per device,
 a torch.distributed process group over all of them, collectives for Lightning's own use.
-Nothing pipeline-specific lives here (strategy.py adds that)."""
+Nothing pipeline-specific lives here (strategy.py adds that).
+
+`processes_per_device` > 1 (AvgPipe's shared devices): local rank ``l`` runs on device
+``l % devices``, so consecutive local ranks fill every device once before any doubles up. NCCL
+refuses two ranks of one communicator on one GPU, so the world group is then gloo (on the host, as
+the paper's reference exchange) and `group_backend` names the device's backend for the groups whose
+ranks are on distinct devices (the pipelines)."""
 
 from __future__ import annotations
 
@@ -41,12 +47,13 @@ class ProcessGroupStrategy(ParallelStrategy):
         self._heartbeat_timeout = heartbeat_timeout  # seconds of silence before a peer counts as lost (None: no heartbeat)
         self._heartbeat: Optional[Heartbeat] = None
         self._finished = False  # set by the subclass before teardown: the run ended without an error
+        self.processes_per_device = 1
 
     @property
     @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
+        return self.parallel_devices[self.local_rank % len(self.parallel_devices)]
 
     @property
     def num_nodes(self) -> int:
@@ -58,7 +65,12 @@ class ProcessGroupStrategy(ParallelStrategy):
 
     @property
     def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+        return len(self.parallel_devices) * self.processes_per_device if self.parallel_devices is not None else 0
+
+    @property
+    def group_backend(self) -> Optional[str]:
+        """The backend of groups over distinct devices when the world group cannot be the device's (None: the world's)."""
+        return _get_default_process_group_backend_for_device(self.root_device) if self.processes_per_device > 1 else None
 
     @override
     def setup_environment(self) -> None:
@@ -68,9 +80,10 @@ class ProcessGroupStrategy(ParallelStrategy):
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        shared = self.processes_per_device > 1
+        backend = self._process_group_backend or ("gloo" if shared else _get_default_process_group_backend_for_device(self.root_device))
         self._process_group_backend = backend
-        device_id = self.root_device if self.root_device.type != "cpu" else None
+        device_id = self.root_device if self.root_device.type != "cpu" and backend != "gloo" else None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
         atexit.register(close_process_groups)
         if self._heartbeat_timeout is not None:

@@ -65,7 +65,7 @@ class AutoPipeStrategy(EmptyInitMixin, ProcessGroupStrategy):
             heartbeat_timeout=self.config.timeout, accelerator=accelerator, parallel_devices=parallel_devices,
             cluster_environment=cluster_environment, checkpoint_io=checkpoint_io or StreamedCheckpointIO(), precision_plugin=precision_plugin,
         )  # fmt: skip
-        self.planner = AutoPlanner(self.config)
+        self.planner, self.processes_per_device = AutoPlanner(self.config), self.config.processes_per_device
         self.resume_path: Optional[str] = None  # fit's ckpt_path, noted by the launcher
         self.topology: Optional[Topology] = None
         self.process_groups: Optional[ProcessGroups] = None
@@ -122,8 +122,8 @@ class AutoPipeStrategy(EmptyInitMixin, ProcessGroupStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Every stage of one pipeline must see the same batch: shard data by replica, not by rank.
-        n = self.config.replicas
-        return {"num_replicas": n, "rank": self.global_rank * n // (self.num_nodes * self.num_processes)}
+        topology = self.config.topology(self.num_nodes * self.num_processes, len(self.parallel_devices or ()))
+        return {"num_replicas": self.config.replicas, "rank": topology.replica_of(self.global_rank)}
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -154,9 +154,9 @@ class AutoPipeStrategy(EmptyInitMixin, ProcessGroupStrategy):
             resumed = resumed_state(self.checkpoint_io, self.resume_path)
             self.config, self.shape, self.shape_plan = choose_shape(self.config, module, where, resumed)
             self.planner = AutoPlanner(self.config)
-        self.topology = Topology(self.world_size, self.config.replicas)
+        self.topology = self.config.topology(self.world_size, len(self.parallel_devices or ()))
         if self.process_groups is None:
-            self.process_groups = ProcessGroups(self.topology, self.global_rank)
+            self.process_groups = ProcessGroups(self.topology, self.global_rank, pipeline_backend=self.group_backend)
         env = self.cluster_environment
         cut = self.cut if self.cut is not None and module.get_submodule(self.cut.path) is self.cut.stage else None  # an earlier fit's
         self.ctx = ctx = RankContext(

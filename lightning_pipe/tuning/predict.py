@@ -15,7 +15,9 @@ T is the time per batch of one pipeline, with the n* pipelines' batches sharing 
 step of the n* pipelines takes n* T, and the job's throughput is B / T samples per second (B the
 batch of one pipeline). The prediction is AFAB's (the paper: advance forward propagation brings
 1F1B close to it); the slowest device's T is the batch's. F is per device: the n* processes of
-stage k on it (in our layout each process may have a device of its own; then F / n* is each's).
+stage k on it, the layout the strategy runs by default (`share_devices`, N processes per device);
+with share_devices=false each process has a device of its own and F / n* is each's. The reference
+model lives in a host process (runtime/reference.py), so it is not in a device's F_mod.
 """
 
 from __future__ import annotations
