@@ -159,12 +159,17 @@ def test_masked_lm_uses_the_tokenizers_special_ids(files):
     dm = MaskedLMDataModule(tokens=files["tokens"], seq_len=64, batch_size=8, mask_prob=0.25)
     dm.setup()
     mask_id, special = files["tok"].mask_id, set(files["tok"].info.special_ids)
+    cls, sep = files["tok"].cls_id, files["tok"].sep_id
+    windows = dm.train_dataset.windows  # consecutive slices of the stream: no token skipped by the framing
+    assert torch.equal(torch.cat([windows[0], windows[1]]), windows.tokens[:124].long())
     masked = replaced = chosen_total = 0
     for i in range(len(dm.train_dataset)):
         inputs, attention, labels = dm.train_dataset[i]
         chosen = labels != IGNORE_INDEX
+        # BERT's framing: [CLS] + 62 stream tokens + [SEP], 16 = round(0.25 x 62) predicted among the 62
+        assert inputs.shape == (64,) and (int(inputs[0]), int(inputs[-1])) == (cls, sep) and not chosen[[0, -1]].any()
         assert int(chosen.sum()) == 16 and bool((attention == 1).all())
-        assert torch.equal(inputs[~chosen], dm.train_dataset.windows[i][~chosen])  # the rest untouched
+        assert torch.equal(inputs[1:-1][~chosen[1:-1]], dm.train_dataset.windows[i][~chosen[1:-1]])  # the rest untouched
         assert not set(labels[chosen].tolist()) & special  # the stream holds no special id
         others = inputs[chosen & (inputs != mask_id) & (inputs != labels)]
         assert not set(others.tolist()) & special and bool((others < VOCAB).all())  # random ids: ordinary ones

@@ -134,6 +134,11 @@ class _TokenDataModule(L.LightningDataModule):
         """Tokens per raw window (seq_len + 1 for next-token targets)."""
         raise NotImplementedError
 
+    @property
+    def stride(self) -> int:
+        """Tokens between window starts: inputs never overlap; a causal window's extra token is the next one's first."""
+        return self.seq_len
+
     def _samples(self, windows: Dataset, stream: int) -> Dataset:
         raise NotImplementedError
 
@@ -152,8 +157,7 @@ class _TokenDataModule(L.LightningDataModule):
             stream = encode_corpus(self.tokenizer, iter_corpus(self.path, self.max_bytes))
             cut = split_point(stream.numel(), self.val_fraction)
             train, val = stream[:cut], stream[cut:]
-        # Stride seq_len: inputs never overlap; a causal window's extra token is the next one's first.
-        return StreamWindows(train, self.window_len, stride=self.seq_len), StreamWindows(val, self.window_len, stride=self.seq_len)
+        return StreamWindows(train, self.window_len, self.stride), StreamWindows(val, self.window_len, self.stride)
 
     def _check_windows(self, train: Dataset, val: Dataset) -> None:
         source = self.corpus_source
@@ -237,7 +241,10 @@ class MaskedLMDataModule(_TokenDataModule):
     -100 elsewhere), so a token-mean loss equals the mean of per-sample means. With a tokenizer.json
     (or a token file made with one) it must have a mask token (``<mask>`` or ``[MASK]``); random
     replacements are its ordinary (not special) ids. Windows are full slices of the token stream, so
-    nothing is padding and no [CLS]/[SEP] is inserted (the ids are the tokenizer's `cls_id`/`sep_id`).
+    nothing is padding. A tokenizer with [CLS] and [SEP] (``<cls>``/``<sep>``, as
+    ``lightning_pipe.data.train_tokenizer`` writes) frames each sample as BERT's input is framed:
+    ``[CLS] + seq_len - 2 stream tokens + [SEP]``, predicted positions drawn from the inner ones
+    (k counted on them). The byte vocabulary has no such tokens, so its windows stay unframed.
     """
 
     def __init__(
@@ -282,6 +289,10 @@ class MaskedLMDataModule(_TokenDataModule):
             model_vocab_size=model_vocab_size,
         )
         self.mask_prob = mask_prob
+        special = self.token_info.special
+        self.frame = (special["cls"], special["sep"]) if not synthetic and "cls" in special and "sep" in special else None
+        if self.frame is not None and seq_len < 3:
+            raise ValueError(f"data.seq_len={seq_len}: a framed sample ([CLS] ... [SEP]) needs at least 3 tokens")
         if not synthetic and self.token_info.kind != "bytes" and "mask" not in self.token_info.special:
             raise ValueError(
                 f"{self.vocab_source}: masked LM needs a mask token (<mask> or [MASK]) among the tokenizer's special tokens; "
@@ -290,7 +301,11 @@ class MaskedLMDataModule(_TokenDataModule):
 
     @property
     def window_len(self) -> int:
-        return self.seq_len
+        return self.seq_len - 2 if self.frame is not None else self.seq_len
+
+    @property
+    def stride(self) -> int:
+        return self.window_len
 
     def _samples(self, windows: Dataset, stream: int) -> Dataset:
         # Random replacements are ordinary tokens: bytes for text, the whole vocabulary when synthetic,
@@ -300,4 +315,4 @@ class MaskedLMDataModule(_TokenDataModule):
             return MaskedLMDataset(windows, self.mask_prob, self.seed, stream, ByteTokenizer.MASK, num_random)
         ordinary = self.token_info.ordinary_ids()
         mask_id = self.token_info.special["mask"]
-        return MaskedLMDataset(windows, self.mask_prob, self.seed, stream, mask_id, len(ordinary), random_table=ordinary)
+        return MaskedLMDataset(windows, self.mask_prob, self.seed, stream, mask_id, len(ordinary), ordinary, self.frame)
