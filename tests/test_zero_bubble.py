@@ -124,17 +124,18 @@ class Counted(torch.autograd.Function):
 
 
 class Mixed(nn.Module):
-    """Shared weights, a weight-only subgraph and a weight used on both sides of the cut."""
+    """A weight-only subgraph, a weight on both sides of the cut and, with `reuse`, a layer applied twice."""
 
-    def __init__(self):
+    def __init__(self, reuse: bool):
         super().__init__()
-        self.a, self.b = nn.Linear(5, 5), nn.Linear(5, 5)
+        self.a, self.b, self.c = nn.Linear(5, 5), nn.Linear(5, 5), nn.Linear(5, 5)
         self.scale = nn.Parameter(torch.randn(5))
+        self.reuse = reuse
 
     def forward(self, x):
         w = Counted.apply(self.scale.exp())  # weight only: W's alone
-        h = torch.tanh(Counted.apply(self.a(x)) * w)
-        h = self.a(h) + self.b(h) + w.sum()  # self.a used twice
+        h = torch.tanh(Counted.apply(self.a(x)) * w)  # the input path
+        h = (self.a if self.reuse else self.c)(h) + self.b(h) + w.sum()
         return nn.functional.layer_norm(h, (5,)) * (self.scale * 2).t()
 
 
@@ -159,13 +160,16 @@ def _both_ways(fn, params, x, leaves):
 
 
 @pytest.mark.parametrize("recompute", [False, True])
-def test_bi_then_w_is_one_backward(recompute):
+@pytest.mark.parametrize("reuse", [False, True])
+def test_bi_then_w_is_one_backward(recompute, reuse):
     torch.manual_seed(0)
-    mixed = Mixed().double()
+    mixed = Mixed(reuse).double()
     x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
-    calls = _both_ways(lambda x: run_block(mixed, x, recompute), list(mixed.parameters()), x, [x])
-    # two counted nodes, one on the input path (BI's), one on a weight-only path (W's): W redoes nothing
-    assert calls == (1, 2)
+    used = [p for name, p in mixed.named_parameters() if not (reuse and name.startswith("c."))]
+    bi, total = _both_ways(lambda x: run_block(mixed, x, recompute), used, x, [x])
+    # two counted nodes, one on the input path (BI's), one on a weight-only path (W's): W redoes no
+    # input-path node, unless a layer applied twice makes it pass there again to its other use
+    assert bi == 1 and total == (3 if reuse else 2)
 
 
 @pytest.mark.parametrize("blocks", [masked_blocks, tied_blocks])

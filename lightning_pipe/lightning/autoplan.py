@@ -162,6 +162,7 @@ def profile_pipeline(
         field("param_bytes"),
         field("peak_memory"),
         [type(b).__name__ for b in blocks],
+        weight=field("weight") if all("weight" in merged[i] for i in merged) else [],
     )
 
 

@@ -9,6 +9,9 @@ for backward at its peak. A candidate that cannot run (more chunks than blocks, 
 it cannot use) or does not fit `memory_limit` is kept in the table with the reason, so the choice
 can be read and checked. Ties go to fewer chunks: the same time with fewer messages.
 
+Zero-bubble candidates (ZB-H1, ZB-V) are simulated only on a profile that measured each block's
+weight-gradient (W) time: their gain is the W's filling bubbles, which a guessed split cannot tell.
+
 The wave guard: a wave order ("wave" or "hanayo") is never chosen when the simulator predicts it
 slower than 1F1B on the same profile (1F1B simulated even when it is not a candidate or does not
 fit the memory limit), nor over the memory limit; its verdict says so.
@@ -35,7 +38,10 @@ CANDIDATES: tuple[tuple[str, dict[str, int]], ...] = (
     ("hanayo", {"waves": 1}),
     ("hanayo", {"waves": 2}),
     ("hanayo", {"waves": 4}),
+    ("zb-h1", {}),
+    ("zb-v", {}),
 )
+ZERO_BUBBLE = ("zb-h1", "zb-v")  # backward split in BI and W: candidates on a profile with measured W times
 WAVE_ORDERS = ("wave", "hanayo")  # Hanayo's placement: our greedy order, the paper's order
 ADAM_WEIGHT_COPIES = 4.0  # parameters + gradients + exp_avg + exp_avg_sq
 
@@ -113,7 +119,7 @@ class ScheduleChoice:
                     f"{c.iteration_time * 1e3:.3f}" if runs else "-",
                     f"{c.iteration_time / self.chosen.iteration_time:.3f}x" if runs else "-",
                     f"{c.peak_memory / 2**20:.1f}" if runs else "-",
-                    c.verdict if runs else "cannot run (below)",
+                    c.verdict if runs else f"{c.verdict.split(':')[0]} (below)",
                 )
             )
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(columns)]
@@ -157,13 +163,18 @@ def choose_schedule(
     found: list[Candidate] = []
     for schedule, options in candidates:
         key = tuple(sorted(options.items()))
+        if schedule in ZERO_BUBBLE and not costs.weight:
+            found.append(
+                Candidate(schedule, key, None, math.inf, math.inf, 0, "skipped: the profile has no measured W (weight-gradient) times")
+            )
+            continue
         try:
             chosen_plan = plan(costs, stages, microbatches, method=method, schedule=schedule, kinds=kinds, options=options)
         except ValueError as error:  # e.g. more chunks than blocks, m not a multiple of p
             found.append(Candidate(schedule, key, None, math.inf, math.inf, 0, f"cannot run: {error}"))
             continue
         sliced, time = 0, chosen_plan.iteration_time
-        if slicer and not options:
+        if slicer and not options and schedule not in ZERO_BUBBLE:
             slicing = (
                 choose_slicing(costs, chosen_plan.bounds, microbatches, schedule)
                 if slicer is True

@@ -1,7 +1,8 @@
 """Per-block profile of a pipeline: the AutoPipe paper's "model configs".
 
 For each block: forward and backward time (median of repeats after warm-up, on the device and at
-the micro-batch size training uses), output activation bytes, parameter bytes and peak memory.
+the micro-batch size training uses), the part of the backward that computes weight gradients (a
+zero-bubble schedule's W; the rest is its BI), output activation bytes, parameter bytes and peak memory.
 Saved as JSON keyed by model, micro-batch size, dtype and device, so a profile is measured once
 and reused; `Profile.synthetic` builds one from given costs. `Profile.costs()` turns it into the
 simulator's `CostModel`. `check_activation` is the runtime's rule for what passes between blocks,
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from ..runtime.p2p import _DTYPES
+from ..runtime.split_backward import backward_input, backward_weight
 from ..simulation.costs import CostModel
 from .messages import MessageCosts
 
@@ -40,13 +42,14 @@ class Profile:
     peak_memory: list[float] = field(default_factory=list)  # bytes allocated at the block's peak (CUDA), else 0
     block_names: list[str] = field(default_factory=list)
     messages: Optional[dict] = None  # messages.MessageCosts measured on the ranks, as a dict; None: not measured
+    weight: list[float] = field(default_factory=list)  # seconds of the backward spent on weight gradients (W); []: not measured
 
     def __post_init__(self) -> None:
         n = len(self.forward)
-        for name in ("backward", "activation_bytes", "param_bytes"):
+        for name in ("backward", "activation_bytes", "param_bytes") + (("weight",) if self.weight else ()):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"profile: {name} has {len(getattr(self, name))} entries for {n} blocks")
-        for name in ("forward", "backward", "activation_bytes", "param_bytes", "peak_memory"):
+        for name in ("forward", "backward", "activation_bytes", "param_bytes", "peak_memory", "weight"):
             bad = [v for v in getattr(self, name) if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0)]
             if bad:
                 raise ValueError(f"profile: {name} must hold finite numbers >= 0, got {bad[:3]}")
@@ -76,6 +79,7 @@ class Profile:
             latency,
             tuple(slowdown),
             cores,
+            weight=tuple(min(w, b) for w, b in zip(self.weight, self.backward)),  # medians of separate runs: W within B
         )
         return self.message_costs.apply(costs) if self.messages else costs
 
@@ -291,6 +295,7 @@ def _profile_chain(
     n, ends_model = len(chain), last == len(blocks) - 1
     fwd: list[list[float]] = [[] for _ in chain]
     bwd: list[list[float]] = [[] for _ in chain]
+    split: list[list[tuple[float, float]]] = [[] for _ in chain]  # (BI, W) of the backwards run split
     peak, out_bytes = [0.0] * n, [0] * n
     cuda = device.type == "cuda"
 
@@ -327,15 +332,26 @@ def _profile_chain(
                     saved.append((inp, out if loss is None else loss))
                     h = out
                 stash.append(saved)
-            for saved in stash:
+            for k, saved in enumerate(stash):
                 grads: Optional[list[Tensor]] = None
+                halves = (r + k) % 2 == 1  # every other backward runs as BI then W (zero-bubble's halves)
                 for j in reversed(range(n)):
                     inp, out = saved[j]
                     outs = _float_outputs(out)
                     seeds = grads if grads is not None else [torch.ones_like(o) for o in outs]
-                    _, t = timed(lambda outs=outs, seeds=seeds: torch.autograd.backward(outs, seeds) if outs else None, j)
-                    if r >= warmup:
-                        bwd[j].append(t)
+                    if halves:
+                        (leaf_grads, deferred), t_bi = timed(
+                            lambda outs=outs, seeds=seeds, inp=inp: backward_input(outs, seeds, _float_outputs(inp)), j
+                        )
+                        _, t_w = timed(lambda deferred=deferred: backward_weight(deferred), j)
+                        for leaf, g in zip(_float_outputs(inp), leaf_grads):
+                            leaf.grad = g  # where the whole backward leaves it, for the block before
+                        if r >= warmup:
+                            split[j].append((t_bi, t_w))
+                    else:
+                        _, t = timed(lambda outs=outs, seeds=seeds: torch.autograd.backward(outs, seeds) if outs else None, j)
+                        if r >= warmup:
+                            bwd[j].append(t)
                     if j > 0:
                         grads = _input_grads(saved[j - 1][1], inp)
             for b in chain:
@@ -345,7 +361,9 @@ def _profile_chain(
     return {
         first + j: {
             "forward": statistics.median(fwd[j]),
-            "backward": statistics.median(bwd[j]),
+            "backward": statistics.median(bwd[j] or [a + b for a, b in split[j]]),
+            # W's share of the split backwards, applied to the whole ones (the two run the same nodes)
+            "weight": statistics.median(bwd[j] or [a + b for a, b in split[j]]) * _share(split[j]) if split[j] else 0.0,
             "activation_bytes": float(out_bytes[j]),
             "param_bytes": float(sum(p.numel() * p.element_size() for p in chain[j].parameters())),
             "peak_memory": peak[j],
@@ -353,6 +371,11 @@ def _profile_chain(
         for j in range(n)
         if first + j in wanted
     }
+
+
+def _share(split: list[tuple[float, float]]) -> float:
+    """W's share of a backward run in halves: median over the runs."""
+    return statistics.median(w / (bi + w) if bi + w > 0 else 0.5 for bi, w in split)
 
 
 def _input_grads(out: Any, leaf: Any) -> list[Tensor]:

@@ -108,11 +108,15 @@ def split_costs(
 ) -> tuple[list[float], list[float]]:
     """Input-gradient (BI) and weight-gradient (W) time of each chunk, a split of `chunk_costs`'
     backward: W is the blocks' measured weight share (`CostModel.weight`; without it half the
-    backward, the paper's T_B = T_W). The profiler gives the first block all of its backward as W
-    (its input is data: the executor's BI has nothing to compute there)."""
+    backward, the paper's T_B = T_W). The first chunk's input is data, not an activation: its BI has
+    nothing to compute and its W is its whole backward, as the executor runs it."""
     _, backward, _ = chunk_costs(costs, bounds, ranks)
     bi, w = [], []
     for (a, b), total in zip(bounds, backward):
+        if a == 0:
+            bi.append(0.0)
+            w.append(total)
+            continue
         share = sum(costs.weight[a:b]) / max(sum(costs.backward[a:b]), 1e-300) if costs.weight else 0.5
         w.append(total * min(share, 1.0))
         bi.append(total - w[-1])
