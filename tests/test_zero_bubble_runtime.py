@@ -1,5 +1,6 @@
 """Zero-bubble schedules on real gloo processes train to one process's weights (fp64 <= 1e-10):
-plain PyTorch on 2 and 4 ranks, and through the Trainer (tied weights, recomputation)."""
+ZB-H1, ZB-V and the paper's heuristic's schedules in plain PyTorch on 2 and 4 ranks, and through
+the Trainer (tied weights, recomputation)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from torch import nn
 
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.planning import partition_blocks
+from lightning_pipe.planning.zero_bubble import zero_bubble_auto
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
 from lightning_pipe.schedules import build_schedule
+from lightning_pipe.simulation import CostModel
 
 pytestmark = pytest.mark.multiprocess
 
@@ -46,7 +49,7 @@ def train(rank: int, world: int, configs: list) -> list[dict]:
     out = []
     for kind, name, partition, m in configs:
         model = build(kind)
-        schedule = build_schedule(name, world, m)
+        schedule = heuristic(world, m) if name == "zb-auto" else build_schedule(name, world, m)
         bounds = partition_blocks(partition, len(model), schedule.num_chunks).bounds
         chunks = {c: nn.Sequential(*model[slice(*bounds[c])]) for c in schedule.chunks_of(rank)}
         host = SequentialHost(chunks, schedule.num_chunks - 1, nn.functional.cross_entropy)
@@ -59,6 +62,13 @@ def train(rank: int, world: int, configs: list) -> list[dict]:
         mine = {b for c in chunks for b in range(*bounds[c])}
         out.append({k: v for k, v in model.state_dict().items() if int(k.split(".")[0]) in mine})
     return out
+
+
+def heuristic(world: int, m: int):
+    """The paper's heuristic on an uneven profile (the same on every rank: a pure function of it)."""
+    f, b, w = (1.0, 1.5, 0.7, 1.2)[:world], (2.0, 2.5, 1.6, 3.0)[:world], (0.7, 1.2, 0.5, 1.0)[:world]
+    costs = CostModel(f, b, activation_bytes=(1.0,) * world, weight=w)
+    return zero_bubble_auto(costs, [(i, i + 1) for i in range(world)], m, memory_limit=world + 0.5, weight_copies=0)[0]
 
 
 UNEVEN = {2: {"zb-h1": [1, 7], "zb-v": [1, 3, 3, 1]}, 4: {"zb-h1": [3, 1, 2, 2], "zb-v": [1, 1, 1, 1, 1, 1, 1, 1]}}
@@ -76,6 +86,7 @@ def test_zero_bubble_schedules_equal_one_process(world):
             ("masked", "uniform", 4),
         ]
     ]
+    configs += [("mlp", "zb-auto", UNEVEN[world]["zb-h1"], 2 * world + 1), ("masked", "zb-auto", "uniform", 3)]
     per_rank = run_distributed(train, world, configs, timeout=240)
     for i, (kind, name, partition, m) in enumerate(configs):
         got = {k: v for part in per_rank for k, v in part[i].items()}
