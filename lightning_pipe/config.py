@@ -43,6 +43,7 @@ class PipelineConfig:
     schedule: str = "1f1b"
     """gpipe | 1f1b (alias flush: PipeDream-Flush) | interleaved | wave (Hanayo's placement, our greedy order) |
     hanayo (Hanayo's placement and order) | advance (AvgPipe's 1F1B with advance forward, §4.2) |
+    zb-h1 | zb-v (zero bubble: backward split into input and weight gradients) |
     2bw (PipeDream-2BW: no flush, 1-stale updates), or auto (the simulator's fastest synchronous
     schedule within memory_limit)."""
     chunks: int = 2
@@ -291,8 +292,8 @@ class PipelineConfig:
             )
         if self.auto:
             raise SettingError(
-                f"pipelines={self.pipelines}: AvgPipe runs one schedule you name (gpipe, 1f1b, interleaved, wave, hanayo, advance "
-                "or 2bw), not 'auto'",
+                f"pipelines={self.pipelines}: AvgPipe runs one schedule you name (gpipe, 1f1b, interleaved, wave, hanayo, advance, "
+                "zb-h1, zb-v or 2bw), not 'auto'",
                 "schedule",
             )
         if self.alpha is not None and (

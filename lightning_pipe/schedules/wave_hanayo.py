@@ -21,6 +21,11 @@ other: unit k holds micro-batches kP .. kP + P - 1 (the last one may be shorter)
 units' 1F1B sequences back to back, and a device fills the end of one unit with the next unit's
 forwards of its other chunks when they are ready (Chimera's "direct concatenation").
 
+Checked against the paper by hand (tests/test_hanayo_paper.py: the per-rank orders of Fig. 3(d),
+P = 4, W = 1 and Fig. 3(e), W = 2, B = 4; tests/test_multichunk.py::test_wave_p2_b2_by_hand: Fig. 5's
+Chimera swapped into waves). Eq. (1)'s bubble ratio is an approximation of such orders: at W = 1
+each device idles exactly its numerator's (P - 1) T_B / W; the test compares the rest.
+
 What this gives (tests/test_multichunk.py, docs/schedules.md): each chunk stashes at most
 min(n - c, P) micro-batches, so a device holds at most P stage-sized activations, as 1F1B's first
 device does (Hanayo's memory claim, which the greedy order does not keep); the bubble for B = P is
