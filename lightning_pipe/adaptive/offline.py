@@ -150,7 +150,21 @@ def iteration_times(spec: ScheduleSpec, depth: int, m: int, costs: CostModel, pa
     return [(b - a) / (TWO_BW_BATCHES[1] - TWO_BW_BATCHES[0]) for a, b in zip(few, many)]
 
 
-def scenario(rng: random.Random, depth: int, schedule: Optional[str] = None) -> Scenario:
+@dataclass
+class Environment:
+    """What stays fixed while a job runs (AutoPipe-RL's "environment"): the model's per-block
+    profile, its schedule (with options) and micro-batch count at one depth."""
+
+    depth: int
+    microbatches: int
+    spec: ScheduleSpec
+    forward: list[float]
+    backward: list[float]
+    activation_bytes: list[float]
+    param_bytes: list[float]
+
+
+def draw_environment(rng: random.Random, depth: int, schedule: Optional[str] = None) -> Environment:
     schedule = schedule or rng.choice(F.SCHEDULES)
     m = rng.choice([depth, 2 * depth, 4 * depth])
     options = dict(SCHEDULE_OPTIONS.get(schedule, {}))
@@ -162,6 +176,14 @@ def scenario(rng: random.Random, depth: int, schedule: Optional[str] = None) -> 
         fwd, bwd, act, params = random_model(rng, chunks)
         if len(fwd) >= 2 * chunks:
             break
+    return Environment(depth, m, spec, fwd, bwd, act, params)
+
+
+def draw_state(rng: random.Random, env: Environment) -> Scenario:
+    """A load on the environment's devices and links (slowdowns, bandwidth, the monitor's window)
+    and a running partition, with every neighbour candidate labelled by the simulator."""
+    depth, m, spec = env.depth, env.microbatches, env.spec
+    fwd, bwd, act, params = env.forward, env.backward, env.activation_bytes, env.param_bytes
     quiet = rng.random() < 0.35  # nothing shares the devices: what most of a run looks like
     slowdown = [rng.uniform(0.95, 1.2) if quiet or rng.random() < 0.5 else rng.uniform(1.2, 4.0) for _ in range(depth)]
     bandwidth = 10 ** rng.uniform(7, 10)
@@ -170,16 +192,21 @@ def scenario(rng: random.Random, depth: int, schedule: Optional[str] = None) -> 
     rows = [F.sequence_row(s, b) for s, b in zip(slows, bws)]
     seen_slow, seen_bw = F.window_summary(slows, bws)
     chunk_rank = _replay(spec.name, depth, m, tuple(sorted(spec.kwargs.items()))).chunk_rank
-    base = balanced([f + b for f, b in zip(fwd, bwd)], chunks)
+    base = balanced([f + b for f, b in zip(fwd, bwd)], spec.chunk_count(depth))
     if rng.random() < 0.3:  # a partition a switch has moved away from the balanced one
         base = rng.choice(neighbour_candidates(base, chunk_rank) or [base])
     cands = neighbour_candidates(base, chunk_rank)
     costs = CostModel(tuple(fwd), tuple(bwd), tuple(act), tuple(params), bandwidth, 20e-6, tuple(slowdown))
     times = iteration_times(spec, depth, m, costs, [base, *cands])
-    advance = F.ahead(spec.name, depth, m, options.get("advance_num", 0))
+    advance = F.ahead(spec.name, depth, m, spec.kwargs.get("advance_num", 0))
     return Scenario(
         fwd, bwd, act, params, depth, m, spec.name, advance, chunk_rank, slowdown, bandwidth, rows, seen_slow, seen_bw, base, cands, times
     )
+
+
+def scenario(rng: random.Random, depth: int, schedule: Optional[str] = None) -> Scenario:
+    """One environment under one load (the draws in the order the shipped weights were made with)."""
+    return draw_state(rng, draw_environment(rng, depth, schedule))
 
 
 def _one(job: tuple[int, int, int]) -> Scenario:
