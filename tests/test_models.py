@@ -575,3 +575,14 @@ def test_checkpoint_round_trip_keeps_config_and_tying(tmp_path):
     assert loaded.model[-1].weight is loaded.model[0].token.weight
     for (n, a), b in zip(lit.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("cls,name", [(CausalLM, "gpt-tiny"), (MaskedLM, "bert-tiny")])
+def test_hyperparameters_of_a_config_object_save_as_yaml(tmp_path, cls, name):
+    # what a logger does with them (CSVLogger writes hparams.yaml): a ModelConfig (a frozen dataclass)
+    # must have become a plain dict in every __init__ frame save_hyperparameters reads
+    from lightning.pytorch.core.saving import save_hparams_to_yaml
+
+    module = cls(get_model_config(name))
+    save_hparams_to_yaml(tmp_path / "hparams.yaml", module.hparams)
+    assert isinstance(module.hparams.model, dict) and "n_layer" in (tmp_path / "hparams.yaml").read_text()

@@ -58,7 +58,11 @@ class _LanguageModel(L.LightningModule):
         self.model = self.build(cfg)
         self.init_seed: int = self.model.init_seed
         with torch.device("cpu"):  # real (small) states even when the model is built empty on the meta device
-            self.val_ppl = Perplexity(ignore_index=-100)
+            self.make_metrics()
+
+    def make_metrics(self) -> None:
+        """Validation metrics (a hook, not an __init__ override: save_hyperparameters reads every __init__ frame)."""
+        self.val_ppl = Perplexity(ignore_index=-100)
 
     def init_pipeline_block(self, index: int, block: torch.nn.Module) -> None:
         """Initial values of block `index` (called by the strategy for the blocks a rank creates
@@ -139,11 +143,10 @@ class MaskedLM(_LanguageModel):
     default_model = "bert-tiny"
     build = staticmethod(build_bert)
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def make_metrics(self) -> None:
+        super().make_metrics()
         # masked-token accuracy over the predicted positions (every one counts once, whatever its batch)
-        with torch.device("cpu"):
-            self.val_acc = MulticlassAccuracy(num_classes=self.config.vocab_size, average="micro", ignore_index=-100)
+        self.val_acc = MulticlassAccuracy(num_classes=self.config.vocab_size, average="micro", ignore_index=-100)
 
     def _forward(self, batch):
         ids, mask, labels = batch
