@@ -6,7 +6,9 @@ One command, one JSON + markdown report, on one accelerator (under 8 minutes on 
    runtime uses) against a plain one-process Trainer run: the same weights after a few steps;
    two processes sharing one GPU are not run (NCCL refuses two ranks on one device and gloo has no
    CUDA point-to-point), and the report says so;
-2. PipeDream-2BW and AvgPipe(2BW) (N = 1, its reference process on the host) on one GPU;
+2. PipeDream-2BW and AvgPipe(2BW) (N = 1, its reference process on the host) on one GPU; AvgPipe's
+   shared layout: N = 2 pipelines as two processes on the one GPU (the world group gloo, the
+   reference exchange on the host), against the same run on CPU processes;
 3. bf16-mixed and 16-mixed through the Trainer's precision plugin (the pipeline-aware subclass):
    the loss falls and stays finite, and ends within a tolerance of the plain Trainer's;
 4. CUDA-timed block profiles of GPT-2 345M and 1.3B in bf16, saved as profile files, and the
@@ -28,6 +30,7 @@ import contextlib
 import copy
 import json
 import math
+import os
 import time
 import traceback
 from pathlib import Path
@@ -121,7 +124,7 @@ def one_gpu(args: argparse.Namespace, report: dict) -> dict:
     _, weights = _fit(AutoPipeStrategy(schedule="1f1b", microbatches=4, partition="uniform"), "64-true", 4, args, empty=True)
     out["created empty"] = {"max_rel_error_vs_plain_trainer": _max_rel(weights, reference)}
     assert out["created empty"]["max_rel_error_vs_plain_trainer"] <= 1e-10, out["created empty"]
-    out["two processes on one GPU"] = "not run: NCCL refuses two ranks on one device, and gloo has no CUDA point-to-point"
+    out["two processes on one GPU"] = "AvgPipe's shared layout, next section (a pipeline of one stage: no point-to-point)"
     return out
 
 
@@ -270,6 +273,37 @@ def memory(args: argparse.Namespace, report: dict) -> dict:
     return out
 
 
+def _avgpipe_shared(accelerator: str, start: str, out: str) -> dict[str, torch.Tensor]:
+    """AvgPipe N = 2 on one device (2 processes sharing it), float64, 6 steps; the reference model back."""
+    if torch.distributed.is_initialized():  # an earlier one-process section's group: its store holds MASTER_PORT
+        torch.distributed.destroy_process_group()
+    os.environ.pop("MASTER_PORT", None)  # the launcher picks a free one
+    torch.manual_seed(0)
+    strategy = AutoPipeStrategy(pipelines=2, microbatches=4, partition="uniform", start_method=start)
+    trainer = L.Trainer(
+        accelerator=accelerator, devices=1, strategy=strategy, precision="64-true", max_steps=6, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+    )  # fmt: skip
+    module = CausalLM("gpt-tiny", lr=1e-3, weight_decay=0.0)
+    trainer.fit(module, _data(32))
+    return {k: v.detach().double().cpu() for k, v in module.state_dict().items()}
+
+
+@section("AvgPipe: two pipelines sharing one GPU")
+def shared(args: argparse.Namespace, report: dict) -> dict:
+    # the paper's layout on one device: both pipelines' processes on it, the world group gloo (NCCL holds
+    # one rank per GPU), each pipeline one stage; the same job on CPU processes follows the AvgPipe rule
+    # exactly (tests/test_shared_devices.py), so the GPU run must agree with it up to float64 rounding
+    start = "spawn"  # fork: not after CUDA is initialised, nor from this process's threads of earlier sections
+    on_cpu = _avgpipe_shared("cpu", start, str(args.out))
+    if args.smoke:
+        return {"ran on CPU processes (smoke)": sorted(on_cpu)[:3]}
+    on_gpu = _avgpipe_shared("gpu", start, str(args.out))
+    out = {"max rel error, GPU-shared vs CPU processes": _max_rel(on_gpu, on_cpu)}
+    assert out["max rel error, GPU-shared vs CPU processes"] <= 1e-10, out
+    return out
+
+
 # ---- the report -----------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> dict:
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -281,6 +315,8 @@ def run(args: argparse.Namespace) -> dict:
         "sections": {},
     }
     for name, fn in SECTIONS:
+        if args.only and not any(part.lower() in name.lower() for part in args.only):
+            continue
         started = time.perf_counter()
         try:
             result, status = fn(args, report), "ok"
@@ -315,6 +351,7 @@ def main() -> None:
     parser.add_argument("--out", default="gpu_check", help="folder for the report and the profiles")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sample (default: 1024 on GPU, 32 smoke)")
     parser.add_argument("--mbs", type=int, default=None, help="micro-batch size of the block profiles (default 4, smoke 2)")
+    parser.add_argument("--only", nargs="*", default=[], help="run the sections whose names contain one of these words")
     args = parser.parse_args()
     args.seq = args.seq or (32 if args.smoke else 1024)
     args.mbs = args.mbs or (2 if args.smoke else 4)
