@@ -86,7 +86,7 @@ def fit(
     model,
     steps,
     pipelines=2,
-    devices=4,
+    devices=2,  # shared by the pipelines (the paper's layout): 2 pipelines x 2 stages
     alpha=None,
     staleness=0,
     ckpt_path=None,
@@ -274,7 +274,8 @@ def test_bad_settings_are_named(settings, name):
 def test_pipelines_must_divide_the_devices_before_anything_starts():
     start = time.monotonic()
     with pytest.raises(SettingError, match=r"pipelines=3 does not divide the world size 4 .*allowed values: \[1, 2, 4\]"):
-        trainer = L.Trainer(devices=4, strategy=AutoPipeStrategy(pipelines=3, start_method=START), **trainer_kwargs(max_steps=1))
+        strategy = AutoPipeStrategy(pipelines=3, share_devices=False, start_method=START)  # a device per process
+        trainer = L.Trainer(devices=4, strategy=strategy, **trainer_kwargs(max_steps=1))
         trainer.fit(LitSeq(), DataLoader(dataset(), batch_size=10))
     assert time.monotonic() - start < 10
 
@@ -301,7 +302,7 @@ def test_validation_reports_the_reference_over_all_pipelines_shards():
     # val_loss is the mean over the pipelines, i.e. the reference's loss on the whole set
     model = LitSeq()
     strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, partition="uniform", start_method=START, pipelines=2)
-    trainer = L.Trainer(devices=4, strategy=strategy, **trainer_kwargs())
+    trainer = L.Trainer(devices=2, strategy=strategy, **trainer_kwargs())  # 2 pipelines x 2 stages
     val = DataLoader(dataset(n=40, seed=3), batch_size=10)
     (metrics,) = trainer.validate(model, val)
     x, y = dataset(n=40, seed=3).tensors
