@@ -24,7 +24,7 @@ from lightning_pipe.bench import cli_runs as cli
 from lightning_pipe.bench.harness import Bench, Table, pyplot, save_figure
 
 TOTAL_BATCH = 16  # avgpipe: samples per step in every run
-AVG = ["recipe=gpt-tiny-avgpipe"]
+AVG = ["recipe=gpt-tiny-avgpipe", "schedule=1f1b"]  # 1F1B inside each pipeline, as measured (the recipe runs advance)
 RUNS = {  # experiment -> name -> (pipelines N, Hydra overrides, label, colour)
     "2bw": {
         "2bw": (1, ["recipe=gpt-tiny-2bw"], "PipeDream-2BW (1-stale)", "tab:red"),
@@ -34,9 +34,9 @@ RUNS = {  # experiment -> name -> (pipelines N, Hydra overrides, label, colour)
         "1f1b": (1, ["recipe=gpt-tiny-cpu", "pipeline.microbatches=4"], "plain 1F1B (1 pipeline, batch 16)", "black"),
         "avg1": (1, AVG + ["pipeline.pipelines=1", "trainer.devices=2", "data.batch_size=16", "pipeline.microbatches=4"],
                  "AvgPipe N=1 (alpha=1, batch 16)", "tab:blue"),
-        "avg2": (2, AVG + ["pipeline.pipelines=2", "trainer.devices=4", "data.batch_size=8", "pipeline.microbatches=2"],
+        "avg2": (2, AVG + ["pipeline.pipelines=2", "trainer.devices=2", "data.batch_size=8", "pipeline.microbatches=2"],
                  "AvgPipe N=2 (alpha=1/2, 2 x batch 8)", "tab:orange"),
-        "avg4": (4, AVG + ["pipeline.pipelines=4", "trainer.devices=8", "data.batch_size=4", "pipeline.microbatches=2"],
+        "avg4": (4, AVG + ["pipeline.pipelines=4", "trainer.devices=2", "data.batch_size=4", "pipeline.microbatches=2"],
                  "AvgPipe N=4 (alpha=1/4, 4 x batch 4)", "tab:red"),
     },
 }  # fmt: skip
