@@ -163,6 +163,7 @@ def profile_pipeline(
         field("peak_memory"),
         [type(b).__name__ for b in blocks],
         weight=field("weight") if all("weight" in merged[i] for i in merged) else [],
+        backward_input=field("backward_input") if all("backward_input" in merged[i] for i in merged) else [],
     )
 
 

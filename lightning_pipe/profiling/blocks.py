@@ -42,14 +42,19 @@ class Profile:
     peak_memory: list[float] = field(default_factory=list)  # bytes allocated at the block's peak (CUDA), else 0
     block_names: list[str] = field(default_factory=list)
     messages: Optional[dict] = None  # messages.MessageCosts measured on the ranks, as a dict; None: not measured
-    weight: list[float] = field(default_factory=list)  # seconds of the backward spent on weight gradients (W); []: not measured
+    weight: list[float] = field(default_factory=list)  # seconds of W (weight gradients) in a split backward; []: not measured
+    backward_input: list[float] = field(default_factory=list)  # seconds of BI (input gradient) in a split backward
 
     def __post_init__(self) -> None:
         n = len(self.forward)
-        for name in ("backward", "activation_bytes", "param_bytes") + (("weight",) if self.weight else ()):
+        for name in (
+            ("backward", "activation_bytes", "param_bytes")
+            + (("weight",) if self.weight else ())
+            + (("backward_input",) if self.backward_input else ())
+        ):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"profile: {name} has {len(getattr(self, name))} entries for {n} blocks")
-        for name in ("forward", "backward", "activation_bytes", "param_bytes", "peak_memory", "weight"):
+        for name in ("forward", "backward", "activation_bytes", "param_bytes", "peak_memory", "weight", "backward_input"):
             bad = [v for v in getattr(self, name) if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0)]
             if bad:
                 raise ValueError(f"profile: {name} must hold finite numbers >= 0, got {bad[:3]}")
@@ -79,7 +84,8 @@ class Profile:
             latency,
             tuple(slowdown),
             cores,
-            weight=tuple(min(w, b) for w, b in zip(self.weight, self.backward)),  # medians of separate runs: W within B
+            weight=tuple(self.weight),
+            backward_input=tuple(self.backward_input),
         )
         return self.message_costs.apply(costs) if self.messages else costs
 
@@ -362,8 +368,9 @@ def _profile_chain(
         first + j: {
             "forward": statistics.median(fwd[j]),
             "backward": statistics.median(bwd[j] or [a + b for a, b in split[j]]),
-            # W's share of the split backwards, applied to the whole ones (the two run the same nodes)
-            "weight": statistics.median(bwd[j] or [a + b for a, b in split[j]]) * _share(split[j]) if split[j] else 0.0,
+            # the split backwards' own times: BI and W cost more together than one backward (the cut's calls)
+            "backward_input": statistics.median(bi for bi, _ in split[j]) if split[j] else 0.0,
+            "weight": statistics.median(w for _, w in split[j]) if split[j] else 0.0,
             "activation_bytes": float(out_bytes[j]),
             "param_bytes": float(sum(p.numel() * p.element_size() for p in chain[j].parameters())),
             "peak_memory": peak[j],
@@ -371,11 +378,6 @@ def _profile_chain(
         for j in range(n)
         if first + j in wanted
     }
-
-
-def _share(split: list[tuple[float, float]]) -> float:
-    """W's share of a backward run in halves: median over the runs."""
-    return statistics.median(w / (bi + w) if bi + w > 0 else 0.5 for bi, w in split)
 
 
 def _input_grads(out: Any, leaf: Any) -> list[Tensor]:

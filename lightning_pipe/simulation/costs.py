@@ -19,8 +19,10 @@ class CostModel:
     ``forward[i]`` / ``backward[i]``: seconds for block i; ``activation_bytes[i]``: bytes of block i's
     output (what crosses a stage boundary after it); ``param_bytes[i]``: its weights. Communication
     takes ``latency + bytes / bandwidth``; ``slowdown[r]`` multiplies rank r's compute times (a
-    shared or slower device). ``weight[i]``: the part of ``backward[i]`` that computes block i's
-    weight gradients (a zero-bubble schedule's W; the rest is its BI); empty: half the backward.
+    shared or slower device). A zero-bubble schedule splits a backward in BI and W: ``weight[i]`` and
+    ``backward_input[i]`` are block i's W and BI seconds measured that way (they may sum to more than
+    ``backward[i]``: the split has costs of its own); ``weight`` alone: W, and BI the rest of the
+    backward; neither: half the backward each.
 
     ``cores``: the ranks share this many processors (e.g. 4 CPU processes on 2 cores). While k
     ranks compute at once, each progresses at min(1, cores / k) of its profiled speed (processor
@@ -46,19 +48,22 @@ class CostModel:
     send_overhead: float = 0.0  # s of the sender's thread per message
     recv_overhead: float = 0.0  # s of the receiver's thread per message
     handoff_delay: float = 0.0  # s, mean, added to every message's arrival
-    weight: tuple[float, ...] = ()  # s of backward[i] spent on weight gradients (W); empty: half
+    weight: tuple[float, ...] = ()  # s of block i's weight gradients (W) in a split backward; empty: half the backward
+    backward_input: tuple[float, ...] = ()  # s of its input gradient (BI) in a split backward; empty: backward - weight
 
     def __post_init__(self) -> None:
         n = len(self.forward)
         if n == 0 or len(self.backward) != n:
             raise ValueError(f"costs: forward ({n}) and backward ({len(self.backward)}) need one time per block")
-        for name in ("activation_bytes", "param_bytes", "weight"):
+        for name in ("activation_bytes", "param_bytes", "weight", "backward_input"):
             values = getattr(self, name)
             if values and len(values) != n:
                 raise ValueError(f"costs: {name} has {len(values)} entries for {n} blocks")
-        if any(w > b for w, b in zip(self.weight, self.backward)):
-            raise ValueError("costs: a block's weight-gradient time is part of its backward: weight[i] <= backward[i]")
-        for name in ("forward", "backward", "activation_bytes", "param_bytes", "weight"):
+        if self.backward_input and not self.weight:
+            raise ValueError("costs: backward_input (BI times) comes with weight (W times), measured together")
+        if not self.backward_input and any(w > b for w, b in zip(self.weight, self.backward)):
+            raise ValueError("costs: without BI times, a block's W is a part of its backward: weight[i] <= backward[i]")
+        for name in ("forward", "backward", "activation_bytes", "param_bytes", "weight", "backward_input"):
             bad = [v for v in getattr(self, name) if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0)]
             if bad:
                 raise ValueError(f"costs: {name} must hold finite numbers >= 0, got {bad[:3]}")

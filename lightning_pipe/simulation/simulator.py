@@ -106,20 +106,22 @@ def chunk_costs(
 def split_costs(
     costs: CostModel, bounds: Sequence[tuple[int, int]], ranks: Optional[Sequence[int]] = None
 ) -> tuple[list[float], list[float]]:
-    """Input-gradient (BI) and weight-gradient (W) time of each chunk, a split of `chunk_costs`'
-    backward: W is the blocks' measured weight share (`CostModel.weight`; without it half the
-    backward, the paper's T_B = T_W). The first chunk's input is data, not an activation: its BI has
-    nothing to compute and its W is its whole backward, as the executor runs it."""
+    """Input-gradient (BI) and weight-gradient (W) time of each chunk (slowdown included): the blocks'
+    measured BI and W (`CostModel.backward_input`, `weight`); with W alone, BI is the rest of the
+    backward; with neither, half each (the paper's T_B = T_W). The first chunk's input is data, not
+    an activation: its BI has nothing to compute and its W is all of its backward, as the executor runs it."""
     _, backward, _ = chunk_costs(costs, bounds, ranks)
     bi, w = [], []
-    for (a, b), total in zip(bounds, backward):
-        if a == 0:
-            bi.append(0.0)
-            w.append(total)
-            continue
-        share = sum(costs.weight[a:b]) / max(sum(costs.backward[a:b]), 1e-300) if costs.weight else 0.5
-        w.append(total * min(share, 1.0))
-        bi.append(total - w[-1])
+    for c, ((a, b), total) in enumerate(zip(bounds, backward)):
+        if costs.backward_input:  # measured split: its own total
+            factor = costs.factor(ranks[c]) if ranks is not None and costs.slowdown else 1.0
+            total = (sum(costs.backward_input[a:b]) + sum(costs.weight[a:b])) * factor
+            share = sum(costs.weight[a:b]) * factor / total if total > 0 else 0.5
+        else:
+            share = sum(costs.weight[a:b]) / max(sum(costs.backward[a:b]), 1e-300) if costs.weight else 0.5
+        first = a == 0
+        w.append(total if first else total * min(share, 1.0))
+        bi.append(0.0 if first else total - w[-1])
     return bi, w
 
 
