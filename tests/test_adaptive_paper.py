@@ -197,8 +197,7 @@ def test_offline_training_starts_from_the_meta_learned_initialisation():
     tasks = [D.speed_samples(states).task() for states, _ in D.environments(2, 2, seed=8)]
 
     def trained(meta_steps: int, epochs: int) -> list[torch.Tensor]:
-        torch.manual_seed(0)
-        return [p.detach().clone() for p in train(N.speed_predictor(2), tasks, meta_steps, epochs, seed=0).parameters()]
+        return [p.detach().clone() for p in train(lambda: N.speed_predictor(2), tasks, meta_steps, epochs, seed=0).parameters()]
 
     torch.manual_seed(0)
     init = [p.detach().clone() for p in N.speed_predictor(2).parameters()]

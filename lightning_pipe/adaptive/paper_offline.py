@@ -24,7 +24,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -57,9 +57,11 @@ def supervised(model, task, epochs: int, seed: int, lr: float = 1e-3, batch: int
     return model.eval()
 
 
-def train(model, tasks: Sequence, meta_steps: int, epochs: int, seed: int):
-    """Steps 1 and 2: Reptile across the environments' tasks, then offline training on all of them."""
+def train(make: Callable[[], torch.nn.Module], tasks: Sequence, meta_steps: int, epochs: int, seed: int):
+    """Steps 1 and 2: Reptile across the environments' tasks, then offline training on all of them.
+    The network is made here, after seeding: its initial weights do not depend on what ran before."""
     torch.manual_seed(seed)
+    model = make()
     if meta_steps:
         meta.reptile(model, tasks, N.mse, meta_steps, seed=seed)
     if epochs:
@@ -242,7 +244,7 @@ def depth_report(depth: int, args, out: Path) -> dict:
     predictors, report["predictor"] = {}, {}
     for name, (steps, epochs) in variants.items():
         started = time.perf_counter()
-        model = predictors[name] = train(N.speed_predictor(depth), tasks, steps, epochs, args.seed)
+        model = predictors[name] = train(lambda: N.speed_predictor(depth), tasks, steps, epochs, args.seed)
         with torch.no_grad():
             scores = speed_scores(model(held_speed.sequence, held_speed.rest), held_speed)
         report["predictor"][name] = {**scores, "train_seconds": time.perf_counter() - started, "online": predictor_online(model, held)}
@@ -255,7 +257,7 @@ def depth_report(depth: int, args, out: Path) -> dict:
     cost_tasks = [D.cost_samples(states, switching).task() for states, switching in train_envs]
     costs, report["switch_cost"] = {}, {}
     for name, (steps, epochs) in variants.items():
-        costs[name] = train(N.switch_cost(depth), cost_tasks, steps, epochs, args.seed)
+        costs[name] = train(lambda: N.switch_cost(depth), cost_tasks, steps, epochs, args.seed)
         report["switch_cost"][name] = cost_online(costs[name], held)
     report["switch_cost"]["ours_mlp"] = cost_online(None, held, ours_cost=ours.switch_cost)
     started = time.perf_counter()
