@@ -76,7 +76,11 @@ class PipelineConfig:
     """partition=autopipe: splits AutoPipe's heuristic processes per stage before it stops (ours: the
     paper sets no bound); a search the bound stops is logged (INFO, lightning_pipe.planning.heuristic)."""
     slicer: Any = False
-    """AutoPipe slicer: True (the simulator picks how many warm-up micro-batches to halve), False, or a count."""
+    """AutoPipe slicer: True (the count chosen by `slicer_method`), False, or a count of warm-up micro-batches to halve."""
+    slicer_method: Optional[str] = None
+    """"algorithm2": AutoPipe's Algorithm 2 picks the count and its sliced 1F1B runs (halves back to back, the
+    blocked half's send merged into its twin's; the paper's, default for 1f1b); "sweep" (ours): every count
+    simulated, the fastest kept, the halves run as micro-batches of the schedule (default for gpipe and auto)."""
     memory_limit: Any = None
     """Bytes per device, a number or a size such as "16GB" (KB, MB, GB, TB and KiB ... TiB all count in
     powers of 1024): what planner=2bw's configurations, schedule=auto's candidates, the advance rule's
@@ -169,6 +173,13 @@ class PipelineConfig:
             )
         if self.slicer and (self.schedule in MULTI_CHUNK or self.schedule in ("2bw", "advance")):
             raise SettingError(f"slicer={self.slicer!r} works with schedule='gpipe' or '1f1b', not {self.schedule!r}", "slicer")
+        if self.slicer_method not in (None, "algorithm2", "sweep"):
+            raise SettingError(f"slicer_method={self.slicer_method!r}: 'algorithm2' (the paper's), 'sweep' (ours) or None", "slicer_method")
+        if self.slicer_method == "algorithm2" and (self.auto or self.schedule_spec.name != "1f1b"):
+            raise SettingError(
+                f"slicer_method='algorithm2' slices 1F1B (AutoPipe's Algorithm 2), not schedule={self.schedule!r}: use 'sweep'",
+                "slicer_method",
+            )
         self.memory_limit = parse_bytes(self.memory_limit)
         self._check_planner()
         if self.auto and not isinstance(self.partition, str):
@@ -349,6 +360,13 @@ class PipelineConfig:
     def replicas(self) -> int:
         """Pipelines side by side: AvgPipe's N, else the width."""
         return self.pipelines if self.pipelines is not None else self.width
+
+    @property
+    def slicing(self) -> str:
+        """The slicer's method: as set, else the paper's Algorithm 2 where it is defined (1F1B)."""
+        if self.slicer_method is not None:
+            return self.slicer_method
+        return "algorithm2" if not self.auto and self.schedule_spec.name == "1f1b" else "sweep"
 
     @property
     def processes_per_device(self) -> int:

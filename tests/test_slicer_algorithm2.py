@@ -138,7 +138,7 @@ def test_algorithm2_slicing_plan():
     assert plan.method == "algorithm2" and plan.sliced == 1
     assert plan.baseline_startup == 4.0 and plan.startup == 2.0  # (p - 1) f, halved
     assert plan.summary()["method"] == "algorithm2"
-    assert choose_slicing(costs, bounds, 6).method == "simulated"
+    assert choose_slicing(costs, bounds, 6).method == "sweep"
 
 
 def test_our_slicer_weighs_the_messages_halves_add():

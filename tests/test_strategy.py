@@ -254,15 +254,17 @@ def test_precision_plugins_apply_inside_the_schedule(tmp_path, precision):
     assert err < 0.2 * max_rel_diff(ref.state_dict(), full.state_dict()), err
 
 
-@pytest.mark.parametrize("devices,sliced", [(2, 1), (4, 2)])
-def test_slicer_equals_single_process_and_writes_the_plan(tmp_path, devices, sliced):
+@pytest.mark.parametrize("devices,sliced,method", [(2, 1, "algorithm2"), (4, 2, "algorithm2"), (4, 2, "sweep")])
+def test_slicer_equals_single_process_and_writes_the_plan(tmp_path, devices, sliced, method):
     ref = LitSeq()
     single(ref, steps=4)
     model = LitSeq()
     # planned on the link model alone: with measured message terms a receive's fixed thread time can cover
     # the whole start-up (CI measured 447 us per receive once, start-up 0.45 -> 0.45 ms), so whether halves
     # shorten it would depend on the machine's noise; test_slicer_algorithm2 checks the slicer weighs those terms
-    strategy = AutoPipeStrategy(partition="autopipe", slicer=sliced, microbatches=4, trace=True, message_costs=False, start_method=START)
+    strategy = AutoPipeStrategy(
+        partition="autopipe", slicer=sliced, slicer_method=method, microbatches=4, trace=True, message_costs=False, start_method=START
+    )
     pipelined(model, devices, steps=4, strategy=strategy, default_root_dir=tmp_path)
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
     import json
@@ -279,6 +281,15 @@ def test_slicer_equals_single_process_and_writes_the_plan(tmp_path, devices, sli
     assert len(computes) == devices * (4 + sliced) * 2
     forwards = [e for e in computes if e["pid"] == 0 and e["name"].startswith("F")]
     assert len(forwards) - 4 == summary["slicer"]["sliced"]
+    assert summary["slicer"]["method"] == method
+    # the form that ran, on the last rank's first step: AutoPipe's sliced 1F1B runs micro-batch 0's halves
+    # back to back (F F B B); the sweep (ours) runs them as 1F1B's micro-batches (F B F B)
+    last = sorted((e for e in computes if e["pid"] == devices - 1), key=lambda e: e["ts"])
+    assert [e["name"][0] for e in last[:4]] == (list("FFBB") if method == "algorithm2" else list("FBFB"))
+    if devices == 4:  # the paper's merge on stage p - 1 - q = 2 for q = 1: half 2's send waits and leaves with half 3's
+        rank2 = [e["name"] for e in sorted((e for e in events if e.get("pid") == 2 and e.get("ph") == "X"), key=lambda e: e["ts"])]
+        after_f2 = rank2[rank2.index("F2") + 1 : rank2.index("F2") + 4]
+        assert after_f2 == ["F3", "SEND_F2", "SEND_F3"] if method == "algorithm2" else after_f2[0] == "SEND_F2", rank2[:12]
 
 
 def test_trace_writes_a_measured_timeline(tmp_path):

@@ -1,5 +1,10 @@
 """Flush: one weight version; GPipe, 1F1B, interleaved, wave, advance (and the slicer's halved warm-up).
 
+The slicer's halves run in one of two forms (`slicing`): "algorithm2", AutoPipe's sliced 1F1B
+(`schedules/sliced.py`: the halves back to back where their micro-batch ran, the blocked half's send
+merged into its twin's), or "sweep" (ours), the schedule over the halves as micro-batches of their own.
+A batch too small to halve every sliced micro-batch runs the sweep form (both are exact).
+
 The pipeline fills and drains inside one step, so one step's gradients equal one process's on
 the same batch; the optimizer step that follows is the user's, unchanged. Executors are built
 once per (kind, micro-batch count, advance_num): the last batch of an epoch may split into fewer,
@@ -16,6 +21,7 @@ from ..runtime.executor import Executor, StageHost
 from ..runtime.p2p import Transport
 from ..schedules import ScheduleSpec, forward_only, validate
 from ..schedules.advance import advance_bounds
+from ..schedules.sliced import paper_schedule
 from .advance import AdvanceRule
 from .base import Versions
 
@@ -32,9 +38,10 @@ class Flush(Versions):
         trace: bool = False,
         sliced: int = 0,
         advance: Optional[AdvanceRule] = None,
+        slicing: str = "sweep",
     ):
         self.spec, self.stages, self.rank, self.transport = spec, stages, rank, transport
-        self.prefetch, self.trace, self.sliced = prefetch, trace, sliced
+        self.prefetch, self.trace, self.sliced, self.slicing = prefetch, trace, sliced, slicing
         self.advance = advance  # the adaptive advance_num (None: the spec's list is fixed)
         self.placement = spec.placement(stages, microbatches)  # where each model chunk lives
         self.spec_microbatches = microbatches
@@ -51,7 +58,9 @@ class Flush(Versions):
         spec = self._train_spec(microbatches) if kind == "train" else self.spec
         key = (kind, microbatches, dict(spec.options).get("advance_num", 0))
         if key not in self._executors:
-            if kind == "train":
+            if kind == "train" and self.slicing == "algorithm2" and self.sliced and microbatches == self.spec_microbatches + self.sliced:
+                schedule = paper_schedule(self.stages, self.spec_microbatches, self.sliced)
+            elif kind == "train":
                 schedule = spec.build(self.stages, microbatches)
             else:  # evaluation: forwards only, over the training placement (the chunks are where they are)
                 schedule = forward_only(self.stages, microbatches, self.placement)

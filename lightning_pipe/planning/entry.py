@@ -20,7 +20,7 @@ from .heuristic import expansion_bound
 from .partition import partition_blocks
 from .planner import Plan, plan
 from .replay import cached_schedule
-from .slicer import SlicePlan, choose_slicing, fixed_slicing, simulate_sliced
+from .slicer import SlicePlan, algorithm2_slicing, choose_slicing, fixed_slicing, simulate_slicing
 
 # The partitioners' block kinds, by the class names of the model's blocks (others: "block")
 BLOCK_KINDS = {
@@ -62,7 +62,8 @@ class RunPlan:
         """The simulated step of this plan."""
         if self.spec.options or self.spec.kind.chunks is not None:  # multi-chunk (zb-v has no option): never sliced
             return simulate(cached_schedule(self.spec.name, self.stages, self.microbatches, self.spec.options), costs, self.bounds)
-        return simulate_sliced(costs, self.bounds, self.microbatches, self.sliced, self.spec.name)
+        method = self.slicing.method if self.slicing is not None else "sweep"
+        return simulate_slicing(costs, self.bounds, self.microbatches, self.sliced, self.spec.name, method)
 
     def summary(self) -> dict[str, Any]:
         """What plan.json holds of the decision."""
@@ -88,8 +89,9 @@ class RunPlan:
             lines.append(f"partition {[b - a for a, b in self.bounds]} blocks per chunk (as set: no partitioner)")
         if self.slicing is not None:
             s = self.slicing
+            how = "AutoPipe's Algorithm 2, halves back to back, merged send" if s.method == "algorithm2" else "sweep (ours)"
             lines.append(
-                f"slicer: {s.sliced} warm-up micro-batches cut in halves; start-up {s.baseline_startup * 1e3:.2f} -> "
+                f"slicer: {s.sliced} warm-up micro-batches cut in halves ({how}); start-up {s.baseline_startup * 1e3:.2f} -> "
                 f"{s.startup * 1e3:.2f} ms, iteration {s.baseline_iteration_time * 1e3:.2f} -> {s.iteration_time * 1e3:.2f} ms (simulated)"
             )
         return lines
@@ -129,8 +131,10 @@ def _plan_run(
     else:
         bounds = tuple(map(tuple, partition_blocks(config.fixed_partition, num_blocks, spec.chunk_count(stages)).bounds))
     slicing = None
-    if config.slicer is True:  # ours: every count simulated, the fastest kept
+    if config.slicer is True and config.slicing == "algorithm2":  # the paper's count, and its sliced 1F1B
+        slicing = algorithm2_slicing(costs, bounds, m)
+    elif config.slicer is True:  # ours: every count simulated, the fastest kept
         slicing = choose_slicing(costs, bounds, m, spec.name)
-    elif config.slicer:  # a fixed count
-        slicing = fixed_slicing(costs, bounds, m, int(config.slicer), spec.name)
+    elif config.slicer:  # a fixed count, run in the form of config.slicing
+        slicing = fixed_slicing(costs, bounds, m, int(config.slicer), spec.name, config.slicing)
     return RunPlan(bounds, spec, stages, m, slicing.sliced if slicing else 0, result, slicing)

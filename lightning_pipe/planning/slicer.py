@@ -3,11 +3,11 @@
 Cutting micro-batch 0 in two lets the next stage start after half a forward, so the pipeline
 fills in half the time; cutting more helps less and doubles their messages. Two slicers live here:
 
-- **ours** (`choose_slicing`, what ``slicer=True`` uses): ask the simulator directly. Replay the
+- **ours** (`choose_slicing`, ``slicer_method="sweep"``; gpipe's and auto's): ask the simulator directly. Replay the
   schedule with the first k micro-batches sliced, k = 0 .. stages, and take the fastest iteration
   (on a tie the shorter start-up, then the smaller k). The schedule (1F1B or GPipe) runs the halves
   as micro-batches of their own, so a half counts as one of the warm-up micro-batches.
-- **the paper's** (`algorithm2_slicing`, in ``slicer_algorithm2.py``): Algorithm 2's recursion
+- **the paper's** (`algorithm2_slicing`, in ``slicer_algorithm2.py``; ``slicer=True`` on 1F1B): Algorithm 2's recursion
   over start and end times gives the count; the schedule keeps 1F1B over the *whole* micro-batches
   ("the same number" for both halves: they run back to back where the micro-batch ran), and where
   a sliced micro-batch meets the stage that runs it as its last warm-up forward, the first half's
@@ -34,7 +34,7 @@ class SlicePlan:
     baseline_startup: float  # without slicing
     baseline_iteration_time: float
     candidates: tuple[tuple[int, float, float], ...]  # (k, start-up, iteration time)
-    method: str = "simulated"  # "simulated" (ours: every k replayed) or "algorithm2" (the paper's)
+    method: str = "sweep"  # "sweep" (ours: every k replayed, halves as micro-batches) or "algorithm2" (the paper's)
 
     def summary(self) -> dict:
         """What plan.json records of the slicing (the plan command and the strategy write it)."""
@@ -75,13 +75,24 @@ def choose_slicing(costs: CostModel, bounds: Sequence[tuple[int, int]], microbat
     return SlicePlan(best[0], best[1], best[2], base[1], base[2], tuple(candidates))
 
 
-def fixed_slicing(costs: CostModel, bounds: Sequence[tuple[int, int]], microbatches: int, sliced: int, schedule: str = "1f1b") -> SlicePlan:
-    """A given number of sliced micro-batches, with the simulator's figures for it."""
+def fixed_slicing(
+    costs: CostModel, bounds: Sequence[tuple[int, int]], microbatches: int, sliced: int, schedule: str = "1f1b", method: str = "sweep"
+) -> SlicePlan:
+    """A given number of sliced micro-batches, with the simulator's figures for it in the form `method` runs."""
     if not 0 <= sliced <= microbatches:
         raise ValueError(f"slicer={sliced}: must be between 0 and microbatches={microbatches}")
-    runs = [(k, simulate_sliced(costs, bounds, microbatches, k, schedule)) for k in sorted({0, sliced})]
+    runs = [(k, simulate_slicing(costs, bounds, microbatches, k, schedule, method)) for k in sorted({0, sliced})]
     candidates = tuple((k, t.startup, t.iteration_time) for k, t in runs)
-    return SlicePlan(sliced, candidates[-1][1], candidates[-1][2], candidates[0][1], candidates[0][2], candidates)
+    return SlicePlan(sliced, candidates[-1][1], candidates[-1][2], candidates[0][1], candidates[0][2], candidates, method)
+
+
+def simulate_slicing(costs: CostModel, bounds: Sequence[tuple[int, int]], microbatches: int, sliced: int, schedule: str, method: str):
+    """The timeline of `sliced` halved micro-batches in the form `method` runs them."""
+    if method == "algorithm2" and sliced:
+        from .slicer_algorithm2 import simulate_paper
+
+        return simulate_paper(costs, bounds, microbatches, sliced)
+    return simulate_sliced(costs, bounds, microbatches, sliced, schedule)
 
 
 def algorithm2_slicing(costs: CostModel, bounds: Sequence[tuple[int, int]], microbatches: int, merge: bool = True) -> SlicePlan:

@@ -22,15 +22,9 @@ Two readings are ours, where the published pseudo-code cannot be run literally:
 - the loop has no bound: mb cannot exceed the stages (``startt`` has p entries) nor the
   micro-batches, so it stops at ``min(p, m)``; with one stage there is nothing to slice (0).
 
-`paper_schedule` is the 1F1B schedule the paper slices: 1F1B over the m whole micro-batches, each
-sliced one run as its two halves back to back (forward and backward), and the merge: on stage
-``s = p - 1 - q``, where sliced micro-batch q is the last forward before the first backward (the
-"Warmup phase's last FP operation", where the paper's example blocks: micro-batch 1 at stage 2 of
-4), the first half's send is cancelled and issued together with the second half's, after the
-second half's forward. In our runtime consecutive sends go out as one p2p group, so the two halves
-travel as one aggregated exchange; no runtime change is needed. The halves stay micro-batches of
-their own in the action lists (index 2q and 2q + 1, as `split_microbatches(..., sliced=k)` orders
-them), so training stays exact.
+`paper_schedule` (`schedules/sliced.py`) is the 1F1B schedule the paper slices: the halves back to
+back where their micro-batch ran, and the blocked half's message merged into its twin's. It is what
+``slicer=True`` runs on real processes.
 """
 
 from __future__ import annotations
@@ -39,9 +33,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..runtime.microbatch import sliced_sizes
-from ..schedules.actions import Action, Op, PipelineSchedule
-from ..schedules.lowering import lower
-from ..schedules.validate import validate
+from ..schedules.sliced import merge_stages, paper_schedule  # noqa: F401  (the schedule the count runs)
 from ..simulation import CostModel, Timeline, chunk_costs, simulate
 
 
@@ -107,47 +99,13 @@ def stage_times(costs: CostModel, bounds: Sequence[tuple[int, int]]) -> tuple[li
     return f, b, max(comm[:-1], default=0.0)
 
 
-def merge_stages(stages: int, sliced: int) -> dict[int, int]:
-    """{stage: sliced micro-batch q} where the paper merges q's half messages: stage p - 1 - q, for
-    q >= 1 (micro-batch 0's merge stage would be the last, which sends nothing)."""
-    return {stages - 1 - q: q for q in range(1, sliced) if stages - 1 - q >= 0 and stages - 1 - q < stages - 1}
-
-
-def paper_schedule(stages: int, microbatches: int, sliced: int, merge: bool = True) -> PipelineSchedule:
-    """1F1B over the whole micro-batches, the first `sliced` run as two halves back to back, and
-    (with `merge`) the first half's message merged into the second's where the paper merges it."""
-    if not 0 <= sliced <= microbatches:
-        raise ValueError(f"sliced={sliced}: must be between 0 and microbatches={microbatches}")
-
-    def parts(q: int) -> list[int]:  # indices of micro-batch q in the sliced list
-        return [2 * q, 2 * q + 1] if q < sliced else [q + sliced]
-
-    compute = []
-    for rank in range(stages):
-        warmup = min(stages - rank - 1, microbatches)
-        order = [(Op.FORWARD, q) for q in range(warmup)]
-        for i in range(microbatches - warmup):
-            order += [(Op.FORWARD, warmup + i), (Op.BACKWARD, i)]
-        order += [(Op.BACKWARD, q) for q in range(microbatches - warmup, microbatches)]
-        compute.append([(op, rank, part) for op, q in order for part in parts(q)])
-    base = lower("1f1b-algorithm2", compute, tuple(range(stages)), microbatches + sliced)
-    if not merge:
-        return base
-    lists = [list(actions) for actions in base.actions]
-    for rank, q in merge_stages(stages, sliced).items():
-        actions = lists[rank]
-        first = Action(Op.SEND_ACT, rank, 2 * q, rank + 1)
-        actions.remove(first)
-        actions.insert(actions.index(Action(Op.SEND_ACT, rank, 2 * q + 1, rank + 1)), first)
-    schedule = PipelineSchedule("1f1b-algorithm2", base.num_microbatches, base.chunk_rank, lists, base.backward)
-    validate(schedule)
-    return schedule
-
-
 def simulate_paper(
     costs: CostModel, bounds: Sequence[tuple[int, int]], microbatches: int, sliced: int, merge: bool = True, critical_path: bool = False
 ) -> Timeline:
     sizes = sliced_sizes([2] * microbatches, sliced)
-    return simulate(
+    timeline = simulate(
         paper_schedule(len(bounds), microbatches, sliced, merge), costs, bounds, critical_path=critical_path, scale=[s / 2 for s in sizes]
     )
+    if sliced:  # the pictures name the user's micro-batches: halves "0a", "0b", ..., then the whole ones
+        timeline.microbatch_labels = [f"{i}{half}" for i in range(sliced) for half in "ab"] + [str(i) for i in range(sliced, microbatches)]
+    return timeline

@@ -10,4 +10,4 @@ from .base import VersionsLayer
 
 class FlushLayer(VersionsLayer):
     def make_runner(self, settings: dict[str, Any]) -> Versions:
-        return Flush(**settings)
+        return Flush(**settings, slicing=self.ctx.config.slicing)
