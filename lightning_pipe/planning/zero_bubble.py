@@ -112,8 +112,10 @@ def heuristic_orders(
             # wait, but the other op is: it runs (the F / B alternation resumes after it)
             k2 = s.forwards if other is F else s.backwards
             t2 = ready(other, i, k2)
-            if t2 is not None and t2 <= s.clock:
-                return other, k2, s.clock
+            if t2 is not None and (t2 <= s.clock or t is None):
+                # ... also when it is not there yet but its time is known while the turn's op waits on a
+                # producer that may wait on this stage (else two stages can wait on each other forever)
+                return other, k2, max(t2, s.clock)
         if t is None:
             return None  # wait until the producer runs
         return prefer, k, max(t, s.clock)

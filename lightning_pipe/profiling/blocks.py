@@ -219,6 +219,7 @@ def profile_blocks(
     context: Callable[[], Any] = torch.enable_grad,
     loss_fn: Optional[Callable[[Any], Tensor]] = None,
     inflight: Optional[int] = None,
+    split_backward: bool = True,
 ) -> dict[int, dict[str, float]]:
     """Measure blocks ``indices`` (all by default) on `device` with `sample` as block 0's input.
 
@@ -240,13 +241,14 @@ def profile_blocks(
 
     What passes from a block to the next is what the runtime passes (`check_activation`: a tensor
     or a tuple of tensors, else a TypeError naming the block), as fresh leaves requiring grad
-    where training's would.
+    where training's would. ``split_backward``: every other chain backward runs as BI then W, timing
+    zero-bubble's halves (their W share; off for a profile that needs whole backwards only).
     """
     wanted = set(range(len(blocks)) if indices is None else indices)
     if inflight is not None:
         if not (isinstance(inflight, int) and inflight >= 1):
             raise ValueError(f"inflight must be None or an integer >= 1, got {inflight!r}")
-        return _profile_chain(blocks, sample, device, wanted, repeats, warmup, context, loss_fn, inflight)
+        return _profile_chain(blocks, sample, device, wanted, repeats, warmup, context, loss_fn, inflight, split_backward)
     results: dict[int, dict[str, float]] = {}
     x = sample
     for i, block in enumerate(blocks):
@@ -283,6 +285,7 @@ def _profile_chain(
     context: Callable[[], Any],
     loss_fn: Optional[Callable[[Any], Tensor]],
     inflight: int,
+    split_backward: bool = True,
 ) -> dict[int, dict[str, float]]:
     if not wanted:
         return {}
@@ -340,7 +343,7 @@ def _profile_chain(
                 stash.append(saved)
             for k, saved in enumerate(stash):
                 grads: Optional[list[Tensor]] = None
-                halves = (r + k) % 2 == 1  # every other backward runs as BI then W (zero-bubble's halves)
+                halves = split_backward and (r + k) % 2 == 1  # every other backward runs as BI then W (zero-bubble's halves)
                 for j in reversed(range(n)):
                     inp, out = saved[j]
                     outs = _float_outputs(out)

@@ -139,7 +139,10 @@ def profile_sizes(
             for b in sizes:
                 sample = sample_of(b)
                 loss_fn = loss_fn_of(b) if loss_fn_of is not None else None
-                timing = dict(model=model, repeats=repeats, warmup=warmup, context=context, loss_fn=loss_fn, inflight=2)
+                # whole backwards only: the 2BW planner reads no W, and a W under recomputation would rerun the forward
+                timing = dict(
+                    model=model, repeats=repeats, warmup=warmup, context=context, loss_fn=loss_fn, inflight=2, split_backward=False
+                )
                 plain = profile_blocks(blocks, sample, device, **timing)
                 again = profile_blocks(recomputed, sample, device, **timing)
                 saved, inputs, outputs = _bytes_pass(blocks, sample, device, context, loss_fn)
