@@ -16,6 +16,6 @@ setup(
     package_data={
         **{name: ["*.yaml"] for name in CONF},
         # adaptive=learned's trained networks (python -m lightning_pipe.adaptive.offline regenerates them)
-        "lightning_pipe.adaptive": ["weights/*.pt", "weights/report.json"],
+        "lightning_pipe.adaptive": ["weights/*.pt", "weights/*.json"],
     },
 )
