@@ -286,10 +286,15 @@ class Executor:
         if st.trace:
             self._record(st, index, started)
 
+    def _backward_inputs(self, st: _Run, c: int, mb: int) -> tuple[Any, Any, Any]:
+        """What a backward (whole or BI) of chunk c, micro-batch mb starts from: its stashed output and
+        input, and the output gradient received (None on the last chunk: the loss starts it)."""
+        out, inputs = st.stash_out.pop((c, mb)), st.stash_in.pop((c, mb))
+        return out, inputs, self._take(st, Op.RECV_GRAD, c, mb) if c != self.last_chunk else None
+
     def _backward(self, st: _Run, index: int, a: Action) -> None:
         c, mb = a.chunk, a.microbatch
-        out, inputs = st.stash_out.pop((c, mb)), st.stash_in.pop((c, mb))
-        received = self._take(st, Op.RECV_GRAD, c, mb) if c != self.last_chunk else None
+        out, inputs, received = self._backward_inputs(st, c, mb)
         started = self._clock(st) if st.trace else 0.0
         timer = self.meter.start() if self.meter is not None else None
         if c == self.last_chunk:
@@ -314,8 +319,7 @@ class Executor:
     def _backward_input(self, st: _Run, index: int, a: Action) -> None:
         """BI: the input gradient only; the graph is kept for the micro-batch's W."""
         c, mb = a.chunk, a.microbatch
-        out, inputs = st.stash_out.pop((c, mb)), st.stash_in.pop((c, mb))
-        received = self._take(st, Op.RECV_GRAD, c, mb) if c != self.last_chunk else None
+        out, inputs, received = self._backward_inputs(st, c, mb)
         started = self._clock(st) if st.trace else 0.0
         timer = self.meter.start() if self.meter is not None else None
         if c == self.last_chunk:
