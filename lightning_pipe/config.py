@@ -131,6 +131,13 @@ class PipelineConfig:
     """Adaptive: iterations at least between two switches."""
     adaptive_window: int = 5
     """Adaptive: iterations of measurements a decision reads (their median); candidates are scored once per window."""
+    adaptive_switch: str = "fine-grained"
+    """How a switch (adaptive, or repartition()) moves blocks. fine-grained: AutoPipe-RL §4.4, without stopping
+    the pipeline: in the next iteration the first micro-batches run the moved blocks on their old worker, the
+    rest on the new one as their weights arrive block by block, and the old worker's gradients join the new
+    one's before the update (used where one block range moves between neighbouring workers, one chunk each,
+    under a flush schedule; otherwise, and with stop: the pipeline stops at the iteration boundary while the
+    blocks move)."""
     adaptive_weights: Optional[str] = None
     """adaptive=learned: a folder with predictor_d<depth>.pt, arbiter.pt and switch_cost.pt (None: the package's,
     made by python -m lightning_pipe.adaptive.offline)."""
@@ -286,6 +293,8 @@ class PipelineConfig:
             raise SettingError(f"adaptive_gain={self.adaptive_gain!r}: a fraction in [0, 1), e.g. 0.05 for 5%", "adaptive_gain")
         for name in ("adaptive_interval", "adaptive_window"):
             check_count(name, getattr(self, name))
+        if self.adaptive_switch not in ("fine-grained", "stop"):
+            raise SettingError(f"adaptive_switch={self.adaptive_switch!r}: one of fine-grained (AutoPipe-RL §4.4), stop", "adaptive_switch")
 
     def _check_avgpipe(self) -> None:
         if not isinstance(self.share_devices, bool):

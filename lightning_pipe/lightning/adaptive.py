@@ -6,11 +6,13 @@
   the candidates (one boundary between neighbouring workers moved) are scored and the `SwitchRule`
   may decide to switch; every rank decides alike from the same numbers.
 - ``strategy.repartition(bounds)``: a switch requested by the user (or a test), checked at once.
-- A decided or requested switch runs at the next batch's start, before its training_step
-  (`on_train_batch_start`): every layer prepares (2BW drains, its stash moves with the blocks); the
-  blocks move (`adaptive.switch`), then the stage's gradient groups, schedule and step runner are
-  rebuilt (`layers.compose.Training.switch`). Checkpoints written afterwards
-  hold the new partition, which a resumed run reuses.
+- A decided or requested switch starts at the next batch's start, before its training_step
+  (`on_train_batch_start`). Fine-grained (AutoPipe-RL §4.4, `adaptive_switch`, `fine_switch.py`):
+  that batch is the transition iteration, the pipeline keeps running, and the switch ends after its
+  backward, before the optimizer step. Otherwise the pipeline stops there: every layer prepares
+  (2BW drains, its stash moves with the blocks), the blocks move (`adaptive.switch`), then the
+  stage's gradient groups, schedule and step runner are rebuilt (`layers.compose.Training.switch`).
+  Checkpoints written afterwards hold the new partition, which a resumed run reuses.
 """
 
 from __future__ import annotations
@@ -21,18 +23,20 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ..adaptive.candidates import Scorer, SimulatorScorer, neighbour_candidates
+from ..adaptive.fine_grained import early_microbatches
 from ..adaptive.learned import LearnedDecider, load_learned
 from ..adaptive.monitor import IterationMetrics, Monitor, StaticMetrics
 from ..adaptive.policy import SwitchRule
 from ..adaptive.switch import Bounds, check_bounds, plan_moves
 from .context import RankContext
+from .fine_switch import Transition, stream_group, why_not_fine
 
 log = logging.getLogger(__name__)
 # set to 1: adaptive=learned records every decision's predictions, also by the offline network (benchmarks)
@@ -49,9 +53,12 @@ class SwitchRecord:
     predicted_gain: Optional[float]  # None: requested by the user
     predicted_now_s: Optional[float]
     predicted_new_s: Optional[float]
-    seconds: float = 0.0  # measured, the slowest rank's
+    seconds: float = 0.0  # measured, the slowest rank's time with the pipeline stopped (its stall)
     moved_bytes: int = 0
     by: str = "rule"  # "requested" (repartition), "rule" or "learned" (the arbiter)
+    early: Optional[int] = None  # fine-grained: micro-batches left on the old worker (None: the pipeline stopped)
+    waited: float = 0.0  # fine-grained: seconds the new worker's compute waited for the transfers
+    stopped_because: str = ""  # why a switch under adaptive_switch=fine-grained stopped the pipeline
 
     def line(self) -> str:
         if self.predicted_gain is None:
@@ -63,9 +70,16 @@ class SwitchRecord:
         else:
             why = f"predicted gain {self.predicted_gain:.1%} over the rest of the run"
         sizes = lambda b: [hi - lo for lo, hi in b]  # noqa: E731
+        if self.early is not None:
+            how = (
+                f"fine-grained: {self.early} micro-batch(es) on the old worker, the new one waited {self.waited * 1e3:.1f} ms; "
+                f"stopped {self.seconds * 1e3:.1f} ms"
+            )
+        else:
+            how = f"pipeline stopped {self.seconds * 1e3:.1f} ms" + (f" ({self.stopped_because})" if self.stopped_because else "")
         return (
             f"adaptive: iteration {self.iteration}: partition {sizes(self.old)} -> {sizes(self.new)} blocks per chunk ({why}); "
-            f"switch took {self.seconds * 1e3:.1f} ms, {self.moved_bytes / 1e6:.2f} MB moved"
+            f"{how}, {self.moved_bytes / 1e6:.2f} MB moved"
         )
 
 
@@ -75,13 +89,16 @@ class Adaptive:
     def __init__(
         self,
         ctx: RankContext,
-        switch: Callable[[Bounds], Any],
+        training: Any,
         profile: Optional[Any],
         costs: Optional[Any],
         scorer: Optional[Scorer] = None,
     ):
         config = ctx.config
-        self.ctx, self._switch = ctx, switch  # switch(new): the live switch, collective over the pipeline
+        self.ctx, self.training = ctx, training  # training.switch(new): the stop-and-move switch, collective over the pipeline
+        self.transition: Optional[tuple[Transition, Bounds, Optional[tuple], float]] = None  # a fine-grained switch under way
+        self._stream: Optional[Any] = None  # the switch transfers' process group, made at the first fine-grained switch
+        self.early: Optional[int] = None  # requested: micro-batches a fine-grained switch leaves on the old worker
         self.kind = config.adaptive  # False, "rule" or "learned"
         self.enabled = bool(self.kind)
         self.decider: Optional[LearnedDecider] = None  # adaptive=learned: predictor + arbiter (decides on pipeline rank 0)
@@ -137,8 +154,13 @@ class Adaptive:
         if metrics is None:
             return
         self._log(metrics)
-        if metrics.microbatches != self.ctx.config.microbatches or metrics.bounds != cut.bounds or self.pending is not None:
-            return  # a short last batch is a different schedule; a switch since: not a basis for decisions
+        if (
+            metrics.microbatches != self.ctx.config.microbatches
+            or metrics.bounds != cut.bounds
+            or self.pending is not None
+            or self.transition is not None
+        ):
+            return  # a short last batch is a different schedule; a switch since or under way: not a basis for decisions
         if self.decider is not None and self.ctx.global_rank == self.root:
             self.decider.observe(list(self.monitor.history))  # the replay buffer of online adaptation
         # scored once per window of fresh measurements (not every step: the scoring is the costly part)
@@ -222,13 +244,27 @@ class Adaptive:
             logger.log_metrics(metrics.as_log(), step=trainer.global_step)
 
     # ---- switching ------------------------------------------------------------------------------
-    def request(self, bounds: Sequence[Sequence[int]]) -> Bounds:
+    def request(self, bounds: Sequence[Sequence[int]], early: Optional[int] = None) -> Bounds:
         """Switch to `bounds` (one [start, stop) per model chunk) at the next batch's start. Every
         rank of the pipeline must request the same (a callback runs on all of them)."""
         cut = self.ctx.cut
         new = check_bounds(bounds, sum(hi - lo for lo, hi in cut.bounds), cut.placement)
-        self.pending = (new, None)
+        if early is not None and (isinstance(early, bool) or not isinstance(early, int) or early < 0):
+            raise ValueError(f"repartition(early={early!r}): a count of micro-batches >= 0, or None (chosen from the measurements)")
+        self.pending, self.early = (new, None), early
         return new
+
+    def _early_microbatches(self, move: Any) -> int:
+        """k for a fine-grained switch: requested, or the micro-batches the new worker would reach
+        before the moved weights arrive (from the last measured iteration), else 1."""
+        if self.early is not None:
+            return self.early
+        latest = self.monitor.latest if self.monitor is not None else None
+        if latest is None:
+            return 1
+        moved = sum(self.monitor.static.param_bytes[b] for b in move.blocks)
+        forward = latest.forward_s[move.dst] / max(1, latest.microbatches)
+        return early_microbatches(moved, self._bandwidth([latest]), forward, latest.microbatches)
 
     def apply_pending(self) -> Optional[SwitchRecord]:
         """At an iteration boundary (every rank of the pipeline, the same pending switch)."""
@@ -243,17 +279,56 @@ class Adaptive:
         if self.monitor is not None:
             self.monitor.flush()  # the gather in flight, of the old partition: read before anything moves
         started = time.perf_counter()
-        result = self._switch(new)
-        seconds = torch.tensor([time.perf_counter() - started, float(result.sent_bytes)], dtype=torch.float64, device=ctx.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:  # everyone logs the slowest rank's time and all bytes
-            slowest = seconds.clone()
+        stopped_because = ""
+        if ctx.config.adaptive_switch == "fine-grained":
+            move, stopped_because = why_not_fine(self.training, new)
+            if move is not None:
+                if self._stream is None:
+                    self._stream = stream_group(ctx)
+                transition = Transition(self.training, move, new, self._early_microbatches(move), self._stream)
+                self.transition = (transition, old, why, time.perf_counter() - started)
+                return None
+        result = self.training.switch(new)
+        return self._record(old, new, why, time.perf_counter() - started, result.sent_bytes, None, 0.0, stopped_because)
+
+    def finish_transition(self) -> Optional[SwitchRecord]:
+        """After the transition iteration's backward (every rank of the job): the fine-grained switch ends."""
+        if self.transition is None:
+            return None
+        transition, old, why, begun = self.transition
+        self.transition = None
+        started = time.perf_counter()
+        sent, waited = transition.finish()
+        seconds = begun + time.perf_counter() - started
+        if self.monitor is not None:
+            self.monitor.flush()  # the transition iteration's gather: read now, so the clear drops it
+        return self._record(old, self.ctx.cut.bounds, why, seconds, sent, transition.early, waited, "")
+
+    def _record(
+        self,
+        old: Bounds,
+        new: Bounds,
+        why: Optional[tuple],
+        seconds: float,
+        sent: int,
+        early: Optional[int],
+        waited: float,
+        stopped_because: str,
+    ) -> SwitchRecord:
+        ctx = self.ctx
+        self.early = None
+        numbers = torch.tensor([seconds, waited, float(sent)], dtype=torch.float64, device=ctx.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # everyone logs the slowest rank's times and all bytes
+            slowest = numbers.clone()
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            dist.all_reduce(seconds, op=dist.ReduceOp.SUM)
-            seconds[0] = slowest[0]
+            dist.all_reduce(numbers, op=dist.ReduceOp.SUM)
+            numbers[:2] = slowest[:2]
         iteration = self._iteration()
         gain, now, best = why if why is not None else (None, None, None)
         by = "requested" if why is None else ("learned" if self.decider is not None else "rule")
-        record = SwitchRecord(iteration, old, new, gain, now, best, float(seconds[0]), int(seconds[1]), by)
+        record = SwitchRecord(
+            iteration, old, new, gain, now, best, float(numbers[0]), int(numbers[2]), by, early, float(numbers[1]), stopped_because
+        )
         self.switches.append(record)
         self.rule.last_switch = iteration
         if self.monitor is not None:

@@ -41,6 +41,7 @@ class StageGradients:
         self.tied = tied
         self._tied_groups = self._tie(rank)
         self._reduced: set[int] = set()
+        self.before_reduce: Optional[Any] = None  # a fine-grained switch's new worker: add the old one's partial gradients
 
     def _tie(self, rank: int) -> dict[int, Any]:
         """One group per tied parameter and replica (new_group is collective: every rank, same
@@ -69,6 +70,8 @@ class StageGradients:
 
     def reduce_chunk(self, chunk: int) -> None:
         """The schedule's REDUCE(chunk)."""
+        if self.before_reduce is not None:
+            self.before_reduce()
         if self.average_replicas:
             params = {id(p): p for i in self.chunk_blocks[chunk] for p in self.stage._modules[str(i)].parameters()}
             allreduce_mean(params.values(), self.groups.stage, self.topology.width)

@@ -60,7 +60,7 @@ class LightningHost:
 
     def forward(self, chunk: int, microbatch: int, inputs: Optional[Activation]) -> Any:
         if chunk not in (0, self.last_chunk):
-            return self.stage.run_chunk(chunk, inputs)
+            return self.stage.run_chunk(chunk, inputs, microbatch)
         is_last = chunk == self.last_chunk
         calls = 0
 
@@ -69,7 +69,7 @@ class LightningHost:
             calls += 1
             if calls > 1:
                 raise RuntimeError(f"{self.step_name} called the pipeline twice; under AutoPipeStrategy call it once per step")
-            out = self.stage.run_chunk(chunk, x if chunk == 0 else inputs)
+            out = self.stage.run_chunk(chunk, x if chunk == 0 else inputs, microbatch)
             if not is_last:
                 raise _Handoff(out)
             return out
@@ -97,3 +97,7 @@ class LightningHost:
 
     def reduce_gradients(self, chunk: int) -> None:
         self._reduce(chunk)
+
+    def weight_gradients_done(self, chunk: int, microbatch: int) -> None:
+        if self.stage.backward_done is not None:
+            self.stage.backward_done(microbatch, len(self.microbatches))

@@ -99,6 +99,11 @@ class PipelineStage(nn.Module):
         self.num_blocks = num_blocks
         self.recompute = recompute
         self._runner: Optional[Callable[[Any], Any]] = None
+        # a fine-grained switch's transition iteration: micro-batches < early run on `before` (the
+        # old partition's bounds); `arrival(b)` waits for a moved-in block's weights before it runs
+        self.early, self.before = 0, chunk_bounds
+        self.arrival: Optional[Callable[[int], None]] = None
+        self.backward_done: Optional[Callable[[int, int], None]] = None  # (micro-batch, count): the old worker's partial gradients
 
     def blocks(self) -> dict[int, nn.Module]:
         return {int(name): block for name, block in self._modules.items()}
@@ -111,9 +116,15 @@ class PipelineStage(nn.Module):
             self.add_module(str(index), blocks[index])
         self.chunk_bounds = chunk_bounds
 
-    def run_chunk(self, chunk: int, x: Any) -> Any:
-        start, stop = self.chunk_bounds[chunk]
+    def transition(self, early: int, before: dict[int, tuple[int, int]]) -> None:
+        """The next run's micro-batches < `early` use the `before` bounds (0: none does)."""
+        self.early, self.before = early, before
+
+    def run_chunk(self, chunk: int, x: Any, microbatch: int = -1) -> Any:
+        start, stop = (self.before if 0 <= microbatch < self.early else self.chunk_bounds)[chunk]
         for index in range(start, stop):
+            if self.arrival is not None:
+                self.arrival(index)
             block = self._modules[str(index)]
             x = run_block(block, x, self.recompute)
             if index < self.num_blocks - 1:

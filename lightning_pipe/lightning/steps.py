@@ -47,7 +47,9 @@ class PipelineSteps:
     def _run(self, kind: str, step: str, context: Callable, args: tuple, kwargs: dict, m: int, scaler: Any = None) -> float:
         module, host = self.module, self.host
         microbatches, weights = split_microbatches(args[0], m, sliced=self.cut.sliced if kind == "train" else 0)
-        keys = [(kind, signature(mb)) for mb in microbatches]
+        # a fine-grained switch's early micro-batches cross the old boundary: other shapes, other keys
+        early = self.cut.stage.early if kind == "train" else 0
+        keys = [(kind, signature(mb)) + (("before switch",) if i < early else ()) for i, mb in enumerate(microbatches)]
         host.begin(step, microbatches, weights, args[1:], kwargs, scaler.scale if scaler is not None else None)
         module.log = host.recorder  # type: ignore[method-assign]
         if self.logs.is_src and host.recorder.metrics is not None:
@@ -83,6 +85,7 @@ class PipelineSteps:
     def backward(self, accumulate: int) -> None:
         """The schedule already ran the backward: put its gradients where the optimizer expects them."""
         self.stash.put_back(list(self.module.parameters()), accumulate)
+        self.training.partition.after_backward()
 
     def evaluate(self, step: str, context: Callable, args: tuple, kwargs: dict) -> Any:
         """validation/test/predict: forwards only, on the weights the run shows; the outputs are the

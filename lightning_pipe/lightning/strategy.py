@@ -180,12 +180,13 @@ class AutoPipeStrategy(EmptyInitMixin, ProcessGroupStrategy):
         self._active = True
 
     # ---- partition control -----------------------------------------------------------------------
-    def repartition(self, bounds: Any) -> Any:
-        """Move to partition `bounds` (a [start, stop) block range per model chunk) at the next batch's
-        start, without restarting: call it on every rank (e.g. from a callback); checked now."""
+    def repartition(self, bounds: Any, early: Optional[int] = None) -> Any:
+        """Move to partition `bounds` (a [start, stop) block range per model chunk) from the next batch,
+        without restarting: call it on every rank (e.g. from a callback); checked now. `early`: the
+        micro-batches a fine-grained switch leaves on the old worker (None: from the measurements)."""
         if self.layers is None:
             raise RuntimeError("repartition() works while fitting, after setup")
-        return self.layers.partition.request(bounds)
+        return self.layers.partition.request(bounds, early)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

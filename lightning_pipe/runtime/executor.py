@@ -44,6 +44,9 @@ class StageHost(Protocol):
     def reduce_gradients(self, chunk: int) -> None:
         """The gradients of `chunk` are final for this step."""
 
+    # optional: weight_gradients_done(chunk, microbatch), after a micro-batch's weight gradients of
+    # `chunk` are accumulated (a fine-grained switch sends the old worker's partial gradients then)
+
 
 def _as_tuple(value: Activation) -> tuple[Tensor, ...]:
     return value if isinstance(value, tuple) else (value,)
@@ -304,6 +307,7 @@ class Executor:
             torch.autograd.backward(_needs_grad(out), received)
         if timer is not None:
             self.meter.stop(timer, forward=False)
+        self._weights_done(st, c, mb)
         if c > 0:
             self._hand_back(st, c, mb, [t.grad if t.grad is not None else torch.zeros_like(t) for t in _needs_grad(inputs)])
         if st.trace:
@@ -344,8 +348,15 @@ class Executor:
         backward_weight(deferred)
         if timer is not None:
             self.meter.stop(timer, forward=False)
+        self._weights_done(st, a.chunk, a.microbatch)
         if st.trace:
             self._record(st, index, started)
+
+    @staticmethod
+    def _weights_done(st: _Run, c: int, mb: int) -> None:
+        done = getattr(st.host, "weight_gradients_done", None)
+        if done is not None:
+            done(c, mb)
 
     def _reduce(self, st: _Run, index: int, a: Action) -> None:
         st.host.reduce_gradients(a.chunk)

@@ -111,8 +111,9 @@ class PartitionLayer(Layer, ABC):
     """Partition control: may move block boundaries between steps."""
 
     @abstractmethod
-    def request(self, bounds: Any) -> Any:
-        """Switch to `bounds` at the next batch's start (every rank asks alike)."""
+    def request(self, bounds: Any, early: Optional[int] = None) -> Any:
+        """Switch to `bounds` at the next batch's start (every rank asks alike); `early`: a fine-grained
+        switch's micro-batches left on the old worker (None: chosen from the measurements)."""
 
     def before_batch(self) -> None:
         """A training batch starts: apply a pending switch."""
@@ -122,6 +123,9 @@ class PartitionLayer(Layer, ABC):
 
     def end_step(self, executor: Any, microbatches: int) -> None:
         """After a training step's schedule."""
+
+    def after_backward(self) -> None:
+        """The step's gradients are back in place, before the optimizer step (a fine-grained switch ends)."""
 
     def finish(self) -> None:
         """The end of fit (every rank): nothing left in flight."""

@@ -25,12 +25,12 @@ class StaticPartition(PartitionLayer):
     def start(self) -> None:
         planner = self.training.planner
         fitting = self.ctx.trainer.state.fn == TrainerFn.FITTING
-        self.adaptive = Adaptive(self.ctx, self.training.switch, planner.profile, planner.costs) if fitting else None
+        self.adaptive = Adaptive(self.ctx, self.training, planner.profile, planner.costs) if fitting else None
 
-    def request(self, bounds: Any) -> Any:
+    def request(self, bounds: Any, early: Optional[int] = None) -> Any:
         if self.adaptive is None:
             raise RuntimeError("repartition() works while fitting, after setup")
-        return self.adaptive.request(bounds)
+        return self.adaptive.request(bounds, early)
 
     def before_batch(self) -> None:
         if self.adaptive is not None:
@@ -43,6 +43,10 @@ class StaticPartition(PartitionLayer):
     def end_step(self, executor: Any, microbatches: int) -> None:
         if self.adaptive is not None and self.adaptive.enabled:
             self.adaptive.end_step(executor, microbatches)
+
+    def after_backward(self) -> None:
+        if self.adaptive is not None:
+            self.adaptive.finish_transition()
 
     def run_state(self) -> dict[str, Any]:
         out: dict[str, Any] = {"switched": True} if self.ctx.cut.switched else {}  # a resumed run continues on it

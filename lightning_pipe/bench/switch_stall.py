@@ -1,0 +1,107 @@
+"""What a live switch stalls the pipeline (benchmarks/bench_switch.py): AutoPipe-RL §4.4's fine-grained
+switch against the stop-and-move switch.
+
+2 CPU processes x 1 thread (each pinned to a core) train an MLP of equal blocks through the Trainer
+with AdamW; at iteration `first` blocks move from rank 0 to rank 1, at `second` they move back. The
+stall of a switch is its iteration's period less the mean of the median periods before and after it
+(each partition's own speed), on rank 0's clock.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from .trainer_runs import fit_timed, quiet_lightning
+
+WIDTH, BLOCKS, BATCH, M = 1024, 8, 64, 4
+
+
+class SwitchingMLP(L.LightningModule):
+    """Equal Linear + GELU blocks; `plan`: {iteration: (bounds, early)} switches requested on every rank."""
+
+    def __init__(self, plan: dict[int, tuple[list[list[int]], Optional[int]]]):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(BLOCKS)])
+        self.plan = plan
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.blocks(x), y)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        step = self.trainer.fit_loop.total_batch_idx
+        if step in self.plan:
+            bounds, early = self.plan[step]
+            self.trainer.strategy.repartition(bounds, early=early)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def data(steps: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH * steps, WIDTH, generator=g)
+    return {"train_dataloaders": DataLoader(TensorDataset(x, torch.tanh(x)), batch_size=BATCH)}
+
+
+def stalls(periods: list[float], switches: list[int], around: int) -> list[float]:
+    """Each switch's period less the mean of the medians of the `around` periods before and after it."""
+    out = []
+    for i in switches:
+        before = statistics.median(periods[i - around : i])
+        after = statistics.median(periods[i + 1 : i + 1 + around])
+        out.append(periods[i] - (before + after) / 2)
+    return out
+
+
+def run_mode(mode: str, early: Optional[int], steps: int, first: int, second: int, out: Path) -> dict:
+    """One fit; `periods_ms[i]` is iteration i's (the first period is iteration 1's)."""
+    from lightning_pipe import AutoPipeStrategy
+
+    quiet_lightning()
+    half = BLOCKS // 2
+    plan = {first: ([[0, half - 2], [half - 2, BLOCKS]], early), second: ([[0, half], [half, BLOCKS]], early)}
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=M, partition=[half, half], adaptive_switch=mode, start_method="fork")
+    result = fit_timed(SwitchingMLP(plan), data(steps + 1), strategy, 1, steps, out)
+    periods = [0.0, *result["periods_ms"]]  # iteration 0 is the warm-up
+    result["stall_ms"] = stalls(periods, [first, second], around=4)
+    return result
+
+
+MODES = (("stop", None), ("fine-grained", None), ("fine-grained", 1), ("fine-grained", 2))
+
+
+def main(doc: str) -> None:
+    from .harness import Bench, Table, interleave, spread
+
+    bench = Bench(doc, rounds=5, steps=24, threads=1)
+    bench.options(out=("/tmp/bench_switch", "run folders"))
+    args = bench.parse()
+    first, second = 8, 16
+    if args.quick:
+        args.rounds, args.steps = 1, 22
+    runs = interleave(
+        MODES, args.rounds, lambda mode, r: run_mode(*mode, args.steps, first, second, Path(args.out) / f"{mode[0]}-{mode[1]}-{r}")
+    )
+    table = Table(
+        "switch", "k (early micro-batches)", "stall, to 2 | 6 (ms)", "stall, back to 4 | 4 (ms)", "iteration 4 | 4 (ms)", "foreign CPUs"
+    )
+    for (mode, early), results in zip(MODES, runs):
+        steady = [statistics.median(r["periods_ms"][1 : first - 1]) for r in results]
+        k = "-" if mode == "stop" else (str(early) if early is not None else "chosen")
+        cells = [spread(r["stall_ms"][i] for r in results).fmt() for i in (0, 1)]
+        table.add(mode, k, *cells, spread(steady).fmt(), f"{max(r['foreign_cpus'] for r in results):.2f}")
+    bench.table(
+        table,
+        f"Stall of a live switch, 2 CPU processes x 1 thread, MLP {BLOCKS} x {WIDTH}, AdamW, M = {M}; medians (min..max) of {args.rounds} rounds",
+    )
+    bench.keep("runs", {f"{m}-{e}": rs for (m, e), rs in zip(MODES, runs)})
+    bench.finish()

@@ -1,0 +1,85 @@
+"""A fine-grained switch on one rank (AutoPipe-RL §4.4; the transfers are adaptive/fine_grained.py).
+
+`Transition.begin` runs at the transition iteration's start, on every rank of the job (the stream's
+process groups are made then, once, by all): the cut takes the new bounds, the stage keeps the old
+ones for micro-batches < k, the two workers start their transfers, and the gradients and runtime
+are rebuilt over the new cut (the old worker's moved blocks are outside its gradient groups: the
+new worker reduces them). `finish` runs after the iteration's backward, before the optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from ..adaptive.fine_grained import Incoming, Outgoing, fine_grained_move
+from ..adaptive.switch import Bounds, Move
+from ..runtime.tied import tied_from_groups
+from .layers.base import Layer
+
+
+def why_not_fine(training: Any, new: Bounds) -> tuple[Optional[Move], str]:
+    """The move, or why this switch stops the pipeline instead."""
+    ctx = training.ctx
+    carried = [type(layer).__name__ for layer in training.layers if type(layer).switch_extras is not Layer.switch_extras]
+    if carried:
+        return None, f"{', '.join(carried)} carries per-parameter state with the blocks"
+    if ctx.trainer.accumulate_grad_batches > 1:
+        return None, "gradients accumulate over several batches"
+    return fine_grained_move(ctx.cut.bounds, new, ctx.cut.placement, ctx.cut.ties)
+
+
+class Transition:
+    def __init__(self, training: Any, move: Move, new: Bounds, early: int, group: Any):
+        self.training, self.move, self.early = training, move, early
+        ctx, cut = training.ctx, training.ctx.cut
+        me, old = ctx.stage_index, cut.bounds
+        blocks = cut.stage.blocks()
+        self.outgoing: Optional[Outgoing] = None
+        self.incoming: Optional[Incoming] = None
+        if me == move.src:
+            self.outgoing = Outgoing(blocks, move, ctx.pipeline_rank(move.dst), ctx.optimizers, early, ctx.device, group)
+        elif me == move.dst:
+            self.incoming = Incoming(blocks, cut.skeletons, move, ctx.pipeline_rank(move.src), ctx.device, group)
+        self.blocks = blocks
+        mine = [c for c, r in enumerate(cut.placement) if r == me]
+        cut.bounds = new
+        cut.stage.reassign(blocks, {c: new[c] for c in mine})
+        cut.stage.transition(early, {c: old[c] for c in mine})
+        cut.tied = tied_from_groups(cut.ties, cut.bounds, cut.placement, me, blocks)
+        training.build_gradients()
+        training.build_runtime()
+        if self.incoming is not None:
+            cut.stage.arrival = self.incoming.fill
+            training.gradients.before_reduce = self.incoming.add_partial
+        if self.outgoing is not None:
+            cut.stage.backward_done = self.outgoing.backward_done
+
+    def finish(self) -> tuple[int, float]:
+        """Bytes this rank sent and seconds its compute waited for the transfers."""
+        ctx, cut = self.training.ctx, self.training.ctx.cut
+        sent = 0
+        if self.outgoing is not None:
+            sent = self.outgoing.finish(cut.skeletons)
+            cut.stage.reassign(self.blocks, cut.stage.chunk_bounds)
+        if self.incoming is not None:
+            self.incoming.finish(ctx.optimizers)
+        cut.stage.transition(0, cut.stage.chunk_bounds)
+        cut.stage.arrival = cut.stage.backward_done = None
+        self.training.gradients.before_reduce = None
+        cut.switched = True
+        for layer in self.training.layers:
+            layer.after_switch({})
+        return sent, self.incoming.waited if self.incoming is not None else 0.0
+
+
+def stream_group(ctx: Any) -> Any:
+    """This pipeline's process group for switch transfers (new_group is collective: every rank makes
+    every pipeline's, in one order)."""
+    topo, mine = ctx.topology, None
+    for w in range(topo.width):
+        group = dist.new_group([topo.global_rank(w, s) for s in range(topo.depth)])
+        if w == topo.replica_of(ctx.global_rank):
+            mine = group
+    return mine
