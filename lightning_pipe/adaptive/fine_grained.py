@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..runtime.tied import TieGroup
-from .switch import Bounds, Move, _homes, _pack, _tensors, _unpack, plan_moves, skeleton
+from .switch import Bounds, Move, _homes, plan_moves, skeleton
 
 
 def fine_grained_move(old: Bounds, new: Bounds, chunk_rank: Sequence[int], ties: list[TieGroup]) -> tuple[Optional[Move], str]:
@@ -50,84 +50,70 @@ def _params(blocks: dict[int, nn.Module], move: Move) -> list[tuple[str, nn.Para
     return [(f"{b}.{n}", p) for b in move.blocks for n, p in blocks[b].named_parameters()]
 
 
-def _isend(tensors: list[Tensor], peer: int, group: Any) -> list[Any]:
-    return [dist.isend(t, peer, group=group) for t in tensors]
+def _block_tensors(block: nn.Module) -> list[tuple[str, Tensor]]:
+    """Parameters, then buffers, each once (a skeleton lists them in the same order)."""
+    return [(n, t) for n, t in [*block.named_parameters(), *block.named_buffers()] if t is not None]
 
 
-def _irecv(buffers: list[Tensor], peer: int, group: Any) -> list[Any]:
-    return [dist.irecv(t, peer, group=group) for t in buffers]
+def _spec(t: Tensor) -> tuple:
+    return tuple(t.shape), str(t.dtype), t.device.type == "cpu"
 
 
-def _buffers(dtypes: list[str], sizes: list[int], device: torch.device) -> dict[str, Tensor]:
-    return {d: torch.empty(n, dtype=getattr(torch, d.replace("torch.", "")), device=device) for d, n in zip(dtypes, sizes)}
-
-
-def _grad_layout(params: list[tuple[str, nn.Parameter]]) -> tuple[list[str], list[int]]:
-    """The dtypes and sizes of the flat gradient buffers (one per dtype, zeros where a gradient is None)."""
-    sizes: dict[str, int] = {}
-    for _, p in params:
-        sizes[str(p.dtype)] = sizes.get(str(p.dtype), 0) + p.numel()
-    dtypes = sorted(sizes)
-    return dtypes, [sizes[d] for d in dtypes]
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.replace("torch.", ""))
 
 
 class Outgoing:
     """The old worker's side: stream the blocks out, send the partial gradients after micro-batch
-    k-1's backward, and drop the blocks once the iteration is done."""
+    k-1's backward, and drop the blocks once the iteration is done. Tensors go as they are (no
+    packing copy on the critical path): none of them changes before `finish` waits for the sends."""
 
-    def __init__(
-        self, blocks: dict[int, nn.Module], move: Move, peer: int, optimizers: Sequence[Any], early: int, device: torch.device, group: Any
-    ):
+    def __init__(self, blocks: dict[int, nn.Module], move: Move, peer: int, optimizers: Sequence[Any], early: int, device: torch.device, group: Any):
         self.blocks, self.move, self.peer, self.group, self.device = blocks, move, peer, group, device
         self.optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
         self.early, self.done, self.sent_bytes = early, 0, 0
-        self._grads: Optional[tuple[Tensor, list[Tensor]]] = None  # the partial gradients, once sent
         self.params = _params(blocks, move)
+        self._grads: Optional[list[Tensor]] = None  # the partial gradients, once sent
         homes = _homes(self.optimizers)
-        state_items, groups, plain = [], {}, {}
+        state: list[tuple[str, str, Tensor]] = []
+        groups, plain = {}, {}
         for key, p in self.params:
             if id(p) in homes:
                 groups[key] = homes[id(p)]
-                state = self.optimizers[homes[id(p)][0]].state.get(p, {})
-                state_items += [(f"{key}\0{k}", v) for k, v in state.items() if isinstance(v, Tensor)]
-                plain[key] = {k: v for k, v in state.items() if not isinstance(v, Tensor)}
-        packs = [_pack([(f"{b}.{n}", t) for n, t in _tensors(blocks[b])], device) for b in move.blocks]
-        state_header, state_flat = _pack(state_items, device)
+                entries = self.optimizers[homes[id(p)][0]].state.get(p, {})
+                state += [(key, k, v) for k, v in entries.items() if isinstance(v, Tensor)]
+                plain[key] = {k: v for k, v in entries.items() if not isinstance(v, Tensor)}
+        tensors = {b: _block_tensors(blocks[b]) for b in move.blocks}
         header = {
-            "blocks": {b: (h, [str(t.dtype) for t in flat], [t.numel() for t in flat]) for b, (h, flat) in zip(move.blocks, packs)},
-            "state": (state_header, [str(t.dtype) for t in state_flat], [t.numel() for t in state_flat]),
+            "blocks": {b: [(n, *_spec(t)) for n, t in items] for b, items in tensors.items()},
+            "state": [(key, k, *_spec(v)) for key, k, v in state],
             "groups": groups,
             "plain": plain,
             "early": early,
         }
         dist.send_object_list([header], peer, group=group, device=device if device.type == "cuda" else None)
-        self.works = []
-        for _, flat in packs:  # block by block, in the order the new worker runs them
-            self.works += _isend(flat, peer, group)
-            self.sent_bytes += sum(t.numel() * t.element_size() for t in flat)
-        self.works += _isend(state_flat, peer, group)
-        self.sent_bytes += sum(t.numel() * t.element_size() for t in state_flat)
-        self._kept = packs, state_flat  # a send's tensor must live until it completes
+        self.works: list[Any] = []
+        self._kept: list[Tensor] = []  # a send's tensor must live until it completes
+        for b in move.blocks:  # block by block, in the order the new worker runs them
+            self._send([t for _, t in tensors[b]])
+        self._send([v for _, _, v in state])
+
+    def _send(self, tensors: list[Tensor]) -> None:
+        for t in tensors:
+            t = t.detach().to(self.device).contiguous()
+            self._kept.append(t)
+            self.works.append(dist.isend(t, self.peer, group=self.group))
+            self.sent_bytes += t.numel() * t.element_size()
 
     def backward_done(self, microbatch: int, count: int) -> None:
         """After this rank's weight gradients of `microbatch` (of `count` in the batch) are accumulated."""
         if microbatch < self.early:
             self.done += 1
             if self.done == min(self.early, count):  # a short batch: all its micro-batches are early ones
-                self._send_gradients()
-
-    def _send_gradients(self) -> None:
-        present = torch.tensor([p.grad is not None for _, p in self.params], dtype=torch.uint8, device=self.device)
-        dtypes, _ = _grad_layout(self.params)
-        flat = [
-            torch.cat(
-                [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1) for _, p in self.params if str(p.dtype) == d]
-            )
-            for d in dtypes
-        ]
-        self.works += _isend([present, *flat], self.peer, self.group)
-        self.sent_bytes += sum(t.numel() * t.element_size() for t in flat)
-        self._grads = present, flat
+                present = torch.tensor([p.grad is not None for _, p in self.params], dtype=torch.uint8, device=self.device)
+                self._grads = [present] + [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.params]
+                self._send(self._grads)
+                self.sent_bytes -= present.numel()
 
     def finish(self, skeletons: dict[int, nn.Module]) -> int:
         """After the iteration's backward: every send done; the blocks and their optimizer entries leave."""
@@ -135,6 +121,7 @@ class Outgoing:
             raise RuntimeError(f"fine-grained switch: only {self.done} of the {self.early} early micro-batches ran their backward here")
         for work in self.works:
             work.wait()
+        self._kept = []
         moved = {id(p) for _, p in self.params}
         for opt in self.optimizers:
             for group in opt.param_groups:
@@ -147,36 +134,43 @@ class Outgoing:
 
 
 class Incoming:
-    """The new worker's side: the blocks exist from the iteration's start (empty), each filled when
-    its weights have arrived; the partial gradients are added before the REDUCE; the optimizer
-    entries at the end."""
+    """The new worker's side: the blocks exist from the iteration's start (empty) and receive straight
+    into their own tensors; a block is waited for when it first runs here; the partial gradients are
+    added before the REDUCE; the optimizer entries at the end."""
 
-    def __init__(
-        self, blocks: dict[int, nn.Module], skeletons: dict[int, nn.Module], move: Move, peer: int, device: torch.device, group: Any
-    ):
+    def __init__(self, blocks: dict[int, nn.Module], skeletons: dict[int, nn.Module], move: Move, peer: int, device: torch.device, group: Any):
         self.move, self.peer, self.group, self.device = move, peer, group, device
         box: list[Any] = [None]
         dist.recv_object_list(box, peer, group=group, device=device if device.type == "cuda" else None)
         self.header = header = box[0]
         self.early = header["early"]
-        self.arriving: dict[int, tuple[list[Any], dict[str, Tensor]]] = {}
+        self.arriving: dict[int, list[Any]] = {}
         for b in move.blocks:
-            blocks[b] = skeletons.pop(b).to_empty(device=device)
-            _, dtypes, sizes = header["blocks"][b]
-            buffers = _buffers(dtypes, sizes, device)
-            self.arriving[b] = (_irecv([buffers[d] for d in dtypes], peer, group), buffers)
-        _, dtypes, sizes = header["state"]
-        self.state_buffers = _buffers(dtypes, sizes, device)
-        self.state_works = _irecv([self.state_buffers[d] for d in dtypes], peer, group)
+            block = blocks[b] = skeletons.pop(b).to_empty(device=device)
+            targets = []
+            for (name, current), (_, shape, dtype, _) in zip(_block_tensors(block), header["blocks"][b]):
+                if current.dtype != _dtype(dtype):  # the sender's dtype (a precision plugin may have cast it)
+                    fresh = torch.empty(shape, dtype=_dtype(dtype), device=device)
+                    if isinstance(current, nn.Parameter):
+                        current.data = fresh
+                    else:
+                        owner, _, leaf = name.rpartition(".")
+                        (block.get_submodule(owner) if owner else block)._buffers[leaf] = current = fresh
+                targets.append(current.detach())
+            self.arriving[b] = self._recv(targets)
+        self.state = [torch.empty(shape, dtype=_dtype(dtype), device=device) for _, _, shape, dtype, _ in header["state"]]
+        self.state_works = self._recv(self.state)
         self.blocks = blocks
         self.params = _params(blocks, move)
+        self.grads: list[Tensor] = []
         self.grad_works: list[Any] = []
         if self.early:
-            gdtypes, gsizes = _grad_layout(self.params)
-            self.present = torch.empty(len(self.params), dtype=torch.uint8, device=device)
-            self.grad_buffers = _buffers(gdtypes, gsizes, device)
-            self.grad_works = _irecv([self.present, *(self.grad_buffers[d] for d in gdtypes)], peer, group)
+            self.grads = [torch.empty(len(self.params), dtype=torch.uint8, device=device)] + [torch.empty_like(p) for _, p in self.params]
+            self.grad_works = self._recv(self.grads)
         self.waited = 0.0  # seconds this rank's compute waited for the transfers
+
+    def _recv(self, tensors: list[Tensor]) -> list[Any]:
+        return [dist.irecv(t, self.peer, group=self.group) for t in tensors]
 
     def _wait(self, works: list[Any]) -> None:
         started = time.perf_counter()
@@ -185,53 +179,42 @@ class Incoming:
         self.waited += time.perf_counter() - started
 
     def fill(self, b: int) -> None:
-        """Before block `b` first runs here: wait for its weights (only its own) and put them in."""
-        if b not in self.arriving:
-            return
-        works, buffers = self.arriving.pop(b)
-        self._wait(works)
-        block = self.blocks[b]
-        values = _unpack(self.header["blocks"][b][0], buffers, self.device)
-        for name, current in _tensors(block):
-            value = values[f"{b}.{name}"]
-            if isinstance(current, nn.Parameter):
-                current.data = value
-            else:
-                owner, _, leaf = name.rpartition(".")
-                (block.get_submodule(owner) if owner else block)._buffers[leaf] = value
+        """Before block `b` first runs here: wait for its weights (only its own)."""
+        works = self.arriving.pop(b, None)
+        if works is not None:
+            self._wait(works)
 
     def add_partial(self) -> None:
         """Before the REDUCE of the chunk holding the moved blocks: the old worker's gradients of
         micro-batches < k join this rank's of micro-batches >= k."""
         for b in list(self.arriving):  # k = M: the blocks never ran here this iteration
             self.fill(b)
-        if not self.early or not self.grad_works:
+        if not self.grad_works:
             return
         self._wait(self.grad_works)
         self.grad_works = []
-        offsets = dict.fromkeys(self.grad_buffers, 0)
-        for (_, p), present in zip(self.params, self.present.tolist()):
-            d = str(p.dtype)
-            part = self.grad_buffers[d][offsets[d] : offsets[d] + p.numel()].view_as(p)
-            offsets[d] += p.numel()
-            if present:
-                p.grad = part.clone() if p.grad is None else p.grad + part
+        present, parts = self.grads[0].tolist(), self.grads[1:]
+        for (_, p), part, there in zip(self.params, parts, present):
+            if there:
+                p.grad = part if p.grad is None else p.grad + part
+        self.grads = []
 
     def finish(self, optimizers: Sequence[Any]) -> None:
         """After the iteration's backward: the moved parameters join the optimizers, with their state."""
         self.add_partial()
         self._wait(self.state_works)
         optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
-        state = _unpack(self.header["state"][0], self.state_buffers, self.device)
+        entries: dict[str, dict[str, Any]] = {}
+        for (key, name, _, _, on_cpu), value in zip(self.header["state"], self.state):
+            entries.setdefault(key, {})[name] = value.cpu() if on_cpu else value
         for key, p in self.params:
             if key not in self.header["groups"]:
                 continue
             o, g = self.header["groups"][key]
             optimizers[o].param_groups[g]["params"].append(p)
-            entries = {k.split("\0", 1)[1]: v for k, v in state.items() if k.startswith(f"{key}\0")}
-            entries.update(self.header["plain"].get(key, {}))
-            if entries:
-                optimizers[o].state[p] = entries
+            state = dict(entries.get(key, {}), **self.header["plain"].get(key, {}))
+            if state:
+                optimizers[o].state[p] = state
 
 
 def early_microbatches(moved_bytes: float, bandwidth: float, forward_s: float, microbatches: int) -> int:

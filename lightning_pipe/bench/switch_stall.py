@@ -1,10 +1,12 @@
 """What a live switch stalls the pipeline (benchmarks/bench_switch.py): AutoPipe-RL §4.4's fine-grained
 switch against the stop-and-move switch.
 
-2 CPU processes x 1 thread (each pinned to a core) train an MLP of equal blocks through the Trainer
-with AdamW; at iteration `first` blocks move from rank 0 to rank 1, at `second` they move back. The
-stall of a switch is its iteration's period less the mean of the median periods before and after it
-(each partition's own speed), on rank 0's clock.
+2 CPU processes x 1 thread (each pinned to a core) train 8 equal blocks of 1024 x 1024 weights through
+the Trainer with AdamW; at iteration `first` two blocks move from rank 0 to rank 1, at `second` they
+move back. The stall of a switch is its iteration's period less the mean of the median periods
+before and after it (each partition's own speed), on rank 0's clock. ``emulated``: the blocks also
+sleep their device time (EMULATED: a GPU leaves its host idle, so transfers do not take compute
+from the cores), on 2-row micro-batches.
 """
 
 from __future__ import annotations
@@ -18,18 +20,21 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from .emulated import EmulatedBlock
 from .trainer_runs import fit_timed, quiet_lightning
 
-WIDTH, BLOCKS, BATCH, M = 1024, 8, 64, 4
+WIDTH, BLOCKS, M = 1024, 8, 4
+EMULATED_S = (0.005, 0.010)  # an emulated block's forward and backward per micro-batch
 
 
 class SwitchingMLP(L.LightningModule):
-    """Equal Linear + GELU blocks; `plan`: {iteration: (bounds, early)} switches requested on every rank."""
+    """Equal blocks; `plan`: {iteration: (bounds, early)} switches requested on every rank."""
 
-    def __init__(self, plan: dict[int, tuple[list[list[int]], Optional[int]]]):
+    def __init__(self, plan: dict[int, tuple[list[list[int]], Optional[int]]], emulated: bool):
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(BLOCKS)])
+        make = (lambda: EmulatedBlock(WIDTH, *EMULATED_S)) if emulated else (lambda: nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()))
+        self.blocks = nn.Sequential(*[make() for _ in range(BLOCKS)])
         self.plan = plan
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -46,10 +51,10 @@ class SwitchingMLP(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
-def data(steps: int) -> dict:
+def data(steps: int, batch: int) -> dict:
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(BATCH * steps, WIDTH, generator=g)
-    return {"train_dataloaders": DataLoader(TensorDataset(x, torch.tanh(x)), batch_size=BATCH)}
+    x = torch.randn(batch * steps, WIDTH, generator=g)
+    return {"train_dataloaders": DataLoader(TensorDataset(x, torch.tanh(x)), batch_size=batch)}
 
 
 def stalls(periods: list[float], switches: list[int], around: int) -> list[float]:
@@ -62,17 +67,17 @@ def stalls(periods: list[float], switches: list[int], around: int) -> list[float
     return out
 
 
-def run_mode(mode: str, early: Optional[int], steps: int, first: int, second: int, out: Path) -> dict:
-    """One fit; `periods_ms[i]` is iteration i's (the first period is iteration 1's)."""
+def run_mode(mode: str, early: Optional[int], emulated: bool, steps: int, first: int, second: int, out: Path) -> dict:
+    """One fit; `periods_ms[i]` is iteration i's (iteration 0, the warm-up, has none: 0)."""
     from lightning_pipe import AutoPipeStrategy
 
     quiet_lightning()
     half = BLOCKS // 2
     plan = {first: ([[0, half - 2], [half - 2, BLOCKS]], early), second: ([[0, half], [half, BLOCKS]], early)}
     strategy = AutoPipeStrategy(schedule="1f1b", microbatches=M, partition=[half, half], adaptive_switch=mode, start_method="fork")
-    result = fit_timed(SwitchingMLP(plan), data(steps + 1), strategy, 1, steps, out)
-    periods = [0.0, *result["periods_ms"]]  # iteration 0 is the warm-up
-    result["stall_ms"] = stalls(periods, [first, second], around=4)
+    result = fit_timed(SwitchingMLP(plan, emulated), data(steps + 1, 2 * M if emulated else 64), strategy, 1, steps, out)
+    result["periods_ms"] = [0.0, *result["periods_ms"]]
+    result["stall_ms"] = stalls(result["periods_ms"], [first, second], around=4)
     return result
 
 
@@ -83,25 +88,25 @@ def main(doc: str) -> None:
     from .harness import Bench, Table, interleave, spread
 
     bench = Bench(doc, rounds=5, steps=24, threads=1)
-    bench.options(out=("/tmp/bench_switch", "run folders"))
+    bench.options(out=("/tmp/bench_switch", "run folders"), emulated=(False, "blocks that sleep their device time (EMULATED)"))
     args = bench.parse()
     first, second = 8, 16
     if args.quick:
         args.rounds, args.steps = 1, 22
-    runs = interleave(
-        MODES, args.rounds, lambda mode, r: run_mode(*mode, args.steps, first, second, Path(args.out) / f"{mode[0]}-{mode[1]}-{r}")
-    )
+    folder = lambda mode, r: Path(args.out) / f"{mode[0]}-{mode[1]}-{r}"  # noqa: E731
+    runs = interleave(MODES, args.rounds, lambda mode, r: run_mode(*mode, args.emulated, args.steps, first, second, folder(mode, r)))
     table = Table(
-        "switch", "k (early micro-batches)", "stall, to 2 | 6 (ms)", "stall, back to 4 | 4 (ms)", "iteration 4 | 4 (ms)", "foreign CPUs"
+        "switch", "k (early micro-batches)", "stall, to 2:6 (ms)", "stall, back to 4:4 (ms)", "iteration at 4:4 (ms)", "foreign CPUs"
     )
     for (mode, early), results in zip(MODES, runs):
-        steady = [statistics.median(r["periods_ms"][1 : first - 1]) for r in results]
+        steady = [statistics.median(r["periods_ms"][1:first]) for r in results]
         k = "-" if mode == "stop" else (str(early) if early is not None else "chosen")
         cells = [spread(r["stall_ms"][i] for r in results).fmt() for i in (0, 1)]
         table.add(mode, k, *cells, spread(steady).fmt(), f"{max(r['foreign_cpus'] for r in results):.2f}")
+    what = "EMULATED blocks (sleeping 5 / 10 ms per micro-batch)" if args.emulated else "real blocks"
     bench.table(
         table,
-        f"Stall of a live switch, 2 CPU processes x 1 thread, MLP {BLOCKS} x {WIDTH}, AdamW, M = {M}; medians (min..max) of {args.rounds} rounds",
+        f"Stall of a live switch, 2 CPU processes x 1 thread, {what}, 8 x 1024^2 weights, AdamW, M = {M}; medians (min..max) of {args.rounds} rounds",
     )
     bench.keep("runs", {f"{m}-{e}": rs for (m, e), rs in zip(MODES, runs)})
     bench.finish()
