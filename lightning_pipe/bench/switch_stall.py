@@ -3,14 +3,15 @@ switch against the stop-and-move switch.
 
 2 CPU processes x 1 thread (each pinned to a core) train 8 equal blocks of 1024 x 1024 weights through
 the Trainer with AdamW; at iteration `first` two blocks move from rank 0 to rank 1, at `second` they
-move back. The stall of a switch is its iteration's period less the mean of the median periods
-before and after it (each partition's own speed), on rank 0's clock. ``emulated``: the blocks also
+move back. The stall of a switch is its iteration's period less what that iteration would take
+without a switch (`stalls`), on rank 0's clock. ``emulated``: the blocks also
 sleep their device time (EMULATED: a GPU leaves its host idle, so transfers do not take compute
 from the cores), on 2-row micro-batches.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 from typing import Any, Optional
@@ -47,6 +48,14 @@ class SwitchingMLP(L.LightningModule):
             bounds, early = self.plan[step]
             self.trainer.strategy.repartition(bounds, early=early)
 
+    def on_train_end(self) -> None:
+        if self.trainer.global_rank == 0:  # each switch as logged: the slowest rank's stop, the new worker's wait
+            records = [
+                {"stopped_ms": r.seconds * 1e3, "waited_ms": r.waited * 1e3, "early": r.early}
+                for r in self.trainer.strategy.adaptive.switches
+            ]
+            (Path(self.trainer.default_root_dir) / "switches.json").write_text(json.dumps(records))
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
@@ -57,13 +66,15 @@ def data(steps: int, batch: int) -> dict:
     return {"train_dataloaders": DataLoader(TensorDataset(x, torch.tanh(x)), batch_size=batch)}
 
 
-def stalls(periods: list[float], switches: list[int], around: int) -> list[float]:
-    """Each switch's period less the mean of the medians of the `around` periods before and after it."""
+def stalls(periods: list[float], switches: list[int], shares: list[float], around: int) -> list[float]:
+    """Each switch's period less what its iteration would take without a switch: the medians of the
+    `around` periods before (old partition) and after (new), weighted by the share of the iteration's
+    micro-batches that ran on the old partition (k / M; 0 for the stop switch)."""
     out = []
-    for i in switches:
+    for i, share in zip(switches, shares):
         before = statistics.median(periods[i - around : i])
         after = statistics.median(periods[i + 1 : i + 1 + around])
-        out.append(periods[i] - (before + after) / 2)
+        out.append(periods[i] - (share * before + (1 - share) * after))
     return out
 
 
@@ -77,11 +88,13 @@ def run_mode(mode: str, early: Optional[int], emulated: bool, steps: int, first:
     strategy = AutoPipeStrategy(schedule="1f1b", microbatches=M, partition=[half, half], adaptive_switch=mode, start_method="fork")
     result = fit_timed(SwitchingMLP(plan, emulated), data(steps + 1, 2 * M if emulated else 64), strategy, 1, steps, out)
     result["periods_ms"] = [0.0, *result["periods_ms"]]
-    result["stall_ms"] = stalls(result["periods_ms"], [first, second], around=4)
+    result["switches"] = json.loads((out / "switches.json").read_text())
+    share = 0.0 if mode == "stop" else min(early if early is not None else 1, M) / M  # requested, unmonitored: k = 1
+    result["stall_ms"] = stalls(result["periods_ms"], [first, second], [share, share], around=4)
     return result
 
 
-MODES = (("stop", None), ("fine-grained", None), ("fine-grained", 1), ("fine-grained", 2))
+MODES = (("stop", None), ("fine-grained", 1), ("fine-grained", 2), ("fine-grained", 3))
 
 
 def main(doc: str) -> None:
@@ -96,12 +109,20 @@ def main(doc: str) -> None:
     folder = lambda mode, r: Path(args.out) / f"{mode[0]}-{mode[1]}-{r}"  # noqa: E731
     runs = interleave(MODES, args.rounds, lambda mode, r: run_mode(*mode, args.emulated, args.steps, first, second, folder(mode, r)))
     table = Table(
-        "switch", "k (early micro-batches)", "stall, to 2:6 (ms)", "stall, back to 4:4 (ms)", "iteration at 4:4 (ms)", "foreign CPUs"
+        "switch",
+        "k (early micro-batches)",
+        "stall, to 2:6 (ms)",
+        "stall, back to 4:4 (ms)",
+        "pipeline stopped (ms)",
+        "new worker waited (ms)",
+        "iteration at 4:4 (ms)",
+        "foreign CPUs",
     )
     for (mode, early), results in zip(MODES, runs):
         steady = [statistics.median(r["periods_ms"][1:first]) for r in results]
-        k = "-" if mode == "stop" else (str(early) if early is not None else "chosen")
+        k = "-" if mode == "stop" else str(early)
         cells = [spread(r["stall_ms"][i] for r in results).fmt() for i in (0, 1)]
+        cells += [spread(s[key] for r in results for s in r["switches"]).fmt() for key in ("stopped_ms", "waited_ms")]
         table.add(mode, k, *cells, spread(steady).fmt(), f"{max(r['foreign_cpus'] for r in results):.2f}")
     what = "EMULATED blocks (sleeping 5 / 10 ms per micro-batch)" if args.emulated else "real blocks"
     bench.table(
