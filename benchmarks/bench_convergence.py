@@ -9,6 +9,7 @@ windows, then each final model (last.ckpt: the reference for AvgPipe) on the who
     python benchmarks/bench_convergence.py 2bw --reference
     python benchmarks/bench_convergence.py avgpipe
     python benchmarks/bench_convergence.py avgpipe --quick   # smoke: 4 steps per run
+    flock /tmp/bench.lock python benchmarks/bench_convergence.py ttt --json docs/time_to_loss.json --plot docs/img/time_to_loss.png
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from __future__ import annotations
 import copy
 import math
 import os
+import sys
 import tempfile
 import time
 
-from lightning_pipe.bench import REPO
+from lightning_pipe.bench import REPO, time_to_loss
 from lightning_pipe.bench import cli_runs as cli
 from lightning_pipe.bench.harness import Bench, Table, pyplot, save_figure
 
@@ -167,6 +169,9 @@ def avgpipe(bench: Bench, args, curves: dict, folder: str) -> list[str]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["ttt"]:  # time to a target loss, every mode (lightning_pipe.bench.time_to_loss)
+        del sys.argv[1]
+        return time_to_loss.main(time_to_loss.__doc__)
     bench = Bench(__doc__, dict(steps=4, val_every=2, val_samples=16, smooth=2), steps=None, timeout=1800.0)
     p = bench.parser
     bench.experiment(DEFAULTS)

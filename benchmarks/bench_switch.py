@@ -1,7 +1,4 @@
-"""The stall of a live switch: AutoPipe-RL's fine-grained switch vs stopping the pipeline (lightning_pipe.bench.switch_stall).
-
-flock /tmp/bench.lock python benchmarks/bench_switch.py --rounds 5 --json docs/switch_results.json
-"""
+"""A live switch's stall, fine-grained vs stop: `python benchmarks/bench_switch.py [--emulated] --rounds 5 --json docs/switch_results.json`."""
 
 from lightning_pipe.bench.switch_stall import main
 
