@@ -68,7 +68,9 @@ class Outgoing:
     k-1's backward, and drop the blocks once the iteration is done. Tensors go as they are (no
     packing copy on the critical path): none of them changes before `finish` waits for the sends."""
 
-    def __init__(self, blocks: dict[int, nn.Module], move: Move, peer: int, optimizers: Sequence[Any], early: int, device: torch.device, group: Any):
+    def __init__(
+        self, blocks: dict[int, nn.Module], move: Move, peer: int, optimizers: Sequence[Any], early: int, device: torch.device, group: Any
+    ):
         self.blocks, self.move, self.peer, self.group, self.device = blocks, move, peer, group, device
         self.optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
         self.early, self.done, self.sent_bytes = early, 0, 0
@@ -138,7 +140,9 @@ class Incoming:
     into their own tensors; a block is waited for when it first runs here; the partial gradients are
     added before the REDUCE; the optimizer entries at the end."""
 
-    def __init__(self, blocks: dict[int, nn.Module], skeletons: dict[int, nn.Module], move: Move, peer: int, device: torch.device, group: Any):
+    def __init__(
+        self, blocks: dict[int, nn.Module], skeletons: dict[int, nn.Module], move: Move, peer: int, device: torch.device, group: Any
+    ):
         self.move, self.peer, self.group, self.device = move, peer, group, device
         box: list[Any] = [None]
         dist.recv_object_list(box, peer, group=group, device=device if device.type == "cuda" else None)

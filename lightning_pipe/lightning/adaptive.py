@@ -99,6 +99,7 @@ class Adaptive:
         self.transition: Optional[tuple[Transition, Bounds, Optional[tuple], float]] = None  # a fine-grained switch under way
         self._stream: Optional[Any] = None  # the switch transfers' process group, made at the first fine-grained switch
         self.early: Optional[int] = None  # requested: micro-batches a fine-grained switch leaves on the old worker
+        self._transition_step = -1  # the last fine-grained switch's transition iteration
         self.kind = config.adaptive  # False, "rule" or "learned"
         self.enabled = bool(self.kind)
         self.decider: Optional[LearnedDecider] = None  # adaptive=learned: predictor + arbiter (decides on pipeline rank 0)
@@ -154,6 +155,10 @@ class Adaptive:
         if metrics is None:
             return
         self._log(metrics)
+        if metrics.step == self._transition_step:  # a mix of two partitions: logged, not kept for decisions
+            if metrics in self.monitor.history:
+                self.monitor.history.remove(metrics)
+            return
         if (
             metrics.microbatches != self.ctx.config.microbatches
             or metrics.bounds != cut.bounds
@@ -300,8 +305,7 @@ class Adaptive:
         started = time.perf_counter()
         sent, waited = transition.finish()
         seconds = begun + time.perf_counter() - started
-        if self.monitor is not None:
-            self.monitor.flush()  # the transition iteration's gather: read now, so the clear drops it
+        self._transition_step = self._iteration()  # its measurements mix two partitions: not a basis for decisions
         return self._record(old, self.ctx.cut.bounds, why, seconds, sent, transition.early, waited, "")
 
     def _record(
