@@ -21,7 +21,7 @@ from test_adaptive import gpt_data, make, single_process
 from torch.utils.data import DataLoader
 
 from lightning_pipe import AutoPipeStrategy
-from lightning_pipe.adaptive.fine_grained import early_microbatches, fine_grained_move
+from lightning_pipe.adaptive.fine_grained import early_microbatches, fine_grained_move, keeps_running_statistics
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.errors import SettingError
 
@@ -159,6 +159,13 @@ def test_which_switches_are_fine_grained():
         None,
         "a moved block shares a tied weight",
     )
+
+
+def test_blocks_with_running_statistics_stop_the_pipeline():
+    # BatchNorm's running mean would be updated on two copies, each for part of the micro-batches
+    assert keeps_running_statistics(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
+    assert not keeps_running_statistics(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4, track_running_stats=False)))
+    assert not keeps_running_statistics(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)))
 
 
 def test_k_is_the_micro_batches_the_new_worker_would_reach_before_the_weights():

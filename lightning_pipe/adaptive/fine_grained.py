@@ -46,6 +46,13 @@ def fine_grained_move(old: Bounds, new: Bounds, chunk_rank: Sequence[int], ties:
     return move, ""
 
 
+def keeps_running_statistics(block: nn.Module) -> bool:
+    """Whether a forward updates the block's buffers (BatchNorm's running statistics): micro-batches on
+    two workers would update two copies, where one process updates one in micro-batch order."""
+    norms = (nn.modules.batchnorm._NormBase,)
+    return any(isinstance(m, norms) and m.track_running_stats for m in block.modules())
+
+
 def _params(blocks: dict[int, nn.Module], move: Move) -> list[tuple[str, nn.Parameter]]:
     return [(f"{b}.{n}", p) for b in move.blocks for n, p in blocks[b].named_parameters()]
 

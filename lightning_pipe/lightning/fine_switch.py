@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ..adaptive.fine_grained import Incoming, Outgoing, fine_grained_move
+from ..adaptive.fine_grained import Incoming, Outgoing, fine_grained_move, keeps_running_statistics
 from ..adaptive.switch import Bounds, Move
 from ..runtime.tied import tied_from_groups
 from .layers.base import Layer
@@ -27,7 +27,11 @@ def why_not_fine(training: Any, new: Bounds) -> tuple[Optional[Move], str]:
         return None, f"{', '.join(carried)} carries per-parameter state with the blocks"
     if ctx.trainer.accumulate_grad_batches > 1:
         return None, "gradients accumulate over several batches"
-    return fine_grained_move(ctx.cut.bounds, new, ctx.cut.placement, ctx.cut.ties)
+    move, why = fine_grained_move(ctx.cut.bounds, new, ctx.cut.placement, ctx.cut.ties)
+    held = {**ctx.cut.skeletons, **ctx.cut.stage.blocks()}  # every block, as a skeleton where another rank holds it
+    if move is not None and any(keeps_running_statistics(held[b]) for b in move.blocks):
+        return None, "a moved block updates running statistics in its forward (BatchNorm)"
+    return move, why
 
 
 class Transition:

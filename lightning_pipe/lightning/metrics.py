@@ -51,6 +51,8 @@ from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from ..adaptive.meter import StepMeter
 from .strategy import AutoPipeStrategy
@@ -242,9 +244,7 @@ class PipelineMetrics(ThroughputMonitor):
                 transport.meter, self._transport = self._meter, transport
         self._batches_started += 1
         if self._batches_started == 2 and self._wants_flops(pl_module):  # the 2nd: 2BW's first step has no backward
-            from torch.utils.flop_counter import FlopCounterMode
-
-            self._counter = FlopCounterMode(display=False)
+            self._counter = FlopCount()
             self._counter.__enter__()
 
     def _wants_flops(self, pl_module: Any) -> bool:
@@ -253,7 +253,7 @@ class PipelineMetrics(ThroughputMonitor):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
-            self._my_flops, self._counter = float(self._counter.get_total_flops()), None
+            self._my_flops, self._counter = float(self._counter.total), None
         transport, self._transport = self._transport, None
         if transport is not None and transport.meter is self._meter:
             transport.meter = None
@@ -330,6 +330,24 @@ def stage_summary(rows: list[list[float]]) -> dict[str, float]:
     if bubbles:
         out["bubble"] = sum(bubbles) / len(bubbles)
     return out
+
+
+class FlopCount(TorchDispatchMode):
+    """FLOPs of every op run inside it, by torch's FLOP formulas (`torch.utils.flop_counter`).
+    FlopCounterMode itself also tracks modules with hooks on their inputs and outputs, which a split
+    backward's `autograd.grad(inputs=...)` refuses (zero-bubble's BI); the total needs no module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        return out
 
 
 def pipeline_rates(metrics: dict[str, float], replicas: int, depth: int) -> dict[str, float]:
