@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import glob
 import os
+import shutil
 import statistics
 from typing import Any, Optional
 
@@ -59,8 +60,12 @@ def time_at(step: int, times: dict[int, float]) -> float:
 def run_one(model: str, mode: str, seed: int, steps: int, val_every: int, folder: str, timeout: float) -> dict[str, Any]:
     overrides, _ = MODES[mode]
     run_dir = os.path.join(folder, f"{model}-{mode}-{seed}")
+    shutil.rmtree(run_dir, ignore_errors=True)
     cmd = cli.cli_command([RECIPES[model], *overrides, f"seed={seed}", *QUIET], steps, val_every, run_dir)
-    _, wall, note = cli.train(f"{model} {mode} seed {seed}", cmd, run_dir, timeout)
+    try:
+        _, wall, note = cli.train(f"{model} {mode} seed {seed}", cmd, run_dir, timeout)
+    except SystemExit as failed:  # one mode's failure is a row of the table, not the end of the benchmark
+        return {"val": [], "times": {}, "wall_s": float("nan"), "note": str(failed)[:400]}
     found = glob.glob(os.path.join(run_dir, "logs", "version_*", "metrics.csv"))
     val, times = read_timed(found[0])
     return {"val": val, "times": {str(k): v for k, v in times.items()}, "wall_s": wall, "note": note}
@@ -121,6 +126,12 @@ def main(doc: str) -> None:
         t = Table("mode", *(f"to {g:.3f} (s)" for g in goal), f"val loss at step {args.steps}", "wall per run (s)")
         for mode in args.modes:
             rs = runs[f"{model}/{mode}"]
+            failed = [r["note"] for r in rs if not r["val"]]
+            if failed:
+                bench.say(f"{model} {mode}: {len(failed)} run(s) failed: {failed[0]}")
+            rs = [r for r in rs if r["val"]]
+            if not rs:
+                continue
             cells = []
             for g in goal:
                 reached = [time_to(r, g) for r in rs]
@@ -140,6 +151,8 @@ def main(doc: str) -> None:
         for ax, model in zip(axes[0], args.models):
             for mode in args.modes:
                 r = runs[f"{model}/{mode}"][0]
+                if not r["val"]:
+                    continue
                 times = {int(k): v for k, v in r["times"].items()}
                 ax.plot([time_at(s, times) for s, _ in r["val"]], [v for _, v in r["val"]], marker="o", ms=3, label=MODES[mode][1])
             ax.set(title=f"{model}-tiny, 2 CPU devices, seed {args.seeds[0]}", xlabel="training wall clock (s)", ylabel="validation loss")
