@@ -1,7 +1,7 @@
 """A fine-grained switch on one rank (AutoPipe-RL §4.4; the transfers are adaptive/fine_grained.py).
 
-`Transition.begin` runs at the transition iteration's start, on every rank of the job (the stream's
-process groups are made then, once, by all): the cut takes the new bounds, the stage keeps the old
+A `Transition` is made at the transition iteration's start on every rank of the job (the transfers'
+process groups are made before the first one, once, by all): the cut takes the new bounds, the stage keeps the old
 ones for micro-batches < k, the two workers start their transfers, and the gradients and runtime
 are rebuilt over the new cut (the old worker's moved blocks are outside its gradient groups: the
 new worker reduces them). `finish` runs after the iteration's backward, before the optimizer step.
@@ -35,6 +35,8 @@ def why_not_fine(training: Any, new: Bounds) -> tuple[Optional[Move], str]:
 
 
 class Transition:
+    """This rank's part of one fine-grained switch, from the batch's start to `finish`."""
+
     def __init__(self, training: Any, move: Move, new: Bounds, early: int, group: Any):
         self.training, self.move, self.early = training, move, early
         ctx, cut = training.ctx, training.ctx.cut
