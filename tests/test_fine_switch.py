@@ -115,8 +115,8 @@ def test_fine_switch_keeps_single_process_weights(name, partition, plan):
 
 def test_fine_switch_with_replicas_and_a_short_last_batch():
     # width 2: each replica's old worker reduces without the moved blocks, the new worker adds the
-    # partial gradients before its REDUCE; 48 samples in batches of 10: the 5th batch has 8 (micro-batches
-    # of 2), and the switch at iteration 4 asks k = 3 of its 4
+    # partial gradients before its REDUCE; 48 samples in batches of 10: the 5th batch has 8 (4 per
+    # replica, micro-batches of 1), and the switch at iteration 4 asks k = 3 of its 4
     torch.manual_seed(0)
     ref = single_process_batches(steps=5, batch_size=10)
     model, seen = run([3, 3], {4: ([[0, 2], [2, 6]], 3)}, steps=5, devices=4, width=2, batch_size=10)

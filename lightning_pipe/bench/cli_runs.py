@@ -64,18 +64,23 @@ def train(name: str, cmd: list[str], run_dir: str, timeout: float) -> tuple[str,
     return found[0], wall, note
 
 
-def read_metrics(path: str) -> tuple[Points, Points]:
-    """(steps completed, train_loss) and (steps completed, val_loss): Lightning's ``step`` column is
+def read_columns(path: str, *keys: str) -> list[Points]:
+    """(steps completed, value) of each column in `keys`, where logged: Lightning's ``step`` column is
     the 0-based batch index, so the validation after 300 steps is logged under 299."""
-    train_loss, val_loss = [], []
+    out: list[Points] = [[] for _ in keys]
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
             step = int(row["step"]) + 1
-            if row.get("train_loss"):
-                train_loss.append((step, float(row["train_loss"])))
-            if row.get("val_loss"):
-                val_loss.append((step, float(row["val_loss"])))
-    return sorted(train_loss), sorted(val_loss)
+            for points, key in zip(out, keys):
+                if row.get(key):
+                    points.append((step, float(row[key])))
+    return [sorted(points) for points in out]
+
+
+def read_metrics(path: str) -> tuple[Points, Points]:
+    """(steps completed, train_loss) and (steps completed, val_loss)."""
+    train_loss, val_loss = read_columns(path, "train_loss", "val_loss")
+    return train_loss, val_loss
 
 
 def moving_average(points: Points, window: int) -> tuple[list[int], list[float]]:

@@ -11,7 +11,6 @@ them is not what a mode costs.
 
 from __future__ import annotations
 
-import csv
 import glob
 import os
 import shutil
@@ -40,15 +39,8 @@ QUIET = ["callbacks.checkpoint=null", "callbacks.last=null"]
 
 def read_timed(path: str) -> tuple[list[tuple[int, float]], dict[int, float]]:
     """(steps completed, val_loss) and steps completed -> train/time (seconds since training started)."""
-    val, times = [], {}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            step = int(row["step"]) + 1
-            if row.get("val_loss"):
-                val.append((step, float(row["val_loss"])))
-            if row.get("train/time"):
-                times[step] = float(row["train/time"])
-    return sorted(val), times
+    val, times = cli.read_columns(path, "val_loss", "train/time")
+    return val, dict(times)
 
 
 def time_at(step: int, times: dict[int, float]) -> float:
