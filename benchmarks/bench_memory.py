@@ -13,10 +13,12 @@ model. Feeds docs/memory.md (method there).
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 import time
 import weakref
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,9 +29,6 @@ from lightning_pipe.bench.launch import run_distributed
 from lightning_pipe.bench.mlp import loss_fn, make_data, make_model
 from lightning_pipe.bench.pipes import equal_bounds, run_layer, schedule_layer
 from lightning_pipe.bench.rss import run_sampled
-from lightning_pipe.planning.auto import ADAM_WEIGHT_COPIES
-from lightning_pipe.planning.flops import transformer_costs
-from lightning_pipe.planning.partition import partition_blocks
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sequential import SequentialHost
 from lightning_pipe.schedules import build_schedule
@@ -302,23 +301,17 @@ WEIGHTS = [
 ]  # fmt: skip
 
 
-def predicted(model: str, ranks: int, dtype_bytes: int) -> list[float]:
-    """Bytes per stage: the planners' memory model on the analytic costs of the uniform partition."""
-    costs, kinds = transformer_costs(model, BATCH // MICRO, SEQ, dtype_bytes=dtype_bytes)
-    bounds = partition_blocks("uniform", len(kinds), ranks).bounds
-    timeline = simulate(build_schedule("1f1b", ranks, MICRO), costs, bounds)
-    return [w * ADAM_WEIGHT_COPIES + a for w, a in zip(timeline.weight_bytes, timeline.peak_activation_bytes)]
-
-
 def cli_step(model: str, ranks: int, precision: str, init: str, checkpoint: str, timeout: float) -> dict:
     """One step of the CLI, its process tree sampled: peak (rss, anon) of each rank and of the other processes."""
     with tempfile.TemporaryDirectory() as out:
-        command = [sys.executable, "-m", "lightning_pipe.train", f"recipe={model}", "trainer=cpu", "partition=uniform",
+        command = [sys.executable, "-m", "lightning_pipe.train", f"recipe={model}", "trainer=cpu", "partition=autopipe",
                    "schedule=1f1b", f"trainer.devices={ranks}", f"trainer.precision={precision}", "trainer.max_steps=1",
                    "trainer.val_check_interval=null", "trainer.limit_val_batches=0", "data.synthetic=true", f"data.batch_size={BATCH}",
                    f"data.seq_len={SEQ}", f"pipeline.microbatches={MICRO}", f"empty_init={init == 'empty'}", f"hydra.run.dir={out}",
                    *(["callbacks=none"] if checkpoint == "none" else [f"pipeline.checkpoint={checkpoint}"])]  # fmt: skip
         rc, peaks, tail = run_sampled(command, timeout=timeout)
+        plan = next(Path(out).rglob("plan.json"), None)  # the run's own prediction: the memory model on its profile
+        prediction = json.loads(plan.read_text())["predicted_memory_bytes"] if plan else None
     if rc != 0:
         said = [line for line in tail.splitlines() if line.startswith("error:")]
         raise RuntimeError(f"exit {rc}: {said[-1] if said else tail.splitlines()[-1:]}")
@@ -329,6 +322,7 @@ def cli_step(model: str, ranks: int, precision: str, init: str, checkpoint: str,
     started_by = {p.pid: r for r, p in ranked.items()}
     return {
         "ranks": {r: (p.rss, p.anon) for r, p in sorted(ranked.items())},
+        "predicted": prediction,
         "helpers": [(started_by.get(p.parent, "?"), p.command[:80], p.rss, p.anon) for p in helpers],
     }
 
@@ -337,12 +331,11 @@ def rank_peaks(bench: Bench, args) -> None:
     _, idle, _ = run_sampled([sys.executable, "-c", "import time, lightning_pipe.cli.train; time.sleep(1)"])
     runtime = idle[0].anon
     bench.say(f"runtime (a process that imported the CLI): {runtime / GiB:.2f} GiB anonymous memory")
-    columns = ("predicted GiB", "peak anon GiB", "peak rss GiB", "anon / predicted", "(anon - runtime) / predicted")
+    columns = ("predicted GiB", "of which runtime GiB", "peak anon GiB", "peak rss GiB", "anon / predicted")
     table = Table("model", "ranks", "precision", "init", "checkpoint", "stage", *columns)
     for spec in names(args.runs):
         model, ranks, precision = spec.split(":")
         ranks = int(ranks)
-        model_bytes = predicted(model.removesuffix("-cpu"), ranks, 2 if precision.startswith("bf16") else 4)
         for init in names(args.init):
             for checkpoint in names(args.checkpoint):
                 bench.log(f"{model} x{ranks} {precision} init={init} checkpoint={checkpoint} ...")
@@ -352,9 +345,10 @@ def rank_peaks(bench: Bench, args) -> None:
                     bench.say(f"- {model} x{ranks} {precision} init={init} checkpoint={checkpoint}: failed: {str(err).splitlines()[0]}")
                     continue
                 bench.keep(f"{spec}:{init}:{checkpoint}", result)
+                own = result["predicted"]["runtime_bytes"]  # what the run measured and planned with
                 for stage, (rss, anon) in result["ranks"].items():
-                    pred = model_bytes[stage]
-                    figures, ratios = (pred / GiB, anon / GiB, rss / GiB), (anon / pred, (anon - runtime) / pred)
+                    pred = result["predicted"]["per_rank"][stage]
+                    figures, ratios = (pred / GiB, own / GiB, anon / GiB, rss / GiB), (anon / pred,)
                     table.add(
                         model, ranks, precision, init, checkpoint, stage, *(f"{v:.2f}" for v in figures), *(f"{v:.2f}x" for v in ratios)
                     )

@@ -273,6 +273,10 @@ def test_slicer_equals_single_process_and_writes_the_plan(tmp_path, devices, sli
     assert summary["slicer"]["startup"] < summary["slicer"]["baseline_startup"]
     assert sum(b - a for a, b in summary["bounds"]) == len(ref.seq) and len(summary["bounds"]) == devices
     assert summary["plan"]["method"] == "autopipe"
+    # the memory model's prediction per rank, the process's measured runtime included (a real process holds > 50 MiB)
+    memory = summary["predicted_memory_bytes"]
+    assert len(memory["per_rank"]) == devices and memory["runtime_bytes"] > 50 * 2**20
+    assert all(m > memory["runtime_bytes"] for m in memory["per_rank"])
     assert (tmp_path / "plan_timeline.png").exists() and (tmp_path / "profile.json").exists()
     # the run really executed the halves: (4 + sliced) forwards and backwards per rank, and the plan
     # written says as many halves as the ranks ran (one more forward for each halved micro-batch)

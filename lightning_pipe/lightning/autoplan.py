@@ -26,11 +26,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from ..models.init import is_meta, profiling_blocks
+from ..planning.auto import ADAM_WEIGHT_COPIES, stage_memory
 from ..planning.entry import BLOCK_KINDS as KINDS  # noqa: F401  (benchmarks read it here)
 from ..planning.entry import DEFAULT_LINKS, RunPlan, block_kinds, link_model, plan_run  # noqa: F401
 from ..planning.partition import partition_blocks
 from ..profiling import Profile, profile_blocks
 from ..profiling.messages import MessageCosts, measure_messages
+from ..profiling.runtime import runtime_bytes
 from ..schedules import ScheduleSpec
 from ..simulation.timelines import chrome_trace, gantt, traced_timeline
 from .context import RankContext
@@ -118,6 +120,7 @@ def profile_pipeline(
     repeats: int = 3,
 ) -> Profile:
     blocks = list(pipeline)
+    runtime = runtime_bytes(device, [module])  # before profiling adds buffers of its own
     mine = range(*partition_blocks("uniform", len(blocks), world).bounds[rank]) if world > 1 else range(len(blocks))
     if is_meta(pipeline):  # a meta-built model: values only for this rank's share, one block at a time before it
         blocks = profiling_blocks(blocks, mine)
@@ -145,10 +148,10 @@ def profile_pipeline(
             b.data.copy_(saved[n])
     parts = [None] * world
     if world > 1:
-        dist.all_gather_object(parts, measured)
+        dist.all_gather_object(parts, (measured, runtime))
     else:
-        parts = [measured]
-    merged = {i: v for part in parts for i, v in part.items()}
+        parts = [(measured, runtime)]
+    merged = {i: v for part, _ in parts for i, v in part.items()}
     field = lambda name: [merged[i][name] for i in range(len(blocks))]  # noqa: E731
     dtype = str(next((p.dtype for p in pipeline.parameters()), torch.float32)).replace("torch.", "")
     return Profile(
@@ -164,6 +167,7 @@ def profile_pipeline(
         [type(b).__name__ for b in blocks],
         weight=field("weight") if all("weight" in merged[i] for i in merged) else [],
         backward_input=field("backward_input") if all("backward_input" in merged[i] for i in merged) else [],
+        runtime_bytes=max(r for _, r in parts),
     )
 
 
@@ -247,14 +251,21 @@ class AutoPlanner:
     def _report(self, profile: Profile, costs: Any, result: RunPlan, seconds: float) -> None:
         out = self._out()
         profile.save(out / "profile.json")
-        summary = {"profile": profile.key, "profiled_and_planned_seconds": seconds, **result.summary(), "messages": profile.messages}
-        (out / "plan.json").write_text(json.dumps(summary, indent=1))
         timeline = result.timeline(costs)
+        memory = stage_memory(timeline, ADAM_WEIGHT_COPIES, costs.runtime_bytes)  # what schedule="auto" holds to memory_limit
+        summary = {"profile": profile.key, "profiled_and_planned_seconds": seconds, **result.summary(), "messages": profile.messages}
+        summary["predicted_memory_bytes"] = {"per_rank": memory, "weight_copies": ADAM_WEIGHT_COPIES, "runtime_bytes": costs.runtime_bytes}
+        (out / "plan.json").write_text(json.dumps(summary, indent=1))
         gantt(timeline, out / "plan_timeline.png", title=f"predicted: {timeline.schedule.name}, chunks {[b - a for a, b in result.bounds]}")
         if profile.message_costs is not None:
             rank_zero_info("messages (planned with): " + profile.message_costs.summary())
         for lines in result.report():
             rank_zero_info("\n" + lines)
+        rank_zero_info(
+            "predicted peak memory per rank: " + ", ".join(f"{b / 2**30:.2f}" for b in memory) + " GiB (weights x "
+            f"{ADAM_WEIGHT_COPIES:g} for parameters, gradients and Adam's moments; stashed activations; the process's runtime "
+            f"{costs.runtime_bytes / 2**30:.2f} GiB)"
+        )
         rank_zero_info(f"plan, profile and predicted timeline written to {out}")
 
     def _out(self) -> Path:

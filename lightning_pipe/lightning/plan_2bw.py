@@ -30,6 +30,7 @@ from ..config import PipelineConfig
 from ..errors import SettingError
 from ..planning.entry import block_kinds
 from ..planning.two_bw import NoConfiguration, TwoBWPlan, hardware, optimizer_factor, plan_2bw, refiner
+from ..profiling.runtime import runtime_bytes
 from ..profiling.sized import profile_sizes
 from .autoplan import dataset_sample, pipeline_input, step_loss
 from .stage import find_pipeline
@@ -160,6 +161,7 @@ def _plan(config: PipelineConfig, where: Where, module: Any, trainer: Any, batch
         config.inter_bandwidth,
         config.latency,
         optimizer_factor(trainer.precision),
+        runtime_bytes(device, [module]),
     )
     kinds = block_kinds([type(b).__name__ for b in blocks])
     schedules = ("2bw", "1f1b", "gpipe") if config.auto else (config.schedule,)

@@ -137,10 +137,15 @@ class ScheduleChoice:
         }
 
 
-def peak_memory(timeline: Timeline, weight_copies: float) -> float:
-    """Predicted peak bytes of the fullest rank: its weights' copies plus its stashed activations."""
-    per_rank = [w * weight_copies + a for w, a in zip(timeline.weight_bytes, timeline.peak_activation_bytes)]
-    return max(per_rank, default=0.0)
+def stage_memory(timeline: Timeline, weight_copies: float, runtime_bytes: float = 0.0) -> list[float]:
+    """Predicted peak bytes of each rank: its weights' copies, its stashed activations and the
+    process's runtime (`CostModel.runtime_bytes`: the interpreter and libraries, a CUDA context)."""
+    return [w * weight_copies + a + runtime_bytes for w, a in zip(timeline.weight_bytes, timeline.peak_activation_bytes)]
+
+
+def peak_memory(timeline: Timeline, weight_copies: float, runtime_bytes: float = 0.0) -> float:
+    """Predicted peak bytes of the fullest rank (`stage_memory`'s largest)."""
+    return max(stage_memory(timeline, weight_copies, runtime_bytes), default=0.0)
 
 
 def choose_schedule(
@@ -184,7 +189,7 @@ def choose_schedule(
             timeline = simulate_sliced(costs, chosen_plan.bounds, microbatches, sliced, schedule)
         else:
             timeline = simulate(cached_schedule(schedule, stages, microbatches, key), costs, chosen_plan.bounds, critical_path=False)
-        memory = peak_memory(timeline, weight_copies)
+        memory = peak_memory(timeline, weight_copies, costs.runtime_bytes)
         verdict = "runs" if memory_limit is None or memory <= memory_limit else "over the memory limit"
         found.append(Candidate(schedule, key, chosen_plan, time, memory, sliced, verdict))
     found = _wave_guard(found, costs, stages, microbatches, method, kinds, slicer)

@@ -58,6 +58,7 @@ class Hardware:
     inter_bandwidth: float  # bytes/s between nodes
     latency: float = 20e-6  # seconds per message / all-reduce step
     optimizer_factor: float = 2.0  # optimizer state bytes per parameter byte (Adam, same dtype: 2; mixed precision with fp32 master: 6)
+    runtime_bytes: float = 0.0  # ours: a process's own memory besides the model (profiling/runtime.py), on every stage
 
     def pipeline_bandwidth(self, depth: int) -> float:
         """Ranks of a pipeline are consecutive (topology.py): within a node unless it is deeper than one."""
@@ -82,6 +83,7 @@ def hardware(
     inter_bandwidth: Optional[float] = None,
     latency: Optional[float] = None,
     optimizer_factor: float = 2.0,
+    runtime_bytes: float = 0.0,
 ) -> Hardware:
     intra, inter = DEFAULT_BANDWIDTH.get(device_type, DEFAULT_BANDWIDTH["cuda"])
     return Hardware(
@@ -92,6 +94,7 @@ def hardware(
         inter_bandwidth or inter,
         20e-6 if latency is None else latency,
         optimizer_factor,
+        runtime_bytes,
     )
 
 
@@ -158,6 +161,7 @@ class TwoBWPlan:
         head = (
             f"planner=2bw: {self.hardware.devices} devices ({self.hardware.devices_per_node} per node), memory limit {limit}, "
             f"global batch {self.global_batch}; costs: {self.source}; {len(self.candidates)} candidates in {self.planning_seconds:.2f} s"
+            + (f"; memory includes each process's runtime, {size_text(self.hardware.runtime_bytes)}" if self.hardware.runtime_bytes else "")
         )
         cols = ("w", "d", "b", "g", "schedule", "r", "samples/s", "step ms", "all-reduce ms", "memory", "simulated", "verdict")
         legend = (
@@ -254,7 +258,7 @@ def memory(
             acts = n * sum(costs.input_bytes[a:b]) + max(costs.saved_bytes[a:b], default=0.0)
         else:
             acts = n * sum(costs.saved_bytes[a:b])
-        per_stage.append(states + acts)
+        per_stage.append(states + acts + hw.runtime_bytes)
     return tuple(per_stage)
 
 
@@ -472,7 +476,7 @@ def _search_closed(costs: BlockCosts, w: int, d: int, b: int, m: int, schedule: 
     bounds = even_bounds(len(costs.forward), d)
     for option in options:
         on = option == "on"
-        footprint = closed_memory(costs, d, schedule, m, on)
+        footprint = closed_memory(costs, d, schedule, m, on) + hw.runtime_bytes  # the paper's MEMORY(.) and the process (ours)
         c = Candidate(w, d, b, m, schedule, option, (on,) * d, bounds, memory=footprint, stage_memory=(footprint,) * d, exact=True)
         if footprint > limit:
             c.verdict = "over memory_limit"

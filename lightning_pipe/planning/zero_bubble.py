@@ -153,9 +153,12 @@ def stage_limit(costs: CostModel, bounds: Sequence[tuple[int, int]], memory_limi
     for a, b in bounds:
         weights = weight_copies * sum(costs.param_bytes[a:b]) if costs.param_bytes else 0.0
         activation = sum(costs.activation_bytes[a:b]) if costs.activation_bytes else 0.0
-        room = memory_limit - weights
+        room = memory_limit - weights - costs.runtime_bytes  # the process's own memory first
         if room < activation or room < 0:
-            raise ValueError(f"memory_limit={memory_limit:.4g} bytes does not hold stage {a}..{b - 1}'s weights and one micro-batch")
+            raise ValueError(
+                f"memory_limit={memory_limit:.4g} bytes does not hold stage {a}..{b - 1}'s weights and one micro-batch"
+                + (f" besides the process's runtime ({costs.runtime_bytes:.4g} bytes)" if costs.runtime_bytes else "")
+            )
         held = min(held, room // activation if activation else 1 << 30)
     return int(held)
 

@@ -44,6 +44,7 @@ class Profile:
     messages: Optional[dict] = None  # messages.MessageCosts measured on the ranks, as a dict; None: not measured
     weight: list[float] = field(default_factory=list)  # seconds of W (weight gradients) in a split backward; []: not measured
     backward_input: list[float] = field(default_factory=list)  # seconds of BI (input gradient) in a split backward
+    runtime_bytes: float = 0.0  # bytes a rank's process holds besides the model, the largest rank's (runtime.py); 0: not measured
 
     def __post_init__(self) -> None:
         n = len(self.forward)
@@ -58,6 +59,8 @@ class Profile:
             bad = [v for v in getattr(self, name) if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0)]
             if bad:
                 raise ValueError(f"profile: {name} must hold finite numbers >= 0, got {bad[:3]}")
+        if not (isinstance(self.runtime_bytes, (int, float)) and math.isfinite(self.runtime_bytes) and self.runtime_bytes >= 0):
+            raise ValueError(f"profile: runtime_bytes must be a finite number >= 0, got {self.runtime_bytes!r}")
 
     @property
     def num_blocks(self) -> int:
@@ -86,6 +89,7 @@ class Profile:
             cores,
             weight=tuple(self.weight),
             backward_input=tuple(self.backward_input),
+            runtime_bytes=self.runtime_bytes,
         )
         return self.message_costs.apply(costs) if self.messages else costs
 

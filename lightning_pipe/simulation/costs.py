@@ -50,6 +50,7 @@ class CostModel:
     handoff_delay: float = 0.0  # s, mean, added to every message's arrival
     weight: tuple[float, ...] = ()  # s of block i's weight gradients (W) in a split backward; empty: half the backward
     backward_input: tuple[float, ...] = ()  # s of its input gradient (BI) in a split backward; empty: backward - weight
+    runtime_bytes: float = 0.0  # bytes every rank's process holds besides the model (profiling/runtime.py); 0: not measured
 
     def __post_init__(self) -> None:
         n = len(self.forward)
@@ -69,6 +70,8 @@ class CostModel:
                 raise ValueError(f"costs: {name} must hold finite numbers >= 0, got {bad[:3]}")
         if not self.bandwidth > 0 or self.latency < 0 or any(not s > 0 for s in self.slowdown):
             raise ValueError("costs: bandwidth must be > 0, latency >= 0 and every slowdown > 0")
+        if not (isinstance(self.runtime_bytes, (int, float)) and math.isfinite(self.runtime_bytes) and self.runtime_bytes >= 0):
+            raise ValueError(f"costs: runtime_bytes must be a finite number of bytes >= 0, got {self.runtime_bytes!r}")
         for name in ("send_overhead", "recv_overhead", "handoff_delay"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
