@@ -10,6 +10,7 @@ windows, then each final model (last.ckpt: the reference for AvgPipe) on the who
     python benchmarks/bench_convergence.py avgpipe
     python benchmarks/bench_convergence.py avgpipe --quick   # smoke: 4 steps per run
     flock /tmp/bench.lock python benchmarks/bench_convergence.py ttt --json docs/time_to_loss.json --plot docs/img/time_to_loss.png
+    python benchmarks/bench_convergence.py efficiency --json docs/stat_efficiency.json   # long runs, the papers' settings
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from lightning_pipe.bench import REPO, time_to_loss
+from lightning_pipe.bench import REPO, stat_efficiency, time_to_loss
 from lightning_pipe.bench import cli_runs as cli
 from lightning_pipe.bench.harness import Bench, Table, pyplot, save_figure
 
@@ -169,9 +170,9 @@ def avgpipe(bench: Bench, args, curves: dict, folder: str) -> list[str]:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["ttt"]:  # time to a target loss, every mode (lightning_pipe.bench.time_to_loss)
-        del sys.argv[1]
-        return time_to_loss.main(time_to_loss.__doc__)
+    own = {"ttt": time_to_loss, "efficiency": stat_efficiency}  # experiments with modules of their own
+    if sys.argv[1:2] and sys.argv[1] in own:
+        return own[sys.argv[1]].main()  # which parses sys.argv[2:]
     bench = Bench(__doc__, dict(steps=4, val_every=2, val_samples=16, smooth=2), steps=None, timeout=1800.0)
     p = bench.parser
     bench.experiment(DEFAULTS)

@@ -15,6 +15,7 @@ import glob
 import os
 import shutil
 import statistics
+import sys
 from typing import Any, Optional
 
 from . import cli_runs as cli
@@ -81,7 +82,7 @@ def time_to(run: dict, target: float) -> Optional[float]:
     return None
 
 
-def main(doc: str) -> None:
+def main(doc: str = __doc__) -> None:
     import json
     import tempfile
 
@@ -97,7 +98,7 @@ def main(doc: str) -> None:
         plot=(None, "write the validation loss against wall time here (PNG)"),
         reuse=(None, "a JSON of an earlier run: report it (no training)"),
     )
-    args = bench.parse()
+    args = bench.parse(sys.argv[2:])  # after bench_convergence.py's experiment name
     if args.quick:
         args.seeds, args.modes = [0], ["1f1b", "2bw"]
     if args.modes[0] != "1f1b" or set(args.modes) - set(MODES):
