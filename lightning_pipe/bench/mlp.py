@@ -176,8 +176,9 @@ def best_runs(bench, job, modes: list[str], cfg: dict, rounds: int, tag: str = "
     ``*single*`` on one process; ``trainer-*`` without a process group: Lightning makes its own):
     per mode the `summarize` figures of its fastest run (with the foreign load) and the largest
     relative error of its final weights from the first run's (``modes[0]``, not ``pair``);
-    ``on_run(mode, results)`` after every run, ``on_best(mode, results)`` each time a mode's best improves."""
-    best, errors, reference = {}, {}, None
+    ``on_run(mode, results)`` after every run, ``on_best(mode, results)`` each time a mode's best improves;
+    every round's samples/s in ``best[mode]["rounds"]``."""
+    best, errors, reference, totals = {}, {}, None, {}
     for rep in range(rounds):
         for mode in modes:
             label = f"{tag}run {rep + 1}/{rounds} {mode:18s}"
@@ -189,7 +190,9 @@ def best_runs(bench, job, modes: list[str], cfg: dict, rounds: int, tag: str = "
                 errors[mode] = max(errors.get(mode, 0.0), max_rel_error(results, reference))
             bench.log(f"  {label} {stats['total']:8.1f} samples/s ({stats['step_ms']:.1f} ms/step, foreign load {foreign:.2f} CPUs)")
             (on_run or (lambda *_: None))(mode, results)
+            totals.setdefault(mode, []).append(stats["total"])
             if mode not in best or stats["total"] > best[mode]["total"]:
                 best[mode] = stats
                 (on_best or (lambda *_: None))(mode, results)
+            best[mode]["rounds"] = totals[mode]
     return best, errors
