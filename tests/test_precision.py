@@ -83,3 +83,35 @@ def test_plugin_becomes_pipeline_aware_and_pickles_with_its_state():
     assert pipeline_precision(converted) is converted
     assert isinstance(AutoPipeStrategy().precision_plugin, PipelinePrecisionMixin)
     assert isinstance(pipeline_precision(Precision()), Precision)
+
+
+def test_the_profile_runs_in_the_runs_precision_and_leaves_the_values_as_the_run_converts_them():
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    from lightning_pipe.lightning.profile_precision import run_precision
+
+    torch.manual_seed(0)
+    pipeline = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    plugin = HalfPrecision("bf16-true")
+    direct = {k: v.to(torch.bfloat16) for k, v in pipeline.state_dict().items()}  # what the run's conversion gives
+    with run_precision(plugin, pipeline) as convert_input:
+        assert {p.dtype for p in pipeline.parameters()} == {torch.bfloat16}
+        assert convert_input(torch.ones(2, 4)).dtype == torch.bfloat16 and torch.get_default_dtype() == torch.bfloat16
+    assert {p.dtype for p in pipeline.parameters()} == {torch.float32} and torch.get_default_dtype() == torch.float32
+    after = plugin.convert_module(pipeline).state_dict()
+    assert all(torch.equal(after[k], direct[k]) for k in direct)  # bit for bit
+
+
+@pytest.mark.multiprocess
+def test_a_bf16_true_run_is_planned_on_bf16_costs(tmp_path):
+    import json
+
+    from models import LitSeq, loader
+
+    model = LitSeq(dtype="float32")
+    strategy = AutoPipeStrategy(microbatches=2, partition="autopipe", message_costs=False, start_method=START)
+    trainer = L.Trainer(devices=2, strategy=strategy, default_root_dir=tmp_path, **trainer_kwargs(max_steps=2, precision="bf16-true"))
+    trainer.fit(model, loader(dtype=torch.float32))
+    profile = json.loads((tmp_path / "profile.json").read_text())
+    fp32_bytes = sum(p.numel() * 4 for p in LitSeq(dtype="float32").seq.parameters())
+    assert profile["dtype"] == "bfloat16" and sum(profile["param_bytes"]) == fp32_bytes / 2

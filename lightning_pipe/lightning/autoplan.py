@@ -13,6 +13,7 @@ Runs in the strategy's setup, before the model is cut:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -37,6 +38,7 @@ from ..schedules import ScheduleSpec
 from ..simulation.timelines import chrome_trace, gantt, traced_timeline
 from .context import RankContext
 from .metric_state import untouched
+from .profile_precision import run_precision
 from .stage import _Handoff
 
 log = logging.getLogger(__name__)
@@ -118,9 +120,28 @@ def profile_pipeline(
     model_name: str,
     microbatch_size: int,
     repeats: int = 3,
+    precision: Optional[Any] = None,
+) -> Profile:
+    """The blocks' costs (collective: each rank times its uniform share), in the run's `precision`
+    (Lightning's plugin, `profile_precision`), and the process's runtime memory."""
+    runtime = runtime_bytes(device, [module])  # before profiling adds buffers of its own
+    with run_precision(precision, pipeline) as convert_input:
+        args = (module, pipeline, convert_input(batch), device, rank, world, model_name, microbatch_size, repeats)
+        return dataclasses.replace(_measure(*args), runtime_bytes=max(all_ranks(runtime, world)))
+
+
+def _measure(
+    module: Any,
+    pipeline: nn.Sequential,
+    batch: Any,
+    device: torch.device,
+    rank: int,
+    world: int,
+    model_name: str,
+    microbatch_size: int,
+    repeats: int,
 ) -> Profile:
     blocks = list(pipeline)
-    runtime = runtime_bytes(device, [module])  # before profiling adds buffers of its own
     mine = range(*partition_blocks("uniform", len(blocks), world).bounds[rank]) if world > 1 else range(len(blocks))
     if is_meta(pipeline):  # a meta-built model: values only for this rank's share, one block at a time before it
         blocks = profiling_blocks(blocks, mine)
@@ -146,12 +167,7 @@ def profile_pipeline(
     for blk, saved in zip(blocks, buffers):  # e.g. BatchNorm statistics: as if never run
         for n, b in blk.named_buffers():
             b.data.copy_(saved[n])
-    parts = [None] * world
-    if world > 1:
-        dist.all_gather_object(parts, (measured, runtime))
-    else:
-        parts = [(measured, runtime)]
-    merged = {i: v for part, _ in parts for i, v in part.items()}
+    merged = {i: v for part in all_ranks(measured, world) for i, v in part.items()}
     field = lambda name: [merged[i][name] for i in range(len(blocks))]  # noqa: E731
     dtype = str(next((p.dtype for p in pipeline.parameters()), torch.float32)).replace("torch.", "")
     return Profile(
@@ -167,8 +183,16 @@ def profile_pipeline(
         [type(b).__name__ for b in blocks],
         weight=field("weight") if all("weight" in merged[i] for i in merged) else [],
         backward_input=field("backward_input") if all("backward_input" in merged[i] for i in merged) else [],
-        runtime_bytes=max(r for _, r in parts),
     )
+
+
+def all_ranks(value: Any, world: int) -> list:
+    """Every rank's `value` (a collective when world > 1)."""
+    parts = [None] * world
+    if world > 1:
+        dist.all_gather_object(parts, value)
+        return parts
+    return [value]
 
 
 # Link models when none is given: a GPU pipeline over NVLink / PCIe, a CPU one over loopback gloo.
@@ -231,7 +255,8 @@ class AutoPlanner:
             profile = Profile.load(self.profile_path)
             profile.check_blocks(len(pipeline))
         else:
-            profile = profile_pipeline(module, pipeline, sample, ctx.device, ctx.global_rank, topo.world_size, type(module).__name__, mbs)
+            where = (ctx.device, ctx.global_rank, topo.world_size, type(module).__name__, mbs)
+            profile = profile_pipeline(module, pipeline, sample, *where, precision=module.trainer.precision_plugin)
             if self.config.message_costs and topo.depth > 1:
                 profile.messages = profile_messages(profile, topo.pipeline_ranks(0), ctx.device, topo.depth).to_dict()
         costs = profile.costs(*link_model(self.config, ctx.device.type))

@@ -33,6 +33,7 @@ from ..planning.two_bw import NoConfiguration, TwoBWPlan, hardware, optimizer_fa
 from ..profiling.runtime import runtime_bytes
 from ..profiling.sized import profile_sizes
 from .autoplan import dataset_sample, pipeline_input, step_loss
+from .profile_precision import run_precision
 from .stage import find_pipeline
 
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32)  # micro-batch sizes profiled (those <= the global batch)
@@ -134,20 +135,10 @@ def _plan(config: PipelineConfig, where: Where, module: Any, trainer: Any, batch
             "planner",
         )
     started = time.perf_counter()
-    inputs = {s: pipeline_input(module, pipeline, samples[s]) for s in sizes}
-    module.log = lambda *a, **k: None  # type: ignore[method-assign]  # the user's step logs nothing here
-    try:
-        profile = profile_sizes(
-            blocks,
-            lambda s: inputs[s],
-            sizes,
-            device,
-            model=type(module).__name__,
-            repeats=2,
-            loss_fn_of=lambda s: step_loss(module, pipeline, move_data_to_device(samples[s], device)),
-        )
-    finally:
-        del module.log
+    runtime = runtime_bytes(device, [module])
+    with run_precision(trainer.precision_plugin, pipeline) as convert_input:  # the run's dtype, its autocast
+        samples = {s: convert_input(v) for s, v in samples.items()}
+        profile = _profile(module, pipeline, blocks, samples, sizes, device)
     profiled = time.perf_counter() - started
     limit = config.memory_limit
     if limit is None and device.type == "cuda":
@@ -161,7 +152,7 @@ def _plan(config: PipelineConfig, where: Where, module: Any, trainer: Any, batch
         config.inter_bandwidth,
         config.latency,
         optimizer_factor(trainer.precision),
-        runtime_bytes(device, [module]),
+        runtime,
     )
     kinds = block_kinds([type(b).__name__ for b in blocks])
     schedules = ("2bw", "1f1b", "gpipe") if config.auto else (config.schedule,)
@@ -174,6 +165,24 @@ def _plan(config: PipelineConfig, where: Where, module: Any, trainer: Any, batch
         (out / "plan_2bw.json").write_text(json.dumps(result.to_dict(), indent=1))
     rank_zero_info(result.table())
     return result
+
+
+def _profile(module: Any, pipeline: Any, blocks: list, samples: dict, sizes: list, device: torch.device) -> Any:
+    """Every block at every micro-batch size in `sizes` (profiling.sized), from the samples' pipeline inputs."""
+    inputs = {s: pipeline_input(module, pipeline, samples[s]) for s in sizes}
+    module.log = lambda *a, **k: None  # type: ignore[method-assign]  # the user's step logs nothing here
+    try:
+        return profile_sizes(
+            blocks,
+            lambda s: inputs[s],
+            sizes,
+            device,
+            model=type(module).__name__,
+            repeats=2,
+            loss_fn_of=lambda s: step_loss(module, pipeline, move_data_to_device(samples[s], device)),
+        )
+    finally:
+        del module.log
 
 
 def rebatched(loader: Any, rows: int) -> Any:
