@@ -108,6 +108,9 @@ class PipelineConfig:
     """Tuner: the micro-batch counts M to consider (None: powers of two from 1 to the batch size, at most 64)."""
     tune_pipelines: Optional[list[int]] = None
     """Tuner: the parallel pipeline counts N to consider (None: 1, 2, 4)."""
+    tune_model: str = "paper"
+    """Tuner: how the grid is predicted: "paper" (§5.2's Eq. 1-8 from one profile) or "calibrated" (ours:
+    a second profile at the grid's smallest M; lightning_pipe/tuning/calibrated.py)."""
     profile: Optional[str] = None
     """A saved profile.json to plan from instead of profiling on the ranks."""
     bandwidth: Optional[float] = None
@@ -338,6 +341,8 @@ class PipelineConfig:
         if not isinstance(self.tune, bool):
             raise SettingError(f"tune={self.tune!r}: true or false", "tune")
         check_count("tune_batches", self.tune_batches)
+        if self.tune_model not in ("paper", "calibrated"):
+            raise SettingError(f"tune_model={self.tune_model!r}: one of 'paper' (Eq. 1-8), 'calibrated' (ours)", "tune_model")
         for name in ("tune_microbatches", "tune_pipelines"):
             value = getattr(self, name)
             if value is None:

@@ -22,7 +22,7 @@ from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.cli.paths import CONFIG_DIR
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.errors import SettingError
-from lightning_pipe.tuning import StageProfile, TuneProfile, UtilisationSampler, choose, default_grid, predict
+from lightning_pipe.tuning import StageProfile, TuneProfile, UtilisationSampler, choose, default_grid, predict, predict_calibrated
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -149,6 +149,53 @@ TUNE = ["recipe=gpt-tiny-avgpipe", "pipeline.tune=true", "pipeline.tune_batches=
 TUNE += ["pipeline.tune_microbatches=[2,4]", "pipeline.tune_pipelines=[1,2]"]
 
 
+def calibration_points():
+    # N = 1 profiles at M = 1 and M = 8 of two stages: computation, wire, step wall, start-to-start period
+    lo = (
+        StageProfile(0.050, 0.002, (), 100.0, 40.0, wall=0.080, period=0.100),
+        StageProfile(0.024, 0.002, (), 80.0, 20.0, wall=0.080, period=0.096),
+    )
+    hi = (
+        StageProfile(0.071, 0.009, (), 100.0, 40.0, wall=0.090, period=0.110),
+        StageProfile(0.031, 0.009, (), 80.0, 20.0, wall=0.090, period=0.114),
+    )
+    return TuneProfile(8, 1, 16, hi), TuneProfile(1, 1, 16, lo)
+
+
+def test_calibrated_prediction_by_hand():
+    hi, lo = calibration_points()
+    p = predict_calibrated(hi, lo, 4, 2)
+    c = [0.050 + (0.071 - 0.050) * 3 / 7, 0.024 + (0.031 - 0.024) * 3 / 7]  # the line through M = 1 and M = 8, at 4
+    w = [0.002 + 0.007 * 3 / 7] * 2
+    o = [(0.020 + 0.020) / 2, (0.016 + 0.024) / 2]  # period - wall, mean of both points
+    t = [(c[k] + w[k]) / 4 for k in range(2)]
+    critical = t[0] + t[1] + 3 * max(t) + max(o)  # one pipeline's flush schedule and its outside work
+    device = [2 * (c[k] + w[k] + o[k]) for k in range(2)]  # the N = 2 pipelines' work on each device
+    assert [x for t in p.terms for x in t] == pytest.approx([c[0], w[0], critical, o[0], c[1], w[1], critical, o[1]])
+    assert p.per_batch == pytest.approx(max(max(device), critical) / 2)
+    assert p.throughput == pytest.approx(16 / p.per_batch)
+    assert p.memory_per_device == pytest.approx((2 * 100 + 8 / 4 * 2 * 40, 2 * 80 + 8 / 4 * 2 * 20))  # Eq. 8
+    # M = 1, N = 1: nothing overlaps, the batch is the sum of the stages plus the outside work
+    one = predict_calibrated(hi, lo, 1, 1)
+    assert one.per_batch == pytest.approx(0.050 + 0.002 + 0.024 + 0.002 + 0.020)
+    # M = 1, N = 2: the second pipeline fills the first one's bubble: the device's work bounds it
+    assert predict_calibrated(hi, lo, 1, 2).per_batch == pytest.approx(max(0.050 + 0.002 + 0.020, one.per_batch / 2))
+
+
+@given(m=st.integers(1, 16), n=st.integers(1, 4), extra=st.integers(1, 4))
+def test_calibrated_time_per_batch_never_grows_with_pipelines_and_is_bounded_by_the_work(m, n, extra):
+    hi, lo = calibration_points()
+    p, more = predict_calibrated(hi, lo, m, n), predict_calibrated(hi, lo, m, n + extra)
+    assert more.per_batch <= p.per_batch + 1e-15  # more pipelines fill more bubble, never add any
+    work = max(c + w + o for c, w, _, o in p.terms)
+    assert p.per_batch >= work - 1e-15 and p.per_batch == pytest.approx(max(work, p.terms[0][2] / n))
+
+
+def test_tune_model_is_checked():
+    with pytest.raises(SettingError, match="tune_model='fast': one of 'paper'"):
+        PipelineConfig(tune_model="fast")
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(500)
 def test_plan_profiles_one_setting_and_predicts_the_grid(tmp_path):
@@ -187,6 +234,7 @@ def test_train_tunes_then_runs_the_chosen_job(tmp_path):
         "trainer.val_check_interval=3",
         "trainer.limit_val_batches=1",
         "trainer.enable_progress_bar=false",
+        "pipeline.tune_model=calibrated",
     ]
     done = run("lightning_pipe.train", args, tmp_path, timeout=550)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -200,6 +248,13 @@ def test_train_tunes_then_runs_the_chosen_job(tmp_path):
     partition = json.loads(path.read_text())["partition"]  # the profiled run's plan, reused (not planned again)
     assert sum(partition) == 10 and list(resolved.pipeline.partition) == partition
     assert len(list(path.parent.glob("tune_profile/ranks/rank*.json"))) == 2  # profiled once, not by every worker
+    # calibrated (ours): the second point at the grid's smallest M, on the first point's partition
+    tuned = json.loads(path.read_text())
+    assert tuned["model"] == "calibrated" and tuned["profile_lo"]["microbatches"] == 2 and tuned["profile"]["microbatches"] == 4
+    assert len(list(path.parent.glob("tune_profile_lo/ranks/rank*.json"))) == 2
+    lo_plan = json.loads((path.parent / "tune_profile_lo" / "plan.json").read_text())
+    assert [b - a for a, b in lo_plan["bounds"]] == partition
+    assert set(tuned["candidates"][0]["terms_per_device"][0]) == {"C", "W", "L", "O"}
 
 
 def test_bad_tuner_settings_are_one_line_before_any_process(tmp_path):

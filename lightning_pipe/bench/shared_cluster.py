@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.models import CausalLM, ModelConfig
 
 from .harness import pin_to_core, pyplot, save_figure
+from .injected_load import busy_job
 
 CFG = dict(vocab_size=260, n_layer=4, n_head=4, d_model=128, max_seq_len=64)
 BATCH, SEQ, M = 16, 64, 4
@@ -42,8 +41,7 @@ class SharedCluster(Callback):
 
     def _job(self, k: int, on: bool) -> None:
         if on and k not in self.procs:
-            code = f"import os; os.sched_setaffinity(0, {{{self.jobs[k][2]}}}); x = 0\nwhile True: x += 1"
-            self.procs[k] = subprocess.Popen([sys.executable, "-c", code])
+            self.procs[k] = busy_job(self.jobs[k][2])
         elif not on and k in self.procs:
             proc = self.procs.pop(k)
             proc.kill()

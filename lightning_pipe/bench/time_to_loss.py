@@ -6,7 +6,9 @@ for the same steps, with validation every `val_every` steps on the same first va
 The targets are the validation losses plain 1F1B reaches at 1/3, 2/3 and all of the steps (median
 over seeds); a mode's time to a target is its training wall clock (`train/time`, validation
 included as for every mode) at its first validation at or below it. Checkpoints are off: writing
-them is not what a mode costs.
+them is not what a mode costs. The `-load` modes inject a slowdown (injected_load.py: ranks pinned to
+their cores, a busy job on rank 1's core from step 50 to 250): static 1F1B against adaptive
+re-partitioning (AutoPipe-RL's rule) under the same load, measured against 1F1B's unloaded targets.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ AVGPIPE = [  # the reference is validated; each pipeline's sampler would split t
     *("pipeline=avgpipe", "pipeline.pipelines=2", "data.batch_size=8", "pipeline.microbatches=2"),
     *(f"trainer.limit_val_batches={VAL_SAMPLES // 8}", "+trainer.use_distributed_sampler=false"),
 ]
+LOAD = [  # ranks pinned to their cores; a busy job shares rank 1's core from step 50 to 250 (injected_load.py)
+    "+callbacks.load._target_=lightning_pipe.bench.injected_load.InjectedLoad",
+    *("+callbacks.load.core=1", "+callbacks.load.start=50", "+callbacks.load.stop=250"),
+]
 MODES: dict[str, tuple[list[str], str]] = {  # name -> (Hydra overrides after the recipe, label)
     "1f1b": (["schedule=1f1b", *FLUSH], "1F1B"),
     "hanayo": (["schedule=hanayo", *FLUSH], "Hanayo (W = 1)"),
@@ -33,6 +39,8 @@ MODES: dict[str, tuple[list[str], str]] = {  # name -> (Hydra overrides after th
     "2bw": (["schedule=2bw", *FLUSH], "PipeDream-2BW"),
     "avgpipe": (["schedule=1f1b", *AVGPIPE], "AvgPipe N = 2 (1F1B)"),
     "avgpipe-2bw": (["schedule=2bw", "pipeline.advance_num=2", *AVGPIPE], "AvgPipe(2BW) N = 2, advance 2"),
+    "1f1b-load": (["schedule=1f1b", *FLUSH, *LOAD], "1F1B, load on rank 1 (steps 50-250)"),
+    "adaptive-load": (["schedule=1f1b", *FLUSH, *LOAD, "pipeline.adaptive=true"], "adaptive 1F1B, load on rank 1 (steps 50-250)"),
 }
 RECIPES = {"gpt": "recipe=gpt-tiny-cpu", "bert": "recipe=bert-tiny-cpu"}
 QUIET = ["callbacks.checkpoint=null", "callbacks.last=null"]

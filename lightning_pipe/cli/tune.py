@@ -15,6 +15,7 @@ the chosen job runs N x K worker processes (plus AvgPipe's K reference processes
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -29,7 +30,7 @@ from omegaconf import DictConfig, open_dict
 from ..config import PipelineConfig
 from ..errors import SettingError
 from ..lightning.tune_record import RECORD_ENV
-from ..tuning import TuneProfile, TuneResult, choose, default_grid
+from ..tuning import TuneProfile, TuneResult, choose, default_grid, predict_calibrated
 
 TUNED_ENV = "LIGHTNING_PIPE_TUNED"  # the tune.json a job's own workers apply instead of tuning again
 _PROFILE_TIMEOUT = 3600.0
@@ -61,11 +62,16 @@ def check(cfg: DictConfig, config: PipelineConfig) -> tuple[list[int], list[int]
     return ms, ns
 
 
-def run_profile(cfg: DictConfig, config: PipelineConfig, folder: Path, microbatches: int, stages: int) -> list[dict]:
-    """The profiled run as a child training job; returns every rank's record."""
-    given = [o for o in HydraConfig.get().overrides.task if o.lstrip("+~").split("=", 1)[0] not in _OWN]
+def run_profile(
+    cfg: DictConfig, config: PipelineConfig, folder: Path, microbatches: int, stages: int, partition: Optional[list[int]] = None
+) -> list[dict]:
+    """The profiled run as a child training job (on `partition` where given); returns every rank's record."""
+    own = _OWN + (("pipeline.partition",) if partition else ())
+    given = [o for o in HydraConfig.get().overrides.task if o.lstrip("+~").split("=", 1)[0] not in own]
     ranks = folder / "ranks"
     cmd = [sys.executable, "-m", "lightning_pipe.train", *given]
+    if partition:
+        cmd.append(f"pipeline.partition=[{','.join(map(str, partition))}]")
     cmd += ["pipeline.tune=false", "pipeline.pipelines=1", f"pipeline.microbatches={microbatches}", "pipeline.trace=false"]
     cmd += [f"trainer.devices={stages}", "trainer.num_nodes=1", f"trainer.max_steps={config.tune_batches + 1}"]
     cmd += ["trainer.limit_val_batches=0", "logger=none", "callbacks=none", "ckpt_path=null", "test_after_fit=false"]
@@ -89,19 +95,29 @@ def run_profile(cfg: DictConfig, config: PipelineConfig, folder: Path, microbatc
 
 
 def tune(cfg: DictConfig, config: PipelineConfig, out: Path) -> TuneResult:
-    """Profile, predict, choose; writes out/tune.json (and the profile run's folder out/tune_profile)."""
+    """Profile, predict, choose; writes out/tune.json (and the profile runs' folders out/tune_profile,
+    with tune_model=calibrated also out/tune_profile_lo)."""
     ms, ns = check(cfg, config)
     stages = depth(cfg, config)
     started = time.perf_counter()
     ranks = run_profile(cfg, config, out / "tune_profile", max(ms), stages)
     profiled = time.perf_counter() - started
-    profile = TuneProfile.from_ranks(max(ms), 1, int(cfg.data.batch_size), ranks)
-    t0 = time.perf_counter()
-    result = choose(profile, ms, ns, config.memory_limit)
-    result.seconds = {"profile_run": profiled, "predict": time.perf_counter() - t0}
+    batch = int(cfg.data.batch_size)
+    profile = TuneProfile.from_ranks(max(ms), 1, batch, ranks)
     planned = out / "tune_profile" / "plan.json"  # the profiled run's partition: the prediction assumed it
-    if planned.exists():
-        result.partition = [stop - start for start, stop in json.loads(planned.read_text())["bounds"]]
+    partition = [stop - start for start, stop in json.loads(planned.read_text())["bounds"]] if planned.exists() else None
+    seconds = {"profile_run": profiled}
+    profile_lo, predictor = None, None
+    if config.tune_model == "calibrated" and min(ms) < max(ms):  # ours: a second point, on the same partition
+        started = time.perf_counter()
+        ranks = run_profile(cfg, config, out / "tune_profile_lo", min(ms), stages, partition)
+        seconds["profile_run_lo"] = time.perf_counter() - started
+        profile_lo = TuneProfile.from_ranks(min(ms), 1, batch, ranks)
+        predictor = functools.partial(predict_calibrated, profile, profile_lo)
+    t0 = time.perf_counter()
+    result = choose(profile, ms, ns, config.memory_limit, predictor)
+    result.seconds = {**seconds, "predict": time.perf_counter() - t0}
+    result.partition, result.model, result.profile_lo = partition, config.tune_model, profile_lo
     result.write(out / "tune.json")
     return result
 

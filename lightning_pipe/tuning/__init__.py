@@ -4,6 +4,7 @@ fits. No Lightning here: `record` measures a rank's steps, `predict` holds the e
 choice; the CLI runs the profile (`lightning_pipe.cli.tune`)."""
 
 from ..profiling.link import measure_link
+from .calibrated import predict_calibrated
 from .predict import Prediction, StageProfile, TuneProfile, TuneResult, choose, default_grid, predict
 from .record import StageRecorder
 from .utilisation import UtilisationSampler
@@ -19,4 +20,5 @@ __all__ = [
     "default_grid",
     "measure_link",
     "predict",
+    "predict_calibrated",
 ]

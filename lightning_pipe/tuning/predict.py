@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from ..errors import SettingError
 
@@ -38,6 +38,7 @@ class StageProfile:
     model_bytes: float  # F_mod
     data_bytes: float  # F_dat
     wall: float = 0.0  # measured seconds per step (for the report)
+    period: float = 0.0  # measured seconds from one step's start to the next's (tune_model=calibrated)
 
     def overuse(self, r: float) -> float:
         """∫ max(r phi(t) - 1, 0) dt: the work that would not fit under 100% at r times the utilisation."""
@@ -55,7 +56,15 @@ class TuneProfile:
     def from_ranks(cls, microbatches: int, pipelines: int, batch_size: int, ranks: Sequence[dict[str, Any]]) -> "TuneProfile":
         ordered = sorted(ranks, key=lambda r: r["stage"])
         stages = tuple(
-            StageProfile(r["compute"], r["comm_total"], tuple(map(tuple, r["utilisation"])), r["model_bytes"], r["data_bytes"], r["wall"])
+            StageProfile(
+                r["compute"],
+                r["comm_total"],
+                tuple(map(tuple, r["utilisation"])),
+                r["model_bytes"],
+                r["data_bytes"],
+                r["wall"],
+                r.get("period") or r["wall"],
+            )
             for r in ordered
         )
         return cls(microbatches, pipelines, batch_size, stages)
@@ -137,6 +146,8 @@ class TuneResult:
     chosen: Prediction
     seconds: dict[str, float] = field(default_factory=dict)  # wall time of the profile and of the prediction
     partition: Optional[list[int]] = None  # blocks per chunk the profiled run planned (the chosen job reuses it)
+    model: str = "paper"  # the prediction: "paper" (Eq. 1-8) or "calibrated" (ours, calibrated.py)
+    profile_lo: Optional[TuneProfile] = None  # calibrated: the second profiled setting
 
     def table(self) -> str:
         head = f"{'M':>4} {'N':>3} {'micro-batch':>11} {'T/batch ms':>11} {'samples/s':>10} {'memory MiB':>11}  verdict"
@@ -152,11 +163,16 @@ class TuneResult:
                 f"{c.microbatches:>4} {c.pipelines:>3} {size:>11.1f} {c.per_batch * 1e3:>11.2f} {c.throughput:>10.1f} "
                 f"{c.memory / 2**20:>11.2f}  {c.verdict}"
             )
+        if self.profile_lo is not None:
+            lines.insert(1, f"calibrated prediction (ours): second profile at M={self.profile_lo.microbatches}, N=1")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
+        names = ("T_gpu", "T_com", "T_up", "T_down") if self.model == "paper" else ("C", "W", "L", "O")
         return {
             "profile": self.profile.to_dict(),
+            "model": self.model,
+            "profile_lo": self.profile_lo.to_dict() if self.profile_lo is not None else None,
             "memory_limit": self.memory_limit,
             "chosen": {"microbatches": self.chosen.microbatches, "pipelines": self.chosen.pipelines},
             "partition": self.partition,
@@ -168,7 +184,7 @@ class TuneResult:
                     "predicted_samples_per_s": c.throughput,
                     "predicted_memory_bytes": c.memory,
                     "memory_per_device": list(c.memory_per_device),
-                    "terms_per_device": [dict(zip(("T_gpu", "T_com", "T_up", "T_down"), t)) for t in c.terms],
+                    "terms_per_device": [dict(zip(names, t)) for t in c.terms],
                     "verdict": c.verdict,
                 }
                 for c in self.candidates
@@ -180,9 +196,16 @@ class TuneResult:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))
 
 
-def choose(profile: TuneProfile, microbatches: Sequence[int], pipelines: Sequence[int], memory_limit: Optional[float] = None) -> TuneResult:
-    """Every (M, N) of the grid predicted; the fastest within memory_limit chosen (ties: fewer
-    pipelines, then fewer micro-batches: less memory, fewer messages)."""
+def choose(
+    profile: TuneProfile,
+    microbatches: Sequence[int],
+    pipelines: Sequence[int],
+    memory_limit: Optional[float] = None,
+    predictor: Optional[Callable[[int, int], Prediction]] = None,
+) -> TuneResult:
+    """Every (M, N) of the grid predicted (Eq. 1-8 from `profile`, or `predictor`); the fastest within
+    memory_limit chosen (ties: fewer pipelines, then fewer micro-batches: less memory, fewer messages)."""
+    predictor = predictor or (lambda m_star, n_star: predict(profile, m_star, n_star))
     model = max(s.model_bytes for s in profile.stages) / profile.pipelines
     if memory_limit is not None and model >= memory_limit:
         raise SettingError(
@@ -193,7 +216,7 @@ def choose(profile: TuneProfile, microbatches: Sequence[int], pipelines: Sequenc
     candidates = []
     for m_star in microbatches:
         for n_star in pipelines:
-            p = predict(profile, m_star, n_star)
+            p = predictor(m_star, n_star)
             fits = memory_limit is None or p.memory <= memory_limit
             candidates.append(Prediction(**{**p.__dict__, "verdict": "fits" if fits else "over memory_limit"}))
     feasible = [c for c in candidates if c.verdict == "fits"]
