@@ -7,9 +7,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 import pytest
+import torch.distributed as dist
 
 
 @pytest.fixture(autouse=True)
 def _run_in_tmp(tmp_path, monkeypatch):
     """Trainers write logs, plans and checkpoints under the working directory: keep it per test."""
     monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_in_pytest():
+    """A process group left open in pytest's own process is inherited by every later test's forked
+    workers, whose collectives then wait forever on a stale group: fail the test that left it."""
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail("this test left a torch.distributed process group open in pytest's process")

@@ -377,3 +377,5 @@ def test_fit_freezes_setups_objects_out_of_the_collector_and_releases_them_after
     strategy = AutoPipeStrategy(microbatches=2, partition="uniform")
     L.Trainer(devices=1, strategy=strategy, callbacks=[Probe()], **trainer_kwargs(max_steps=2)).fit(LitSeq(), loader())
     assert len(seen) == 2 and min(seen) > 1000 and gc.get_freeze_count() == 0
+    # one process in the user's own: its group is closed at teardown (a later fork would inherit it)
+    assert not torch.distributed.is_initialized()

@@ -84,6 +84,7 @@ class ProcessGroupStrategy(ParallelStrategy):
         backend = self._process_group_backend or ("gloo" if shared else _get_default_process_group_backend_for_device(self.root_device))
         self._process_group_backend = backend
         device_id = self.root_device if self.root_device.type != "cpu" and backend != "gloo" else None
+        self._owns_group = not _distributed_is_initialized()  # a group this process had before is the user's
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
         atexit.register(close_process_groups)
         if self._heartbeat_timeout is not None:
@@ -96,6 +97,11 @@ class ProcessGroupStrategy(ParallelStrategy):
             self._heartbeat.leave(wait=self._finished)
             self._heartbeat = None
         super().teardown()
+        if getattr(self, "_owns_group", False) and self.world_size == 1 and _distributed_is_initialized():
+            # one process, in the user's own (no launcher): close the group now, not at exit, so the
+            # process can fit again or fork workers that would otherwise inherit a live group
+            dist.destroy_process_group()
+            self._owns_group = False
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
