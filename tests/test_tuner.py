@@ -252,8 +252,8 @@ def test_train_tunes_then_runs_the_chosen_job(tmp_path):
     tuned = json.loads(path.read_text())
     assert tuned["model"] == "calibrated" and tuned["profile_lo"]["microbatches"] == 2 and tuned["profile"]["microbatches"] == 4
     assert len(list(path.parent.glob("tune_profile_lo/ranks/rank*.json"))) == 2
-    lo_plan = json.loads((path.parent / "tune_profile_lo" / "plan.json").read_text())
-    assert [b - a for a, b in lo_plan["bounds"]] == partition
+    lo_config = OmegaConf.load(path.parent / "tune_profile_lo" / "config_resolved.yaml")
+    assert list(lo_config.pipeline.partition) == partition and lo_config.pipeline.microbatches == 2
     assert set(tuned["candidates"][0]["terms_per_device"][0]) == {"C", "W", "L", "O"}
 
 

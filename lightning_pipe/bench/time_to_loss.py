@@ -104,24 +104,23 @@ def main(doc: str = __doc__) -> None:
         val_every=(25, "steps between validations"),
         folder=(os.path.join(tempfile.gettempdir(), "bench_time_to_loss"), "run folders"),
         plot=(None, "write the validation loss against wall time here (PNG)"),
-        reuse=(None, "a JSON of an earlier run: report it (no training)"),
+        reuse=(None, "a JSON of an earlier run: report it, training only the modes it lacks"),
     )
     args = bench.parse(sys.argv[2:])  # after bench_convergence.py's experiment name
     if args.quick:
         args.seeds, args.modes = [0], ["1f1b", "2bw"]
     if args.modes[0] != "1f1b" or set(args.modes) - set(MODES):
         bench.error(f"--modes: 1f1b first, then any of {list(MODES)}")
-    if args.reuse:
-        runs = json.loads(open(args.reuse).read())["raw"]["runs"]
-    else:
-        runs = {}
-        os.makedirs(args.folder, exist_ok=True)
-        for model in args.models:  # seeds outermost: a drift of the machine falls on every mode alike
-            for seed in args.seeds:
-                for mode in args.modes:
-                    runs.setdefault(f"{model}/{mode}", []).append(
-                        run_one(model, mode, seed, args.steps, args.val_every, args.folder, args.timeout)
-                    )
+    runs = json.loads(open(args.reuse).read())["raw"]["runs"] if args.reuse else {}
+    saved = set(runs)
+    os.makedirs(args.folder, exist_ok=True)
+    for model in args.models:  # seeds outermost: a drift of the machine falls on every mode alike
+        missing = [mode for mode in args.modes if f"{model}/{mode}" not in saved]
+        for seed in args.seeds:
+            for mode in missing:
+                runs.setdefault(f"{model}/{mode}", []).append(
+                    run_one(model, mode, seed, args.steps, args.val_every, args.folder, args.timeout)
+                )
     for model in args.models:
         goal = targets(runs[f"{model}/1f1b"], args.steps)
         t = Table("mode", *(f"to {g:.3f} (s)" for g in goal), f"val loss at step {args.steps}", "wall per run (s)")

@@ -1,8 +1,9 @@
 """The tuner's predictions replayed on saved traversals (bench_tuner.py's JSON): each traversal
 measured every (M, N) of the grid for real, so the two N = 1 settings a tuner profiles are in it.
-For each saved model: the paper's Eq. 1-8 as the live tuner predicted them (its own profile run) and
-ours (tune_model=calibrated) replayed from the traversal's (max M, 1) and (min M, 1) rank records;
-each pick's measured throughput over the traversal's best, and Spearman's rho of predicted against
+For each saved model: the live tuner's prediction (its own profile runs) and the other model's,
+replayed: ours (tune_model=calibrated) from the traversal's (max M, 1) and (min M, 1) rank records,
+or the paper's Eq. 1-8 from the live calibrated tuner's first profile (the paper's point); each
+pick's measured throughput over the traversal's best, and Spearman's rho of predicted against
 measured samples/s.
 
     python -m lightning_pipe.bench.tuner_replay docs/tuner_results.json docs/tuner_results_gpt_repeats.json
@@ -51,22 +52,29 @@ def replay(model: dict[str, Any]) -> dict[str, Any]:
     def verdict(pick: tuple[int, int], predicted: dict) -> dict[str, Any]:
         return {"pick": pick, "ratio": rate[pick] / rate[best], "rho": spearman([predicted[k] for k in keys], [rate[k] for k in keys])}
 
-    tuned = model["tuner"]["tune"]  # the paper's: what the live tuner predicted from its own profile run
-    paper = {(c["microbatches"], c["pipelines"]): c["predicted_samples_per_s"] for c in tuned["candidates"]}
-    out["paper"] = verdict((tuned["chosen"]["microbatches"], tuned["chosen"]["pipelines"]), paper)
-    ours = choose(hi, ms, ns, None, lambda m, n: predict_calibrated(hi, lo, m, n))
-    predicted = {(c.microbatches, c.pipelines): c.throughput for c in ours.candidates}
-    out["calibrated"] = verdict((ours.chosen.microbatches, ours.chosen.pipelines), predicted)
+    tuned = model["tuner"]["tune"]
+    live = tuned.get("model", "paper")  # which prediction the live tuner made from its own profile run(s)
+    live_pick = (tuned["chosen"]["microbatches"], tuned["chosen"]["pipelines"])
+    out[live] = verdict(live_pick, {(c["microbatches"], c["pipelines"]): c["predicted_samples_per_s"] for c in tuned["candidates"]})
+    out["live"] = live
+    if live == "paper":  # ours replayed from the traversal's two N = 1 settings
+        ours = choose(hi, ms, ns, None, lambda m, n: predict_calibrated(hi, lo, m, n))
+    else:  # the paper's Eq. 1-8 from the live tuner's own first profile (the paper's point)
+        ours = choose(TuneProfile.from_dict(tuned["profile"]), ms, ns)
+    other = "calibrated" if live == "paper" else "paper"
+    out[other] = verdict(
+        (ours.chosen.microbatches, ours.chosen.pipelines), {(c.microbatches, c.pipelines): c.throughput for c in ours.candidates}
+    )
     return out
 
 
 def main(paths: list[str]) -> int:
-    t = Table("saved traversal", "model", "best (M, N)", "paper: pick, ÷ best, ρ", "calibrated (ours): pick, ÷ best, ρ")
+    t = Table("saved traversal", "model", "live tuner", "best (M, N)", "paper: pick, ÷ best, ρ", "calibrated (ours): pick, ÷ best, ρ")
     for path in paths:
         for model in json.loads(open(path).read())["models"]:
             r = replay(model)
             cells = [f"{r[k]['pick']}, {r[k]['ratio']:.2f}, {r[k]['rho']:+.2f}" for k in ("paper", "calibrated")]
-            t.add(path.rsplit("/", 1)[-1], r["model"], str(r["best"]), *cells)
+            t.add(path.rsplit("/", 1)[-1], r["model"], r["live"], str(r["best"]), *cells)
     print(t.markdown())
     return 0
 
