@@ -108,9 +108,10 @@ class PipelineConfig:
     """Tuner: the micro-batch counts M to consider (None: powers of two from 1 to the batch size, at most 64)."""
     tune_pipelines: Optional[list[int]] = None
     """Tuner: the parallel pipeline counts N to consider (None: 1, 2, 4)."""
-    tune_model: str = "paper"
-    """Tuner: how the grid is predicted: "paper" (§5.2's Eq. 1-8 from one profile) or "calibrated" (ours:
-    a second profile at the grid's smallest M; lightning_pipe/tuning/calibrated.py)."""
+    tune_model: str = "calibrated"
+    """Tuner: how the grid is predicted: "calibrated" (ours, the default: a second profile at the grid's
+    smallest M; lightning_pipe/tuning/calibrated.py; it picked right where Eq. 1-8 did not, docs/tuner.md)
+    or "paper" (§5.2's Eq. 1-8 from one profile)."""
     profile: Optional[str] = None
     """A saved profile.json to plan from instead of profiling on the ranks."""
     bandwidth: Optional[float] = None

@@ -147,6 +147,7 @@ def run(module, args, cwd, timeout=400):
 
 TUNE = ["recipe=gpt-tiny-avgpipe", "pipeline.tune=true", "pipeline.tune_batches=3", "data.max_bytes=300000"]
 TUNE += ["pipeline.tune_microbatches=[2,4]", "pipeline.tune_pipelines=[1,2]"]
+PAPER = ["pipeline.tune_model=paper"]  # §5.2's Eq. 1-8 from one profile (the default is ours, calibrated)
 
 
 def calibration_points():
@@ -199,7 +200,7 @@ def test_tune_model_is_checked():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(500)
 def test_plan_profiles_one_setting_and_predicts_the_grid(tmp_path):
-    done = run("lightning_pipe.plan", TUNE, tmp_path)
+    done = run("lightning_pipe.plan", [*TUNE, *PAPER], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     (path,) = tmp_path.glob("outputs/*/*/tune.json")
     result = json.loads(path.read_text())
@@ -209,6 +210,7 @@ def test_plan_profiles_one_setting_and_predicts_the_grid(tmp_path):
     assert done.stdout.count("fits") + done.stdout.count("chosen") >= 4
     profile = result["profile"]
     assert (profile["microbatches"], profile["pipelines"], profile["batch_size"]) == (4, 1, 8)  # the largest M, N = 1
+    assert result["model"] == "paper" and result["profile_lo"] is None and not (path.parent / "tune_profile_lo").exists()
     records = sorted(path.parent.glob("tune_profile/ranks/rank*.json"))
     assert len(records) == 2
     for stage, record in zip(profile["stages"], map(lambda p: json.loads(p.read_text()), records)):
@@ -234,8 +236,7 @@ def test_train_tunes_then_runs_the_chosen_job(tmp_path):
         "trainer.val_check_interval=3",
         "trainer.limit_val_batches=1",
         "trainer.enable_progress_bar=false",
-        "pipeline.tune_model=calibrated",
-    ]
+    ]  # the default tune_model: calibrated (ours)
     done = run("lightning_pipe.train", args, tmp_path, timeout=550)
     assert done.returncode == 0, done.stderr[-3000:]
     (path,) = tmp_path.glob("outputs/*/*/tune.json")

@@ -4,7 +4,9 @@ The profile is one real training run of the job itself — same recipe, model, d
 at the paper's profiled setting (the largest M of the grid, N = 1) for `tune_batches` steps (plus
 one warm-up step not counted), started as a child `python -m lightning_pipe.train` whose ranks
 record their steps (`lightning_pipe.lightning.tune_record`). From it every (M, N) of the grid is
-predicted (`lightning_pipe.tuning.predict`, Eq. 1-8), and the fastest within memory_limit is
+predicted (`lightning_pipe.tuning.predict`, Eq. 1-8, with `tune_model=paper`; by default ours,
+`tune_model=calibrated`, runs a second profile at the grid's smallest M on the first run's partition
+and predicts with `lightning_pipe.tuning.calibrated`), and the fastest within memory_limit is
 chosen. `tune.json` in the run folder lists every candidate; `train` then runs N x K processes
 with it (its own workers, started by Lightning, read the choice from that file instead of tuning
 again); `plan` only prints the table.
