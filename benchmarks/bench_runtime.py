@@ -113,12 +113,16 @@ def _trainer(rank: int, world: int, cfg: dict, schedule: str) -> dict:
     out = {"timing": [clock.total] + clock.times, "params": clock.params, "profile": profile_report(clock.prof, f"trainer-{schedule}")}
     if stamps is not None:  # medians (ms) over the timed steps
         timed = stamps[cfg["warmup"] :]
-        med = lambda a, b: 1e3 * statistics.median(s[b] - s[a] for s in timed)  # noqa: E731
+        med = lambda a, b: 1e3 * statistics.median(s[b] - s[a] for s in timed if a in s and b in s)  # noqa: E731
         out["segments"] = {
             "run": med("start", "exchange"),  # from the step's entry: split, gradient set-aside, the executor
             "exchange": med("exchange", "replay"),
             "log": med("replay", "replayed"),  # Lightning's log of the exchanged values
             "rest of the step": med("replayed", "end"),
+            "optimizer": med("end", "stepped"),  # the closure's end, the gradients put back, the optimizer's step
+            "to the broadcast": med("stepped", "sigterm"),  # hooks, Lightning's logger connector
+            "sigterm broadcast": med("sigterm", "sigterm end"),  # Lightning's, before each step
+            "to the step": 1e3 * statistics.median(b["start"] - a["sigterm end"] for a, b in zip(timed, timed[1:]) if "sigterm end" in a),
             "between steps": 1e3 * statistics.median(b["start"] - a["end"] for a, b in zip(timed, timed[1:])),
         }
     return out
@@ -136,6 +140,8 @@ def stamp_segments() -> list[dict]:
         def wrapper(*args, **kwargs):
             if before == "start":
                 stamps.append({})
+            if not stamps:  # the first step's sigterm broadcast
+                return fn(*args, **kwargs)
             stamps[-1].update({before: time.perf_counter()} if before else {})
             result = fn(*args, **kwargs)
             stamps[-1][after] = time.perf_counter()
@@ -143,6 +149,13 @@ def stamp_segments() -> list[dict]:
 
         return wrapper
 
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    from lightning_pipe.lightning.strategy import AutoPipeStrategy
+
+    # step i's sigterm broadcast comes before its start: its stamps go to step i - 1's dict
+    _TrainingEpochLoop._broadcast_sigterm_tensor = stamped(_TrainingEpochLoop._broadcast_sigterm_tensor, "sigterm", "sigterm end")
+    AutoPipeStrategy.optimizer_step = stamped(AutoPipeStrategy.optimizer_step, None, "stepped")
     steps_module.PipelineSteps.train = stamped(steps_module.PipelineSteps.train, "start", "end")
     LogBroadcaster.exchange = stamped(LogBroadcaster.exchange, "exchange", "replay")
     steps_module.replay = stamped(steps_module.replay, None, "replayed")

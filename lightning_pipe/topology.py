@@ -87,3 +87,17 @@ class ProcessGroups:
             group = dist.new_group(ranks, backend=backend) if topology.depth > 1 else dist.group.WORLD
             if rank in ranks:
                 self.stage = group
+
+    def own_pipeline_group(self) -> Any:
+        """A further group of this rank's pipeline, for traffic that must not meet the schedule's
+        messages (a pair's point-to-point messages match in order on one communicator), on the
+        pipeline group's backend. Collective: every rank makes every pipeline's, in one order."""
+        if self.topology.world_size == 1:
+            return None
+        backend, mine = dist.get_backend(self.pipeline), None
+        for w in range(self.topology.width):
+            ranks = self.topology.pipeline_ranks(w)
+            group = dist.new_group(ranks, backend=backend)
+            if self.rank in ranks:
+                mine = group
+        return mine

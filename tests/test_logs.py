@@ -59,3 +59,55 @@ def test_every_rank_gets_the_last_stage_logs_with_one_broadcast_in_the_steady_st
     # first step and each change of keys (steps 2, 4, 5): the changed flag, then the values;
     # a step with the last step's keys: one broadcast
     assert calls[0] == [1, 1, 2, 1, 2, 2]
+
+
+# training and evaluation steps interleaved: each kind keeps its own schema
+KINDS = [
+    ("train", {"loss_a": 1.5}),
+    ("eval", {"val": 0.5}),
+    ("train", {"loss_a": 2.5}),
+    ("eval", {"val": 0.75}),
+    ("train", {"loss_a": 3.5, "acc": 0.25}),
+    ("train", {"loss_a": 4.5, "acc": 0.5}),
+    ("eval", {}),
+]
+
+
+def _exchange_frames(rank: int, world: int) -> list:
+    from lightning_pipe.topology import ProcessGroups, Topology
+
+    src = world - 1
+    frames = ProcessGroups(Topology(world, 1), rank).own_pipeline_group()
+    logs = LogBroadcaster(dist.group.WORLD, src, torch.device("cpu"), rank == src, frames)
+    calls, out = [], []
+    real = dist.broadcast
+
+    def counting(*args, **kwargs):
+        calls[-1] += 1
+        return real(*args, **kwargs)
+
+    dist.broadcast = counting
+    try:
+        for step, (kind, values) in enumerate(KINDS):
+            calls.append(0)
+            if step != 3:  # step 3: no receive posted ahead; the exchange receives the frame itself
+                logs.post(kind)
+            recorder = LogRecorder()
+            recorder.active, recorder.weight = rank == src, 1.0
+            for name, value in values.items():
+                recorder(name, torch.tensor(value, dtype=torch.float32))
+            out.append(logs.exchange(recorder, 10.0 + step, kind))
+    finally:
+        dist.broadcast = real
+    return [out, calls]
+
+
+def test_the_steady_state_frame_goes_point_to_point_with_a_schema_per_kind_of_step():
+    results = run_distributed(_exchange_frames, 3, timeout=60.0)
+    for rank, (out, _) in enumerate(results):
+        for step, (loss, entries) in enumerate(out):
+            assert loss == 10.0 + step, (rank, step)
+            assert entries == [(n, v, {}, torch.float32) for n, v in KINDS[step][1].items()], (rank, step)
+    # a kind's first step and each change of its keys broadcast the values after the schema; a step
+    # with its kind's last keys broadcasts nothing (its frame is sent point to point)
+    assert [c for _, c in results] == [[1, 1, 0, 0, 1, 0, 1]] * 3

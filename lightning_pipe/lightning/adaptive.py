@@ -36,7 +36,7 @@ from ..adaptive.monitor import IterationMetrics, Monitor, StaticMetrics
 from ..adaptive.policy import SwitchRule
 from ..adaptive.switch import Bounds, check_bounds, plan_moves
 from .context import RankContext
-from .fine_switch import Transition, stream_group, why_not_fine
+from .fine_switch import Transition, why_not_fine
 
 log = logging.getLogger(__name__)
 # set to 1: adaptive=learned records every decision's predictions, also by the offline network (benchmarks)
@@ -289,7 +289,7 @@ class Adaptive:
             move, stopped_because = why_not_fine(self.training, new)
             if move is not None:
                 if self._stream is None:
-                    self._stream = stream_group(ctx)
+                    self._stream = ctx.groups.own_pipeline_group()
                 transition = Transition(self.training, move, new, self._early_microbatches(move), self._stream)
                 self.transition = (transition, old, why, time.perf_counter() - started)
                 return None

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch.distributed as dist
-
 from ..adaptive.fine_grained import Incoming, Outgoing, fine_grained_move, keeps_running_statistics
 from ..adaptive.switch import Bounds, Move
 from ..runtime.tied import tied_from_groups
@@ -78,14 +76,3 @@ class Transition:
         for layer in self.training.layers:
             layer.after_switch({})
         return sent, self.incoming.waited if self.incoming is not None else 0.0
-
-
-def stream_group(ctx: Any) -> Any:
-    """This pipeline's process group for switch transfers (new_group is collective: every rank makes
-    every pipeline's, in one order)."""
-    topo, mine = ctx.topology, None
-    for w in range(topo.width):
-        group = dist.new_group([topo.global_rank(w, s) for s in range(topo.depth)])
-        if w == topo.replica_of(ctx.global_rank):
-            mine = group
-    return mine

@@ -7,11 +7,14 @@ only. So the last stage combines each key over the micro-batches, weighted by th
 samples (the per-batch mean), and broadcasts the result; every rank then calls the real
 ``LightningModule.log`` with the same keys and values.
 
-In the steady state the exchange is one broadcast of one small tensor per step: every rank
-knows the last step's schema (names, options, dtypes), so the tensor's length is known on both
-ends and its first element says whether the schema still holds. Only when it changed (the first
-step, or a step that logs other keys) do the new schema (as an object) and the values follow.
-The broadcast ends the step on every rank at once, so it is kept to one message.
+In the steady state the exchange is one small frame per step: every rank knows the last step's
+schema for this kind of step (training or evaluation: names, options, dtypes), so the frame's
+length is known on both ends and its first element says whether the schema still holds. Only when
+it changed (the first step, or a step that logs other keys) do the new schema (as an object) and
+the values follow. The frame travels point to point on a group of the pipeline's own, and every
+other rank posts its receive before the step's schedule runs (`post`): the first stage starts and
+ends each 1F1B step, and a broadcast at the step's end made it wait a collective's round trip on
+the critical path (ours; docs/predictions.md, "The Trainer path").
 
 A torchmetrics ``Metric`` logged on the last stage rides in the same message: the batch's state,
 merged into the metric on every rank (`metric_state.py`), then logged as the Metric itself, so
@@ -79,38 +82,76 @@ Entries = list[tuple[str, Any, dict, Kind]]
 
 
 class LogBroadcaster:
-    """Moves the last stage's combined logs to every rank of its pipeline, then logs them."""
+    """Moves the last stage's combined logs to every rank of its pipeline, then logs them.
 
-    def __init__(self, group: Any, src: int, device: torch.device, is_src: bool):
-        self.group, self.src, self.device, self.is_src = group, src, device, is_src
-        self._schema: Optional[Schema] = None
+    `frames`: the pipeline's group of its own for the steady-state frame (a receive posted before the
+    schedule must not meet the schedule's messages); None: the frame is broadcast on `group`."""
 
-    def exchange(self, recorder: LogRecorder, loss: Any) -> tuple[float, Entries]:
+    def __init__(self, group: Any, src: int, device: torch.device, is_src: bool, frames: Any = None):
+        self.group, self.src, self.device, self.is_src, self.frames = group, src, device, is_src, frames
+        self.peers = [r for r in dist.get_process_group_ranks(frames) if r != src] if frames is not None else []
+        self._schemas: dict[str, Schema] = {}  # per kind of step: training and evaluation log other keys
+        self._posted: Optional[tuple[Tensor, Any]] = None
+
+    def post(self, kind: str) -> None:
+        """Before the step's schedule runs: the receive of this step's frame, so that it lands while
+        this rank computes (the last stage sends it when its part of the step is done)."""
+        schema = self._schemas.get(kind)
+        if self.is_src or self.frames is None or schema is None:
+            return
+        frame = torch.empty(1 + _size(schema), dtype=torch.float64, device=self.device)
+        self._posted = (frame, dist.irecv(frame, self.src, group=self.frames))
+
+    def exchange(self, recorder: LogRecorder, loss: Any, kind: str = "train") -> tuple[float, Entries]:
         """Return the batch loss and the (name, value, options, kind) list, identical on every rank; the
         metrics the step updated hold the same state on every rank."""
         if self.is_src:
             schema, data = self._pack(recorder, loss)
         if self.group is None:  # a one-stage pipeline: nothing to move
             return self._unpack(recorder, schema, data)
-        if self._schema is not None:
+        known = self._schemas.get(kind)
+        if known is not None:
             # [changed, loss, values...] sized by the schema every rank knows: one message per step
-            frame = torch.zeros(1 + _size(self._schema), dtype=torch.float64, device=self.device)
             if self.is_src:
-                changed = schema != self._schema
+                frame = torch.zeros(1 + _size(known), dtype=torch.float64, device=self.device)
+                changed = schema != known
                 frame[0] = float(changed)
                 if not changed:
                     frame[1:] = data
-            dist.broadcast(frame, self.src, group=self.group)
+                self._send(frame)
+            else:
+                frame = self._receive(known)
             if frame[0].item() == 0.0:
-                return self._unpack(recorder, self._schema, frame[1:])
-        # first step, or the schema changed: the schema as an object, then the values
+                return self._unpack(recorder, known, frame[1:])
+        # first step of its kind, or the schema changed: the schema as an object, then the values
         box = [schema if self.is_src else None]
         dist.broadcast_object_list(box, self.src, group=self.group, device=self.device)
-        self._schema = box[0]
+        known = self._schemas[kind] = box[0]
         if not self.is_src:
-            data = torch.zeros(_size(self._schema), dtype=torch.float64, device=self.device)
+            data = torch.zeros(_size(known), dtype=torch.float64, device=self.device)
         dist.broadcast(data, self.src, group=self.group)
-        return self._unpack(recorder, self._schema, data)
+        return self._unpack(recorder, known, data)
+
+    def _send(self, frame: Tensor) -> None:
+        if self.frames is None:
+            dist.broadcast(frame, self.src, group=self.group)
+            return
+        for work in [dist.isend(frame, peer, group=self.frames) for peer in self.peers]:
+            work.wait()
+
+    def _receive(self, schema: Schema) -> Tensor:
+        if self.frames is None:
+            frame = torch.zeros(1 + _size(schema), dtype=torch.float64, device=self.device)
+            dist.broadcast(frame, self.src, group=self.group)
+            return frame
+        if self._posted is None:  # an exchange without `post`: receive it now
+            frame = torch.empty(1 + _size(schema), dtype=torch.float64, device=self.device)
+            dist.recv(frame, self.src, group=self.frames)
+            return frame
+        frame, work = self._posted
+        self._posted = None
+        work.wait()
+        return frame
 
     def _pack(self, recorder: LogRecorder, loss: Any) -> tuple[Schema, Tensor]:
         entries = [(n, kw, kind) for n, (kw, kind) in recorder.options.items()]

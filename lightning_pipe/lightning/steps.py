@@ -27,22 +27,31 @@ if TYPE_CHECKING:
 
 
 class PipelineSteps:
-    def __init__(self, ctx: RankContext, training: "Training", host: LightningHost, group: Optional[Any], last: int):
+    def __init__(self, ctx: RankContext, training: "Training", host: LightningHost, group: Optional[Any], last: int, logs: LogBroadcaster):
         self.ctx, self.training, self.host = ctx, training, host
         self.module, self.cut, self.device, self.microbatches = ctx.module, ctx.cut, ctx.device, ctx.config.microbatches
         self.group, self.last = group, last  # the pipeline's process group (None: one stage); the last chunk's global rank
-        self.logs = LogBroadcaster(group, last, ctx.device, ctx.global_rank == last)
+        self.logs = logs
         self.trace_group = group if ctx.config.trace else None
         self.stash = GradientStash()
         self.replicas = ctx.topology.width  # pipelines side by side, each evaluating its shard
         self.recording: Optional[Any] = None  # the tuner's profile run (tune_record.TuneRecording)
 
     @classmethod
-    def build(cls, ctx: RankContext, training: "Training") -> "PipelineSteps":
+    def build(cls, ctx: RankContext, training: "Training", previous: Optional["PipelineSteps"] = None) -> "PipelineSteps":
+        """`previous`: the steps over the cut before a live switch (its log channel stays)."""
         cut = ctx.cut
         host = LightningHost(ctx.module, cut.stage, len(cut.placement) - 1, training.gradients.reduce_chunk)
         attach(ctx.module, ctx.groups.stage, ctx.topology.width)
-        return cls(ctx, training, host, ctx.pipeline_group, ctx.pipeline_rank(cut.loss_stage))
+        last, group = ctx.pipeline_rank(cut.loss_stage), ctx.pipeline_group
+        if previous is not None and previous.logs.src == last:
+            logs = previous.logs
+        else:  # the frames' group is collective to make: every rank builds its steps together
+            frames = previous.logs.frames if previous is not None else None
+            if previous is None and group is not None:
+                frames = ctx.groups.own_pipeline_group()
+            logs = LogBroadcaster(group, last, ctx.device, ctx.global_rank == last, frames)
+        return cls(ctx, training, host, group, last, logs)
 
     def _run(self, kind: str, step: str, context: Callable, args: tuple, kwargs: dict, m: int, scaler: Any = None) -> float:
         module, host = self.module, self.host
@@ -59,6 +68,7 @@ class PipelineSteps:
         partition, runner = self.training.partition, self.training.runner
         if kind == "train":
             partition.begin_step()
+        self.logs.post(kind)
         try:
             with context():
                 if self.recording is not None and kind == "train":
@@ -71,7 +81,7 @@ class PipelineSteps:
             partition.end_step(executor, len(keys))
         if self.trace_group is not None and kind == "train":
             self.training.planner.keep_trace(executor)
-        loss, entries = self.logs.exchange(host.recorder, host.loss if host.loss is not None else 0.0)
+        loss, entries = self.logs.exchange(host.recorder, host.loss if host.loss is not None else 0.0, kind)
         replay(module, entries, self.device, sync=kind == "eval" and self.replicas > 1)
         return loss
 

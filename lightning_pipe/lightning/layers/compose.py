@@ -113,7 +113,7 @@ class Training:
             settings.update(controller.runner_options())
         self.runner = self.versions.make_runner(settings)
         previous = self.steps
-        self.steps = PipelineSteps.build(ctx, self)
+        self.steps = PipelineSteps.build(ctx, self, previous)
         if previous is not None:
             self.steps.recording = previous.recording
         for layer in self.layers:
