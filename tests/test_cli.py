@@ -84,6 +84,9 @@ def test_tiny_recipe_trains_5_steps_on_2_processes(tmp_path):
     shown = proc.stdout + proc.stderr
     assert "GPU available" not in shown and "litlogger" not in shown and "Initializing distributed" not in shown, shown[-3000:]
     assert "plan, profile and predicted timeline written" in shown
+    # ... and in the run's train.log, with Lightning's own start-up lines kept off it as off the console
+    logged = (run / "train.log").read_text()
+    assert "plan, profile and predicted timeline written" in logged and "GPU available" not in logged, logged[-3000:]
 
 
 @pytest.mark.timeout(300)

@@ -33,7 +33,7 @@ from ..lightning import AutoPipeStrategy
 from ..lightning.stage import find_pipeline
 from . import errors, loggers, tune
 from .paths import CONFIG_DIR
-from .quiet import quiet_lightning
+from .quiet import lightning_lines_to_file, quiet_lightning
 
 log = logging.getLogger("lightning_pipe.tune")
 
@@ -184,6 +184,7 @@ def resume_from(ckpt_path: Optional[str], run_dir: Path, say: bool) -> Optional[
 @errors.reported
 def _main(cfg: DictConfig) -> Optional[float]:
     quiet_lightning(bool(cfg.get("verbose", False)))
+    lightning_lines_to_file(bool(cfg.get("verbose", False)))
     hydra_cfg = HydraConfig.get()
     folder = RunFolder(Path(hydra_cfg.runtime.output_dir), hydra_cfg.mode == RunMode.MULTIRUN)
     faults.on_end(folder.remove_if_untrained)
