@@ -16,7 +16,6 @@ import cProfile
 import io
 import os
 import pstats
-import statistics
 import time
 from statistics import median
 
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from lightning_pipe.bench.harness import Bench, Table
 from lightning_pipe.bench.mlp import best_runs, make_data, single_job, stage_job
 from lightning_pipe.bench.trainer_runs import quiet_lightning
+from lightning_pipe.bench.trainer_segments import segments, stamp_segments
 
 MODES = ["single", "single-mb", "pair", "ours-gpipe", "ours-1f1b", "torch-gpipe", "torch-1f1b"]  # the default
 TRAINER = ["trainer-single"] + [f"trainer-{s}" for s in ("1f1b", "interleaved", "hanayo", "zb-h1", "zb-v")]  # through the Trainer
@@ -111,55 +111,9 @@ def _trainer(rank: int, world: int, cfg: dict, schedule: str) -> dict:
     # step i's batch is make_data's batch i mod 4, as the raw runs cycle them; batch_size=None: no collation
     L.Trainer(**kwargs).fit(MLPModule(cfg), torch.utils.data.DataLoader([data[i % len(data)] for i in range(last + 1)], batch_size=None))
     out = {"timing": [clock.total] + clock.times, "params": clock.params, "profile": profile_report(clock.prof, f"trainer-{schedule}")}
-    if stamps is not None:  # medians (ms) over the timed steps
-        timed = stamps[cfg["warmup"] :]
-        med = lambda a, b: 1e3 * statistics.median(s[b] - s[a] for s in timed if a in s and b in s)  # noqa: E731
-        out["segments"] = {
-            "run": med("start", "exchange"),  # from the step's entry: split, gradient set-aside, the executor
-            "exchange": med("exchange", "replay"),
-            "log": med("replay", "replayed"),  # Lightning's log of the exchanged values
-            "rest of the step": med("replayed", "end"),
-            "optimizer": med("end", "stepped"),  # the closure's end, the gradients put back, the optimizer's step
-            "to the broadcast": med("stepped", "sigterm"),  # hooks, Lightning's logger connector
-            "sigterm broadcast": med("sigterm", "sigterm end"),  # Lightning's, before each step
-            "to the step": 1e3 * statistics.median(b["start"] - a["sigterm end"] for a, b in zip(timed, timed[1:]) if "sigterm end" in a),
-            "between steps": 1e3 * statistics.median(b["start"] - a["end"] for a, b in zip(timed, timed[1:])),
-        }
+    if stamps is not None:
+        out["segments"] = segments(stamps[cfg["warmup"] :])
     return out
-
-
-def stamp_segments() -> list[dict]:
-    """Wrap the strategy's step (PipelineSteps.train), its log exchange and the replay into
-    ``module.log``: each step records when they start and end (perf_counter); one dict per step."""
-    from lightning_pipe.lightning import steps as steps_module
-    from lightning_pipe.lightning.logs import LogBroadcaster
-
-    stamps: list[dict] = []
-
-    def stamped(fn, before: str | None, after: str):
-        def wrapper(*args, **kwargs):
-            if before == "start":
-                stamps.append({})
-            if not stamps:  # the first step's sigterm broadcast
-                return fn(*args, **kwargs)
-            stamps[-1].update({before: time.perf_counter()} if before else {})
-            result = fn(*args, **kwargs)
-            stamps[-1][after] = time.perf_counter()
-            return result
-
-        return wrapper
-
-    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
-
-    from lightning_pipe.lightning.strategy import AutoPipeStrategy
-
-    # step i's sigterm broadcast comes before its start: its stamps go to step i - 1's dict
-    _TrainingEpochLoop._broadcast_sigterm_tensor = stamped(_TrainingEpochLoop._broadcast_sigterm_tensor, "sigterm", "sigterm end")
-    AutoPipeStrategy.optimizer_step = stamped(AutoPipeStrategy.optimizer_step, None, "stepped")
-    steps_module.PipelineSteps.train = stamped(steps_module.PipelineSteps.train, "start", "end")
-    LogBroadcaster.exchange = stamped(LogBroadcaster.exchange, "exchange", "replay")
-    steps_module.replay = stamped(steps_module.replay, None, "replayed")
-    return stamps
 
 
 def main() -> None:

@@ -1,13 +1,21 @@
-"""The last stage's logs reach every rank of the pipeline: one broadcast per step in the steady state,
-the schema re-sent when it changes (real gloo process groups)."""
+"""The last stage's logs reach every rank of the pipeline: one frame per step in the steady state,
+the schema re-sent when it changes (real gloo process groups); in a training step the first stage
+logs them while it waits for its last gradients (a real Trainer)."""
 
 from __future__ import annotations
 
+import os
+import time
+
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_distributed
+from lightning.pytorch.callbacks import Callback
+from models import START, LitSeq, loader, trainer_kwargs
 
+from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.lightning.logs import LogBroadcaster, LogRecorder
 
 pytestmark = pytest.mark.multiprocess
@@ -111,3 +119,60 @@ def test_the_steady_state_frame_goes_point_to_point_with_a_schema_per_kind_of_st
     # a kind's first step and each change of its keys broadcast the values after the schema; a step
     # with its kind's last keys broadcasts nothing (its frame is sent point to point)
     assert [c for _, c in results] == [[1, 1, 0, 0, 1, 0, 1]] * 3
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.02)
+        return grad
+
+
+class _SlowBackwardBlock(torch.nn.Module):
+    """Identity whose backward takes 20 ms."""
+
+    def forward(self, x):
+        return _SlowBackward.apply(x)
+
+
+class _LitSlow(LitSeq):
+    """Each stage of [4, 4] ends with a 20 ms backward: while the first stage runs its second-to-last
+    backward, the last stage runs its last forward (and sends its logs), so they have landed when the
+    first stage waits for its last gradient."""
+
+    def __init__(self):
+        super().__init__()
+        blocks = list(self.seq)
+        self.seq = torch.nn.Sequential(*blocks[:3], _SlowBackwardBlock(), *blocks[3:], _SlowBackwardBlock())
+
+
+class _Record(Callback):
+    def __init__(self, folder):
+        self.folder, self.rows = folder, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        steps = trainer.strategy.layers.steps if trainer.world_size > 1 else None
+        self.rows.append((float(trainer.callback_metrics["train_loss"]), steps is not None and steps.logged_early is not None))
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(self.rows, os.path.join(self.folder, f"rows-{trainer.global_rank}-{trainer.world_size}.pt"))
+
+
+@pytest.mark.timeout(240)
+def test_the_first_stage_logs_the_step_while_it_waits_for_the_last_gradients(tmp_path):
+    kw = trainer_kwargs(max_steps=4)
+    L.Trainer(devices=1, callbacks=[_Record(tmp_path)], **kw).fit(_LitSlow(), loader())
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, partition=[4, 4], start_method=START)
+    L.Trainer(devices=2, strategy=strategy, callbacks=[_Record(tmp_path)], **kw).fit(_LitSlow(), loader())
+    ref = [loss for loss, _ in torch.load(tmp_path / "rows-0-1.pt")]
+    first, last = (torch.load(tmp_path / f"rows-{r}-2.pt") for r in (0, 1))
+    for rows in (first, last):  # every rank logs the one-process losses, step by step
+        assert [loss for loss, _ in rows] == pytest.approx(ref, rel=1e-12)
+    # the first stage logged every step but the first (the schema is not known yet) during the step;
+    # the last stage, which computes the values, logs them at the step's end
+    assert [early for _, early in first] == [False, True, True, True]
+    assert not any(early for _, early in last)

@@ -43,6 +43,11 @@ class LightningHost:
         self.scale: Optional[Callable[[Tensor], Tensor]] = None
         self.loss: Optional[Tensor] = None
         self.outputs: list[Any] = []
+        # the step runner's: when the last chunk has run every micro-batch (the step's logs are
+        # complete), and work to do while the executor waits for a receive
+        self.on_forwards_done: Optional[Callable[[], None]] = None
+        self.on_idle: Optional[Callable[[], None]] = None
+        self._last_forwards = 0
 
     def begin(
         self,
@@ -56,6 +61,7 @@ class LightningHost:
         self.step_name, self.microbatches, self.weights = step_name, microbatches, weights
         self.step_args, self.step_kwargs, self.scale = args, kwargs, scale
         self.loss, self.outputs = None, []
+        self._last_forwards = 0
         self.recorder.reset()
 
     def forward(self, chunk: int, microbatch: int, inputs: Optional[Activation]) -> Any:
@@ -93,7 +99,14 @@ class LightningHost:
         loss = loss_of(result, self.step_name)
         weighted = loss * self.weights[microbatch]
         self.loss = weighted.detach() if self.loss is None else self.loss + weighted.detach()
+        self._last_forwards += 1
+        if self._last_forwards == len(self.microbatches) and self.on_forwards_done is not None:
+            self.on_forwards_done()
         return self.scale(weighted) if self.scale is not None else weighted
+
+    def idle(self) -> None:
+        if self.on_idle is not None:
+            self.on_idle()
 
     def reduce_gradients(self, chunk: int) -> None:
         self._reduce(chunk)

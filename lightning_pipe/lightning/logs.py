@@ -14,7 +14,11 @@ it changed (the first step, or a step that logs other keys) do the new schema (a
 the values follow. The frame travels point to point on a group of the pipeline's own, and every
 other rank posts its receive before the step's schedule runs (`post`): the first stage starts and
 ends each 1F1B step, and a broadcast at the step's end made it wait a collective's round trip on
-the critical path (ours; docs/predictions.md, "The Trainer path").
+the critical path (ours; docs/predictions.md, "The Trainer path"). In a training step the last
+stage sends the frame as soon as its last forward has logged (`send_early`), and a rank that finds
+it landed while it waits for a gradient logs the step then (`arrived`, from the executor's idle
+hook) instead of after its last backward; never blocking on it, so a frame that lands late is
+simply logged at the step's end.
 
 A torchmetrics ``Metric`` logged on the last stage rides in the same message: the batch's state,
 merged into the metric on every rank (`metric_state.py`), then logged as the Metric itself, so
@@ -23,7 +27,7 @@ Lightning's step value, epoch ``compute()`` and reset work as in one process.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -92,37 +96,77 @@ class LogBroadcaster:
         self.peers = [r for r in dist.get_process_group_ranks(frames) if r != src] if frames is not None else []
         self._schemas: dict[str, Schema] = {}  # per kind of step: training and evaluation log other keys
         self._posted: Optional[tuple[Tensor, Any]] = None
+        self._early: Optional[tuple[Tensor, list]] = None  # the last stage's frame, sent before the step's end
+        self._packed: Optional[tuple[Schema, Tensor]] = None  # packed once a step: packing resets the metrics
 
     def post(self, kind: str) -> None:
         """Before the step's schedule runs: the receive of this step's frame, so that it lands while
         this rank computes (the last stage sends it when its part of the step is done)."""
+        self._early = self._packed = None  # left by a step that failed
         schema = self._schemas.get(kind)
         if self.is_src or self.frames is None or schema is None:
             return
-        frame = torch.empty(1 + _size(schema), dtype=torch.float64, device=self.device)
+        frame = self._frame(schema)
         self._posted = (frame, dist.irecv(frame, self.src, group=self.frames))
+
+    def send_early(self, recorder: LogRecorder, loss: Any, kind: str) -> None:
+        """The last stage, once its last forward has logged (before its last backwards): the frame
+        goes now if the schema holds, so the other ranks can log while they wait for their last
+        gradients (`arrived`); otherwise it goes at the exchange."""
+        known = self._schemas.get(kind)
+        if not self.is_src or self.frames is None or known is None:
+            return
+        schema, data = self._packed = self._pack(recorder, loss)
+        if schema != known:
+            return
+        frame = self._frame(known)
+        frame[1:-1], frame[-1] = data, 1.0
+        self._early = (frame, [dist.isend(frame, peer, group=self.frames) for peer in self.peers])
+
+    def arrived(self, recorder: LogRecorder, kind: str) -> Optional[tuple[float, Entries]]:
+        """Another rank, during the step: the posted frame, if it has landed with the known schema;
+        None: the exchange at the step's end moves it."""
+        if self._posted is None:
+            return None
+        frame, work = self._posted
+        # gloo reports a receive complete only in wait(), but writes its data in place, in order, as it
+        # lands: the frame's last element (1.0 from the sender) has landed last
+        if not (work.is_completed() or (frame.device.type == "cpu" and frame[-1].item() == 1.0)):
+            return None
+        work.wait()
+        if frame[0].item() != 0.0:
+            return None  # the schema changed: the exchange sends it, after this frame
+        self._posted = None
+        return self._unpack(recorder, self._schemas[kind], frame[1:-1])
 
     def exchange(self, recorder: LogRecorder, loss: Any, kind: str = "train") -> tuple[float, Entries]:
         """Return the batch loss and the (name, value, options, kind) list, identical on every rank; the
         metrics the step updated hold the same state on every rank."""
+        if self._early is not None:  # sent during the step (`send_early`)
+            frame, works = self._early
+            self._early = self._packed = None
+            for work in works:
+                work.wait()
+            return self._unpack(recorder, self._schemas[kind], frame[1:-1])
         if self.is_src:
-            schema, data = self._pack(recorder, loss)
+            schema, data = self._packed if self._packed is not None else self._pack(recorder, loss)
+            self._packed = None
         if self.group is None:  # a one-stage pipeline: nothing to move
             return self._unpack(recorder, schema, data)
         known = self._schemas.get(kind)
         if known is not None:
             # [changed, loss, values...] sized by the schema every rank knows: one message per step
             if self.is_src:
-                frame = torch.zeros(1 + _size(known), dtype=torch.float64, device=self.device)
+                frame = self._frame(known)
                 changed = schema != known
-                frame[0] = float(changed)
+                frame[0], frame[-1] = float(changed), 1.0
                 if not changed:
-                    frame[1:] = data
+                    frame[1:-1] = data
                 self._send(frame)
             else:
                 frame = self._receive(known)
             if frame[0].item() == 0.0:
-                return self._unpack(recorder, known, frame[1:])
+                return self._unpack(recorder, known, frame[1:-1])
         # first step of its kind, or the schema changed: the schema as an object, then the values
         box = [schema if self.is_src else None]
         dist.broadcast_object_list(box, self.src, group=self.group, device=self.device)
@@ -131,6 +175,10 @@ class LogBroadcaster:
             data = torch.zeros(_size(known), dtype=torch.float64, device=self.device)
         dist.broadcast(data, self.src, group=self.group)
         return self._unpack(recorder, known, data)
+
+    def _frame(self, schema: Schema) -> Tensor:
+        """[changed, loss, values..., landed]: sized by the schema both ends know."""
+        return torch.zeros(2 + _size(schema), dtype=torch.float64, device=self.device)
 
     def _send(self, frame: Tensor) -> None:
         if self.frames is None:
@@ -141,11 +189,11 @@ class LogBroadcaster:
 
     def _receive(self, schema: Schema) -> Tensor:
         if self.frames is None:
-            frame = torch.zeros(1 + _size(schema), dtype=torch.float64, device=self.device)
+            frame = self._frame(schema)
             dist.broadcast(frame, self.src, group=self.group)
             return frame
         if self._posted is None:  # an exchange without `post`: receive it now
-            frame = torch.empty(1 + _size(schema), dtype=torch.float64, device=self.device)
+            frame = self._frame(schema)
             dist.recv(frame, self.src, group=self.frames)
             return frame
         frame, work = self._posted
@@ -193,14 +241,15 @@ def _size(schema: Schema) -> int:
     return 1 + sum(not _is_metric(kind) for _, _, kind in entries) + sum(2 + _numel(layout) for _, layout in layouts)
 
 
-def replay(module: Any, entries: Entries, device: torch.device, sync: bool = False) -> None:
-    """`sync`: evaluation with several pipelines, each over its shard of the data: the logged value is
-    the mean over the pipelines (``sync_dist=True`` unless the user chose otherwise). A Metric syncs itself
-    at compute() (over its stage's ranks, `metric_state.attach`)."""
+def replay(log: Callable[..., None], entries: Entries, device: torch.device, sync: bool = False) -> None:
+    """Log `entries` with `log` (the module's real ``log``). `sync`: evaluation with several pipelines,
+    each over its shard of the data: the logged value is the mean over the pipelines (``sync_dist=True``
+    unless the user chose otherwise). A Metric syncs itself at compute() (over its stage's ranks,
+    `metric_state.attach`)."""
     for name, value, options, kind in entries:
         if _is_metric(kind):
-            module.log(name, value, **options)
+            log(name, value, **options)
             continue
         if sync:
             options = {"sync_dist": True, **options}
-        module.log(name, torch.tensor(value, dtype=kind, device=device) if kind is not None else value, **options)
+        log(name, torch.tensor(value, dtype=kind, device=device) if kind is not None else value, **options)

@@ -8,6 +8,7 @@ everything the last stage logged are broadcast and logged on every rank.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -32,6 +33,7 @@ class PipelineSteps:
         self.module, self.cut, self.device, self.microbatches = ctx.module, ctx.cut, ctx.device, ctx.config.microbatches
         self.group, self.last = group, last  # the pipeline's process group (None: one stage); the last chunk's global rank
         self.logs = logs
+        self.logged_early: Optional[float] = None  # this step's loss where its logs were logged during the step
         self.trace_group = group if ctx.config.trace else None
         self.stash = GradientStash()
         self.replicas = ctx.topology.width  # pipelines side by side, each evaluating its shard
@@ -60,6 +62,7 @@ class PipelineSteps:
         early = self.cut.stage.early if kind == "train" else 0
         keys = [(kind, signature(mb)) + (("before switch",) if i < early else ()) for i, mb in enumerate(microbatches)]
         host.begin(step, microbatches, weights, args[1:], kwargs, scaler.scale if scaler is not None else None)
+        self._arm_early_logs(kind)
         module.log = host.recorder  # type: ignore[method-assign]
         if self.logs.is_src and host.recorder.metrics is not None:
             host.recorder.metrics.begin()  # the micro-batches build each metric's batch state
@@ -81,9 +84,34 @@ class PipelineSteps:
             partition.end_step(executor, len(keys))
         if self.trace_group is not None and kind == "train":
             self.training.planner.keep_trace(executor)
+        host.on_forwards_done = host.on_idle = None
+        if self.logged_early is not None:
+            return self.logged_early
         loss, entries = self.logs.exchange(host.recorder, host.loss if host.loss is not None else 0.0, kind)
-        replay(module, entries, self.device, sync=kind == "eval" and self.replicas > 1)
+        replay(module.log, entries, self.device, sync=kind == "eval" and self.replicas > 1)
         return loss
+
+    def _arm_early_logs(self, kind: str) -> None:
+        """Ours: in a training step the last stage sends its logs after its last forward, and the other
+        ranks log them while they wait for a gradient, instead of after their last backward: on the
+        first stage, which ends every 1F1B step, that end is the critical path (docs/predictions.md)."""
+        self.logged_early = None
+        host, logs = self.host, self.logs
+        host.on_forwards_done = host.on_idle = None
+        if kind != "train" or logs.frames is None:
+            return
+        if logs.is_src:
+            host.on_forwards_done = lambda: logs.send_early(host.recorder, host.loss, kind)
+            return
+        log = functools.partial(type(self.module).log, self.module)  # the real one: module.log is the recorder now
+
+        def log_if_arrived() -> None:
+            if self.logged_early is None and (got := logs.arrived(host.recorder, kind)) is not None:
+                loss, entries = got
+                replay(log, entries, self.device)
+                self.logged_early = loss
+
+        host.on_idle = log_if_arrived
 
     def train(self, context: Callable, args: tuple, kwargs: dict, scaler: Any) -> Tensor:
         """training_step: the schedule's gradients are set aside from Lightning's zero_grad."""

@@ -45,7 +45,9 @@ class StageHost(Protocol):
         """The gradients of `chunk` are final for this step."""
 
     # optional: weight_gradients_done(chunk, microbatch), after a micro-batch's weight gradients of
-    # `chunk` are accumulated (a fine-grained switch sends the old worker's partial gradients then)
+    # `chunk` are accumulated (a fine-grained switch sends the old worker's partial gradients then);
+    # idle(), before a compute waits for a receive still in flight (not while a meter measures the
+    # waits): work of the host's own that would otherwise wait for the step's end
 
 
 def _as_tuple(value: Activation) -> tuple[Tensor, ...]:
@@ -102,6 +104,7 @@ class _Run:
         self.pendings: list[tuple[PendingRecv, int, int]] = []
         self.trace, self.sync = trace, sync
         self.records: list[tuple[int, float, float]] = []
+        self.idle: Optional[Callable[[], None]] = getattr(host, "idle", None)
 
 
 class Executor:
@@ -256,6 +259,8 @@ class Executor:
         pending = st.inbox.pop(key)
         if self.meter is not None:
             self.meter.waiting(pending)
+        elif st.idle is not None and not pending.ready():
+            st.idle()  # the host's own work, in time this rank would spend waiting
         return pending.activation() if op is Op.RECV_ACT else pending.value()
 
     # ---- computation -----------------------------------------------------------------------

@@ -86,6 +86,9 @@ class PendingRecv:
         self.buffers, self.spec, self.works = buffers, spec, []
         self.action = -1  # the receive action's index in the rank's list
 
+    def ready(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
     def value(self) -> list[Tensor]:
         for work in self.works:
             work.wait()
