@@ -176,3 +176,33 @@ def test_the_first_stage_logs_the_step_while_it_waits_for_the_last_gradients(tmp
     # the last stage, which computes the values, logs them at the step's end
     assert [early for _, early in first] == [False, True, True, True]
     assert not any(early for _, early in last)
+
+
+def _changed_while_waiting(rank: int, world: int) -> list:
+    from lightning_pipe.topology import ProcessGroups, Topology
+
+    src = world - 1
+    frames = ProcessGroups(Topology(world, 1), rank).own_pipeline_group()
+    logs = LogBroadcaster(dist.group.WORLD, src, torch.device("cpu"), rank == src, frames)
+    out, polls = [], []
+    for step, values in enumerate([{"a": 1.5}, {"a": 2.5, "b": 0.5}]):
+        logs.post("train")
+        recorder = LogRecorder()
+        recorder.active, recorder.weight = rank == src, 1.0
+        for name, value in values.items():
+            recorder(name, torch.tensor(value, dtype=torch.float64))
+        if rank != src and step == 1:
+            time.sleep(0.5)  # the last stage's changed frame lands while this rank "waits"
+            polls = [logs.arrived(recorder, "train") for _ in range(3)]
+            polls.append(logs._posted is not None and logs._posted[1] is None)  # it landed and was waited once
+        out.append(logs.exchange(recorder, 10.0 + step, "train"))
+    return [out, polls]
+
+
+def test_a_changed_schema_seen_while_waiting_is_left_to_the_exchange():
+    # the other ranks see the changed frame land, poll it again and again, then the exchange moves the
+    # new schema (a gloo receive waited twice would wait for another message: a hang)
+    results = run_distributed(_changed_while_waiting, 2, timeout=60.0)
+    for rank, (out, _) in enumerate(results):
+        assert out[1] == (11.0, [("a", 2.5, {}, torch.float64), ("b", 0.5, {}, torch.float64)]), rank
+    assert results[0][1] == [None, None, None, True]

@@ -95,7 +95,7 @@ class LogBroadcaster:
         self.group, self.src, self.device, self.is_src, self.frames = group, src, device, is_src, frames
         self.peers = [r for r in dist.get_process_group_ranks(frames) if r != src] if frames is not None else []
         self._schemas: dict[str, Schema] = {}  # per kind of step: training and evaluation log other keys
-        self._posted: Optional[tuple[Tensor, Any]] = None
+        self._posted: Optional[tuple[Tensor, Any]] = None  # the frame and its receive (None once waited)
         self._early: Optional[tuple[Tensor, list]] = None  # the last stage's frame, sent before the step's end
         self._packed: Optional[tuple[Schema, Tensor]] = None  # packed once a step: packing resets the metrics
 
@@ -131,13 +131,22 @@ class LogBroadcaster:
         frame, work = self._posted
         # gloo reports a receive complete only in wait(), but writes its data in place, in order, as it
         # lands: the frame's last element (1.0 from the sender) has landed last
-        if not (work.is_completed() or (frame.device.type == "cpu" and frame[-1].item() == 1.0)):
+        if work is not None and not (work.is_completed() or (frame.device.type == "cpu" and frame[-1].item() == 1.0)):
             return None
-        work.wait()
+        frame = self._wait_posted()
         if frame[0].item() != 0.0:
             return None  # the schema changed: the exchange sends it, after this frame
         self._posted = None
         return self._unpack(recorder, self._schemas[kind], frame[1:-1])
+
+    def _wait_posted(self) -> Tensor:
+        """The posted frame, its receive waited once (a second wait on a gloo receive waits for
+        another message)."""
+        frame, work = self._posted
+        if work is not None:
+            work.wait()
+            self._posted = (frame, None)
+        return frame
 
     def exchange(self, recorder: LogRecorder, loss: Any, kind: str = "train") -> tuple[float, Entries]:
         """Return the batch loss and the (name, value, options, kind) list, identical on every rank; the
@@ -155,7 +164,7 @@ class LogBroadcaster:
             return self._unpack(recorder, schema, data)
         known = self._schemas.get(kind)
         if known is not None:
-            # [changed, loss, values...] sized by the schema every rank knows: one message per step
+            # [changed, loss, values..., landed] sized by the schema every rank knows: one message per step
             if self.is_src:
                 frame = self._frame(known)
                 changed = schema != known
@@ -196,9 +205,8 @@ class LogBroadcaster:
             frame = self._frame(schema)
             dist.recv(frame, self.src, group=self.frames)
             return frame
-        frame, work = self._posted
+        frame = self._wait_posted()
         self._posted = None
-        work.wait()
         return frame
 
     def _pack(self, recorder: LogRecorder, loss: Any) -> tuple[Schema, Tensor]:
