@@ -31,6 +31,15 @@ STEPS = [
 ]
 
 
+def _recorder(active: bool, values: dict, dtype: torch.dtype, **options: dict) -> LogRecorder:
+    """What a last stage recorded in one step (`options`: self.log's keywords per name)."""
+    recorder = LogRecorder()
+    recorder.active, recorder.weight = active, 1.0
+    for name, value in values.items():
+        recorder(name, torch.tensor(value, dtype=dtype), **options.get(name, {}))
+    return recorder
+
+
 def _exchange(rank: int, world: int) -> list:
     src = world - 1
     logs = LogBroadcaster(dist.group.WORLD, src, torch.device("cpu"), rank == src)
@@ -44,10 +53,7 @@ def _exchange(rank: int, world: int) -> list:
     dist.broadcast = counting  # count the tensor broadcasts each exchange makes (broadcast_object_list is not one)
     try:
         for step, values in enumerate(STEPS):
-            recorder = LogRecorder()
-            recorder.active, recorder.weight = rank == src, 1.0
-            for name, value in values.items():
-                recorder(name, torch.tensor(value, dtype=torch.float32), prog_bar=name == "acc")
+            recorder = _recorder(rank == src, values, torch.float32, loss_a={"prog_bar": False}, acc={"prog_bar": True})
             calls.append(0)
             out.append(logs.exchange(recorder, 10.0 + step))
     finally:
@@ -100,10 +106,7 @@ def _exchange_frames(rank: int, world: int) -> list:
             calls.append(0)
             if step != 3:  # step 3: no receive posted ahead; the exchange receives the frame itself
                 logs.post(kind)
-            recorder = LogRecorder()
-            recorder.active, recorder.weight = rank == src, 1.0
-            for name, value in values.items():
-                recorder(name, torch.tensor(value, dtype=torch.float32))
+            recorder = _recorder(rank == src, values, torch.float32)
             out.append(logs.exchange(recorder, 10.0 + step, kind))
     finally:
         dist.broadcast = real
@@ -187,10 +190,7 @@ def _changed_while_waiting(rank: int, world: int) -> list:
     out, polls = [], []
     for step, values in enumerate([{"a": 1.5}, {"a": 2.5, "b": 0.5}]):
         logs.post("train")
-        recorder = LogRecorder()
-        recorder.active, recorder.weight = rank == src, 1.0
-        for name, value in values.items():
-            recorder(name, torch.tensor(value, dtype=torch.float64))
+        recorder = _recorder(rank == src, values, torch.float64)
         if rank != src and step == 1:
             time.sleep(0.5)  # the last stage's changed frame lands while this rank "waits"
             polls = [logs.arrived(recorder, "train") for _ in range(3)]

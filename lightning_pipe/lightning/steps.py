@@ -3,7 +3,8 @@
 Per step the batch is split (the slicer's halves become micro-batches of their own), the runner
 (the weight-versions layer) runs this rank's action list with `LightningHost` calling the user's step methods, under the
 precision plugin's context and with ``module.log`` redirected to a recorder; then the loss and
-everything the last stage logged are broadcast and logged on every rank.
+everything the last stage logged reach every rank (`logs.LogBroadcaster`) and are logged there, in a
+training step during the schedule's waits where the values have landed by then.
 """
 
 from __future__ import annotations
@@ -49,9 +50,10 @@ class PipelineSteps:
         if previous is not None and previous.logs.src == last:
             logs = previous.logs
         else:  # the frames' group is collective to make: every rank builds its steps together
-            frames = previous.logs.frames if previous is not None else None
-            if previous is None and group is not None:
-                frames = ctx.groups.own_pipeline_group()
+            if previous is not None:
+                frames = previous.logs.frames
+            else:
+                frames = ctx.groups.own_pipeline_group() if group is not None else None
             logs = LogBroadcaster(group, last, ctx.device, ctx.global_rank == last, frames)
         return cls(ctx, training, host, group, last, logs)
 
