@@ -131,6 +131,9 @@ class PipelineConfig:
     false: off."""
     adaptive_gain: float = 0.05
     """Adaptive: the predicted fraction of the remaining run's time a switch must save, after its cost (x)."""
+    adaptive_hysteresis: float = 0.0
+    """Adaptive rule (ours): extra gain a switch back to the partition the last switch left must predict, e.g.
+    0.05 to need 10% with adaptive_gain=0.05; keeps a threshold-close prediction from flipping back and forth."""
     adaptive_interval: int = 20
     """Adaptive: iterations at least between two switches."""
     adaptive_window: int = 5
@@ -295,6 +298,15 @@ class PipelineConfig:
                 )
         if isinstance(self.adaptive_gain, bool) or not isinstance(self.adaptive_gain, (int, float)) or not 0 <= self.adaptive_gain < 1:
             raise SettingError(f"adaptive_gain={self.adaptive_gain!r}: a fraction in [0, 1), e.g. 0.05 for 5%", "adaptive_gain")
+        hysteresis = self.adaptive_hysteresis
+        if isinstance(hysteresis, bool) or not isinstance(hysteresis, (int, float)) or not 0 <= hysteresis < 1:
+            raise SettingError(f"adaptive_hysteresis={hysteresis!r}: a fraction in [0, 1), e.g. 0.05", "adaptive_hysteresis")
+        if hysteresis and self.adaptive == "learned":
+            raise SettingError(
+                f"adaptive_hysteresis={hysteresis!r} is the rule's (adaptive=rule); adaptive=learned's arbiter decides "
+                "switches itself: set adaptive_hysteresis=0",
+                "adaptive_hysteresis",
+            )
         for name in ("adaptive_interval", "adaptive_window"):
             check_count(name, getattr(self, name))
         if self.adaptive_switch not in ("fine-grained", "stop"):

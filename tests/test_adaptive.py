@@ -188,6 +188,10 @@ def test_adaptive_settings_are_checked_by_hydra_and_the_config():
     assert (config.adaptive, config.adaptive_gain, config.adaptive_interval) == ("rule", 0.1, 7)  # true means the rule
     with pytest.raises(SettingError, match=r"adaptive_gain=1.5: a fraction in \[0, 1\)"):
         PipelineConfig(adaptive=True, adaptive_gain=1.5)
+    with pytest.raises(SettingError, match=r"adaptive_hysteresis=-0.1: a fraction in \[0, 1\)"):
+        PipelineConfig(adaptive=True, adaptive_hysteresis=-0.1)
+    with pytest.raises(SettingError, match=r"adaptive_hysteresis=0.05 is the rule's"):
+        PipelineConfig(adaptive="learned", adaptive_hysteresis=0.05)
     assert PipelineConfig(adaptive=True, pipelines=2).adaptive == PipelineConfig(adaptive=True, width=2).adaptive == "rule"
 
 
@@ -249,6 +253,7 @@ class SlowRankOne(Callback):
                 "slowdown": list(latest.slowdown(adaptive.monitor.static)) if latest is not None else None,
                 "measured": latest.step if latest is not None else None,
                 "switches": len(adaptive.switches),
+                "left": [list(b) for b in adaptive.rule.left] if adaptive.rule.left is not None else None,
             }
         )
 
@@ -275,6 +280,9 @@ def test_adaptive_moves_blocks_off_a_slowed_rank_and_stays_exact(tmp_path, width
     assert seen[0]["bounds"] == [[0, 4], [4, 8]] and seen[3]["switches"] == 0, "nothing to gain while the ranks are equal"
     assert seen[0]["slowdown"] is None and [s["measured"] for s in seen[1:]] == list(range(29))
     final = seen[-1]["bounds"]
+    for before, after in zip(seen, seen[1:]):  # the rule remembers the partition each switch left (its hysteresis)
+        if after["switches"] > before["switches"]:
+            assert after["left"] == before["bounds"] != after["bounds"], (before, after)
     if width == 2:
         # four processes share the 2 cores: whether the measured gain clears the threshold moves with the
         # load (CI saw 5 | 3 once and no switch at all once); the claim here is that the slowed replica's rank

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -41,7 +42,12 @@ MODES: dict[str, tuple[list[str], str]] = {  # name -> (Hydra overrides after th
     "avgpipe-2bw": (["schedule=2bw", "pipeline.advance_num=2", *AVGPIPE], "AvgPipe(2BW) N = 2, advance 2"),
     "1f1b-load": (["schedule=1f1b", *FLUSH, *LOAD], "1F1B, load on rank 1 (steps 50-250)"),
     "adaptive-load": (["schedule=1f1b", *FLUSH, *LOAD, "pipeline.adaptive=true"], "adaptive 1F1B, load on rank 1 (steps 50-250)"),
+    "hysteresis-load": (  # ours: the rule with a switch back to the partition just left needing 10%, not 5%
+        ["schedule=1f1b", *FLUSH, *LOAD, "pipeline.adaptive=true", "pipeline.adaptive_hysteresis=0.05"],
+        "adaptive 1F1B + hysteresis 0.05 (ours), load on rank 1",
+    ),
 }
+SWITCH = re.compile(r"adaptive: iteration (\d+): partition (\[[^]]*\]) -> (\[[^]]*\])")
 RECIPES = {"gpt": "recipe=gpt-tiny-cpu", "bert": "recipe=bert-tiny-cpu"}
 QUIET = ["callbacks.checkpoint=null", "callbacks.last=null"]
 
@@ -69,7 +75,16 @@ def run_one(model: str, mode: str, seed: int, steps: int, val_every: int, folder
         return {"val": [], "times": {}, "wall_s": float("nan"), "note": str(failed)[:400]}
     found = glob.glob(os.path.join(run_dir, "logs", "version_*", "metrics.csv"))
     val, times = read_timed(found[0])
-    return {"val": val, "times": {str(k): v for k, v in times.items()}, "wall_s": wall, "note": note}
+    switches = [f"{it}: {a} -> {b}" for it, a, b in SWITCH.findall(open(run_dir + ".log").read())]
+    return {"val": val, "times": {str(k): v for k, v in times.items()}, "wall_s": wall, "note": note, "switches": switches}
+
+
+def switch_count(mode: str, runs: list[dict]) -> str:
+    """Switches per run (adaptive modes): median (min..max); runs saved before they were counted: n/a."""
+    if "pipeline.adaptive=true" not in MODES[mode][0]:
+        return "-"
+    counts = [len(r["switches"]) for r in runs if "switches" in r]
+    return f"{statistics.median(counts):g} ({min(counts)}..{max(counts)})" if len(counts) == len(runs) else "n/a"
 
 
 def targets(runs: list[dict], steps: int) -> list[float]:
@@ -123,7 +138,7 @@ def main(doc: str = __doc__) -> None:
                 )
     for model in args.models:
         goal = targets(runs[f"{model}/1f1b"], args.steps)
-        t = Table("mode", *(f"to {g:.3f} (s)" for g in goal), f"val loss at step {args.steps}", "wall per run (s)")
+        t = Table("mode", *(f"to {g:.3f} (s)" for g in goal), f"val loss at step {args.steps}", "wall per run (s)", "switches")
         for mode in args.modes:
             rs = runs[f"{model}/{mode}"]
             failed = [r["note"] for r in rs if not r["val"]]
@@ -140,7 +155,7 @@ def main(doc: str = __doc__) -> None:
                     spread(got).fmt() + ("" if len(got) == len(rs) else f" ({len(rs) - len(got)} of {len(rs)} never)") if got else "never"
                 )
             final = spread(r["val"][-1][1] for r in rs).fmt(digits=4)
-            t.add(MODES[mode][1], *cells, final, spread(r["wall_s"] for r in rs).fmt(digits=0))
+            t.add(MODES[mode][1], *cells, final, spread(r["wall_s"] for r in rs).fmt(digits=0), switch_count(mode, rs))
         title = (
             f"{model}: time to the validation loss 1F1B reaches at steps {round(args.steps / 3)}, {round(2 * args.steps / 3)}, "
             f"{args.steps}; medians (min..max) over seeds {args.seeds}; 16 samples per step"

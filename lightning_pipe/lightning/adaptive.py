@@ -106,7 +106,12 @@ class Adaptive:
         self.evaluations: list[
             dict[str, Any]
         ] = []  # learned, rank 0, with LIGHTNING_PIPE_ADAPTIVE_EVALUATE=1: every decision's predictions
-        self.rule = SwitchRule(gain=config.adaptive_gain, interval=config.adaptive_interval, window=config.adaptive_window)
+        self.rule = SwitchRule(
+            gain=config.adaptive_gain,
+            interval=config.adaptive_interval,
+            window=config.adaptive_window,
+            hysteresis=config.adaptive_hysteresis,
+        )
         self.pending: Optional[tuple[Bounds, Optional[tuple[float, float, float]]]] = None
         self.switches: list[SwitchRecord] = []
         self.monitor: Optional[Monitor] = None
@@ -183,11 +188,15 @@ class Adaptive:
         scored = [(self.scorer(window, schedule, c), c) for c in neighbour_candidates(cut.bounds, cut.placement)]
         if not scored:
             return
-        best_s, best = min(scored)
-        moved = sum(self.monitor.static.param_bytes[b] for m in plan_moves(cut.bounds, best, cut.placement) for b in m.blocks)
         bandwidth = self._bandwidth(window)
-        gain = self.rule.predicted_gain(now, best_s, self._left(), self.rule.cost(3 * moved, bandwidth))
-        if gain >= self.rule.gain:
+
+        def cost(bounds: Bounds) -> float:  # weights and Adam's two moments of the blocks that move
+            moved = sum(self.monitor.static.param_bytes[b] for m in plan_moves(cut.bounds, bounds, cut.placement) for b in m.blocks)
+            return self.rule.cost(3 * moved, bandwidth)
+
+        chosen = self.rule.choose(now, scored, self._left(), cost)
+        if chosen is not None:
+            best, gain, best_s = chosen
             self.pending = (best, (gain, now, best_s))
 
     def _bandwidth(self, window: list[IterationMetrics]) -> float:
@@ -334,7 +343,7 @@ class Adaptive:
             iteration, old, new, gain, now, best, float(numbers[0]), int(numbers[2]), by, early, float(numbers[1]), stopped_because
         )
         self.switches.append(record)
-        self.rule.last_switch = iteration
+        self.rule.switched(iteration, old)
         if self.monitor is not None:
             self.monitor.clear()
             window = [self.monitor.latest] if self.monitor.latest is not None else []
