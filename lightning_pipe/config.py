@@ -69,6 +69,11 @@ class PipelineConfig:
     """AvgPipe: the N pipelines share the Trainer's devices, N processes per device (the paper's layout:
     stages = devices x nodes); False: a device per process (stages = devices x nodes / N)."""
 
+    # ---- the model ---------------------------------------------------------------------------
+    blocks: Optional[str] = None
+    """A model that loops over its blocks (no nn.Sequential child): the path of their nn.ModuleList from the
+    LightningModule, e.g. "model.transformer.h" (None: the list of same-type modules holding the most parameters)."""
+
     # ---- planning ----------------------------------------------------------------------------
     partition: Any = "autopipe"
     """A partitioner (autopipe, dp, parameters, exhaustive, uniform) or blocks per stage, e.g. [4, 6]."""
@@ -170,6 +175,10 @@ class PipelineConfig:
                 "schedule",
             )
         self.schedule = canonical(self.schedule)
+        if self.blocks is not None and (not isinstance(self.blocks, str) or not self.blocks):
+            raise SettingError(
+                f"blocks={self.blocks!r}: must be the path of an nn.ModuleList, e.g. 'model.transformer.h', or None", "blocks"
+            )
         for name in ("microbatches", "width", "chunks", "waves"):
             check_count(name, getattr(self, name))
         self._check_avgpipe()

@@ -34,6 +34,7 @@ from ..planning.partition import partition_blocks
 from ..profiling import Profile, profile_blocks
 from ..profiling.messages import MessageCosts, measure_messages
 from ..profiling.runtime import runtime_bytes
+from ..runtime.call import as_input
 from ..schedules import ScheduleSpec
 from ..simulation.timelines import chrome_trace, gantt, traced_timeline
 from .context import RankContext
@@ -70,19 +71,23 @@ def sample_microbatch(trainer: Any, microbatches: int) -> tuple[Optional[Any], i
     """A micro-batch (batch size // microbatches samples) of the training (or else validation)
     dataset, collated as the DataLoader would, and its size; (None, 0) if there is none to take."""
     for loader, dataset in _datasets(trainer):
-        collate = getattr(loader, "collate_fn", None) or torch.utils.data.default_collate
-        size = max(1, min((getattr(loader, "batch_size", None) or 1) // microbatches, len(dataset)))
-        return collate([dataset[i] for i in range(size)]), size
+        return loader_sample(loader, dataset, microbatches)
     return None, 0
+
+
+def loader_sample(loader: Any, dataset: Any, microbatches: int) -> tuple[Any, int]:
+    collate = getattr(loader, "collate_fn", None) or torch.utils.data.default_collate
+    size = max(1, min((getattr(loader, "batch_size", None) or 1) // microbatches, len(dataset)))
+    return collate([dataset[i] for i in range(size)]), size
 
 
 def pipeline_input(module: Any, pipeline: nn.Sequential, batch: Any) -> Any:
     """Run the user's training_step on `batch` until it calls the pipeline; return the call's input."""
 
-    def stop(_module: nn.Module, args: tuple) -> None:
-        raise _Handoff(args[0])
+    def stop(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        raise _Handoff(as_input(args, kwargs))
 
-    handle = pipeline.register_forward_pre_hook(stop)
+    handle = pipeline.register_forward_pre_hook(stop, with_kwargs=True)
     module.log = lambda *a, **k: None  # type: ignore[method-assign]  # no logging outside the loop
     try:
         with torch.no_grad():

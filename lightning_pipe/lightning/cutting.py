@@ -25,6 +25,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from ..adaptive.switch import skeleton
+from ..frontend import TracedPipeline, restore
+from ..frontend.weights import init_traced_block, release_others
 from ..models.init import InitBlock, draw_seed, is_meta, materialize, reset_block, seeded
 from ..planning.partition import partition_blocks
 from ..runtime.tied import TiedParameter, TieGroup, find_tied_parameters, tie_groups
@@ -100,7 +102,7 @@ def choose_layout(
 
 
 def cut_module(ctx: RankContext, planner: AutoPlanner, module: Any) -> Cut:
-    path, pipeline = find_pipeline(module)
+    path, pipeline = find_pipeline(module, ctx.config.blocks)
     check_no_outside_parameters(module, path)
     spec, bounds, sliced, plan, choice = choose_layout(ctx, planner, module, pipeline)
     if ctx.config.adaptive and planner.costs is None:  # the monitor's ratios and the scorer's costs
@@ -109,13 +111,16 @@ def cut_module(ctx: RankContext, planner: AutoPlanner, module: Any) -> Cut:
     mine = {c: bounds[c] for c in range(len(placement)) if placement[c] == ctx.stage_index}
     blocks = {i: pipeline[i] for start, stop in mine.values() for i in range(start, stop)}
     built_empty = is_meta(pipeline)
-    if built_empty:
-        materialize(blocks, block_initializer(ctx, module, pipeline), within=pipeline)
+    traced = isinstance(pipeline, TracedPipeline)
+    if built_empty:  # a traced model's blocks share its modules: the whole model is `within`
+        materialize(blocks, block_initializer(ctx, module, pipeline), within=pipeline.original if traced else pipeline)
     recompute = ctx.config.recompute_stages(ctx.depth)[ctx.stage_index]
     stage = PipelineStage(blocks, mine, len(pipeline), recompute=recompute)
     tied = find_tied_parameters(pipeline, bounds, placement)
     skeletons = {i: skeleton(pipeline[i]) for i in range(len(pipeline)) if i not in blocks}
     full = pipeline if ctx.global_rank == 0 and not built_empty else None  # a meta-built model is not gathered back
+    if traced and full is None:  # the model's other parts stay referenced by its forward: keep their shapes only
+        release_others(pipeline, blocks.values())
     set_submodule(module, path, stage)
     log.info(f"rank {ctx.global_rank}: stage {ctx.stage_index}/{ctx.depth} holds chunks {mine} (blocks [start, stop))")
     cut = Cut(path, full, stage, spec, tuple(tuple(b) for b in bounds), placement, sliced, plan, choice, tied)
@@ -131,6 +136,8 @@ def block_initializer(ctx: RankContext, module: Any, pipeline: nn.Sequential) ->
     seed = [getattr(pipeline, "init_seed", None) or draw_seed()]
     if dist.is_available() and dist.is_initialized():
         dist.broadcast_object_list(seed, src=0)
+    if isinstance(pipeline, TracedPipeline):
+        return init_traced_block(pipeline, lambda index: seeded(seed[0], index))
 
     def init(index: int, block: nn.Module) -> None:
         with seeded(seed[0], index):
@@ -145,4 +152,4 @@ def uncut_module(module: Any, cut: Cut, state: dict[str, Any]) -> None:
     prefix = cut.path + "."
     assert cut.pipeline is not None
     cut.pipeline.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
-    set_submodule(module, cut.path, cut.pipeline)
+    set_submodule(module, cut.path, restore(cut.pipeline) if isinstance(cut.pipeline, TracedPipeline) else cut.pipeline)

@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch.distributed as dist
 from lightning.fabric.strategies.launchers.subprocess_script import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from torch import nn
 
 from .. import faults
+from .front import restore_model
 from .preflight import validate_inputs
 
 if TYPE_CHECKING:
@@ -60,7 +62,11 @@ def _validate(strategy: "AutoPipeStrategy", args: tuple, trainer: Optional[Any])
 class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
         _validate(self._strategy, args, trainer)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:  # the trained weights are in; a model converted by the front end is the user's model again
+            if args and isinstance(args[0], nn.Module):
+                restore_model(args[0])
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
         output = super()._collect_rank_zero_results(trainer, results)

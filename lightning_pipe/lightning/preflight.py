@@ -15,6 +15,7 @@ from torch import nn
 
 from ..config import PipelineConfig
 from ..errors import SettingError
+from .front import trace_before_spawn
 from .layers.compose import choose_layers
 from .metric_state import check_metrics
 from .stage import check_no_outside_parameters, find_pipeline
@@ -49,7 +50,9 @@ def validate_inputs(config: PipelineConfig, world: int, args: tuple, trainer: Op
     fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
     resume_path = str(args[4]) if fitting and len(args) > 4 and args[4] is not None else None
     if isinstance(model, nn.Module):
-        path, pipeline = find_pipeline(model)
+        path, pipeline = find_pipeline(model, config.blocks)
+        if fitting and len(args) > 1:  # a model looping over its blocks: cut (or refused) before spawning
+            trace_before_spawn(model, args[1], config.microbatches, config.blocks)
         check_no_outside_parameters(model, path)
         try:
             check_metrics(model)
@@ -61,7 +64,7 @@ def validate_inputs(config: PipelineConfig, world: int, args: tuple, trainer: Op
     if fitting and len(args) > 1:
         config.check_batch_size(getattr(args[1], "batch_size", None))
         if config.planner is not None and isinstance(model, nn.Module):
-            config.check_plannable(world, len(find_pipeline(model)[1]), getattr(args[1], "batch_size", None))
+            config.check_plannable(world, len(find_pipeline(model, config.blocks)[1]), getattr(args[1], "batch_size", None))
     accumulate = getattr(trainer, "accumulate_grad_batches", 1)
     if fitting and (isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1):
         raise SettingError(f"accumulate_grad_batches={accumulate!r}: must be an integer >= 1 (Trainer / trainer.accumulate_grad_batches)")

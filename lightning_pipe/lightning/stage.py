@@ -1,7 +1,8 @@
 """How a LightningModule exposes its pipeline, and the stage module that replaces it on a rank.
 
 The pipeline is the module's single `nn.Sequential` child, or whatever `configure_pipeline()`
-returns. On each rank the strategy swaps it for a `PipelineStage` holding only this rank's
+returns, or else (a model that loops over its blocks, e.g. a Hugging Face model) the front end's
+`TracedPipeline` put in place of the child holding the blocks (`frontend`). On each rank the strategy swaps it for a `PipelineStage` holding only this rank's
 blocks, registered under their original indices, so the module's `state_dict()` keys are those
 of the full model (``seq.3.weight``) and a gathered checkpoint loads in a plain single process.
 """
@@ -12,7 +13,9 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
+from ..frontend import FrontendError, TracedPipeline, attach_user_names, convert
 from ..profiling import check_activation
+from ..runtime.call import as_call, as_input
 from ..runtime.recompute import run_block
 
 
@@ -20,8 +23,14 @@ class PipelineSetupError(ValueError):
     pass
 
 
-def find_pipeline(module: nn.Module) -> tuple[str, nn.Sequential]:
-    """Return the attribute path and the `nn.Sequential` that forms the pipeline."""
+def find_pipeline(module: nn.Module, blocks: Optional[str] = None) -> tuple[str, nn.Sequential]:
+    """Return the attribute path and the `nn.Sequential` that forms the pipeline; a model looping over
+    its blocks is converted in place (`blocks`: the path of their ModuleList, else found)."""
+    traced = [(n, m) for n, m in module.named_children() if isinstance(m, TracedPipeline)]
+    if traced:
+        return traced[0]
+    if blocks is not None:
+        return _converted(module, blocks)
     configure = getattr(module, "configure_pipeline", None)
     if callable(configure):
         pipeline = configure()
@@ -40,15 +49,19 @@ def find_pipeline(module: nn.Module) -> tuple[str, nn.Sequential]:
     if len(found) == 1:
         return found[0]
     if not found:
-        raise PipelineSetupError(
-            f"{type(module).__name__} has no pipeline: give it exactly one nn.Sequential child holding the blocks "
-            "to split across stages, or define configure_pipeline() returning it"
-        )
+        return _converted(module, None)
     names = ", ".join(n for n, _ in found)
     raise PipelineSetupError(
         f"{type(module).__name__} has several nn.Sequential children ({names}): define configure_pipeline() "
         "returning the one to split across stages"
     )
+
+
+def _converted(module: nn.Module, blocks: Optional[str]) -> tuple[str, nn.Sequential]:
+    try:
+        return convert(module, blocks)
+    except FrontendError as err:
+        raise PipelineSetupError(str(err)) from None
 
 
 def check_no_outside_parameters(module: nn.Module, path: str) -> None:
@@ -104,6 +117,7 @@ class PipelineStage(nn.Module):
         self.early, self.before = 0, chunk_bounds
         self.arrival: Optional[Callable[[int], None]] = None
         self.backward_done: Optional[Callable[[int, int], None]] = None  # (micro-batch, count): the old worker's partial gradients
+        attach_user_names(self)  # a traced model's blocks: state dicts in the model's own names
 
     def blocks(self) -> dict[int, nn.Module]:
         return {int(name): block for name, block in self._modules.items()}
@@ -131,7 +145,12 @@ class PipelineStage(nn.Module):
                 check_activation(x, index, block)
         return x
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        x = as_input(args, kwargs)
+        for block in self._modules.values():  # a traced model's last block runs the model's call again
+            if getattr(block, "frontend", None) is not None:
+                block.frontend.call = as_call(x)
+                break
         if self._runner is None:
             raise RuntimeError(
                 "this pipeline holds only one stage's blocks on this rank and runs inside the strategy's "
