@@ -127,3 +127,95 @@ class UserLM(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+
+# ---- one-process references ----------------------------------------------------------------------
+def trainer_kwargs(**overrides):
+    kw = dict(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, deterministic=False,
+    )  # fmt: skip
+    kw.update(overrides)
+    return kw
+
+
+def pair(kind: str, layers: int = 6, **kw):
+    """(reference, model): two UserLMs with the same initial weights."""
+    torch.manual_seed(0)
+    ref = UserLM(kind, layers, **kw)
+    model = UserLM(kind, layers, **kw)
+    model.load_state_dict(ref.state_dict())
+    return ref, model
+
+
+def train_single(model, steps: int, data=None) -> None:
+    L.Trainer(devices=1, **trainer_kwargs(max_steps=steps)).fit(model, data or loader())
+
+
+def close(a: dict, b: dict) -> float:
+    """The largest difference between two state dicts, relative to max(|a|, 1) per tensor. Not relative
+    to |a| alone: a parameter whose gradient is mathematically zero (BERT's attention key biases: softmax
+    ignores a constant added over the keys) gets rounding noise that AdamW normalises into updates of
+    ~1e-11 around its zero start, the same size in both runs but not the same noise."""
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max(((b[k].double() - a[k].double()).abs().max() / a[k].double().abs().max().clamp(min=1.0)).item() for k in a)
+
+
+def batches(steps: int, batch_size: int = 8) -> list:
+    out: list = []
+    while len(out) < steps:
+        out += list(loader(batch_size))
+    return out[:steps]
+
+
+def reference_2bw(ref: "UserLM", steps: int) -> None:
+    """PipeDream-2BW's rule in one process: W(t+1) = W(t) - step(grad f(W(t-1); batch t))."""
+    import copy
+
+    opt = ref.configure_optimizers()
+    previous = copy.deepcopy(ref)
+    for t, batch in enumerate(batches(steps)):
+        at = previous if t >= 1 else copy.deepcopy(ref)  # W(max(t - 1, 0))
+        at.zero_grad()
+        at.training_step(batch, t).backward()
+        previous = copy.deepcopy(ref)
+        for p, q in zip(ref.parameters(), at.parameters()):
+            p.grad = q.grad.clone()
+        opt.step()
+
+
+def reference_avgpipe(ref: "UserLM", steps: int, pipelines: int, alpha: float) -> dict:
+    """AvgPipe's elastic averaging in one process (staleness 0): each pipeline n takes its own AdamW
+    step Δ_n on its shard, W_n <- (1 - α) W_n + α W_ref + Δ_n, W_ref <- W_ref + mean_n Δ_n. Returns W_ref."""
+    import copy
+    import os
+
+    from torch.utils.data import DistributedSampler
+
+    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+    models = [copy.deepcopy(ref) for _ in range(pipelines)]
+    opts = [m.configure_optimizers() for m in models]
+    data = []
+    for n in range(pipelines):
+        sampler = DistributedSampler(Tokens(), num_replicas=pipelines, rank=n, shuffle=True, seed=seed)
+        rows, epoch = [], 0
+        while len(rows) < steps:
+            sampler.set_epoch(epoch)
+            rows += list(DataLoader(Tokens(), batch_size=8, sampler=sampler))
+            epoch += 1
+        data.append(rows[:steps])
+    w_ref = {k: v.detach().clone() for k, v in ref.named_parameters()}
+    for t in range(steps):
+        deltas = []
+        for n, (model, opt) in enumerate(zip(models, opts)):
+            model.zero_grad()
+            model.training_step(data[n][t], t).backward()
+            before = {k: v.detach().clone() for k, v in model.named_parameters()}
+            opt.step()
+            delta = {k: v.detach() - before[k] for k, v in model.named_parameters()}
+            with torch.no_grad():
+                for k, p in model.named_parameters():
+                    p.copy_((1 - alpha) * before[k] + alpha * w_ref[k] + delta[k])
+            deltas.append(delta)
+        w_ref = {k: w_ref[k] + sum(d[k] for d in deltas) / pipelines for k in w_ref}
+    return w_ref

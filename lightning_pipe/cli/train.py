@@ -96,7 +96,8 @@ def build(cfg: DictConfig) -> tuple[L.LightningModule, L.LightningDataModule, L.
     # the model's context and vocabulary, which the data module checks its settings against (data.seq_len,
     # data.tokenizer / data.tokens: every id must be a row of the embedding)
     model_config = getattr(module, "config", None)
-    fits = {"max_seq_len": getattr(model_config, "max_seq_len", None), "model_vocab_size": getattr(model_config, "vocab_size", None)}
+    context = getattr(model_config, "max_seq_len", None) or getattr(model_config, "max_position_embeddings", None)  # ours / HF's
+    fits = {"max_seq_len": context, "model_vocab_size": getattr(model_config, "vocab_size", None)}
     datamodule = instantiate(cfg.data, **{k: v for k, v in fits.items() if v})
     datamodule.setup("fit")  # reads the corpus now: a missing or empty one is an error before any process starts
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
@@ -112,7 +113,7 @@ def build(cfg: DictConfig) -> tuple[L.LightningModule, L.LightningDataModule, L.
         where = ", ".join(f"trainer.{k}={cfg.trainer.get(k)}" for k in ("accelerator", "devices", "num_nodes"))
         raise SettingError(f"trainer: {str(err).splitlines()[0]} ({where})") from None
     world = config.world(trainer.num_devices, trainer.num_nodes)
-    _, blocks = find_pipeline(module)
+    _, blocks = find_pipeline(module, config.blocks)  # a model looping over its blocks: converted here, traced in setup
     try:
         config.check_model(world, len(blocks))
         config.check_batch_size(cfg.data.batch_size, "data.batch_size")

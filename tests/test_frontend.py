@@ -1,0 +1,118 @@
+"""Models as users write them (Hugging Face GPT-2, Llama, BERT; a plain model looping over a
+ModuleList) trained by Trainer(strategy="autopipe") with no rewrite, against one process.
+
+float64, dropout 0, weights after 4 AdamW steps; every run is a real multi-process gloo job."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from hf_models import (
+    UserLM,
+    close,
+    loader,
+    pair,
+    reference_2bw,
+    reference_avgpipe,
+    train_single,
+    trainer_kwargs,
+)
+
+from lightning_pipe import AutoPipeStrategy
+
+pytest.importorskip("transformers")
+pytestmark = [pytest.mark.timeout(240), pytest.mark.multiprocess]
+START = "fork"
+STEPS = 4
+
+
+def pipelined(model, devices: int, steps: int = STEPS, data=None, callbacks=(), **settings):
+    settings = {"microbatches": 4, "partition": "uniform", "start_method": START, **settings}
+    trainer = L.Trainer(
+        devices=devices, strategy=AutoPipeStrategy(**settings), callbacks=list(callbacks), **trainer_kwargs(max_steps=steps)
+    )
+    trainer.fit(model, data or loader())
+    return trainer
+
+
+# 6 layers = 8 pipeline blocks (first, 6 repeated, last): interleaved on 4 ranks runs 8 chunks of one block
+SYNC = [(2, "1f1b"), (2, "gpipe"), (2, "interleaved"), (2, "zb-h1"), (4, "1f1b"), (4, "gpipe"), (4, "interleaved"), (4, "zb-h1")]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert", "looped"])
+@pytest.mark.parametrize("devices,schedule", SYNC)
+def test_synchronous_schedules_equal_one_process(kind, devices, schedule):
+    ref, model = pair(kind)
+    train_single(ref, STEPS)
+    pipelined(model, devices, schedule=schedule)
+    assert type(model.model) is type(ref.model), "fit hands the user's own model object back"
+    assert close(ref.state_dict(), model.state_dict()) <= 1e-10
+
+
+@pytest.mark.parametrize("kind,devices", [("gpt2", 2), ("llama", 4)])
+def test_2bw_follows_its_rule(kind, devices):
+    ref, model = pair(kind)
+    reference_2bw(ref, STEPS)
+    pipelined(model, devices, schedule="2bw", microbatches=devices)
+    assert close(ref.state_dict(), model.state_dict()) <= 1e-10
+
+
+def test_avgpipe_follows_elastic_averaging():
+    # 2 pipelines x 2 stages sharing 2 devices; fit hands back the reference model W_ref
+    ref, model = pair("gpt2")
+    want = reference_avgpipe(ref, STEPS, pipelines=2, alpha=0.5)
+    pipelined(model, 2, pipelines=2, microbatches=2)
+    got = dict(model.named_parameters())
+    assert close(want, {k: got[k].detach() for k in want}) <= 1e-10
+
+
+@pytest.mark.parametrize(
+    "kind,devices,settings",
+    [
+        ("llama", 2, {"recompute": True}),
+        ("bert", 2, {"schedule": "zb-v"}),
+        ("looped", 2, {"schedule": "hanayo"}),
+        ("gpt2", 2, {"partition": "autopipe"}),  # profiled on the real ranks, then planned
+        ("llama", 2, {"schedule": "auto", "partition": "autopipe"}),
+    ],
+)
+def test_every_mode_equals_one_process(kind, devices, settings):
+    ref, model = pair(kind)
+    train_single(ref, STEPS)
+    pipelined(model, devices, **settings)
+    assert close(ref.state_dict(), model.state_dict()) <= 1e-10
+
+
+def test_replicas_equal_one_process_on_the_global_batch():
+    # 2 replicas of a 2-stage pipeline: replica r reads perm[r::2] of the epoch's shuffle, 4 rows a step,
+    # together one process's batch of 8 (EpochPerm deals that permutation in one process)
+    from hf_models import Tokens
+    from models import EpochPerm
+    from torch.utils.data import DataLoader
+
+    ref, model = pair("gpt2")
+    train_single(ref, STEPS, DataLoader(Tokens(), batch_size=8, sampler=EpochPerm(len(Tokens()))))
+    pipelined(model, 4, width=2, microbatches=2, data=DataLoader(Tokens(), batch_size=4))
+    assert close(ref.state_dict(), model.state_dict()) <= 1e-10
+
+
+def test_dropout_trains():
+    # Dropout draws from each stage's own random stream, so its masks are not the ones one process would
+    # draw: the run is a valid training run, not a bit-for-bit copy of one process's. It must train.
+    torch.manual_seed(0)
+    model = UserLM("gpt2", 4)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.1
+    def mean_loss():
+        model.eval()
+        with torch.no_grad():
+            losses = [float(model.training_step(b, 0)) for b in loader()]
+        model.train()
+        return sum(losses) / len(losses)
+
+    start = mean_loss()
+    pipelined(model, 2, steps=12)
+    end = mean_loss()
+    assert end < start - 0.1, (start, end)
