@@ -17,6 +17,7 @@ and a cache object cannot travel between stages.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 import torch
@@ -28,6 +29,7 @@ from ..runtime.call import Call
 from .find import FIX, FrontendError, find_blocks
 from .pipeline import HOLDER, Frontend, Holder, TracedPipeline, _BlockForward, encode, original_forward
 from .structure import Structure
+from .weights import ZerosForMeta
 
 
 def convert(module: nn.Module, blocks: Optional[str] = None) -> tuple[str, TracedPipeline]:
@@ -100,13 +102,14 @@ def trace(module: Any, path: str, pipeline: TracedPipeline, batch: Any, step: Op
     calls: list[Call] = []
     root = fe.root
     inside = {id(m) for m in root.modules()}
+    empty = ZerosForMeta() if any(t.is_meta for t in [*root.parameters(), *root.buffers()]) else contextlib.nullcontext()
 
     def call_model(*args: Any, **kwargs: Any) -> Any:
         calls.append(Call(args, kwargs))
         if len(calls) > 1:  # run it, but the step is refused below
             return root(*args, **kwargs)
         recorder.phase = "pre"
-        with fe.in_mode("trace"), recorder:
+        with fe.in_mode("trace"), empty, recorder:  # the recorder innermost: it sees the model's own tensors
             return root(*args, **kwargs)
 
     def hook(m: nn.Module, args: Any) -> None:
@@ -205,7 +208,7 @@ def _learn_owners(module: Any, pipeline: TracedPipeline, rec: _Recorder) -> None
     for tid, phases in rec.used.items():
         name = rec.names[tid]
         owner = block_of(name)
-        for phase in phases:
+        for phase in sorted(phases, key=_order):  # the first misuse in execution order
             if owner is not None and phase != ("block", owner):
                 raise FrontendError(
                     f"{name} belongs to block {owner} of {list_path} but is used {_where(phase, fe.count)}; a block's weights "
@@ -247,6 +250,10 @@ def _learn_owners(module: Any, pipeline: TracedPipeline, rec: _Recorder) -> None
     lastb.own({encode(p): root.get_submodule(p) for p in last_mods})
     first.own(_holders(root, first_loose))
     lastb.own(_holders(root, last_loose))
+
+
+def _order(phase: Any) -> int:
+    return -1 if phase == "pre" else 2 * phase[1] + (0 if phase[0] == "block" else 1)
 
 
 def _where(phase: Any, count: int) -> str:

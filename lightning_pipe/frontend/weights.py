@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
 from ..adaptive.switch import skeleton
 from ..models.init import materialize, reset_block
@@ -130,3 +132,28 @@ def release_others(pipeline: TracedPipeline, held: Iterable[nn.Module]) -> None:
                     meta = torch.empty_like(t, device="meta")
                     made[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
                 table[name] = made[id(t)]
+
+
+class ZerosForMeta(TorchFunctionMode):
+    """Runs a model created empty (meta tensors): every operation on a meta tensor gets zeros of its
+    shape on the data's device instead. The trace needs real values: a model's forward branches on
+    data (Hugging Face's masks call `.all()`) and mixes its weights with the batch; zeros made per
+    operation cost no more memory than the operation's own output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.device = torch.device("cpu")
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        self.device = next((t.device for t in leaves if not t.is_meta), self.device)
+        if not any(t.is_meta for t in leaves):
+            return func(*args, **kwargs)
+        if func is Tensor.device.__get__:  # code placing new tensors "on the model's device": the data's
+            return self.device
+        if getattr(func, "__name__", "") == "__get__":  # shape, dtype ...: the meta tensor's own
+            return func(*args, **kwargs)
+        real = pytree.tree_map_only(Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device) if t.is_meta else t, (args, kwargs))
+        real_args, real_kwargs = real
+        return func(*real_args, **real_kwargs)

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from ..config import PipelineConfig
@@ -18,7 +20,7 @@ from ..errors import SettingError
 from .front import trace_before_spawn
 from .layers.compose import choose_layers
 from .metric_state import check_metrics
-from .stage import check_no_outside_parameters, find_pipeline
+from .stage import PipelineSetupError, check_no_outside_parameters, find_pipeline
 
 _LIGHTNING_CKPT_ALIASES = ("last", "best", "hpc", "registry")  # fit resolves these itself
 STRATEGY_SETTINGS = {f.name for f in fields(PipelineConfig)} - {"stages"}  # the strategy's keywords besides Lightning's
@@ -49,7 +51,9 @@ def validate_inputs(config: PipelineConfig, world: int, args: tuple, trainer: Op
     model = args[0] if args else None
     fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
     resume_path = str(args[4]) if fitting and len(args) > 4 and args[4] is not None else None
-    if isinstance(model, nn.Module):
+    # a model created in configure_model(): its pipeline is checked in each process's setup, once built
+    has_pipeline = isinstance(model, nn.Module) and not _built_in_each_process(model, config.blocks)
+    if has_pipeline:
         path, pipeline = find_pipeline(model, config.blocks)
         if fitting and len(args) > 1:  # a model looping over its blocks: cut (or refused) before spawning
             trace_before_spawn(model, args[1], config.microbatches, config.blocks)
@@ -63,7 +67,7 @@ def validate_inputs(config: PipelineConfig, world: int, args: tuple, trainer: Op
             check_checkpoint(resume_path, model)
     if fitting and len(args) > 1:
         config.check_batch_size(getattr(args[1], "batch_size", None))
-        if config.planner is not None and isinstance(model, nn.Module):
+        if config.planner is not None and has_pipeline:
             config.check_plannable(world, len(find_pipeline(model, config.blocks)[1]), getattr(args[1], "batch_size", None))
     accumulate = getattr(trainer, "accumulate_grad_batches", 1)
     if fitting and (isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1):
@@ -78,6 +82,18 @@ def validate_inputs(config: PipelineConfig, world: int, args: tuple, trainer: Op
     if fitting:  # what the run's layers refuse (e.g. 2BW: gradient accumulation, fp16)
         choose_layers(config).check_trainer(config, trainer, model)
     return resume_path
+
+
+def _built_in_each_process(model: nn.Module, blocks: Optional[str]) -> bool:
+    """The model is created in `configure_model()` (Lightning calls it in each process, before setup)
+    and holds no pipeline yet."""
+    if not is_overridden("configure_model", model, LightningModule):
+        return False
+    try:
+        find_pipeline(model, blocks)
+    except PipelineSetupError:
+        return True
+    return False
 
 
 def check_checkpoint(path: str, model: nn.Module) -> None:
