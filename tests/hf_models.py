@@ -101,8 +101,8 @@ class Tokens(Dataset):
         return {"ids": self.ids[i], "mask": self.mask[i], "labels": self.labels[i]}
 
 
-def loader(batch_size: int = 8) -> DataLoader:
-    return DataLoader(Tokens(), batch_size=batch_size)
+def loader(batch_size: int = 8, n: int = 24) -> DataLoader:
+    return DataLoader(Tokens(n), batch_size=batch_size)
 
 
 class UserLM(L.LightningModule):

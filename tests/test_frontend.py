@@ -105,6 +105,7 @@ def test_dropout_trains():
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.1
+
     def mean_loss():
         model.eval()
         with torch.no_grad():
@@ -116,3 +117,46 @@ def test_dropout_trains():
     pipelined(model, 2, steps=12)
     end = mean_loss()
     assert end < start - 0.1, (start, end)
+
+
+def test_checkpoints_hold_the_models_own_names_and_resume_exactly(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    # 2 batches an epoch, a checkpoint every 2 steps: Lightning resumes a plain DataLoader exactly there
+    ref, model = pair("llama")
+    train_single(ref, STEPS, loader(n=16))
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    settings = {"microbatches": 4, "partition": "uniform", "start_method": START}
+    trainer = L.Trainer(
+        devices=2, strategy=AutoPipeStrategy(**settings), callbacks=[saver], **trainer_kwargs(max_steps=STEPS, enable_checkpointing=True)
+    )
+    trainer.fit(model, loader(n=16))
+    middle = torch.load(tmp_path / "epoch=0-step=2.ckpt", weights_only=False)
+    assert set(middle["state_dict"]) == {f"model.{k}" for k in ref.model.state_dict()}, "the model's own names"
+    plain = UserLM("llama", 6)  # a plain one-process module loads the last checkpoint as it is
+    plain.load_state_dict(torch.load(tmp_path / "epoch=1-step=4.ckpt", weights_only=False)["state_dict"])
+    assert close(ref.state_dict(), plain.state_dict()) <= 1e-10
+    resumed = UserLM("llama", 6)  # other initial weights: all must come from the checkpoint
+    trainer = L.Trainer(devices=2, strategy=AutoPipeStrategy(**settings), **trainer_kwargs(max_steps=STEPS))
+    trainer.fit(resumed, loader(n=16), ckpt_path=tmp_path / "epoch=0-step=2.ckpt")
+    assert close(model.state_dict(), resumed.state_dict()) <= 1e-12
+
+
+class SwitchAt(L.Callback):
+    """strategy.repartition(bounds) at the start of an iteration, on every rank (a live switch)."""
+
+    def __init__(self, at: int, bounds):
+        self.at, self.bounds = at, bounds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.fit_loop.total_batch_idx == self.at:
+            trainer.strategy.repartition(self.bounds)
+
+
+@pytest.mark.parametrize("switch", ["fine-grained", "stop"])
+def test_live_repartition_moves_blocks_and_stays_exact(switch):
+    # 8 blocks on 2 stages, 4 | 4, then 6 | 2 from iteration 2: blocks 4 and 5 (two GPT-2 layers) move
+    ref, model = pair("gpt2")
+    train_single(ref, STEPS)
+    pipelined(model, 2, callbacks=[SwitchAt(2, [[0, 6], [6, 8]])], adaptive=True, adaptive_switch=switch, adaptive_interval=1000)
+    assert close(ref.state_dict(), model.state_dict()) <= 1e-10
