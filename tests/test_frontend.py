@@ -160,3 +160,45 @@ def test_live_repartition_moves_blocks_and_stays_exact(switch):
     train_single(ref, STEPS)
     pipelined(model, 2, callbacks=[SwitchAt(2, [[0, 6], [6, 8]])], adaptive=True, adaptive_switch=switch, adaptive_interval=1000)
     assert close(ref.state_dict(), model.state_dict()) <= 1e-10
+
+
+class RecordStage(L.Callback):
+    """Each rank writes its stage's initial weights and which of the model's tensors it created."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_train_start(self, trainer, pl_module):
+        stage = pl_module.model
+        root = next(b.frontend.root for b in stage.blocks().values())
+        created = sorted(n for n, t in root.named_parameters(remove_duplicate=False) if not t.is_meta)
+        state = {k: v.clone() for k, v in pl_module.state_dict().items()}
+        torch.save({"state": state, "created": created}, self.folder / f"stage-{trainer.global_rank}.pt")
+
+
+def test_empty_init_creates_only_each_stages_blocks_and_trains_as_one_process(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    strategy = AutoPipeStrategy(microbatches=4, partition="uniform", start_method=START)
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=STEPS)
+    trainer = L.Trainer(
+        devices=2, strategy=strategy, callbacks=[RecordStage(tmp_path), saver], **trainer_kwargs(max_steps=STEPS, enable_checkpointing=True)
+    )
+    with trainer.init_module(empty_init=True):
+        model = UserLM("gpt2", 6)
+    assert all(p.is_meta for p in model.parameters())
+    trainer.fit(model, loader())
+    stages = [torch.load(tmp_path / f"stage-{r}.pt") for r in range(2)]
+    # blocks: first (embeddings), 6 layers, last (final norm + head tied to the embedding); 4 | 4
+    # (the tied weight is created on both, under both its names)
+    first = ("transformer.wte", "transformer.wpe", "transformer.h.0.", "transformer.h.1.", "transformer.h.2.", "lm_head.weight")
+    last = ("transformer.h.3.", "transformer.h.4.", "transformer.h.5.", "transformer.ln_f", "lm_head", "transformer.wte.weight")
+    assert all(n.startswith(first) for n in stages[0]["created"]) and "transformer.h.2.mlp.c_fc.weight" in stages[0]["created"]
+    assert all(n.startswith(last) for n in stages[1]["created"]) and "transformer.h.3.mlp.c_fc.weight" in stages[1]["created"]
+    init = {**stages[0]["state"], **stages[1]["state"]}
+    assert torch.equal(init["model.lm_head.weight"], init["model.transformer.wte.weight"]), "tied copies start equal"
+    ref = UserLM("gpt2", 6)
+    ref.load_state_dict(init)
+    train_single(ref, STEPS)
+    (path,) = tmp_path.glob("*.ckpt")
+    assert close(ref.state_dict(), torch.load(path, weights_only=False)["state_dict"]) <= 1e-10

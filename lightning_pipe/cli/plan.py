@@ -16,15 +16,22 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any, Optional
 
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig
+from torch.utils.data import DataLoader
 
+from ..config import PipelineConfig
 from ..errors import SettingError
+from ..frontend import TracedPipeline
+from ..lightning.autoplan import loader_sample, profile_pipeline
+from ..lightning.front import trace_before_spawn
 from ..lightning.stage import find_pipeline
+from ..models.init import is_meta
 from ..planning import transformer_costs
 from ..planning.entry import block_kinds, link_model, plan_run
 from ..profiling import Profile
@@ -57,8 +64,18 @@ def _main(cfg: DictConfig) -> None:
         microbatch = max(1, int(cfg.data.batch_size) // config.microbatches)
         device = "cpu" if str(cfg.trainer.get("accelerator", "auto")) == "cpu" else "cuda"
         if cfg.plan.profile:
-            costs, kinds = Profile.load(cfg.plan.profile).costs(*link_model(config, device)), model_kinds(cfg)
+            costs, kinds = Profile.load(cfg.plan.profile).costs(*link_model(config, device)), model_kinds(cfg, config.blocks)
             source = f"profile {cfg.plan.profile}"
+        elif "name" not in cfg.model.get("model", {}):  # not one of ours (a Hugging Face model): measure its blocks here
+            profile, name = measured_profile(cfg, config)
+            profile.save(out / "profile.json")
+            costs, kinds = profile.costs(*link_model(config, device)), block_kinds(profile.block_names)
+            source = (
+                f"the {len(kinds)} blocks of {name} (first, {len(kinds) - 2} repeated, last) profiled on this machine's CPU in one "
+                f"process, micro-batch {profile.microbatch_size} x {cfg.data.seq_len} tokens (no FLOP model of its blocks); saved as "
+                f"{out / 'profile.json'}, pipeline.profile= plans from it again"
+                + ("" if device == "cpu" else "; this recipe trains on GPUs: plan.profile=<its training run's profile.json> plans with its costs")
+            )
         else:
             extra = {k: v for k, v in (("bandwidth", config.bandwidth), ("latency", config.latency)) if v is not None}
             costs, kinds = transformer_costs(
@@ -96,11 +113,42 @@ def _main(cfg: DictConfig) -> None:
     print(f"written: {', '.join(map(str, written))}")
 
 
-def model_kinds(cfg: DictConfig) -> list[str]:
-    """The recipe's blocks' kinds, as training finds them (the model built on the meta device)."""
+def meta_module(cfg: DictConfig) -> Any:
+    """The recipe's LightningModule, built as training builds it (on the meta device, unless the model builds itself)."""
     with torch.device("meta"):
-        module = instantiate(cfg.model)
-    return block_kinds([type(b).__name__ for b in find_pipeline(module)[1]])
+        return instantiate(cfg.model)
+
+
+def model_kinds(cfg: DictConfig, blocks: Optional[str] = None) -> list[str]:
+    """The recipe's blocks' kinds, as training finds them (the model built on the meta device)."""
+    return block_kinds([type(b).__name__ for b in find_pipeline(meta_module(cfg), blocks)[1]])
+
+
+def measured_profile(cfg: DictConfig, config: PipelineConfig) -> tuple[Profile, str]:
+    """(profile, the model's class name) of a model that loops over its blocks: built as training builds it,
+    traced on the data's first micro-batch and its blocks profiled on it on the CPU, in this process, as a
+    training run profiles them on its ranks (the loss charged to the last block)."""
+    module = meta_module(cfg)
+    _, pipeline = find_pipeline(module, config.blocks)
+    if not isinstance(pipeline, TracedPipeline):
+        raise SettingError(
+            f"{type(module).__name__}: no FLOP model for its blocks (model.model.name names one of ours); plan from a "
+            "training run's profile: plan.profile=.../profile.json"
+        )
+    if is_meta(pipeline):
+        raise SettingError(
+            f"{type(module).__name__} is built on the meta device (model.meta_init=true): nothing to profile here; "
+            "plan from a training run's profile: plan.profile=.../profile.json"
+        )
+    model_config = getattr(module, "config", None)
+    fits = {"max_seq_len": getattr(model_config, "max_position_embeddings", None), "model_vocab_size": getattr(model_config, "vocab_size", None)}
+    datamodule = instantiate(cfg.data, **{k: v for k, v in fits.items() if v})
+    datamodule.setup("fit")
+    loader = DataLoader(datamodule.train_dataset, batch_size=int(cfg.data.batch_size))
+    trace_before_spawn(module, loader, config.microbatches, config.blocks)
+    batch, size = loader_sample(loader, loader.dataset, config.microbatches)
+    profile = profile_pipeline(module, pipeline, batch, torch.device("cpu"), 0, 1, type(module).__name__, size)
+    return profile, type(pipeline.original).__name__
 
 
 def main() -> None:

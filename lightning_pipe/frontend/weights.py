@@ -66,15 +66,20 @@ def init_traced_block(pipeline: TracedPipeline, seeded: Callable[[int], Any]) ->
     A tensor tied to an earlier block (a head sharing the embedding) takes that block's values, so
     every rank holding a copy starts from the same numbers."""
     root = pipeline.original
-    first_holder: dict[int, int] = {}
-    for index, block in enumerate(pipeline):
-        for t in [*block.parameters(), *block.buffers()]:
-            first_holder.setdefault(id(t), index)
     own_init = getattr(root, "_init_weights", None)
     directory = pretrained_dir(root)
-    aliases: dict[int, list[str]] = {}
-    for name, t in [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]:
-        aliases.setdefault(id(t), []).append(name)
+
+    def tensor_maps() -> tuple[dict[int, int], dict[int, list[str]]]:
+        # by id of the tensors as they are when a block is initialised: `materialize` has just put
+        # new tensors in the meta ones' slots, so maps made beforehand would find none of them
+        first_holder: dict[int, int] = {}
+        for index, block in enumerate(pipeline):
+            for t in _tensors(block):
+                first_holder.setdefault(id(t), index)
+        aliases: dict[int, list[str]] = {}
+        for name, t in [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]:
+            aliases.setdefault(id(t), []).append(name)
+        return first_holder, aliases
 
     def fresh(block: nn.Module) -> None:
         if callable(own_init):
@@ -84,6 +89,7 @@ def init_traced_block(pipeline: TracedPipeline, seeded: Callable[[int], Any]) ->
             reset_block(block)
 
     def init(index: int, block: nn.Module) -> None:
+        first_holder, aliases = tensor_maps()
         with seeded(index):
             fresh(block)
         earlier = {first_holder.get(id(t), index) for t in [*block.parameters(), *block.buffers()]} - {index}
