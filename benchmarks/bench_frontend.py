@@ -50,7 +50,8 @@ BIG = dict(n_layer=24, n_embd=2048, n_head=16, vocab_size=50257, n_positions=102
 # ---- the two models, as a user writes them ----------------------------------------------------------
 def hf_model(cfg: dict, **sizes: Any):
     """GPT2LMHeadModel from a config: dropout 0, exact GELU (ours uses nn.GELU(); GPT-2's default
-    gelu_new is a Python tanh formula, several elementwise kernels), the head tied to the embedding."""
+    gelu_new is a Python tanh formula, several elementwise kernels), the head tied to the embedding,
+    no key/value cache."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     fields = dict(n_layer=cfg["layers"], n_embd=cfg["hidden"], n_head=cfg["heads"], vocab_size=cfg["vocab"], n_positions=cfg["seq"])
@@ -59,6 +60,7 @@ def hf_model(cfg: dict, **sizes: Any):
         **fields, activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0
     )
     config.loss_type = "ForCausalLM"  # transformers' default for this model, named (no warning)
+    config.use_cache = False  # as the front end sets it (else every forward fills a key/value cache, in one process too)
     return GPT2LMHeadModel(config)
 
 

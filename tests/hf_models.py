@@ -113,17 +113,30 @@ class UserLM(L.LightningModule):
         self.kind, self.lr = kind, lr
         self.model = MODELS[kind](layers, dtype)
 
-    def training_step(self, batch, batch_idx):
+    def loss(self, batch):
         ids = batch["ids"]
         if self.kind == "bert":
             out = self.model(input_ids=ids, attention_mask=batch["mask"], token_type_ids=torch.zeros_like(ids), labels=batch["labels"])
-            loss = out.loss
-        elif self.kind == "looped":
-            loss = self.model(ids, targets=ids)[1]
-        else:
-            loss = self.model(input_ids=ids, labels=ids).loss
+            return out.loss
+        if self.kind == "looped":
+            return self.model(ids, targets=ids)[1]
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
         self.log("train_loss", loss)
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch))
+
+    def predict_step(self, batch, batch_idx):
+        ids = batch["ids"]
+        if self.kind == "looped":
+            return self.model(ids)[0].argmax(-1)
+        if self.kind == "bert":
+            return self.model(input_ids=ids, attention_mask=batch["mask"], token_type_ids=torch.zeros_like(ids)).logits.argmax(-1)
+        return self.model(input_ids=ids).logits.argmax(-1)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)

@@ -202,3 +202,31 @@ def test_empty_init_creates_only_each_stages_blocks_and_trains_as_one_process(tm
     train_single(ref, STEPS)
     (path,) = tmp_path.glob("*.ckpt")
     assert close(ref.state_dict(), torch.load(path, weights_only=False)["state_dict"]) <= 1e-10
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_validation_and_prediction_equal_one_process(kind, tmp_path):
+    torch.manual_seed(0)
+    model = UserLM(kind, 6)
+    one = L.Trainer(devices=1, **trainer_kwargs())
+    want_loss = one.validate(model, loader(), verbose=False)[0]["val_loss"]
+    want_pred = torch.cat(one.predict(model, loader()))
+    strategy = AutoPipeStrategy(microbatches=4, partition="uniform", start_method=START)
+    trainer = L.Trainer(devices=2, strategy=strategy, **trainer_kwargs())
+    got_loss = trainer.validate(model, loader(), verbose=False)[0]["val_loss"]
+    strategy = AutoPipeStrategy(microbatches=4, partition="uniform", start_method=START)
+    L.Trainer(devices=2, strategy=strategy, callbacks=[RecordPredictions(tmp_path)], **trainer_kwargs()).predict(model, loader())
+    assert got_loss == pytest.approx(want_loss, rel=1e-10)
+    for rank in range(2):  # predictions come back on every rank
+        assert torch.equal(torch.cat(torch.load(tmp_path / f"pred-{rank}.pt")), want_pred)
+
+
+class RecordPredictions(L.Callback):
+    def __init__(self, folder):
+        self.folder, self.outputs = folder, []
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.outputs.append(outputs)
+
+    def on_predict_end(self, trainer, pl_module):
+        torch.save(self.outputs, self.folder / f"pred-{trainer.global_rank}.pt")

@@ -74,7 +74,11 @@ def _main(cfg: DictConfig) -> None:
                 f"the {len(kinds)} blocks of {name} (first, {len(kinds) - 2} repeated, last) profiled on this machine's CPU in one "
                 f"process, micro-batch {profile.microbatch_size} x {cfg.data.seq_len} tokens (no FLOP model of its blocks); saved as "
                 f"{out / 'profile.json'}, pipeline.profile= plans from it again"
-                + ("" if device == "cpu" else "; this recipe trains on GPUs: plan.profile=<its training run's profile.json> plans with its costs")
+                + (
+                    ""
+                    if device == "cpu"
+                    else "; this recipe trains on GPUs: plan.profile=<its training run's profile.json> plans with its costs"
+                )
             )
         else:
             extra = {k: v for k, v in (("bandwidth", config.bandwidth), ("latency", config.latency)) if v is not None}
@@ -141,7 +145,10 @@ def measured_profile(cfg: DictConfig, config: PipelineConfig) -> tuple[Profile, 
             "plan from a training run's profile: plan.profile=.../profile.json"
         )
     model_config = getattr(module, "config", None)
-    fits = {"max_seq_len": getattr(model_config, "max_position_embeddings", None), "model_vocab_size": getattr(model_config, "vocab_size", None)}
+    fits = {
+        "max_seq_len": getattr(model_config, "max_position_embeddings", None),
+        "model_vocab_size": getattr(model_config, "vocab_size", None),
+    }
     datamodule = instantiate(cfg.data, **{k: v for k, v in fits.items() if v})
     datamodule.setup("fit")
     loader = DataLoader(datamodule.train_dataset, batch_size=int(cfg.data.batch_size))

@@ -95,8 +95,8 @@ def _named_tensors(root: nn.Module) -> list[tuple[str, Tensor]]:
     return out
 
 
-def trace(module: Any, path: str, pipeline: TracedPipeline, batch: Any, step: Optional[Callable[[], Any]] = None) -> None:
-    """Run the user's training step once on `batch` and record how the model is cut (see above)."""
+def trace(module: Any, path: str, pipeline: TracedPipeline, batch: Any, step_name: str = "training_step") -> None:
+    """Run the user's step (`step_name`) once on `batch` and record how the model is cut (see above)."""
     fe = pipeline.frontend
     recorder = _Recorder(fe)
     calls: list[Call] = []
@@ -125,7 +125,7 @@ def trace(module: Any, path: str, pipeline: TracedPipeline, batch: Any, step: Op
     module.eval()  # no dropout draws, no running statistics: the trace leaves no trace
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            (step or (lambda: module.training_step(batch, 0)))()
+            getattr(module, step_name)(batch, 0)
     finally:
         for m, mode in modes.items():
             m.training = mode
@@ -134,7 +134,6 @@ def trace(module: Any, path: str, pipeline: TracedPipeline, batch: Any, step: Op
         fe.recorder = None
         if not had_log:
             del module.log
-    step_name = "training_step"
     if not calls:
         raise FrontendError(f"{type(module).__name__}.{step_name} never called self.{path}(...); call the model once per step")
     if len(calls) > 1:

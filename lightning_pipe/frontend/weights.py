@@ -160,6 +160,8 @@ class ZerosForMeta(TorchFunctionMode):
             return self.device
         if getattr(func, "__name__", "") == "__get__":  # shape, dtype ...: the meta tensor's own
             return func(*args, **kwargs)
-        real = pytree.tree_map_only(Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device) if t.is_meta else t, (args, kwargs))
+        real = pytree.tree_map_only(
+            Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device) if t.is_meta else t, (args, kwargs)
+        )
         real_args, real_kwargs = real
         return func(*real_args, **real_kwargs)

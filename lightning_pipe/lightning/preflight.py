@@ -55,8 +55,8 @@ def validate_inputs(config: PipelineConfig, world: int, args: tuple, trainer: Op
     has_pipeline = isinstance(model, nn.Module) and not _built_in_each_process(model, config.blocks)
     if has_pipeline:
         path, pipeline = find_pipeline(model, config.blocks)
-        if fitting and len(args) > 1:  # a model looping over its blocks: cut (or refused) before spawning
-            trace_before_spawn(model, args[1], config.microbatches, config.blocks)
+        if trainer is not None and len(args) > 1:  # a model looping over its blocks: cut (or refused) before spawning
+            trace_before_spawn(model, trainer, args[1], config.microbatches, config.blocks)
         check_no_outside_parameters(model, path)
         try:
             check_metrics(model)

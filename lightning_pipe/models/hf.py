@@ -36,7 +36,12 @@ HF_EXTRA = 'pip install "lightning-pipe[hf]"'
 BUILTIN: dict[str, dict[str, Any]] = {
     "gpt2": dict(n_layer=4, n_head=4, n_embd=128, n_positions=256),
     "llama": dict(
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, hidden_size=128, intermediate_size=344, max_position_embeddings=256
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=128,
+        intermediate_size=344,
+        max_position_embeddings=256,
     ),
     "bert": dict(num_hidden_layers=4, num_attention_heads=4, hidden_size=128, intermediate_size=512, max_position_embeddings=128),
 }
