@@ -39,7 +39,7 @@ def export_pretrained(
     *,
     model_class: Any = None,
     prefix: str = "model.",
-    max_shard_size: Union[int, str] = "5GB",
+    max_shard_size: Union[int, str, None] = None,
 ) -> str:
     """Write `source` to `out_dir` as a Hugging Face model directory; returns `out_dir`.
 
@@ -48,18 +48,21 @@ def export_pretrained(
     holding it, e.g. "model." for `self.model`). For a checkpoint, `config`: the model's
     `PretrainedConfig` or a local directory with its config.json; `model_class`: the class to build
     (a `PreTrainedModel` subclass or an `AutoModelFor...` class), default the config's
-    `architectures[0]`."""
+    `architectures[0]`. `max_shard_size`: as `save_pretrained`'s (default: its own)."""
     out_dir = str(out_dir)
+    sharding = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     if isinstance(source, nn.Module):
+        if not callable(getattr(source, "save_pretrained", None)):
+            raise TypeError(f"{type(source).__name__} is not a Hugging Face model (no save_pretrained): pass the model, e.g. module.model")
         if any(t.is_meta for t in [*source.parameters(), *source.buffers()]):
             raise ValueError(
                 f"{type(source).__name__} holds no weights here (it was created empty, on the meta device): export the "
                 "checkpoint the run wrote instead, export_pretrained('last.ckpt', out_dir, config)"
             )
-        source.save_pretrained(out_dir, max_shard_size=max_shard_size)
+        source.save_pretrained(out_dir, **sharding)
         return out_dir
     model = _from_checkpoint(str(source), _config(config), model_class, prefix)
-    model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    model.save_pretrained(out_dir, **sharding)
     return out_dir
 
 

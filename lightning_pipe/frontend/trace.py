@@ -124,7 +124,8 @@ def trace(module: Any, path: str, pipeline: TracedPipeline, batch: Any, step_nam
     modes = {m: m.training for m in module.modules()}
     module.eval()  # no dropout draws, no running statistics: the trace leaves no trace
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
             getattr(module, step_name)(batch, 0)
     finally:
         for m, mode in modes.items():

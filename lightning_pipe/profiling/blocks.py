@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..runtime.call import Call
 from ..runtime.p2p import _DTYPES
 from ..runtime.split_backward import backward_input, backward_weight
 from ..simulation.costs import CostModel
@@ -406,6 +407,8 @@ def _to(value: Any, device: torch.device) -> Any:
         return type(value)(_to(v, device) for v in value)
     if isinstance(value, dict):  # block 0's input: whatever the step passes
         return {k: _to(v, device) for k, v in value.items()}
+    if isinstance(value, Call):  # ... or the keyword call of a model the front end cut
+        return value.apply(lambda v: _to(v, device))
     return value
 
 
