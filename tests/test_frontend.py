@@ -230,3 +230,16 @@ class RecordPredictions(L.Callback):
 
     def on_predict_end(self, trainer, pl_module):
         torch.save(self.outputs, self.folder / f"pred-{trainer.global_rank}.pt")
+
+
+def test_the_2bw_planner_profiles_a_traced_model_and_trains_its_choice():
+    # PipeDream-2BW's planner profiles the traced blocks at several micro-batch sizes and picks (w, d, b)
+    torch.manual_seed(0)
+    model = UserLM("gpt2", 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    strategy = AutoPipeStrategy(planner="2bw", global_batch=8, start_method=START)
+    trainer = L.Trainer(devices=2, strategy=strategy, **trainer_kwargs(max_steps=3))
+    trainer.fit(model, loader())
+    assert type(model.model).__name__ == "GPT2LMHeadModel"
+    assert close(before, model.state_dict()) > 1e-4, "it trained"
+    assert torch.isfinite(trainer.callback_metrics["train_loss"])
