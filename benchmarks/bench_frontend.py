@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_pipe.bench.harness import Bench, Table, interleave, spread
+from lightning_pipe.bench.launch import OTHER_JOBS, CpuClock, foreign_load, wait_for_quiet
 from lightning_pipe.bench.trainer_runs import quiet_lightning
 
 MODES = ["hf-1f1b", "ours-1f1b", "hf-single", "ours-single"]
@@ -398,10 +399,20 @@ def overhead(bench: Bench, args: Any, cfg: dict) -> dict:
 
     configs.append(("fwd", "Last: before the loop (meta)", None))
     wrapped = lambda config, r: run_prelude(r) if config[2] is None else run(config, r)  # noqa: E731
-    gc.collect()
-    results = interleave(configs, args.rounds, wrapped)
+    results: list[list[float]] = [[] for _ in configs]
+    loads = []
+    for r in range(args.rounds):  # A B C, A B C ...; each round after the machine went quiet, its foreign load measured
+        quiet(bench, args)
+        gc.collect()
+        start = CpuClock.now()
+        for i, times in enumerate(interleave(configs, 1, lambda config, _r: wrapped(config, r))):
+            results[i] += times
+        loads.append(foreign_load(start, CpuClock.now()))
+        bench.log(f"  overhead round {r + 1}/{args.rounds}: other load {loads[-1]:.2f} CPUs")
     by = {(part, name): spread(times) for (part, name, _), times in zip(configs, results)}
     bench.keep("overhead", {f"{p}/{n}": s for (p, n), s in by.items()})
+    bench.keep("overhead_rounds", {f"{p}/{n}": times for (p, n, _), times in zip(configs, results)})
+    bench.keep("overhead_foreign", loads)
     bench.keep("overhead_setup", {"convert_s": converted, "trace_s": traced})
     mb = f"{mbs} x {cfg['seq']} tokens"
     t = Table(
@@ -435,8 +446,15 @@ def overhead(bench: Bench, args: Any, cfg: dict) -> dict:
     pre = by[("fwd", "Last: before the loop (meta)")]
     a.add("of which Last's rerun of the code before the loop (on meta)", pre.fmt(1e3, 3), by[("fwd", "HF before the loop")].fmt(1e3, 3), "")
     bench.table(a, f"The adapters' forwards ({mb}; each the median of {4 * args.reps} runs):")
+    bench.say(f"Other processes' load during the rounds: {spread(loads).fmt(digits=2)} CPUs (median, min..max).")
     bench.say(f"convert {converted * 1e3:.1f} ms, trace {traced * 1e3:.1f} ms (this model, one micro-batch)\n")
     return by
+
+
+def quiet(bench: Bench, args: Any) -> None:
+    """Before an in-process measurement: wait (within the budget) for other benchmarks and tests to end and the CPUs to idle."""
+    if bench.patient:
+        wait_for_quiet(args.quiet_wait, args.max_foreign, patterns=OTHER_JOBS, log=bench.log)
 
 
 def _call(ids: torch.Tensor):
@@ -481,6 +499,7 @@ def planning(bench: Bench, args: Any) -> dict:
     from lightning_pipe.planning.entry import block_kinds, plan_run
     from lightning_pipe.planning.replay import cached_schedule, compiled
 
+    quiet(bench, args)
     big = dict(layers=BIG["n_layer"], hidden=BIG["n_embd"], heads=BIG["n_head"], vocab=BIG["vocab_size"], seq=BIG["n_positions"], lr=1e-4)
     builds, converts = [], []
     for _ in range(args.plan_repeats):

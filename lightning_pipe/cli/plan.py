@@ -2,7 +2,9 @@
 
 Costs come from a saved profile (`plan.profile=.../profile.json`, as training writes one; the link
 model of `trainer.accelerator`'s device unless pipeline.bandwidth / latency are set, as training
-uses) or, by default, from the model's FLOPs (`lightning_pipe.planning.transformer_costs`). The
+uses) or, by default, from the model's FLOPs (`lightning_pipe.planning.transformer_costs`); a model with
+no FLOP model, one that loops over its blocks (the hf-* recipes' Hugging Face models), is traced on the
+data's first micro-batch and its blocks profiled on this machine's CPU here (profile.json is written). The
 decision is training's own (`planning.entry.plan_run`): what this prints is what training runs on
 the same costs. Prints the plan table and writes plan.json and the predicted timeline into the
 Hydra run directory.
@@ -27,11 +29,9 @@ from torch.utils.data import DataLoader
 
 from ..config import PipelineConfig
 from ..errors import SettingError
-from ..frontend import TracedPipeline
+from ..frontend import TracedPipeline, trace
 from ..lightning.autoplan import loader_sample, profile_pipeline
-from ..lightning.front import trace_before_spawn
 from ..lightning.stage import find_pipeline
-from ..models.init import is_meta
 from ..planning import transformer_costs
 from ..planning.entry import block_kinds, link_model, plan_run
 from ..profiling import Profile
@@ -133,16 +133,11 @@ def measured_profile(cfg: DictConfig, config: PipelineConfig) -> tuple[Profile, 
     traced on the data's first micro-batch and its blocks profiled on it on the CPU, in this process, as a
     training run profiles them on its ranks (the loss charged to the last block)."""
     module = meta_module(cfg)
-    _, pipeline = find_pipeline(module, config.blocks)
+    path, pipeline = find_pipeline(module, config.blocks)
     if not isinstance(pipeline, TracedPipeline):
         raise SettingError(
             f"{type(module).__name__}: no FLOP model for its blocks (model.model.name names one of ours); plan from a "
             "training run's profile: plan.profile=.../profile.json"
-        )
-    if is_meta(pipeline):
-        raise SettingError(
-            f"{type(module).__name__} is built on the meta device (model.meta_init=true): nothing to profile here; "
-            "plan from a training run's profile: plan.profile=.../profile.json"
         )
     model_config = getattr(module, "config", None)
     fits = {
@@ -152,8 +147,8 @@ def measured_profile(cfg: DictConfig, config: PipelineConfig) -> tuple[Profile, 
     datamodule = instantiate(cfg.data, **{k: v for k, v in fits.items() if v})
     datamodule.setup("fit")
     loader = DataLoader(datamodule.train_dataset, batch_size=int(cfg.data.batch_size))
-    trace_before_spawn(module, loader, config.microbatches, config.blocks)
     batch, size = loader_sample(loader, loader.dataset, config.microbatches)
+    trace(module, path, pipeline, batch)  # where the model is cut, from one run of its training_step on the micro-batch
     profile = profile_pipeline(module, pipeline, batch, torch.device("cpu"), 0, 1, type(module).__name__, size)
     return profile, type(pipeline.original).__name__
 

@@ -35,6 +35,12 @@ def plan_from_cli(cfg: DictConfig, config: Any, out: Path) -> TwoBWPlan:
             raise SettingError(f"profile={cfg.plan.profile!r}: not a sized profile ({err})", "profile") from None
         factor = 2.0
     else:
+        if "name" not in cfg.model.get("model", {}):  # a Hugging Face model: no FLOP model of its blocks
+            raise SettingError(
+                "planner=2bw plans from FLOPs of our models (model.model.name) or a sized profile: give plan.profile=<the "
+                "sized_profile.json a training run with pipeline.planner=2bw writes>",
+                "planner",
+            )
         profile = analytic_profile(cfg.model.model.name, ANALYTIC_SIZES, int(cfg.data.seq_len), device_flops=float(cfg.plan.device_flops))
         factor = optimizer_factor(cfg.trainer.get("precision", "32"))
     hw = hardware(

@@ -215,10 +215,38 @@ class FrontBlock(nn.Module):
         for name, module in parts.items():
             self.add_module(name, module)
 
+    @contextlib.contextmanager
+    def mounted(self) -> Iterator[None]:
+        """The model's forward reaches this block's parts, not others at the same paths: a copy of the
+        block (a profiling stand-in of a model created empty) puts its own parts in the model for the
+        call. For the block itself this changes nothing."""
+        root, undo = self.frontend.root, []
+        for name, part in self._modules.items():
+            path = decode(name)
+            if name.endswith(HOLDER):
+                owner = root.get_submodule(path) if path else root
+                for table, mine in ((owner._parameters, part._parameters), (owner._buffers, part._buffers)):
+                    for attr, t in mine.items():
+                        if table.get(attr) is not t:
+                            undo.append((table, attr, table.get(attr)))
+                            table[attr] = t
+                continue
+            parent_path, _, attr = path.rpartition(".")
+            parent = root.get_submodule(parent_path) if parent_path else root
+            if parent._modules.get(attr) is not part:
+                undo.append((parent._modules, attr, parent._modules.get(attr)))
+                parent._modules[attr] = part
+        try:
+            yield
+        finally:
+            for table, attr, before in reversed(undo):
+                table[attr] = before
+
 
 class First(FrontBlock):
     def forward(self, x: Any) -> tuple[Tensor, ...]:
-        return self.frontend.run_first(x)
+        with self.mounted():
+            return self.frontend.run_first(x)
 
 
 class Repeated(FrontBlock):
@@ -236,7 +264,8 @@ class Repeated(FrontBlock):
 
 class Last(FrontBlock):
     def forward(self, carry: Any) -> Any:
-        return self.frontend.run_last(carry)
+        with self.mounted():
+            return self.frontend.run_last(carry)
 
 
 # ---- names: the model's own state-dict keys --------------------------------------------------------

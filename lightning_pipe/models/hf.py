@@ -16,7 +16,6 @@ so `train_loss`, `val_loss` and `val_ppl` mean the same as for the in-house mode
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from typing import Any, Optional
@@ -107,23 +106,19 @@ class _HFLanguageModel(L.LightningModule):
         warmup_steps: int = 0,
         max_steps: Optional[int] = None,
         min_lr_ratio: float = 0.1,
-        meta_init: bool = False,
     ):
         """`config`: a built-in tiny config (gpt2, llama, bert) or a config.json / folder; `model`: its
         fields replaced; `dropout`: every dropout probability (None: the config's own, e.g. GPT-2's 0.1).
 
-        `meta_init`: False (default): the model is built with values even under a meta-device context (the
-        CLI's `empty_init`, `trainer.init_module(empty_init=True)`), whole in each process; the strategy's
-        profiling (partition=autopipe, schedule=auto) runs the first block of a traced model through the
-        whole model, which it cannot do on a meta-built one yet. True: built empty when asked, each rank
-        creating only its blocks (the model's own initialisation, per block): for configs too large for one
-        process, with a partition that needs no profile (partition=uniform or a list, or pipeline.profile=...)."""
+        Under a meta-device context (the CLI's `empty_init`, `trainer.init_module(empty_init=True)`) the
+        model is built empty and each rank creates only its blocks: with the model's own initialisation per
+        block, or from the folder's safetensors files when `config` is a folder holding them
+        (lightning_pipe/frontend/weights.py)."""
         super().__init__()
         model = dict(model or {})
         self.save_hyperparameters()
         self.config = hf_config(config or self.default_config, model, dropout)
-        with contextlib.nullcontext() if meta_init else torch.device("cpu"):
-            self.model = getattr(_transformers(), self.auto_class).from_config(self.config)
+        self.model = getattr(_transformers(), self.auto_class).from_config(self.config)
         with torch.device("cpu"):  # real metric states even when the model is built on the meta device
             self.val_ppl = Perplexity(ignore_index=-100)
 

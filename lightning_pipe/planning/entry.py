@@ -29,6 +29,10 @@ BLOCK_KINDS = {
     "ResidualFFNBlock": "ffn",
     "LMHead": "head",
     "MLMHead": "head",
+    # a traced model (frontend): the code before its loop, each repeated block, the code after it
+    "First": "embedding",
+    "Repeated": "layer",
+    "Last": "head",
 }
 
 
