@@ -115,7 +115,11 @@ def test_microbatches_interleaved_cannot_use():
 
 
 def test_module_without_pipeline():
-    fails_before_spawn(NoPipeline(), 2, r"NoPipeline has no pipeline: no nn.Sequential child, no configure_pipeline\(\) and no nn.ModuleList of repeated blocks")
+    fails_before_spawn(
+        NoPipeline(),
+        2,
+        r"NoPipeline has no pipeline: no nn.Sequential child, no configure_pipeline\(\) and no nn.ModuleList of repeated blocks",
+    )
 
 
 def test_module_with_two_sequentials_must_choose():

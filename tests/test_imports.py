@@ -132,7 +132,9 @@ def test_the_strategy_alone_imports_neither_the_data_package_nor_the_cli():
     import sys
 
     def loaded(imports: str) -> set:
-        probe = f"import sys, {imports}; print(sorted({{m.split('.')[0] if not m.startswith('lightning_pipe') else m for m in sys.modules}}))"
+        probe = (
+            f"import sys, {imports}; print(sorted({{m.split('.')[0] if not m.startswith('lightning_pipe') else m for m in sys.modules}}))"
+        )
         return set(eval(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout))
 
     # what Lightning itself loads (it imports transformers and tokenizers when they are installed) is not ours
