@@ -243,3 +243,22 @@ def test_the_2bw_planner_profiles_a_traced_model_and_trains_its_choice():
     assert type(model.model).__name__ == "GPT2LMHeadModel"
     assert close(before, model.state_dict()) > 1e-4, "it trained"
     assert torch.isfinite(trainer.callback_metrics["train_loss"])
+
+
+def test_a_model_created_empty_is_profiled_planned_and_trains_as_one_process(tmp_path):
+    # partition=autopipe profiles the blocks of a meta-built model through stand-ins of one rank's share
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    strategy = AutoPipeStrategy(microbatches=4, partition="autopipe", start_method=START)
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=STEPS)
+    trainer = L.Trainer(
+        devices=2, strategy=strategy, callbacks=[RecordStage(tmp_path), saver], **trainer_kwargs(max_steps=STEPS, enable_checkpointing=True)
+    )
+    with trainer.init_module(empty_init=True):
+        model = UserLM("llama", 6)
+    trainer.fit(model, loader())
+    ref = UserLM("llama", 6)
+    ref.load_state_dict({**torch.load(tmp_path / "stage-0.pt")["state"], **torch.load(tmp_path / "stage-1.pt")["state"]})
+    train_single(ref, STEPS)
+    (path,) = tmp_path.glob("*.ckpt")
+    assert close(ref.state_dict(), torch.load(path, weights_only=False)["state_dict"]) <= 1e-10
