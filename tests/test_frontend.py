@@ -50,7 +50,7 @@ def test_synchronous_schedules_equal_one_process(kind, devices, schedule):
     assert close(ref.state_dict(), model.state_dict()) <= 1e-10
 
 
-@pytest.mark.parametrize("kind,devices", [("gpt2", 2), ("llama", 4)])
+@pytest.mark.parametrize("kind,devices", [("gpt2", 2), ("llama", 4), ("looped", 2)])
 def test_2bw_follows_its_rule(kind, devices):
     ref, model = pair(kind)
     reference_2bw(ref, STEPS)
@@ -71,6 +71,7 @@ def test_avgpipe_follows_elastic_averaging():
     "kind,devices,settings",
     [
         ("llama", 2, {"recompute": True}),
+        ("gpt2", 2, {"recompute": True, "schedule": "gpipe"}),  # every forward first: the last block replays its own call
         ("bert", 2, {"schedule": "zb-v"}),
         ("looped", 2, {"schedule": "hanayo"}),
         ("gpt2", 2, {"partition": "autopipe"}),  # profiled on the real ranks, then planned

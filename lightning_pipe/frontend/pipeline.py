@@ -150,6 +150,14 @@ class Frontend:
         finally:
             self.mode = before
 
+    @contextlib.contextmanager
+    def calling(self, call: Optional[Call]) -> Iterator[None]:
+        before, self.call = self.call, call
+        try:
+            yield
+        finally:
+            self.call = before
+
     def block_called(self, index: int, block: nn.Module, args: tuple, kwargs: dict) -> Any:
         if self.mode == "first":
             if index != 0:
@@ -266,6 +274,11 @@ class Last(FrontBlock):
     def forward(self, carry: Any) -> Any:
         with self.mounted():
             return self.frontend.run_last(carry)
+
+    def replay_context(self) -> tuple[Any, Any]:
+        """For recomputation: the replay in backward reruns the call of its own micro-batch, not the
+        one the schedule has moved on to (GPipe runs every forward before the first backward)."""
+        return contextlib.nullcontext(), self.frontend.calling(self.frontend.call)
 
 
 # ---- names: the model's own state-dict keys --------------------------------------------------------

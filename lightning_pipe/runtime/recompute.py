@@ -53,6 +53,11 @@ def recomputed(module: nn.Module, fn: Any, *inputs: Any) -> Any:
         with _registered(slots):
             return fn(*args)
 
+    # a block that reads state besides its inputs (a traced model's last block: the micro-batch's call)
+    # gives checkpoint the context to replay it in (`replay_context`)
+    context = getattr(module, "replay_context", None)
+    if context is not None:
+        return checkpoint(forward, *inputs, use_reentrant=False, preserve_rng_state=True, context_fn=context)
     return checkpoint(forward, *inputs, use_reentrant=False, preserve_rng_state=True)
 
 
