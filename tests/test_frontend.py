@@ -47,6 +47,8 @@ def test_synchronous_schedules_equal_one_process(kind, devices, schedule):
     train_single(ref, STEPS)
     pipelined(model, devices, schedule=schedule)
     assert type(model.model) is type(ref.model), "fit hands the user's own model object back"
+    if kind != "looped":  # ... with its key/value cache on again for generation
+        assert model.model.config.use_cache
     assert close(ref.state_dict(), model.state_dict()) <= 1e-10
 
 

@@ -134,6 +134,7 @@ class Frontend:
         self._last_output: Any = None
         self._meta: Optional[_PreludeOnMeta] = None
         self.recorder: Optional[Any] = None  # the trace's
+        self.use_cache = False  # the model's config had its key/value cache on (off while it is cut)
 
     def __deepcopy__(self, memo: dict) -> "Frontend":
         return self

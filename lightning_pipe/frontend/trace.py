@@ -37,9 +37,9 @@ def convert(module: nn.Module, blocks: Optional[str] = None) -> tuple[str, Trace
     found = find_blocks(module, blocks)
     root = found.root
     config = getattr(root, "config", None)
-    if config is not None and getattr(config, "use_cache", None):
-        config.use_cache = False
     frontend = Frontend(root, found.list_path, found.blocks)
+    if config is not None and getattr(config, "use_cache", None):
+        config.use_cache, frontend.use_cache = False, True  # back on when the model is handed back
     for i, block in enumerate(found.blocks):
         block.forward = _BlockForward(frontend, i, block)
     paths = [f"{found.list_path}.{i}" for i in range(len(found.blocks))]
@@ -50,9 +50,12 @@ def convert(module: nn.Module, blocks: Optional[str] = None) -> tuple[str, Trace
 
 def restore(pipeline: TracedPipeline) -> nn.Module:
     """The user's model as it was (its blocks' own forwards back), with the pipeline's weights."""
-    for block in pipeline.frontend.root.get_submodule(pipeline.frontend.list_path):
+    fe = pipeline.frontend
+    for block in fe.root.get_submodule(fe.list_path):
         block.__dict__.pop("forward", None)
-    return pipeline.frontend.root
+    if fe.use_cache:
+        fe.root.config.use_cache = True
+    return fe.root
 
 
 class _Recorder(TorchFunctionMode):
