@@ -27,7 +27,9 @@ Parts (``--parts``, all by default):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
+import inspect
 import os
 import statistics
 import time
@@ -43,7 +45,7 @@ from lightning_pipe.bench.harness import Bench, Table, interleave, spread
 from lightning_pipe.bench.launch import OTHER_JOBS, CpuClock, foreign_load, wait_for_quiet
 from lightning_pipe.bench.trainer_runs import quiet_lightning
 
-MODES = ["hf-1f1b", "ours-1f1b", "hf-single", "ours-single"]
+MODES = ["hf-1f1b", "hf-whole-1f1b", "ours-1f1b", "hf-single", "ours-single"]
 PARTS = ["throughput", "overhead", "planning"]
 BIG = dict(n_layer=24, n_embd=2048, n_head=16, vocab_size=50257, n_positions=1024)  # GPT-2 1.3B (planning/flops.py's gpt2-1.3b)
 
@@ -124,11 +126,41 @@ class TokenRows(Dataset):
         return self.ids[i, :-1], self.ids[i, 1:]
 
 
-def partition(kind: str, layers: int) -> list[int]:
-    """Blocks per stage, half the layers on each: HF [First + n/2 layers, n/2 layers + Last], ours
-    [embedding + n/2 (attention, FFN), n/2 (attention, FFN) + head]."""
-    half = layers // 2
-    return [1 + half, layers - half + 1] if kind == "hf" else [1 + 2 * half, 2 * (layers - half) + 1]
+def cuts() -> list[str]:
+    """The front end's cuts of a block this library offers: "halves" (each block as its attention
+    half and its MLP half where the traced block verifies it: the strategy's default since
+    PipelineConfig.sublayers) and "whole" (a block per layer), or only "whole" before sub-layer cuts."""
+    from lightning_pipe.config import PipelineConfig
+
+    return ["halves", "whole"] if "sublayers" in {f.name for f in dataclasses.fields(PipelineConfig)} else ["whole"]
+
+
+def traced(cfg: dict, cut: str, model: Any = None) -> Any:
+    """An HFUser over `model` (default a fresh HF model) converted and traced on one micro-batch as
+    the strategy does it, with `cut` ("halves": the default; "whole": sublayers=False)."""
+    from lightning_pipe.frontend import convert, trace
+
+    user = HFUser(cfg, model)
+    rows = TokenRows(cfg, cfg["batch"] // cfg["microbatches"])
+    path, pipe = convert(user)
+    extra = {"sublayers": cut == "halves"} if "sublayers" in inspect.signature(trace).parameters else {}
+    trace(user, path, pipe, (rows.ids[:, :-1], rows.ids[:, 1:]), **extra)
+    return pipe
+
+
+def per_layer(pipe: Any, layers: int) -> int:
+    """Pipeline blocks per layer of a traced pipeline [First, ..., Last]."""
+    return (len(pipe) - 2) // layers
+
+
+def partition(kind: str, cfg: dict) -> list[int]:
+    """Blocks per stage, half the layers on each: HF [First + n/2 layers' blocks, the other layers'
+    blocks + Last] (a layer is 1 block whole, 2 in halves), ours [embedding + n/2 (attention, FFN),
+    n/2 (attention, FFN) + head]."""
+    n, half = cfg["layers"], cfg["layers"] // 2
+    default = next(iter(cfg.get("per_layer", {"whole": 1})))  # the strategy's default cut ("hf")
+    k = 2 if kind == "ours" else cfg["per_layer"][kind.split("-", 1)[1] if "-" in kind else default]
+    return [1 + k * half, k * (n - half) + 1]
 
 
 # ---- throughput: the Trainer on 2 processes and on 1 -------------------------------------------------
@@ -140,9 +172,9 @@ def fit_job(rank: int, world: int, mode: str, cfg: dict) -> dict:
     from lightning.pytorch.callbacks import Callback
 
     quiet_lightning()
-    kind = mode.split("-")[0]
+    kind = mode.rsplit("-", 1)[0]  # hf, hf-whole, ours
     torch.manual_seed(0)
-    module = HFUser(cfg) if kind == "hf" else OursLM(cfg)
+    module = HFUser(cfg) if kind.startswith("hf") else OursLM(cfg)
     last = cfg["warmup"] + cfg["steps"] - 1
     barrier = dist.barrier if world > 1 else (lambda: None)
 
@@ -170,14 +202,17 @@ def fit_job(rank: int, world: int, mode: str, cfg: dict) -> dict:
     if world > 1:
         from lightning_pipe import AutoPipeStrategy
 
-        kwargs["strategy"] = AutoPipeStrategy(schedule="1f1b", microbatches=cfg["microbatches"], partition=partition(kind, cfg["layers"]))
+        settings = dict(schedule="1f1b", microbatches=cfg["microbatches"], partition=partition(kind, cfg))
+        if kind == "hf-whole" and "halves" in cfg["per_layer"]:
+            settings["sublayers"] = False
+        kwargs["strategy"] = AutoPipeStrategy(**settings)
     data = DataLoader(TokenRows(cfg, (last + 1) * cfg["batch"]), batch_size=cfg["batch"])
     L.Trainer(**kwargs).fit(module, data)
     return {"total": clock.total, "times": clock.times}
 
 
 def throughput(bench: Bench, args: Any, cfg: dict) -> dict:
-    modes = [m for m in MODES if m in args.modes]
+    modes = [m for m in MODES if m in args.modes and (m != "hf-whole-1f1b" or "halves" in cfg["per_layer"])]
 
     def run(mode: str, r: int) -> dict:
         world = 1 if mode.endswith("single") else 2
@@ -187,38 +222,38 @@ def throughput(bench: Bench, args: Any, cfg: dict) -> dict:
         step = max(statistics.median(res["times"]) for res in results)
         out = {"samples_s": cfg["steps"] * cfg["batch"] / total, "step_ms": 1e3 * step, "foreign": foreign}
         bench.log(
-            f"  {label:28s} {out['samples_s']:7.1f} samples/s ({1e3 * total / cfg['steps']:.1f} ms/step, other load {foreign:.2f} CPUs)"
+            f"  {label:32s} {out['samples_s']:7.1f} samples/s ({1e3 * total / cfg['steps']:.1f} ms/step, other load {foreign:.2f} CPUs)"
         )
         return out
 
     rounds = dict(zip(modes, interleave(modes, args.rounds, run)))
     bench.keep("throughput", rounds)
     rate = {m: spread(x["samples_s"] for x in rounds[m]) for m in modes}
-    table = Table(
-        "mode", "samples/s, median (min..max)", "ms/step (median step)", "vs one process of the same model", "other load (CPUs, max)"
-    )
+    table = Table("mode", "partition (blocks)", "samples/s, median (min..max)", "ms/step (median step)", "vs one process of the same model", "other load (CPUs, max)")  # fmt: skip
     for m in modes:
         single = f"{m.split('-')[0]}-single"
         vs = f"{rate[m].median / rate[single].median:.3f}x" if single in rate and m != single else ""
         steps = spread(x["step_ms"] for x in rounds[m])
-        table.add(m, rate[m].fmt(), f"{steps.median:.1f}", vs, f"{max(x['foreign'] for x in rounds[m]):.2f}")
+        part = "" if m.endswith("single") else str(partition(m.rsplit("-", 1)[0], cfg))
+        table.add(m, part, rate[m].fmt(), f"{steps.median:.1f}", vs, f"{max(x['foreign'] for x in rounds[m]):.2f}")
     bench.table(table, f"Throughput ({args.rounds} interleaved rounds, {cfg['steps']} timed steps after {cfg['warmup']} each):")
     ratios = {}
-    for kind in ("1f1b", "single"):
-        hf, ours = f"hf-{kind}", f"ours-{kind}"
+    for hf, ours in (("hf-1f1b", "ours-1f1b"), ("hf-whole-1f1b", "ours-1f1b"), ("hf-single", "ours-single")):
         if hf in rounds and ours in rounds:
             paired = spread(a["samples_s"] / b["samples_s"] for a, b in zip(rounds[hf], rounds[ours]))
-            ratios[kind] = (rate[hf].median / rate[ours].median, paired)
-            target = " (target >= 0.97: the traced cut's overhead <= 3%)" if kind == "1f1b" else ""
+            ratios[hf] = (rate[hf].median / rate[ours].median, paired)
+            target = not hf.endswith("single")
             bench.say(
-                f"HF / ours, {kind}: {ratios[kind][0]:.3f} (medians of rounds); per round {paired.fmt(digits=3)}{target}"
-                + (f" -> {'met' if ratios[kind][0] >= 0.97 else 'NOT met'}" if target else "")
+                f"{hf} / {ours}: {ratios[hf][0]:.3f} (medians of rounds); per round {paired.fmt(digits=3)}"
+                + (
+                    f" (target >= 0.97: the traced cut's overhead <= 3%) -> {'met' if ratios[hf][0] >= 0.97 else 'NOT met'}"
+                    if target
+                    else ""
+                )
             )
-    if len(ratios) == 2:
-        bench.say(
-            f"HF / ours under the pipeline relative to HF / ours in one process: {ratios['1f1b'][0] / ratios['single'][0]:.3f} "
-            "(the model code's own difference divided out)"
-        )
+    for hf in ("hf-1f1b", "hf-whole-1f1b"):
+        if hf in ratios and "hf-single" in ratios:
+            bench.say(f"{hf} / ours-1f1b divided by hf-single / ours-single: {ratios[hf][0] / ratios['hf-single'][0]:.3f} (the model code's own difference divided out)")  # fmt: skip
     bench.say()
     return {"rate": rate, "ratios": ratios}
 
@@ -230,25 +265,26 @@ class _Stop(Exception):
         self.args_, self.kwargs_ = args, kwargs
 
 
-def _stop_at(block: torch.nn.Module):
-    """A pre-hook that stops the model's forward when `block` is called, with its call."""
-
-    def hook(_m, args, kwargs):
-        raise _Stop(args, kwargs)
-
-    return block.register_forward_pre_hook(hook, with_kwargs=True)
-
-
 def _until(model: torch.nn.Module, block: torch.nn.Module, **call: Any) -> tuple[tuple, dict]:
     """The model's forward (HF's own code) up to `block`'s call; that call (args, kwargs)."""
-    handle = _stop_at(block)
+
+    def stop(_m, args, kwargs):
+        raise _Stop(args, kwargs)
+
+    handle = block.register_forward_pre_hook(stop, with_kwargs=True)
     try:
         model(**call)
-    except _Stop as stop:
-        return stop.args_, stop.kwargs_
+    except _Stop as stopped:
+        return stopped.args_, stopped.kwargs_
     finally:
         handle.remove()
     raise RuntimeError(f"{type(model).__name__} never called {type(block).__name__}")
+
+
+def quiet(bench: Bench, args: Any) -> None:
+    """Before an in-process measurement: wait (within the budget) for other benchmarks and tests to end and the CPUs to idle."""
+    if bench.patient:
+        wait_for_quiet(args.quiet_wait, args.max_foreign, patterns=OTHER_JOBS, log=bench.log)
 
 
 def _hidden(out: Any) -> torch.Tensor:
@@ -267,207 +303,157 @@ def timer(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def overhead(bench: Bench, args: Any, cfg: dict) -> dict:
-    from lightning_pipe.frontend import convert, trace
+def _chain(blocks: list, x: Any) -> Any:
+    for b in blocks:
+        x = b(x)
+    return x
 
+
+def _user_call(ids: torch.Tensor) -> Any:
+    from lightning_pipe.runtime.call import as_input
+
+    return as_input((), {"input_ids": ids, "labels": ids})
+
+
+def traced_runs(pipe: Any, cfg: dict, ids: torch.Tensor, grad: torch.Tensor) -> dict[tuple[str, str], Callable[[], Any]]:
+    """The timed runs of one traced pipeline: forward + backward of the whole model and of each
+    stage's blocks (stage 1 from a received activation, stage 0 back from a received gradient), and
+    its adapters' forwards (First; layer 0's blocks; Last, and Last until the model calls block 0)."""
+    blocks, n, half = list(pipe), cfg["layers"], cfg["layers"] // 2
+    k = per_layer(pipe, n)
+    first, last, x0 = blocks[0], blocks[-1], _user_call(ids)
+    with torch.no_grad():
+        sent = _chain(blocks[: 1 + k * half], x0)  # what stage 0 sends: the hidden state (and GPT-2's position ids)
+        first_out = first(x0)
+
+    def whole():
+        pipe(input_ids=ids, labels=ids).loss.backward()
+
+    def stage0():
+        _chain(blocks[: 1 + k * half], x0)[0].backward(grad)
+
+    def stage1():
+        with torch.no_grad():
+            first(x0)  # the last stage's rank gets the user's call with every micro-batch: here First's run sets it
+        x = (sent[0].detach().requires_grad_(), *sent[1:])
+        _chain(blocks[1 + k * half :], x).loss.backward()
+
+    loop_block = pipe.original.transformer.h[0]  # block 0 as the model holds it: its call ends the code before the loop
+    marks: list[float] = []
+
+    def last_prelude() -> float:  # Last's rerun of the code before the loop (on meta), until the model calls block 0
+        handle = loop_block.register_forward_pre_hook(lambda *_: marks.append(time.perf_counter()))
+        try:
+            t = time.perf_counter()
+            last(sent if k * half == n else _chain(blocks[1 + k * half : -1], sent))
+            return marks[0] - t
+        finally:
+            marks.clear()
+            handle.remove()
+
+    with torch.no_grad():
+        carry_last = _chain(blocks[1 + k * half : -1], sent)
+    return {
+        ("whole", "fwd+bwd"): whole,
+        ("stage 0", "fwd+bwd"): stage0,
+        ("stage 1", "fwd+bwd"): stage1,
+        ("First", "fwd"): lambda: first(x0),
+        ("layer 0", "fwd"): lambda: _chain(blocks[1 : 1 + k], first_out),
+        ("Last", "fwd"): lambda: last(carry_last),
+        ("Last before the loop", "prelude"): last_prelude,
+    }
+
+
+def overhead(bench: Bench, args: Any, cfg: dict) -> dict:
+    """One process: the HF model as it is, its traced pipelines (each cut), ours; see the module doc."""
     torch.manual_seed(0)
     plain = hf_model(cfg)
-    user = HFUser(cfg, copy.deepcopy(plain))  # the same weights, converted
+    pipes = {cut: traced(cfg, cut, copy.deepcopy(plain)) for cut in cuts()}  # the same weights, converted
+    ours = our_model(cfg)
     mbs, n, half = cfg["batch"] // cfg["microbatches"], cfg["layers"], cfg["layers"] // 2
     rows = TokenRows(cfg, mbs)
     ids, targets = rows.ids[:, :-1], rows.ids[:, 1:]
-    started = time.perf_counter()
-    path, pipe = convert(user)
-    converted = time.perf_counter() - started
-    trace(user, path, pipe, (ids, targets))
-    traced = time.perf_counter() - started - converted
-    blocks = list(pipe)  # First, Repeated 0 .. n-1, Last
-    first, last = blocks[0], blocks[-1]
-    ours = our_model(cfg)
     k = 1 + 2 * half  # ours' stage 0: embedding + half the layers
     hp, tr = plain.transformer.h, plain.transformer
-
     with torch.no_grad():  # the block call HF makes (hidden, then position ids, flags ...), and the stage boundary's input
         (h0, *rest), kw = _until(plain, hp[0], input_ids=ids, labels=ids)
         (hk, *_), _ = _until(plain, hp[half], input_ids=ids, labels=ids)
-        carry0 = _chain(blocks[: 1 + half], ids)  # what the traced stage 0 sends: (hidden, position ids)
+        h_last = hk
+        for i in range(half, n):
+            h_last = _hidden(hp[i](h_last, *rest, **kw))
         ours_k = ours[:k](ids)
     grad = torch.randn_like(hk)
 
-    def hf_plain_whole():
-        plain(input_ids=ids, labels=ids).loss.backward()
-
-    def hf_traced_whole():
-        pipe(input_ids=ids, labels=ids).loss.backward()
-
-    def ours_whole():
-        F.cross_entropy(ours(ids).flatten(0, 1), targets.flatten()).backward()
-
-    def hf_plain_stage0():  # HF's forward up to block n/2 (what stage 0 sends), backward from the received gradient
+    def hf_stage0():  # HF's forward up to block n/2 (what stage 0 sends), backward from the received gradient
         (h, *_), _ = _until(plain, hp[half], input_ids=ids, labels=ids)
         h.backward(grad)
 
-    def hf_traced_stage0():
-        out = _chain(blocks[: 1 + half], ids)
-        out[0].backward(grad)
-
-    def ours_stage0():
-        ours[:k](ids).backward(grad)
-
-    def hf_plain_stage1():
+    def hf_stage1():
         h = hk.detach().requires_grad_()
         for i in range(half, n):
             h = _hidden(hp[i](h, *rest, **kw))
-        logits = plain.lm_head(tr.ln_f(h))
-        plain.loss_function(logits, ids, vocab_size=cfg["vocab"]).backward()
-
-    def hf_traced_stage1():
-        x: Any = (carry0[0].detach().requires_grad_(), *carry0[1:])
-        for b in blocks[1 + half :]:
-            x = b(x)
-        x.loss.backward()
+        plain.loss_function(plain.lm_head(tr.ln_f(h)), ids, vocab_size=cfg["vocab"]).backward()
 
     def ours_stage1():
         h = ours_k.detach().requires_grad_()
         F.cross_entropy(ours[k:](h).flatten(0, 1), targets.flatten()).backward()
 
-    # the adapters' forwards (autograd on, as in training; no backward) against the code they stand for
-    x0 = _call(ids)
-    h_in = h0.detach()
-
-    def first_fwd():
-        first(x0)
-
-    def hf_prelude():  # HF's own forward up to block 0: what First runs, without the front end
-        _until(plain, hp[0], input_ids=ids, labels=ids)
-
-    def repeated_fwd():
-        blocks[1]((h_in, *carry0[1:]))
-
-    def block_fwd():
-        hp[0](h_in, *rest, **kw)
-
-    def last_fwd():
-        last(carry0)
-
-    def after_loop():  # the code after the loop, as HF runs it: final norm, head, loss
-        plain.loss_function(plain.lm_head(tr.ln_f(carry0[0])), ids, vocab_size=cfg["vocab"])
-
-    loop_block = next(blocks[1].children())  # block 0 as the model holds it: Last's prelude ends where the model calls it
-    marks: list[float] = []
-
-    def last_prelude():  # Last's run of the code before the loop (on meta) until the loop: timed to block 0's call
-        handle = loop_block.register_forward_pre_hook(lambda *_: marks.append(time.perf_counter()))
-        try:
-            t = time.perf_counter()
-            last(carry0)
-            return marks.pop() - t
-        finally:
-            handle.remove()
-
-    whole = {"ours": ours_whole, "hf plain": hf_plain_whole, "hf traced": hf_traced_whole}
-    stage0 = {"ours": ours_stage0, "hf plain": hf_plain_stage0, "hf traced": hf_traced_stage0}
-    stage1 = {"ours": ours_stage1, "hf plain": hf_plain_stage1, "hf traced": hf_traced_stage1}
-    adapters = {
-        "First": first_fwd,
-        "HF before the loop": hf_prelude,
-        "Repeated 0": repeated_fwd,
-        "block 0": block_fwd,
-        "Last": last_fwd,
-        "HF after the loop": after_loop,
+    runs: dict[tuple[str, str, str], Callable[[], Any]] = {
+        ("ours", "whole", "fwd+bwd"): lambda: F.cross_entropy(ours(ids).flatten(0, 1), targets.flatten()).backward(),
+        ("ours", "stage 0", "fwd+bwd"): lambda: ours[:k](ids).backward(grad),
+        ("ours", "stage 1", "fwd+bwd"): ours_stage1,
+        ("plain", "whole", "fwd+bwd"): lambda: plain(input_ids=ids, labels=ids).loss.backward(),
+        ("plain", "stage 0", "fwd+bwd"): hf_stage0,
+        ("plain", "stage 1", "fwd+bwd"): hf_stage1,
+        # what the adapters stand for, without the front end: HF's forward up to block 0; block 0; the code after the loop
+        ("plain", "First", "fwd"): lambda: _until(plain, hp[0], input_ids=ids, labels=ids),
+        ("plain", "layer 0", "fwd"): lambda: hp[0](h0, *rest, **kw),
+        ("plain", "Last", "fwd"): lambda: plain.loss_function(plain.lm_head(tr.ln_f(h_last)), ids, vocab_size=cfg["vocab"]),
     }
-    configs = [
-        (part, name, fn)
-        for part, fns in (("whole", whole), ("stage 0", stage0), ("stage 1", stage1), ("fwd", adapters))
-        for name, fn in fns.items()
-    ]
+    for cut, pipe in pipes.items():
+        runs.update({(cut, *key): fn for key, fn in traced_runs(pipe, cfg, ids, grad).items()})
+    configs = list(runs)
 
-    def run(config, r: int) -> float:
-        part, name, fn = config
-        if part == "stage 1" and name == "hf traced":
-            with torch.no_grad():
-                first(x0)  # the last stage's rank gets the user's call with every micro-batch: here First's run sets it
-        reps = args.reps * (4 if part == "fwd" else 1)
-        return timer(fn, reps)
+    def run(config: tuple[str, str, str], r: int) -> float:
+        fn, kind = runs[config], config[2]
+        if kind == "prelude":
+            for _ in range(2):
+                fn()
+            return statistics.median(fn() for _ in range(4 * args.reps))
+        return timer(fn, args.reps * (4 if kind == "fwd" else 1))
 
-    def run_prelude(r: int) -> float:
-        with torch.no_grad():
-            first(x0)
-        for _ in range(2):
-            last_prelude()
-        return statistics.median(last_prelude() for _ in range(args.reps * 4))
-
-    configs.append(("fwd", "Last: before the loop (meta)", None))
-    wrapped = lambda config, r: run_prelude(r) if config[2] is None else run(config, r)  # noqa: E731
     results: list[list[float]] = [[] for _ in configs]
     loads = []
     for r in range(args.rounds):  # A B C, A B C ...; each round after the machine went quiet, its foreign load measured
         quiet(bench, args)
         gc.collect()
         start = CpuClock.now()
-        for i, times in enumerate(interleave(configs, 1, lambda config, _r: wrapped(config, r))):
+        for i, times in enumerate(interleave(configs, 1, lambda config, _r: run(config, r))):
             results[i] += times
         loads.append(foreign_load(start, CpuClock.now()))
         bench.log(f"  overhead round {r + 1}/{args.rounds}: other load {loads[-1]:.2f} CPUs")
-    by = {(part, name): spread(times) for (part, name, _), times in zip(configs, results)}
-    bench.keep("overhead", {f"{p}/{n}": s for (p, n), s in by.items()})
-    bench.keep("overhead_rounds", {f"{p}/{n}": times for (p, n, _), times in zip(configs, results)})
+    by = {config: spread(times) for config, times in zip(configs, results)}
+    bench.keep("overhead", {"/".join(c): s for c, s in by.items()})
+    bench.keep("overhead_rounds", {"/".join(c): times for c, times in zip(configs, results)})
     bench.keep("overhead_foreign", loads)
-    bench.keep("overhead_setup", {"convert_s": converted, "trace_s": traced})
     mb = f"{mbs} x {cfg['seq']} tokens"
-    t = Table(
-        "one micro-batch, forward + backward",
-        "ours (ms)",
-        "HF as it is (ms)",
-        "HF traced (ms)",
-        "traced - as it is (ms)",
-        "front end's share",
-        "HF traced / ours",
-    )
-    for part, label in (("whole", "whole model, one process"), ("stage 0", f"stage 0: embedding + layers 0-{half - 1}"), ("stage 1", f"stage 1: layers {half}-{n - 1} + head, loss")):  # fmt: skip
-        o, p, q = by[(part, "ours")], by[(part, "hf plain")], by[(part, "hf traced")]
-        t.add(
-            label,
-            o.fmt(1e3, 2),
-            p.fmt(1e3, 2),
-            q.fmt(1e3, 2),
-            f"{1e3 * (q.median - p.median):+.2f}",
-            f"{(q.median / p.median - 1) * 100:+.1f}%",
-            f"{q.median / o.median:.3f}",
-        )
-    bench.table(
-        t,
-        f"In one process, one thread, one micro-batch ({mb}); median of {args.rounds} interleaved rounds (min..max), each the median of {args.reps} runs:",
-    )
-    a = Table("forward only (autograd on)", "adapter (ms)", "what it stands for, without the front end (ms)", "front end's own cost (ms)")
-    for adapter, native, what in (("First", "HF before the loop", "HF's forward up to block 0"), ("Repeated 0", "block 0", "block 0 called directly"), ("Last", "HF after the loop", "final norm, head, loss")):  # fmt: skip
-        x, y = by[("fwd", adapter)], by[("fwd", native)]
-        a.add(f"{adapter} vs {what}", x.fmt(1e3, 3), y.fmt(1e3, 3), f"{1e3 * (x.median - y.median):+.3f}")
-    pre = by[("fwd", "Last: before the loop (meta)")]
-    a.add("of which Last's rerun of the code before the loop (on meta)", pre.fmt(1e3, 3), by[("fwd", "HF before the loop")].fmt(1e3, 3), "")
-    bench.table(a, f"The adapters' forwards ({mb}; each the median of {4 * args.reps} runs):")
-    bench.say(f"Other processes' load during the rounds: {spread(loads).fmt(digits=2)} CPUs (median, min..max).")
-    bench.say(f"convert {converted * 1e3:.1f} ms, trace {traced * 1e3:.1f} ms (this model, one micro-batch)\n")
+    got = lambda *key: by[key].median  # noqa: E731
+    t = Table("one micro-batch, forward + backward", "ours (ms)", "HF as it is (ms)", *(f"HF traced, {c} (ms)" for c in pipes), *(f"{c}: front end's share" for c in pipes), "HF as it is / ours")  # fmt: skip
+    labels = {"whole": "whole model", "stage 0": f"stage 0: embedding + layers 0-{half - 1}", "stage 1": f"stage 1: layers {half}-{n - 1} + head, loss"}  # fmt: skip
+    for part, label in labels.items():
+        cells = [by[(who, part, "fwd+bwd")].fmt(1e3, 2) for who in ("ours", "plain", *pipes)]
+        shares = [f"{(got(c, part, 'fwd+bwd') / got('plain', part, 'fwd+bwd') - 1) * 100:+.1f}% ({1e3 * (got(c, part, 'fwd+bwd') - got('plain', part, 'fwd+bwd')):+.2f} ms)" for c in pipes]  # fmt: skip
+        t.add(label, *cells, *shares, f"{got('plain', part, 'fwd+bwd') / got('ours', part, 'fwd+bwd'):.3f}")
+    bench.table(t, f"In one process, one thread, one micro-batch ({mb}); median of {args.rounds} interleaved rounds (min..max), each the median of {args.reps} runs:")  # fmt: skip
+    a = Table("forward only (autograd on)", "without the front end (ms)", *(f"{c}: adapter (ms)" for c in pipes), *(f"{c}: front end's own (ms)" for c in pipes))  # fmt: skip
+    what = {"First": "First vs HF's forward up to block 0", "layer 0": "layer 0's blocks vs block 0 called directly", "Last": "Last vs final norm, head, loss"}  # fmt: skip
+    for part, label in what.items():
+        a.add(label, by[("plain", part, "fwd")].fmt(1e3, 3), *(by[(c, part, "fwd")].fmt(1e3, 3) for c in pipes), *(f"{1e3 * (got(c, part, 'fwd') - got('plain', part, 'fwd')):+.3f}" for c in pipes))  # fmt: skip
+    pre = [by[(c, "Last before the loop", "prelude")] for c in pipes]
+    a.add("of which Last until the loop (HF's code before it, on meta)", by[("plain", "First", "fwd")].fmt(1e3, 3), *(p.fmt(1e3, 3) for p in pre), *("" for _ in pipes))  # fmt: skip
+    bench.table(a, f"The adapters' forwards ({mb}; each the median of {4 * args.reps} runs; layer 0 is {', '.join(f'{per_layer(p, n)} block(s) {c}' for c, p in pipes.items())}):")  # fmt: skip
+    bench.say(f"Other processes' load during the rounds: {spread(loads).fmt(digits=2)} CPUs (median, min..max).\n")
     return by
-
-
-def quiet(bench: Bench, args: Any) -> None:
-    """Before an in-process measurement: wait (within the budget) for other benchmarks and tests to end and the CPUs to idle."""
-    if bench.patient:
-        wait_for_quiet(args.quiet_wait, args.max_foreign, patterns=OTHER_JOBS, log=bench.log)
-
-
-def _call(ids: torch.Tensor):
-    from lightning_pipe.runtime.call import as_input
-
-    return as_input((), {"input_ids": ids, "labels": ids})
-
-
-def _chain(blocks: list, ids: torch.Tensor) -> Any:
-    x = _call(ids)
-    for b in blocks:
-        x = b(x)
-    return x
 
 
 # ---- planning: GPT-2 1.3B built on the meta device ----------------------------------------------------
@@ -612,10 +598,13 @@ def main() -> None:
     if args.layers % 2 or args.batch % args.microbatches:
         bench.error("--layers must be even and --batch divisible by --microbatches")
     cfg = {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab", "seq", "lr", "batch", "microbatches", "steps", "warmup")}
+    cfg["per_layer"] = {cut: per_layer(traced(cfg, cut), args.layers) for cut in cuts()}  # as the strategy's trace cuts it
     bench.say(
         f"GPT-2 {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocabulary {args.vocab}, {args.seq} positions, tied head, "
         f"dropout 0, exact GELU; batch {args.batch} = {args.microbatches} micro-batches of {args.batch // args.microbatches}; "
-        f"HF partition {partition('hf', args.layers)} blocks, ours {partition('ours', args.layers)}\n"
+        f"partitions (blocks per stage): "
+        + ", ".join(f"HF {cut} {partition(f'hf-{cut}', cfg)} ({k} per layer)" for cut, k in cfg["per_layer"].items())
+        + f", ours {partition('ours', cfg)}\n"
     )
     if "throughput" in args.parts:
         throughput(bench, args, cfg)

@@ -73,6 +73,9 @@ class PipelineConfig:
     blocks: Optional[str] = None
     """A model that loops over its blocks (no nn.Sequential child): the path of their nn.ModuleList from the
     LightningModule, e.g. "model.transformer.h" (None: the list of same-type modules holding the most parameters)."""
+    sublayers: bool = True
+    """A model that loops over its blocks: each block as two pipeline blocks (its attention half and its MLP half,
+    AutoPipe's sub-layer partition) where the traced block verifies such a cut; False: whole blocks."""
 
     # ---- planning ----------------------------------------------------------------------------
     partition: Any = "autopipe"

@@ -158,10 +158,11 @@ class SwitchAt(L.Callback):
 
 @pytest.mark.parametrize("switch", ["fine-grained", "stop"])
 def test_live_repartition_moves_blocks_and_stays_exact(switch):
-    # 8 blocks on 2 stages, 4 | 4, then 6 | 2 from iteration 2: blocks 4 and 5 (two GPT-2 layers) move
+    # 14 blocks (first, 6 layers in halves, last) on 2 stages, 7 | 7, then 10 | 4 from iteration 2: three halves move,
+    # one of them the attention half of a layer whose MLP half stays
     ref, model = pair("gpt2")
     train_single(ref, STEPS)
-    pipelined(model, 2, callbacks=[SwitchAt(2, [[0, 6], [6, 8]])], adaptive=True, adaptive_switch=switch, adaptive_interval=1000)
+    pipelined(model, 2, callbacks=[SwitchAt(2, [[0, 10], [10, 14]])], adaptive=True, adaptive_switch=switch, adaptive_interval=1000)
     assert close(ref.state_dict(), model.state_dict()) <= 1e-10
 
 

@@ -135,6 +135,7 @@ class Frontend:
         self._meta: Optional[_PreludeOnMeta] = None
         self.recorder: Optional[Any] = None  # the trace's
         self.use_cache = False  # the model's config had its key/value cache on (off while it is cut)
+        self.halves: Optional[Any] = None  # the blocks' sub-layer cut (halves.py), when they have one
 
     def __deepcopy__(self, memo: dict) -> "Frontend":
         return self
@@ -187,7 +188,12 @@ class Frontend:
         assert self.block_call is not None and self.output is not None
         call = self.block_call.build(carry)
         args, kwargs = call
-        out = block(*args, **kwargs)
+        return self.next_from(index, call, block(*args, **kwargs))
+
+    def next_from(self, index: int, call: Any, out: Any) -> tuple[Tensor, ...]:
+        """After block `index` ran `call` giving `out`: block index+1's call as the model's loop makes
+        it (flat), or after the last block its output."""
+        assert self.block_call is not None and self.output is not None
         if index == self.count - 1:
             return self.output.flat(out)
         leaves = pytree.tree_leaves(call)
@@ -342,6 +348,13 @@ class TracedPipeline(nn.Sequential):
         for block in self:
             x = block(x)
         return x
+
+    def replace_blocks(self, blocks: list[nn.Module]) -> None:
+        """Hold `blocks` (e.g. each repeated block as two halves), numbered anew."""
+        for name in list(self._modules):
+            del self._modules[name]
+        for i, block in enumerate(blocks):
+            self.add_module(str(i), block)
 
 
 def frontend_blocks(frontend: Frontend) -> nn.ModuleList:

@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 
 from ..runtime.call import Call
 from .find import FIX, FrontendError, find_blocks
+from .halves import HalfA, HalfB, find_cut, split_blocks, unsplit_blocks
 from .pipeline import HOLDER, Frontend, Holder, TracedPipeline, _BlockForward, encode, original_forward
 from .structure import Structure
 from .weights import ZerosForMeta
@@ -51,8 +52,11 @@ def convert(module: nn.Module, blocks: Optional[str] = None) -> tuple[str, Trace
 def restore(pipeline: TracedPipeline) -> nn.Module:
     """The user's model as it was (its blocks' own forwards back), with the pipeline's weights."""
     fe = pipeline.frontend
-    for block in fe.root.get_submodule(fe.list_path):
+    blocks = list(fe.root.get_submodule(fe.list_path))
+    for block in blocks:
         block.__dict__.pop("forward", None)
+    if fe.halves is not None:
+        unsplit_blocks(blocks, fe.halves.cut)
     if fe.use_cache:
         fe.root.config.use_cache = True
     return fe.root
@@ -69,6 +73,9 @@ class _Recorder(TorchFunctionMode):
         self.names = {id(t): n for n, t in _named_tensors(frontend.root)}
         self.used: dict[int, set] = {}
         self.module_calls: list[tuple[nn.Module, Any]] = []
+        self.children: list[tuple[str, Any, Any]] = []  # block 0's direct children: (name, (args, kwargs), output)
+        first = frontend.root.get_submodule(frontend.list_path)[0]
+        self._first_children = {id(m): n for n, m in first.named_children()}
 
     def block(self, index: int, block: nn.Module, args: tuple, kwargs: dict) -> Any:
         self.phase = ("block", index)
@@ -79,6 +86,10 @@ class _Recorder(TorchFunctionMode):
 
     def module_called(self, module: nn.Module, _args: Any) -> None:
         self.module_calls.append((module, self.phase))
+
+    def module_returned(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.phase == ("block", 0) and id(module) in self._first_children:
+            self.children.append((self._first_children[id(module)], (args, kwargs), output))
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
@@ -98,8 +109,9 @@ def _named_tensors(root: nn.Module) -> list[tuple[str, Tensor]]:
     return out
 
 
-def trace(module: Any, path: str, pipeline: TracedPipeline, batch: Any, step_name: str = "training_step") -> None:
-    """Run the user's step (`step_name`) once on `batch` and record how the model is cut (see above)."""
+def trace(module: Any, path: str, pipeline: TracedPipeline, batch: Any, step_name: str = "training_step", sublayers: bool = True) -> None:
+    """Run the user's step (`step_name`) once on `batch` and record how the model is cut (see above);
+    `sublayers`: each repeated block in two halves where it allows (halves.py)."""
     fe = pipeline.frontend
     recorder = _Recorder(fe)
     calls: list[Call] = []
@@ -119,9 +131,14 @@ def trace(module: Any, path: str, pipeline: TracedPipeline, batch: Any, step_nam
         if id(m) in inside and fe.mode == "trace":
             recorder.module_called(m, args)
 
+    def after(m: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if id(m) in inside and fe.mode == "trace":
+            recorder.module_returned(m, args, kwargs, output)
+
     fe.recorder = recorder
     pipeline.forward = call_model  # type: ignore[method-assign]
     handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    handle_after = torch.nn.modules.module.register_module_forward_hook(after, with_kwargs=True)
     had_log = "log" in module.__dict__
     module.log = lambda *a, **k: None  # no logging outside the loop
     modes = {m: m.training for m in module.modules()}
@@ -134,6 +151,7 @@ def trace(module: Any, path: str, pipeline: TracedPipeline, batch: Any, step_nam
         for m, mode in modes.items():
             m.training = mode
         handle.remove()
+        handle_after.remove()
         del pipeline.forward
         fe.recorder = None
         if not had_log:
@@ -147,6 +165,28 @@ def trace(module: Any, path: str, pipeline: TracedPipeline, batch: Any, step_nam
         )
     _learn_calls(fe, recorder)
     _learn_owners(module, pipeline, recorder)
+    if sublayers:
+        _split(pipeline, recorder)
+
+
+def _split(pipeline: TracedPipeline, rec: _Recorder) -> None:
+    """Each repeated block as two pipeline blocks where block 0's recorded run verifies a cut (halves.py)."""
+    fe = pipeline.frontend
+    blocks = list(fe.root.get_submodule(fe.list_path))
+    _, call, output = rec.calls[0]
+    cut = find_cut(fe, blocks[0], call, output, rec.children)
+    if cut is None:
+        return
+    split_blocks(fe, blocks, cut)
+    names = [n for n, _ in blocks[0].named_children()]
+    first_half = [n for n in names if n in cut.before]
+    second_half = [n for n in names if n not in cut.before]
+    made: list[nn.Module] = [pipeline[0]]
+    for i, block in enumerate(blocks):
+        path = f"{fe.list_path}.{i}"
+        a = HalfA(fe, i, path, block, first_half)
+        made += [a, HalfB(fe, i, path, block, second_half, a)]
+    pipeline.replace_blocks([*made, pipeline[len(pipeline) - 1]])
 
 
 def _learn_calls(fe: Frontend, rec: _Recorder) -> None:

@@ -25,9 +25,9 @@ STEPS = {
 }
 
 
-def _trace(module: Any, path: str, pipeline: TracedPipeline, batch: Any, step: str) -> None:
+def _trace(module: Any, path: str, pipeline: TracedPipeline, batch: Any, step: str, sublayers: bool) -> None:
     try:
-        trace(module, path, pipeline, batch, step)
+        trace(module, path, pipeline, batch, step, sublayers)
     except FrontendError as err:
         raise PipelineSetupError(str(err)) from None
 
@@ -36,7 +36,7 @@ def _step(trainer: Any) -> str:
     return STEPS.get(trainer.state.fn, STEPS[TrainerFn.FITTING])[0]
 
 
-def ensure_traced(module: Any, trainer: Any, microbatches: int, blocks: Optional[str] = None) -> None:
+def ensure_traced(module: Any, trainer: Any, microbatches: int, blocks: Optional[str] = None, sublayers: bool = True) -> None:
     """In setup: trace the converted model (if it is one and was not traced before spawning), with
     the step this trainer function runs (training_step for fit, predict_step for predict ...)."""
     path, pipeline = find_pipeline(module, blocks)
@@ -57,14 +57,16 @@ def ensure_traced(module: Any, trainer: Any, microbatches: int, blocks: Optional
             f"{type(module).__name__}'s model loops over its blocks and is cut by running its {step} once on a sample, "
             "but the run has no dataset with indexable samples to take one from"
         )
-    _trace(module, path, pipeline, batch, step)
+    _trace(module, path, pipeline, batch, step, sublayers)
 
 
 def _indexable(dataset: Any) -> bool:
     return dataset is not None and hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__") and len(dataset) > 0
 
 
-def trace_before_spawn(module: Any, trainer: Any, loader: Any, microbatches: int, blocks: Optional[str] = None) -> None:
+def trace_before_spawn(
+    module: Any, trainer: Any, loader: Any, microbatches: int, blocks: Optional[str] = None, sublayers: bool = True
+) -> None:
     """Before spawning: trace on the first samples of `loader`'s dataset, if it has one to index."""
     path, pipeline = find_pipeline(module, blocks)
     if not isinstance(pipeline, TracedPipeline) or pipeline.frontend.traced:
@@ -73,7 +75,7 @@ def trace_before_spawn(module: Any, trainer: Any, loader: Any, microbatches: int
     if not _indexable(getattr(loader, "dataset", None)):
         return
     batch, _ = loader_sample(loader, loader.dataset, microbatches)
-    _trace(module, path, pipeline, batch, _step(trainer))
+    _trace(module, path, pipeline, batch, _step(trainer), sublayers)
 
 
 def restore_model(module: Any) -> None:

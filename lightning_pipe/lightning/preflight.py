@@ -56,7 +56,7 @@ def validate_inputs(config: PipelineConfig, world: int, args: tuple, trainer: Op
     if has_pipeline:
         path, pipeline = find_pipeline(model, config.blocks)
         if trainer is not None and len(args) > 1:  # a model looping over its blocks: cut (or refused) before spawning
-            trace_before_spawn(model, trainer, args[1], config.microbatches, config.blocks)
+            trace_before_spawn(model, trainer, args[1], config.microbatches, config.blocks, config.sublayers)
         check_no_outside_parameters(model, path)
         try:
             check_metrics(model)

@@ -150,7 +150,9 @@ class AutoPipeStrategy(EmptyInitMixin, ProcessGroupStrategy):
             raise ValueError("AutoPipeStrategy needs automatic optimization (automatic_optimization=True): the schedule runs the backward")
         out_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective: a broadcast from rank 0
         fitting = trainer.state.fn == TrainerFn.FITTING
-        ensure_traced(module, trainer, self.config.microbatches, self.config.blocks)  # a model looping over its blocks
+        ensure_traced(
+            module, trainer, self.config.microbatches, self.config.blocks, self.config.sublayers
+        )  # a model looping over its blocks
         if self.config.planner is not None and self.shape is None:  # the run's shape is the planner's answer
             where = Where(self.world_size, self.num_processes, self.global_rank, self.root_device, out_dir)
             resumed = resumed_state(self.checkpoint_io, self.resume_path)
