@@ -148,7 +148,8 @@ def measured_profile(cfg: DictConfig, config: PipelineConfig) -> tuple[Profile, 
     datamodule.setup("fit")
     loader = DataLoader(datamodule.train_dataset, batch_size=int(cfg.data.batch_size))
     batch, size = loader_sample(loader, loader.dataset, config.microbatches)
-    trace(module, path, pipeline, batch, sublayers=config.sublayers)  # where the model is cut, from one run of its training_step on the micro-batch
+    # where the model is cut: one run of its training_step on the micro-batch
+    trace(module, path, pipeline, batch, sublayers=config.sublayers)
     profile = profile_pipeline(module, pipeline, batch, torch.device("cpu"), 0, 1, type(module).__name__, size)
     return profile, type(pipeline.original).__name__
 
