@@ -341,18 +341,19 @@ def traced_runs(pipe: Any, cfg: dict, ids: torch.Tensor, grad: torch.Tensor) -> 
     loop_block = pipe.original.transformer.h[0]  # block 0 as the model holds it: its call ends the code before the loop
     marks: list[float] = []
 
+    with torch.no_grad():
+        carry_last = _chain(blocks[1 + k * half : -1], sent)  # what Last receives
+
     def last_prelude() -> float:  # Last's rerun of the code before the loop (on meta), until the model calls block 0
         handle = loop_block.register_forward_pre_hook(lambda *_: marks.append(time.perf_counter()))
         try:
             t = time.perf_counter()
-            last(sent if k * half == n else _chain(blocks[1 + k * half : -1], sent))
+            last(carry_last)
             return marks[0] - t
         finally:
             marks.clear()
             handle.remove()
 
-    with torch.no_grad():
-        carry_last = _chain(blocks[1 + k * half : -1], sent)
     return {
         ("whole", "fwd+bwd"): whole,
         ("stage 0", "fwd+bwd"): stage0,
