@@ -4,6 +4,9 @@ import sys
 # Child processes started by `spawn` import test helpers by module name.
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Hugging Face models are built from configs here: nothing may reach for the hub
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 import pytest
