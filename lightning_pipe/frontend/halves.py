@@ -4,8 +4,8 @@ A block's forward keeps local values across its sub-layers (the residual), so it
 sub-module boundary the way the model is cut at its blocks. It can be when the code after the cut
 reads only what a stand-in can give back: the first half (`HalfA`) runs the block until its child
 `c` is called and passes on c's input `x`; the second half (`HalfB`) runs the block's forward again
-with its hidden input zero, the child called just before `c` (the attention) answering `x`, earlier
-children zeros and operations on the first half's weights on the meta device (`_PreludeOnMeta`). In
+with its hidden input zero, the child called just before `c` (the attention) answering `x` and
+earlier children zeros (a block with weights of its own, outside its children, is not cut). In
 a pre-norm block (``h = attn(ln_1(r)) + r; r = h; h = r + mlp(ln_2(h))``) c's input is then exactly
 ``x + 0 = x``, and so is the residual the rest of the block reads.
 
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from .pipeline import FrontBlock, Frontend, _PreludeOnMeta, _Reached, encode, original_forward
+from .pipeline import FrontBlock, Frontend, _Reached, encode, original_forward
 from .structure import Structure
 
 
@@ -64,7 +64,6 @@ class Halves:
         self.frontend, self.cut = frontend, cut
         self.mode: Optional[str] = None  # "a": stop at the cut; "b": earlier children answer
         self.x: Optional[Tensor] = None
-        self.meta: Optional[_PreludeOnMeta] = None
 
     def __deepcopy__(self, memo: dict) -> "Halves":
         return self
@@ -89,8 +88,6 @@ class Halves:
                 tensors[cut.answer_leaf] = self.x
                 return cut.answer_out.build(tuple(tensors))
             return cut.zeros[name].build((torch.zeros_like(self.x),))
-        if self.mode == "b" and name == cut.child and self.meta is not None:
-            self.meta.active = False  # the cut is reached: the second half runs for real
         return original_forward(child, args, kwargs)
 
     # ---- the halves' work ------------------------------------------------------------------------
@@ -106,17 +103,14 @@ class Halves:
                 return (leaves[self.cut.x_slot], *side_tensors(fe, carry))
         raise RuntimeError(f"block {type(block).__name__} returned without calling its {self.cut.child}")
 
-    def run_b(self, index: int, block: nn.Module, carry: tuple[Tensor, ...], a_tensors: set[int]) -> tuple[Tensor, ...]:
+    def run_b(self, index: int, block: nn.Module, carry: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         fe = self.frontend
         assert fe.block_call is not None and fe.output is not None
         x, side = carry[0], carry[1:]
         call = rebuilt_call(fe, side, x)
-        self.meta = _PreludeOnMeta(a_tensors, x.device)
-        try:
-            with self.running("b", x), self.meta:
-                out = original_forward(block, *call)
-        finally:
-            self.meta = None
+        # the block holds no tensors of its own (find_cut): before the cut only its stubbed children read any
+        with self.running("b", x):
+            out = original_forward(block, *call)
         return fe.next_from(index, call, out)
 
 
@@ -150,14 +144,13 @@ class HalfA(FrontBlock):
 
 
 class HalfB(FrontBlock):
-    def __init__(self, frontend: Frontend, index: int, path: str, block: nn.Module, children: list[str], other: HalfA):
+    def __init__(self, frontend: Frontend, index: int, path: str, block: nn.Module, children: list[str]):
         super().__init__(frontend, {encode(f"{path}.{c}"): block.get_submodule(c) for c in children})
         self.index, self.path = index, path
-        self._block, self._other = [block], [other]
+        self._block = [block]
 
     def forward(self, carry: Any) -> tuple[Tensor, ...]:
-        owned = {id(t) for t in [*self._other[0].parameters(), *self._other[0].buffers()]}
-        return self.frontend.halves.run_b(self.index, self._block[0], carry, owned)
+        return self.frontend.halves.run_b(self.index, self._block[0], carry)
 
 
 # ---- finding the cut -------------------------------------------------------------------------------
@@ -219,13 +212,11 @@ def _verifies(fe: Frontend, block: nn.Module, call: Any, output: Any, cut: Cut) 
             carry = fe.block_call.flat(call)
             middle = halves.run_a(block, carry)
             x, side = middle[0], middle[1:]
-            halves.meta = _PreludeOnMeta(set(), x.device)
-            with halves.running("b", x), halves.meta:
+            with halves.running("b", x):
                 again = original_forward(block, *rebuilt_call(fe, side, x))
     except Exception:  # noqa: BLE001 - any failure means this cut does not hold
         return False
     finally:
-        halves.meta = None
         fe.halves = saved
         for child in patched:
             child.__dict__.pop("forward", None)

@@ -91,10 +91,7 @@ class _PreludeOnMeta(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if not self.active:
-            return func(*args, **kwargs)
-        leaves = pytree.tree_leaves((args, kwargs))
-        if not any(isinstance(t, Tensor) and (id(t) in self.owned or t.is_meta) for t in leaves):
+        if not self.active or not self._touches(args, kwargs):
             return func(*args, **kwargs)
         if func is Tensor.device.__get__:
             return self.device
@@ -109,6 +106,15 @@ class _PreludeOnMeta(TorchFunctionMode):
         out = func(*meta_args, **meta_kwargs)
         return pytree.tree_map_only(Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype, device=self.device), out)
 
+    def _touches(self, args: tuple, kwargs: dict) -> bool:
+        """Whether an operation reads a tensor of the model's or a meta one (arguments and one level
+        into lists and tuples: a cheap look, as every operation of the code before the loop asks)."""
+        for value in (*args, *kwargs.values()):
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, Tensor) and (id(t) in self.owned or t.is_meta):
+                    return True
+        return False
+
 
 def _meta_if_device(value: Any) -> Any:
     if isinstance(value, str):
@@ -118,6 +124,51 @@ def _meta_if_device(value: Any) -> Any:
             return value
         return "meta"
     return value
+
+
+class _PartForward:
+    """The `forward` of a module of the code before the loop (an embedding, a rotary table) while the
+    model is traced: in the last block's rerun, before the loop, it answers zeros of its output's
+    shape (found once per input shape on a meta copy) without computing; otherwise it runs."""
+
+    def __init__(self, frontend: "Frontend", module: nn.Module):
+        self.frontend, self.module = frontend, module
+        self._shapes: dict[Any, tuple[Structure, list[tuple[torch.Size, torch.dtype]]]] = {}
+        self._meta: list[nn.Module] = []
+
+    def __deepcopy__(self, memo: dict) -> "_PartForward":
+        copy = _PartForward(self.frontend, memo.get(id(self.module), self.module))
+        return copy
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fe = self.frontend
+        if not (fe.mode == "last" and fe.before_loop):
+            return original_forward(self.module, args, kwargs)
+        leaves = pytree.tree_leaves((args, kwargs))
+        key = tuple((tuple(t.shape), t.dtype) if isinstance(t, Tensor) else repr(t) for t in leaves)
+        if key not in self._shapes:
+            if not self._meta:
+                self._meta.append(_meta_copy(self.module))
+            meta_args, meta_kwargs = pytree.tree_map_only(Tensor, lambda t: t.detach().to("meta"), (args, kwargs))
+            out = original_forward(self._meta[0], meta_args, meta_kwargs)
+            tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor)]
+            self._shapes[key] = (Structure.of(out, "a module before the loop"), [(t.shape, t.dtype) for t in tensors])
+        structure, shapes = self._shapes[key]
+        device = fe.device
+        return structure.build(tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes))
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of `module` on the meta device (its structure, no storage), its own forward restored."""
+    import copy
+
+    memo: dict[int, Any] = {id(t): torch.empty_like(t, device="meta") for t in [*module.parameters(), *module.buffers()]}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(memo[id(p)], requires_grad=p.requires_grad)
+    made = copy.deepcopy(module, memo)
+    for m in made.modules():
+        m.__dict__.pop("forward", None)
+    return made
 
 
 class Frontend:
@@ -133,6 +184,9 @@ class Frontend:
         self.links: tuple[Any, ...] = ()  # per leaf of a block call: ("out", k) or ("same",)
         self._last_output: Any = None
         self._meta: Optional[_PreludeOnMeta] = None
+        self.before_loop = False  # in the last block's rerun: the loop is not reached yet
+        self.loose: list[nn.Module] = []  # the first block's holders of tensors the model keeps itself
+        self.device = torch.device("cpu")  # where the last block's rerun makes its zeros
         self.recorder: Optional[Any] = None  # the trace's
         self.use_cache = False  # the model's config had its key/value cache on (off while it is cut)
         self.halves: Optional[Any] = None  # the blocks' sub-layer cut (halves.py), when they have one
@@ -166,8 +220,9 @@ class Frontend:
                 raise FrontendError(f"the model's forward called block {index} before block 0; {FIX}")
             raise _Reached(Call(args, kwargs))
         if self.mode == "last":
+            self.before_loop = False  # the loop is reached: what follows is the real code after it
             if self._meta is not None:
-                self._meta.active = False  # the loop is reached: what follows is the real code after it
+                self._meta.active = False
             return self._last_output
         if self.mode == "trace" and self.recorder is not None:
             return self.recorder.block(index, block, args, kwargs)
@@ -207,14 +262,17 @@ class Frontend:
             raise RuntimeError("the last block of a traced model ran before the model was called")
         call = self.call
         self._last_output = self.output.build(carry)
-        device = next((t.device for t in pytree.tree_leaves(carry) if isinstance(t, Tensor)), torch.device("cpu"))
-        owned = {id(t) for t in [*self.root.parameters(), *self.root.buffers()]}
-        self._meta = _PreludeOnMeta(owned, device)
+        self.device = next((t.device for t in pytree.tree_leaves(carry) if isinstance(t, Tensor)), torch.device("cpu"))
+        # the modules before the loop answer zeros (_PartForward); an operation there on a tensor the
+        # model holds itself (a position table) or on one this rank released runs on the meta device
+        owned = {id(t) for h in self.loose for t in [*h._parameters.values(), *h._buffers.values()] if t is not None}
+        self._meta = _PreludeOnMeta(owned, self.device)
+        self.before_loop = True
         try:
             with self.in_mode("last"), self._meta:
                 return self.root(*call.args, **call.kwargs)
         finally:
-            self._meta, self._last_output = None, None
+            self._meta, self._last_output, self.before_loop = None, None, False
 
 
 class FrontBlock(nn.Module):

@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 from ..runtime.call import Call
 from .find import FIX, FrontendError, find_blocks
 from .halves import HalfA, HalfB, find_cut, split_blocks, unsplit_blocks
-from .pipeline import HOLDER, Frontend, Holder, TracedPipeline, _BlockForward, encode, original_forward
+from .pipeline import HOLDER, Frontend, Holder, TracedPipeline, _BlockForward, _PartForward, encode, original_forward
 from .structure import Structure
 from .weights import ZerosForMeta
 
@@ -57,6 +57,9 @@ def restore(pipeline: TracedPipeline) -> nn.Module:
         block.__dict__.pop("forward", None)
     if fe.halves is not None:
         unsplit_blocks(blocks, fe.halves.cut)
+    for m in fe.root.modules():  # the modules before the loop: their own forwards back
+        if isinstance(m.__dict__.get("forward"), _PartForward):
+            del m.__dict__["forward"]
     if fe.use_cache:
         fe.root.config.use_cache = True
     return fe.root
@@ -184,8 +187,7 @@ def _split(pipeline: TracedPipeline, rec: _Recorder) -> None:
     made: list[nn.Module] = [pipeline[0]]
     for i, block in enumerate(blocks):
         path = f"{fe.list_path}.{i}"
-        a = HalfA(fe, i, path, block, first_half)
-        made += [a, HalfB(fe, i, path, block, second_half, a)]
+        made += [HalfA(fe, i, path, block, first_half), HalfB(fe, i, path, block, second_half)]
     pipeline.replace_blocks([*made, pipeline[len(pipeline) - 1]])
 
 
@@ -290,8 +292,13 @@ def _learn_owners(module: Any, pipeline: TracedPipeline, rec: _Recorder) -> None
         seen.add(id(t))
     first, lastb = pipeline[0], pipeline[len(pipeline) - 1]
     first.own({encode(p): root.get_submodule(p) for p in first_mods})
+    for p in first_mods:  # in the last block's rerun they answer zeros without computing
+        part = root.get_submodule(p)
+        if p not in last_mods and "forward" not in part.__dict__:
+            part.forward = _PartForward(fe, part)
     lastb.own({encode(p): root.get_submodule(p) for p in last_mods})
     first.own(_holders(root, first_loose))
+    fe.loose = [m for m in first._modules.values() if isinstance(m, Holder)]
     lastb.own(_holders(root, last_loose))
 
 
