@@ -90,3 +90,16 @@ def test_the_chain_of_halves_equals_the_model():
     ids = batch["ids"]
     out = chained(pipeline, Call((), {"input_ids": ids, "labels": ids}))
     assert torch.equal(out.loss, ref.model(input_ids=ids, labels=ids).loss)
+
+
+@pytest.mark.parametrize(
+    "kind,child", [("gpt2", "ln_2"), ("llama", "post_attention_layernorm"), ("bert", "intermediate"), ("looped", None)]
+)
+def test_a_model_created_empty_is_cut_alike(kind, child):
+    # its trace runs on zeros: the halves are checked on a copy of block 0 with values and a random input
+    with torch.device("meta"):
+        module = UserLM(kind, 3)
+    path, pipeline = convert(module)
+    trace(module, path, pipeline, next(iter(loader(4))))
+    halves = pipeline.frontend.halves
+    assert (halves.cut.child if halves is not None else None) == child

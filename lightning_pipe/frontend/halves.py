@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from ..models.init import stand_in
 from .pipeline import FrontBlock, Frontend, _Reached, encode, original_forward
 from .structure import Structure
 
@@ -202,7 +203,14 @@ def _candidate(children: list[tuple[str, Any, Any]], k: int, side: set[int]) -> 
 
 
 def _verifies(fe: Frontend, block: nn.Module, call: Any, output: Any, cut: Cut) -> bool:
-    """Both halves on the recorded call give the block's recorded output, bit for bit."""
+    """Both halves on the recorded call give the block's recorded output, bit for bit. A block created
+    empty (meta) is checked on a copy with values and a random hidden input: the trace's zeros would
+    let a wrong cut through."""
+    if any(t.is_meta for t in [*block.parameters(), *block.buffers()]):
+        block = stand_in(block)
+        call = _random_hidden(fe, call)
+        with torch.no_grad():
+            output = original_forward(block, *call)
     halves = Halves(fe, cut)
     saved = getattr(fe, "halves", None)
     fe.halves = halves
@@ -224,6 +232,15 @@ def _verifies(fe: Frontend, block: nn.Module, call: Any, output: Any, cut: Cut) 
     return len(want) == len(got) and all(
         (torch.equal(a, b) if isinstance(a, Tensor) and isinstance(b, Tensor) else a == b) for a, b in zip(want, got)
     )
+
+
+def _random_hidden(fe: Frontend, call: Any) -> Any:
+    """`call` with normal random values in its hidden input (what a block passes to the next)."""
+    assert fe.block_call is not None
+    carry = fe.block_call.flat(call)
+    slots = fe.block_call.tensor_slots
+    made = tuple(torch.randn_like(t) if fe.links[s][0] == "out" and t.is_floating_point() else t for s, t in zip(slots, carry))
+    return fe.block_call.build(made)
 
 
 def _patch_children(fe: Frontend, block: nn.Module, cut: Cut) -> list[nn.Module]:
