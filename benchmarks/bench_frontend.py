@@ -1,26 +1,31 @@
 """The front end's cost: Hugging Face GPT-2 trained as it is (a model that loops over its blocks, traced
-and cut by lightning_pipe.frontend) against the same-size model written as our nn.Sequential GPT, and
-the front end's setup (convert, trace, plan) for GPT-2 1.3B built on the meta device. Results:
-docs/benchmarks_frontend.md (raw: docs/benchmarks_frontend.json).
+and cut by lightning_pipe.frontend) against the same-size model written as our nn.Sequential GPT and
+against the same HF modules cut by hand, and the front end's setup (convert, trace, plan) for GPT-2
+1.3B built on the meta device. Results: docs/benchmarks_frontend.md (raw: docs/benchmarks_frontend*.json).
 
 Parts (``--parts``, all by default):
 
 - ``throughput``: samples/s through ``Trainer(strategy=AutoPipeStrategy(schedule="1f1b"))`` on 2 gloo
-  processes x 1 thread, the partition fixed to the same layers per stage on both sides (HF: [First,
-  layers 0..n/2-1] | [layers n/2..n-1, Last]; ours: [embedding, n/2 x (attention, FFN)] | [n/2 x
-  (attention, FFN), head]), the same micro-batches; and each model through the Trainer in one process.
-  Interleaved rounds; medians and min..max of rounds.
-- ``overhead``: one process, one thread, one micro-batch: forward + backward of the whole model and of
-  each stage's share, HF as it is against its traced pipeline's adapters on the same weights (and ours);
-  the adapters' forwards against the code they stand for (what the front end itself costs, and where).
+  processes x 1 thread, half the layers on each stage on every side, the same micro-batches
+  (``--modes``): hf-1f1b (the front end's default cut: each block in two halves where the trace
+  verifies it), hf-whole-1f1b (``sublayers=False``: [First, layers 0..n/2-1] | [layers n/2..n-1,
+  Last]), hf-hand-1f1b (the control: the same HF modules in an nn.Sequential by hand, no front end),
+  ours-1f1b ([embedding, n/2 x (attention, FFN)] | [n/2 x (attention, FFN), head]); hf-single and
+  ours-single through the Trainer in one process. Interleaved rounds; medians and min..max of rounds.
+- ``overhead``: one process, one thread, one micro-batch: forward and backward of the whole model and
+  of each stage's share, HF as it is against its traced pipelines (each cut) on the same weights, and
+  ours; the adapters' forwards against the code they stand for (what the front end itself costs, and
+  where). Each round waits for a quiet machine and records other processes' load.
 - ``planning``: GPT-2 1.3B (24 layers, hidden 2048, 16 heads, vocabulary 50257, 1024 positions) as a
   user's HF model built on the meta device: the time to build it, `convert`, `trace` (on the meta-built
-  model, with one sequence of --trace-tokens tokens) and plan the partition on --plan-stages stages with
-  the strategy's `plan_run` (AutoPipe, 1F1B, m = 2 x stages) on analytic costs (planning/flops.py,
-  attention + FFN summed per HF block; the strategy cannot profile a meta-built model).
+  model, one sequence of --trace-tokens tokens) and plan the partition on --plan-stages stages with
+  the strategy's `plan_run` (AutoPipe, 1F1B, m = 2 x stages) on analytic costs (planning/flops.py
+  mapped onto the traced blocks; the plan command profiles a materialised HF model and refuses a
+  meta-built one).
 
-    flock /tmp/bench.lock python benchmarks/bench_frontend.py --rounds 5 --json docs/benchmarks_frontend.json
-    python benchmarks/bench_frontend.py --parts overhead --rounds 7
+    flock /tmp/bench.lock python benchmarks/bench_frontend.py --rounds 5 --reps 20 --json docs/benchmarks_frontend.json
+    flock /tmp/bench.lock python benchmarks/bench_frontend.py --parts throughput --modes hf-1f1b,hf-whole-1f1b,hf-hand-1f1b,ours-1f1b --rounds 9 --steps 30
+    flock /tmp/bench.lock python benchmarks/bench_frontend.py --parts overhead --rounds 7 --reps 20
     python benchmarks/bench_frontend.py --quick
 """
 
@@ -39,13 +44,14 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_pipe.bench.harness import Bench, Table, interleave, spread
 from lightning_pipe.bench.launch import OTHER_JOBS, CpuClock, foreign_load, wait_for_quiet
 from lightning_pipe.bench.trainer_runs import quiet_lightning
 
-MODES = ["hf-1f1b", "hf-whole-1f1b", "ours-1f1b", "hf-single", "ours-single"]
+MODES = ["hf-1f1b", "hf-whole-1f1b", "hf-hand-1f1b", "ours-1f1b", "hf-single", "ours-single"]
 PARTS = ["throughput", "overhead", "planning"]
 BIG = dict(n_layer=24, n_embd=2048, n_head=16, vocab_size=50257, n_positions=1024)  # GPT-2 1.3B (planning/flops.py's gpt2-1.3b)
 
@@ -87,6 +93,58 @@ class HFUser(L.LightningModule):
     def training_step(self, batch, batch_idx):
         ids, _ = batch
         loss = self.model(input_ids=ids, labels=ids).loss  # HF shifts the labels: T - 1 targets per row
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class _Embed(nn.Module):
+    """GPT-2's code before the loop, by hand: token + position embeddings (no mask: causal attention without padding)."""
+
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        self.wte, self.wpe, self.drop = transformer.wte, transformer.wpe, transformer.drop
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)))
+
+
+class _Block(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return _hidden(self.block(h))
+
+
+class _Head(nn.Module):
+    def __init__(self, transformer: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.ln_f, self.lm_head = transformer.ln_f, lm_head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(h))
+
+
+class HFHand(L.LightningModule):
+    """The control: the same HF modules (same weights as HFUser's, same seed) cut by hand into an
+    nn.Sequential [embeddings, GPT2Block x n, final norm + head], HF's own loss function in the step:
+    GPT-2's code without the front end (no trace, no rerun)."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.lr, self.vocab = cfg["lr"], cfg["vocab"]
+        hf = hf_model(cfg)
+        self.hf_loss = hf.loss_function  # ForCausalLMLoss: shifts the labels as the model does
+        tr = hf.transformer
+        self.model = nn.Sequential(_Embed(tr), *(_Block(b) for b in tr.h), _Head(tr, hf.lm_head))  # the head tied to wte
+
+    def training_step(self, batch, batch_idx):
+        ids, _ = batch
+        loss = self.hf_loss(self.model(ids), ids, vocab_size=self.vocab)
         self.log("train_loss", loss)
         return loss
 
@@ -159,7 +217,7 @@ def partition(kind: str, cfg: dict) -> list[int]:
     n/2 (attention, FFN) + head]."""
     n, half = cfg["layers"], cfg["layers"] // 2
     default = next(iter(cfg.get("per_layer", {"whole": 1})))  # the strategy's default cut ("hf")
-    k = 2 if kind == "ours" else cfg["per_layer"][kind.split("-", 1)[1] if "-" in kind else default]
+    k = 2 if kind == "ours" else 1 if kind == "hf-hand" else cfg["per_layer"][kind.split("-", 1)[1] if "-" in kind else default]
     return [1 + k * half, k * (n - half) + 1]
 
 
@@ -174,7 +232,7 @@ def fit_job(rank: int, world: int, mode: str, cfg: dict) -> dict:
     quiet_lightning()
     kind = mode.rsplit("-", 1)[0]  # hf, hf-whole, ours
     torch.manual_seed(0)
-    module = HFUser(cfg) if kind.startswith("hf") else OursLM(cfg)
+    module = HFHand(cfg) if kind == "hf-hand" else HFUser(cfg) if kind.startswith("hf") else OursLM(cfg)
     last = cfg["warmup"] + cfg["steps"] - 1
     barrier = dist.barrier if world > 1 else (lambda: None)
 
@@ -238,22 +296,21 @@ def throughput(bench: Bench, args: Any, cfg: dict) -> dict:
         table.add(m, part, rate[m].fmt(), f"{steps.median:.1f}", vs, f"{max(x['foreign'] for x in rounds[m]):.2f}")
     bench.table(table, f"Throughput ({args.rounds} interleaved rounds, {cfg['steps']} timed steps after {cfg['warmup']} each):")
     ratios = {}
-    for hf, ours in (("hf-1f1b", "ours-1f1b"), ("hf-whole-1f1b", "ours-1f1b"), ("hf-single", "ours-single")):
-        if hf in rounds and ours in rounds:
-            paired = spread(a["samples_s"] / b["samples_s"] for a, b in zip(rounds[hf], rounds[ours]))
-            ratios[hf] = (rate[hf].median / rate[ours].median, paired)
-            target = not hf.endswith("single")
-            bench.say(
-                f"{hf} / {ours}: {ratios[hf][0]:.3f} (medians of rounds); per round {paired.fmt(digits=3)}"
-                + (
-                    f" (target >= 0.97: the traced cut's overhead <= 3%) -> {'met' if ratios[hf][0] >= 0.97 else 'NOT met'}"
-                    if target
-                    else ""
-                )
-            )
-    for hf in ("hf-1f1b", "hf-whole-1f1b"):
-        if hf in ratios and "hf-single" in ratios:
-            bench.say(f"{hf} / ours-1f1b divided by hf-single / ours-single: {ratios[hf][0] / ratios['hf-single'][0]:.3f} (the model code's own difference divided out)")  # fmt: skip
+    pairs = [
+        ("hf-1f1b", "ours-1f1b", "HF through the front end (its default cut) / ours"),
+        ("hf-whole-1f1b", "ours-1f1b", "HF through the front end, whole blocks / ours"),
+        ("hf-whole-1f1b", "hf-hand-1f1b", "the traced cut's own cost: the same model code and partition, traced / cut by hand"),
+        ("hf-1f1b", "hf-hand-1f1b", "the default cut / HF cut by hand"),
+        ("hf-hand-1f1b", "ours-1f1b", "GPT-2's own code / ours, both cut by hand"),
+        ("hf-single", "ours-single", "GPT-2's own code / ours, one process"),
+    ]
+    for a, b, what in pairs:
+        if a in rounds and b in rounds:
+            paired = spread(x["samples_s"] / y["samples_s"] for x, y in zip(rounds[a], rounds[b]))
+            ratio = ratios[f"{a}/{b}"] = rate[a].median / rate[b].median
+            target = a in ("hf-1f1b", "hf-whole-1f1b")
+            verdict = f" (target >= 0.97: {'met' if ratio >= 0.97 else 'NOT met'})" if target else ""
+            bench.say(f"- {a} / {b}: {ratio:.3f} (medians of rounds; per round {paired.fmt(digits=3)}){verdict}: {what}")
     bench.say()
     return {"rate": rate, "ratios": ratios}
 
@@ -303,6 +360,23 @@ def timer(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def split(fn: Callable[[], tuple[torch.Tensor, Any]], reps: int, warmup: int = 2) -> tuple[float, float]:
+    """Median seconds of the forward (`fn()`, giving what backward starts from and its gradient) and
+    of the backward, over `reps` runs after `warmup`."""
+    for _ in range(warmup):
+        out, g = fn()
+        out.backward(g)
+    fwd, bwd = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        out, g = fn()
+        t1 = time.perf_counter()
+        out.backward(g)
+        fwd.append(t1 - t)
+        bwd.append(time.perf_counter() - t1)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
 def _chain(blocks: list, x: Any) -> Any:
     for b in blocks:
         x = b(x)
@@ -326,17 +400,16 @@ def traced_runs(pipe: Any, cfg: dict, ids: torch.Tensor, grad: torch.Tensor) -> 
         sent = _chain(blocks[: 1 + k * half], x0)  # what stage 0 sends: the hidden state (and GPT-2's position ids)
         first_out = first(x0)
 
+    # forward + backward runs return (what backward starts from, its gradient): `split` times the two apart
     def whole():
-        pipe(input_ids=ids, labels=ids).loss.backward()
+        return pipe(input_ids=ids, labels=ids).loss, None
 
     def stage0():
-        _chain(blocks[: 1 + k * half], x0)[0].backward(grad)
+        return _chain(blocks[: 1 + k * half], x0)[0], grad
 
-    def stage1():
-        with torch.no_grad():
-            first(x0)  # the last stage's rank gets the user's call with every micro-batch: here First's run sets it
+    def stage1():  # (First ran before: the last stage's rank gets the user's call with every micro-batch, here First's run set it)
         x = (sent[0].detach().requires_grad_(), *sent[1:])
-        _chain(blocks[1 + k * half :], x).loss.backward()
+        return _chain(blocks[1 + k * half :], x).loss, None
 
     loop_block = pipe.original.transformer.h[0]  # block 0 as the model holds it: its call ends the code before the loop
     marks: list[float] = []
@@ -387,23 +460,23 @@ def overhead(bench: Bench, args: Any, cfg: dict) -> dict:
 
     def hf_stage0():  # HF's forward up to block n/2 (what stage 0 sends), backward from the received gradient
         (h, *_), _ = _until(plain, hp[half], input_ids=ids, labels=ids)
-        h.backward(grad)
+        return h, grad
 
     def hf_stage1():
         h = hk.detach().requires_grad_()
         for i in range(half, n):
             h = _hidden(hp[i](h, *rest, **kw))
-        plain.loss_function(plain.lm_head(tr.ln_f(h)), ids, vocab_size=cfg["vocab"]).backward()
+        return plain.loss_function(plain.lm_head(tr.ln_f(h)), ids, vocab_size=cfg["vocab"]), None
 
     def ours_stage1():
         h = ours_k.detach().requires_grad_()
-        F.cross_entropy(ours[k:](h).flatten(0, 1), targets.flatten()).backward()
+        return F.cross_entropy(ours[k:](h).flatten(0, 1), targets.flatten()), None
 
     runs: dict[tuple[str, str, str], Callable[[], Any]] = {
-        ("ours", "whole", "fwd+bwd"): lambda: F.cross_entropy(ours(ids).flatten(0, 1), targets.flatten()).backward(),
-        ("ours", "stage 0", "fwd+bwd"): lambda: ours[:k](ids).backward(grad),
+        ("ours", "whole", "fwd+bwd"): lambda: (F.cross_entropy(ours(ids).flatten(0, 1), targets.flatten()), None),
+        ("ours", "stage 0", "fwd+bwd"): lambda: (ours[:k](ids), grad),
         ("ours", "stage 1", "fwd+bwd"): ours_stage1,
-        ("plain", "whole", "fwd+bwd"): lambda: plain(input_ids=ids, labels=ids).loss.backward(),
+        ("plain", "whole", "fwd+bwd"): lambda: (plain(input_ids=ids, labels=ids).loss, None),
         ("plain", "stage 0", "fwd+bwd"): hf_stage0,
         ("plain", "stage 1", "fwd+bwd"): hf_stage1,
         # what the adapters stand for, without the front end: HF's forward up to block 0; block 0; the code after the loop
@@ -411,19 +484,28 @@ def overhead(bench: Bench, args: Any, cfg: dict) -> dict:
         ("plain", "layer 0", "fwd"): lambda: hp[0](h0, *rest, **kw),
         ("plain", "Last", "fwd"): lambda: plain.loss_function(plain.lm_head(tr.ln_f(h_last)), ids, vocab_size=cfg["vocab"]),
     }
+    with torch.no_grad():  # the traced pipelines compute the model's own loss
+        want = plain(input_ids=ids, labels=ids).loss
+        diffs = {cut: abs(pipe(input_ids=ids, labels=ids).loss - want).item() for cut, pipe in pipes.items()}
+    bench.say("loss of each traced pipeline minus the model's own: " + ", ".join(f"{c} {d:.1e}" for c, d in diffs.items()))
     for cut, pipe in pipes.items():
         runs.update({(cut, *key): fn for key, fn in traced_runs(pipe, cfg, ids, grad).items()})
     configs = list(runs)
 
-    def run(config: tuple[str, str, str], r: int) -> float:
+    def run(config: tuple[str, str, str], r: int) -> Any:
         fn, kind = runs[config], config[2]
+        if config[0] in pipes:
+            with torch.no_grad():
+                pipes[config[0]][0](_user_call(ids))  # First's run gives Last the user's call (as the stage does on the last rank)
         if kind == "prelude":
             for _ in range(2):
                 fn()
             return statistics.median(fn() for _ in range(4 * args.reps))
-        return timer(fn, args.reps * (4 if kind == "fwd" else 1))
+        if kind == "fwd+bwd":
+            return split(fn, args.reps)
+        return timer(fn, 4 * args.reps)
 
-    results: list[list[float]] = [[] for _ in configs]
+    results: list[list[Any]] = [[] for _ in configs]
     loads = []
     for r in range(args.rounds):  # A B C, A B C ...; each round after the machine went quiet, its foreign load measured
         quiet(bench, args)
@@ -433,19 +515,26 @@ def overhead(bench: Bench, args: Any, cfg: dict) -> dict:
             results[i] += times
         loads.append(foreign_load(start, CpuClock.now()))
         bench.log(f"  overhead round {r + 1}/{args.rounds}: other load {loads[-1]:.2f} CPUs")
-    by = {config: spread(times) for config, times in zip(configs, results)}
+    by = {}
+    for (who, part, kind), times in zip(configs, results):
+        if kind == "fwd+bwd":  # per round: the forward's and the backward's medians, and their sum
+            by[(who, part, "f")], by[(who, part, "b")] = spread(t[0] for t in times), spread(t[1] for t in times)
+            by[(who, part, kind)] = spread(t[0] + t[1] for t in times)
+        else:
+            by[(who, part, kind)] = spread(times)
     bench.keep("overhead", {"/".join(c): s for c, s in by.items()})
     bench.keep("overhead_rounds", {"/".join(c): times for c, times in zip(configs, results)})
     bench.keep("overhead_foreign", loads)
     mb = f"{mbs} x {cfg['seq']} tokens"
     got = lambda *key: by[key].median  # noqa: E731
-    t = Table("one micro-batch, forward + backward", "ours (ms)", "HF as it is (ms)", *(f"HF traced, {c} (ms)" for c in pipes), *(f"{c}: front end's share" for c in pipes), "HF as it is / ours")  # fmt: skip
+    t = Table("one micro-batch: forward + backward (ms)", "ours", "HF as it is", *(f"HF traced, {c}" for c in pipes), *(f"{c}: front end's share (forward, backward)" for c in pipes), "HF as it is / ours")  # fmt: skip
     labels = {"whole": "whole model", "stage 0": f"stage 0: embedding + layers 0-{half - 1}", "stage 1": f"stage 1: layers {half}-{n - 1} + head, loss"}  # fmt: skip
     for part, label in labels.items():
-        cells = [by[(who, part, "fwd+bwd")].fmt(1e3, 2) for who in ("ours", "plain", *pipes)]
-        shares = [f"{(got(c, part, 'fwd+bwd') / got('plain', part, 'fwd+bwd') - 1) * 100:+.1f}% ({1e3 * (got(c, part, 'fwd+bwd') - got('plain', part, 'fwd+bwd')):+.2f} ms)" for c in pipes]  # fmt: skip
-        t.add(label, *cells, *shares, f"{got('plain', part, 'fwd+bwd') / got('ours', part, 'fwd+bwd'):.3f}")
-    bench.table(t, f"In one process, one thread, one micro-batch ({mb}); median of {args.rounds} interleaved rounds (min..max), each the median of {args.reps} runs:")  # fmt: skip
+        cell = lambda who: f"{1e3 * got(who, part, 'f'):.2f} + {1e3 * got(who, part, 'b'):.2f} = {by[(who, part, 'fwd+bwd')].fmt(1e3, 2)}"  # noqa: E731
+        delta = lambda c, x: 1e3 * (got(c, part, x) - got("plain", part, x))  # noqa: E731
+        shares = [f"{(got(c, part, 'fwd+bwd') / got('plain', part, 'fwd+bwd') - 1) * 100:+.1f}% ({delta(c, 'f'):+.2f}, {delta(c, 'b'):+.2f} ms)" for c in pipes]  # fmt: skip
+        t.add(label, *(cell(who) for who in ("ours", "plain", *pipes)), *shares, f"{got('plain', part, 'fwd+bwd') / got('ours', part, 'fwd+bwd'):.3f}")  # fmt: skip
+    bench.table(t, f"In one process, one thread, one micro-batch ({mb}); forward + backward = total, medians of {args.rounds} interleaved rounds (the total's min..max), each round the median of {args.reps} runs:")  # fmt: skip
     a = Table("forward only (autograd on)", "without the front end (ms)", *(f"{c}: adapter (ms)" for c in pipes), *(f"{c}: front end's own (ms)" for c in pipes))  # fmt: skip
     what = {"First": "First vs HF's forward up to block 0", "layer 0": "layer 0's blocks vs block 0 called directly", "Last": "Last vs final norm, head, loss"}  # fmt: skip
     for part, label in what.items():
@@ -458,17 +547,20 @@ def overhead(bench: Bench, args: Any, cfg: dict) -> dict:
 
 
 # ---- planning: GPT-2 1.3B built on the meta device ----------------------------------------------------
-def traced_costs(costs: Any, layers: int, seq: int) -> Any:
-    """Sub-layer analytic costs (embedding, [attention, FFN] x layers, head) as the traced pipeline's
-    blocks: First = the embedding, Repeated i = attention i + FFN i, Last = the head with the loss.
-    What crosses a cut after First or a layer: the hidden state and GPT-2's position ids (1 x T int64)."""
+def traced_costs(costs: Any, layers: int, seq: int, per: int) -> Any:
+    """Sub-layer analytic costs (embedding, [attention, FFN] x layers, head) as a traced pipeline's
+    blocks: First = the embedding, Last = the head with the loss, and a layer = its attention half and
+    its FFN half (``per`` 2) or the two summed (``per`` 1). What crosses a cut before the head: the
+    hidden state and GPT-2's position ids (1 x T int64)."""
     from lightning_pipe.simulation import CostModel
 
     def fold(values: tuple) -> list:
+        if per == 2:
+            return list(values)
         return [values[0], *(values[1 + 2 * i] + values[2 + 2 * i] for i in range(layers)), values[-1]]
 
-    acts = costs.activation_bytes
-    activation = [acts[0] + 8 * seq, *(acts[2 + 2 * i] + 8 * seq for i in range(layers)), acts[-1]]
+    acts = list(costs.activation_bytes) if per == 2 else [costs.activation_bytes[0], *(costs.activation_bytes[2 + 2 * i] for i in range(layers)), costs.activation_bytes[-1]]  # fmt: skip
+    activation = [a + 8 * seq for a in acts[:-1]] + acts[-1:]
     return CostModel(
         tuple(fold(costs.forward)),
         tuple(fold(costs.backward)),
@@ -481,53 +573,58 @@ def traced_costs(costs: Any, layers: int, seq: int) -> Any:
 
 def planning(bench: Bench, args: Any) -> dict:
     from lightning_pipe.config import PipelineConfig
-    from lightning_pipe.frontend import convert, trace
+    from lightning_pipe.frontend import convert
     from lightning_pipe.planning import transformer_costs
     from lightning_pipe.planning.entry import block_kinds, plan_run
     from lightning_pipe.planning.replay import cached_schedule, compiled
 
     quiet(bench, args)
     big = dict(layers=BIG["n_layer"], hidden=BIG["n_embd"], heads=BIG["n_head"], vocab=BIG["vocab_size"], seq=BIG["n_positions"], lr=1e-4)
+    big.update(batch=1, microbatches=1)
+
+    def on_meta() -> HFUser:
+        with torch.device("meta"):
+            return HFUser(big, hf_model(big, **BIG))
+
     builds, converts = [], []
     for _ in range(args.plan_repeats):
         started = time.perf_counter()
-        with torch.device("meta"):
-            module = HFUser(big)
+        module = on_meta()
         built = time.perf_counter()
-        path, pipe = convert(module)
+        convert(module)
         builds.append(built - started)
         converts.append(time.perf_counter() - built)
     meta = all(t.is_meta for t in module.parameters())
-    traces: dict[int, list[float]] = {}
-    errors: dict[int, str] = {}
+    traces: dict[tuple[str, int], list[float]] = {}
+    errors: dict[tuple[str, int], str] = {}
+    shapes: dict[str, tuple[int, list[str]]] = {}  # per cut: pipeline blocks, their kinds as the strategy names them
     for tokens in args.trace_tokens:
-        for _ in range(1 if tokens > 256 else args.plan_repeats):
-            with torch.device("meta"):
-                module = HFUser(big)
-            path, pipe = convert(module)
-            ids = torch.randint(0, big["vocab"], (1, tokens), generator=torch.Generator().manual_seed(0))
-            gc.collect()
-            started = time.perf_counter()
-            try:
-                trace(module, path, pipe, (ids, ids))
-            except Exception as err:  # noqa: BLE001  (reported: whether a meta-built model traces is part of the result)
-                errors[tokens] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-                break
-            traces.setdefault(tokens, []).append(time.perf_counter() - started)
-            bench.log(f"  trace, 1 x {tokens} tokens: {traces[tokens][-1]:.2f} s")
-    kinds = block_kinds([type(b).__name__ for b in pipe])  # as the strategy names a traced pipeline's blocks
+        for cut in cuts():
+            for _ in range(1 if tokens > 256 else args.plan_repeats):
+                module = on_meta()
+                gc.collect()
+                started = time.perf_counter()
+                try:
+                    pipe = traced(dict(big, seq=tokens), cut, module.model)
+                except Exception as err:  # noqa: BLE001  (reported: whether a meta-built model traces is part of the result)
+                    errors[(cut, tokens)] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                    break
+                traces.setdefault((cut, tokens), []).append(time.perf_counter() - started)
+                shapes[cut] = (len(pipe), block_kinds([type(b).__name__ for b in pipe]))
+                bench.log(f"  trace ({cut}), 1 x {tokens} tokens: {traces[(cut, tokens)][-1]:.2f} s, {len(pipe)} blocks")
     sub, sub_kinds = transformer_costs("gpt2-1.3b", args.plan_mbs)
-    hf_costs = traced_costs(sub, big["layers"], big["seq"])
+    candidates = [(f"HF traced, {cut}", traced_costs(sub, big["layers"], big["seq"], (n - 2) // big["layers"]), kinds) for cut, (n, kinds) in shapes.items()]  # fmt: skip
+    candidates.append(("ours", sub, sub_kinds))
     plans: dict[tuple[str, int], dict] = {}
     for stages in args.plan_stages:
         config = PipelineConfig(schedule="1f1b", microbatches=2 * stages, partition="autopipe")
-        for name, costs, k in (("HF traced", hf_costs, kinds), ("ours", sub, sub_kinds)):
+        for name, costs, kinds in candidates:
             times, result = [], None
             for _ in range(args.plan_repeats):
                 compiled.cache_clear()
                 cached_schedule.cache_clear()
                 started = time.perf_counter()
-                result = plan_run(costs, stages, config, k)
+                result = plan_run(costs, stages, config, kinds)
                 times.append(time.perf_counter() - started)
             assert result is not None and result.plan is not None
             plans[(name, stages)] = {
@@ -541,35 +638,30 @@ def planning(bench: Bench, args: Any) -> dict:
         {
             "build_s": builds,
             "convert_s": converts,
-            "trace_s": {str(k): v for k, v in traces.items()},
-            "trace_errors": errors,
+            "trace_s": {f"{c}/{t}": v for (c, t), v in traces.items()},
+            "trace_errors": {f"{c}/{t}": v for (c, t), v in errors.items()},
             "plans": {f"{n}/{s}": v for (n, s), v in plans.items()},
         },
     )
     t = Table("GPT-2 1.3B on the meta device", "seconds, median (min..max)", "runs")
     t.add("build HFUser(GPT2LMHeadModel(config)) under torch.device('meta')", spread(builds).fmt(1, 3), len(builds))
-    t.add("convert (find the blocks, swap in the TracedPipeline)", spread(converts).fmt(1e3, 2).replace(" (", " ms ("), len(converts))
+    t.add("convert (find the blocks, swap in the TracedPipeline)", spread(converts).fmt(1, 4), len(converts))
     for tokens in args.trace_tokens:
-        if tokens in traces:
-            t.add(f"trace (the user's training_step once, 1 x {tokens} tokens)", spread(traces[tokens]).fmt(1, 2), len(traces[tokens]))
-        else:
-            t.add(f"trace, 1 x {tokens} tokens: failed ({errors.get(tokens, '?')})", "", 0)
-    bench.table(t, f"Setup of the front end, one process, one thread (parameters on meta after convert: {meta}):")
-    p = Table(
-        "plan (AutoPipe, 1F1B, m = 2 x stages)",
-        "stages",
-        "blocks",
-        "planning ms, median (min..max)",
-        "blocks per stage",
-        "simulated iteration (ms)",
-    )
+        for cut in cuts():
+            if (cut, tokens) in traces:
+                what = f"trace, {cut} ({shapes[cut][0]} blocks): the user's training_step once on 1 x {tokens} tokens"
+                t.add(what, spread(traces[(cut, tokens)]).fmt(1, 2), len(traces[(cut, tokens)]))
+            else:
+                t.add(f"trace, {cut}, 1 x {tokens} tokens: failed ({errors.get((cut, tokens), '?')})", "", 0)
+    bench.table(t, f"Setup of the front end, one process, one thread (parameters still on meta after convert: {meta}):")
+    p = Table("plan_run (AutoPipe, 1F1B, m = 2 x stages)", "stages", "blocks", "planning ms, median (min..max)", "blocks per stage", "simulated iteration (ms)")  # fmt: skip
     for (name, stages), v in plans.items():
         p.add(name, stages, v["blocks"], spread(v["seconds"]).fmt(1e3, 1), " ".join(map(str, v["sizes"])), f"{v['iteration_ms']:.1f}")
     bench.table(
         p,
-        f"Planning GPT-2 1.3B with plan_run, analytic costs (planning/flops.py: micro-batch {args.plan_mbs} x 1024 tokens, 100 TFLOP/s, "
-        f"100 Gb/s links), caches cleared before each of {args.plan_repeats} runs; HF traced: First, 24 layers (attention + FFN), Last; "
-        "ours: embedding, 48 sub-layer blocks, head:",
+        f"Planning GPT-2 1.3B with plan_run on analytic costs (planning/flops.py: micro-batch {args.plan_mbs} x 1024 tokens, 100 TFLOP/s, "
+        f"100 Gb/s links), caches cleared before each of {args.plan_repeats} runs; HF traced: First, the layers' blocks as the trace "
+        "cut them, Last (kinds as the strategy names them); ours: embedding, 48 sub-layer blocks, head:",
     )
     return {"plans": plans, "traces": traces}
 
