@@ -32,9 +32,9 @@ def test_hf_recipe_trains_on_2_processes(tmp_path, recipe):
     summary = re.search(rf"\[lightning-pipe\] {recipe}: train_loss=([\d.]+), val_loss=([\d.]+), val_ppl=([\d.]+)", proc.stdout)
     assert summary, proc.stdout[-2000:]
     assert [float(v) for v in summary.groups()] == pytest.approx([losses[-1], val_loss, val_ppl], abs=1e-4)
-    # planned by autopipe from the blocks profiled on the ranks: [First, 4 layers, Last]
+    # planned by autopipe from the blocks profiled on the ranks: [First, 4 layers as attention and MLP halves, Last]
     plan = json.loads((run / "logs" / "version_0" / "plan.json").read_text())
-    assert sum(b - a for a, b in plan["bounds"]) == 6 and len(plan["bounds"]) == 2
+    assert sum(b - a for a, b in plan["bounds"]) == 10 and len(plan["bounds"]) == 2
     assert (run / "checkpoints" / "last.ckpt").exists()
 
 
@@ -43,12 +43,13 @@ def test_plan_profiles_the_blocks_of_an_hf_model(tmp_path):
     out = tmp_path / "p"
     proc = plan_cli(["recipe=hf-gpt2", f"hydra.run.dir={out}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "the 6 blocks of GPT2LMHeadModel (first, 4 repeated, last) profiled on this machine's CPU" in proc.stdout
+    # [first, 4 layers as attention and MLP halves, last]
+    assert "the 10 blocks of GPT2LMHeadModel (first, 8 repeated or their halves, last) profiled on this machine's CPU" in proc.stdout
     assert "autopipe plan, 1f1b, 2 stages" in proc.stdout
     summary = json.loads((out / "plan.json").read_text())
-    assert sum(summary["plan"]["sizes"]) == 6 and summary["costs"].startswith("the 6 blocks of GPT2LMHeadModel")
+    assert sum(summary["plan"]["sizes"]) == 10 and summary["costs"].startswith("the 10 blocks of GPT2LMHeadModel")
     profile = json.loads((out / "profile.json").read_text())
-    assert profile["block_names"] == ["First", *["Repeated"] * 4, "Last"] and all(t > 0 for t in profile["forward"])
+    assert profile["block_names"] == ["First", *["HalfA", "HalfB"] * 4, "Last"] and all(t > 0 for t in profile["forward"])
 
 
 @pytest.mark.timeout(120)

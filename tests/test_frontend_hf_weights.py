@@ -164,7 +164,7 @@ def test_a_rank_reads_only_its_blocks_tensors(pretrained, monkeypatch, case):
     module = FromConfig(directory, in_configure_model=True)
     module.configure_model()
     path, pipeline = convert(module)
-    trace(module, path, pipeline, _rows())
+    trace(module, path, pipeline, _rows(), sublayers=False)  # whole layers: blocks 1-4 are layers 0-3
     assert len(pipeline) == 6
     asked: list[str] = []
 

@@ -71,7 +71,7 @@ def _main(cfg: DictConfig) -> None:
             profile.save(out / "profile.json")
             costs, kinds = profile.costs(*link_model(config, device)), block_kinds(profile.block_names)
             source = (
-                f"the {len(kinds)} blocks of {name} (first, {len(kinds) - 2} repeated, last) profiled on this machine's CPU in one "
+                f"the {len(kinds)} blocks of {name} (first, {len(kinds) - 2} repeated or their halves, last) profiled on this machine's CPU in one "
                 f"process, micro-batch {profile.microbatch_size} x {cfg.data.seq_len} tokens (no FLOP model of its blocks); saved as "
                 f"{out / 'profile.json'}, pipeline.profile= plans from it again"
                 + (

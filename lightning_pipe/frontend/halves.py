@@ -207,7 +207,7 @@ def _verifies(fe: Frontend, block: nn.Module, call: Any, output: Any, cut: Cut) 
     empty (meta) is checked on a copy with values and a random hidden input: the trace's zeros would
     let a wrong cut through."""
     if any(t.is_meta for t in [*block.parameters(), *block.buffers()]):
-        block = stand_in(block)
+        block = stand_in(block).eval()
         call = _random_hidden(fe, call)
         with torch.no_grad():
             output = original_forward(block, *call)
@@ -215,6 +215,8 @@ def _verifies(fe: Frontend, block: nn.Module, call: Any, output: Any, cut: Cut) 
     saved = getattr(fe, "halves", None)
     fe.halves = halves
     patched = _patch_children(fe, block, cut)
+    modes = {m: m.training for m in block.modules()}
+    block.eval()  # dropout off (and no random numbers drawn): the two runs must be comparable bit for bit
     try:
         with torch.no_grad():
             carry = fe.block_call.flat(call)
@@ -225,6 +227,8 @@ def _verifies(fe: Frontend, block: nn.Module, call: Any, output: Any, cut: Cut) 
     except Exception:  # noqa: BLE001 - any failure means this cut does not hold
         return False
     finally:
+        for m, mode in modes.items():
+            m.training = mode
         fe.halves = saved
         for child in patched:
             child.__dict__.pop("forward", None)

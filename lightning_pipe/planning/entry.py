@@ -32,6 +32,8 @@ BLOCK_KINDS = {
     # a traced model (frontend): the code before its loop, each repeated block, the code after it
     "First": "embedding",
     "Repeated": "layer",
+    "HalfA": "layer",  # a layer in two halves (attention, MLP): each half counts as a layer's block
+    "HalfB": "layer",
     "Last": "head",
 }
 
