@@ -116,7 +116,7 @@ class Halves:
 
 
 class _Reached_(_Reached):
-    pass
+    """Stops a block's forward at its cut (the first half's end), apart from the model-level stop."""
 
 
 def side_tensors(fe: Frontend, carry: Any) -> list[Tensor]:

@@ -16,7 +16,6 @@ so `train_loss`, `val_loss` and `val_ppl` mean the same as for the in-house mode
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any, Optional
 
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from torchmetrics.text import Perplexity
 
 from .config import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, PAD_ID
-from .lit import warmup_cosine
+from .lit import adamw_warmup_cosine
 
 HF_EXTRA = 'pip install "lightning-pipe[hf]"'
 
@@ -140,18 +139,7 @@ class _HFLanguageModel(L.LightningModule):
         self.log("test_loss", self._logits_and_loss(batch)[1])
 
     def configure_optimizers(self):
-        # as CausalLM / MaskedLM: decay matrices, not biases and norm gains; warmup then cosine decay
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.hparams.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.hparams.lr, betas=tuple(self.hparams.betas))
-        factor = functools.partial(
-            warmup_cosine, warmup_steps=self.hparams.warmup_steps, max_steps=self.hparams.max_steps, min_lr_ratio=self.hparams.min_lr_ratio
-        )
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return adamw_warmup_cosine(self)  # as CausalLM / MaskedLM
 
 
 class HFCausalLM(_HFLanguageModel):

@@ -74,23 +74,7 @@ class _LanguageModel(L.LightningModule):
         raise NotImplementedError
 
     def configure_optimizers(self):
-        # decay matrices (linear and embedding weights), not biases and LayerNorm gains (nanoGPT);
-        # self.parameters() lists the tied weight once, and under the pipeline only this rank's blocks
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.hparams.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        groups = [g for g in groups if g["params"]]  # a stage may hold only matrices (the embedding)
-        opt = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=tuple(self.hparams.betas))
-        factor = functools.partial(
-            warmup_cosine,
-            warmup_steps=self.hparams.warmup_steps,
-            max_steps=self.hparams.max_steps,
-            min_lr_ratio=self.hparams.min_lr_ratio,
-        )
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return adamw_warmup_cosine(self)
 
 
 class CausalLM(_LanguageModel):
@@ -174,3 +158,21 @@ class MaskedLM(_LanguageModel):
     def predict_step(self, batch, batch_idx):
         ids, mask = batch[0], batch[1]
         return self.model((ids, mask))
+
+
+def adamw_warmup_cosine(module: L.LightningModule) -> dict:
+    """AdamW over `module`'s parameters from its hparams (lr, betas, weight_decay), warmup then cosine decay.
+
+    Matrices (linear and embedding weights) decay, biases and norm gains do not (nanoGPT);
+    module.parameters() lists a tied weight once, and under the pipeline only this rank's blocks."""
+    hp = module.hparams
+    params = [p for p in module.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]  # a stage may hold only matrices (the embedding)
+    opt = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+    factor = functools.partial(warmup_cosine, warmup_steps=hp.warmup_steps, max_steps=hp.max_steps, min_lr_ratio=hp.min_lr_ratio)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
