@@ -17,22 +17,25 @@ No Lightning here: the CLI and the strategy are the only ones that map it onto L
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .errors import SettingError, check_choice, check_count
+from .modes.advance import settings as advance
+from .modes.avgpipe import settings as avgpipe
+from .modes.partition import settings as partition_control
+from .modes.two_bw import settings as two_bw
 from .planning.heuristic import MAX_EXPANSIONS_PER_STAGE, check_expansions
 from .planning.partition import PartitionSpec, partition_blocks
 from .planning.partitioners import PARTITIONERS
 from .profiling import Profile
 from .schedules import AUTO, REGISTRY, ScheduleSpec
-from .schedules.advance import advance_bounds
 from .schedules.spec import ALIASES, canonical
 from .topology import Topology
 
 START_METHODS = ["popen", "spawn", "fork", "forkserver"]
 CHECKPOINT_LAYOUTS = ["full", "sharded"]
-PLANNERS = ("2bw",)
-MULTI_CHUNK = tuple(name for name, kind in REGISTRY.items() if kind.chunks is not None)
+SLICER_METHODS = (None, "algorithm2", "sweep")
+MODE_SETTINGS = (avgpipe, advance, two_bw, partition_control)  # each checks its own settings (check_config)
 
 
 @dataclass
@@ -184,8 +187,6 @@ class PipelineConfig:
             )
         for name in ("microbatches", "width", "chunks", "waves"):
             check_count(name, getattr(self, name))
-        self._check_avgpipe()
-        self._check_advance()
         if self.stages is not None:
             check_count("stages", self.stages)
         self.partition = _partition(self.partition)
@@ -197,65 +198,26 @@ class PipelineConfig:
             raise SettingError(
                 f"slicer={self.slicer!r}: True (the simulator chooses), False, or a count 0..microbatches={self.microbatches}", "slicer"
             )
-        if self.slicer and (self.schedule in MULTI_CHUNK or self.schedule in ("2bw", "advance")):
-            raise SettingError(f"slicer={self.slicer!r} works with schedule='gpipe' or '1f1b', not {self.schedule!r}", "slicer")
-        if self.slicer_method not in (None, "algorithm2", "sweep"):
+        if self.slicer_method not in SLICER_METHODS:
             raise SettingError(f"slicer_method={self.slicer_method!r}: 'algorithm2' (the paper's), 'sweep' (ours) or None", "slicer_method")
-        if self.slicer_method == "algorithm2" and (self.auto or self.schedule_spec.name != "1f1b"):
-            raise SettingError(
-                f"slicer_method='algorithm2' slices 1F1B (AutoPipe's Algorithm 2), not schedule={self.schedule!r}: use 'sweep'",
-                "slicer_method",
-            )
         self.memory_limit = parse_bytes(self.memory_limit)
-        self._check_planner()
-        if self.auto and not isinstance(self.partition, str):
-            raise SettingError(
-                f"schedule='auto' plans its own partition for each candidate schedule: partition={self.partition!r} "
-                f"must be a method name, one of {sorted(PARTITIONERS)}",
-                "partition",
-            )
+        self.recompute = _recompute(self.recompute)
         for name in ("bandwidth", "latency", "intra_bandwidth", "inter_bandwidth"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
                 raise SettingError(f"{name}={value!r}: a number >= 0, or None for the device type's default", name)
         if not isinstance(self.message_costs, bool):
             raise SettingError(f"message_costs={self.message_costs!r}: true or false", "message_costs")
-        self._check_adaptive()
         self.start_method = check_choice("start_method", self.start_method, START_METHODS)
         self.checkpoint = check_choice("checkpoint", self.checkpoint, CHECKPOINT_LAYOUTS)
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise SettingError(f"timeout={self.timeout!r}: seconds, a number > 0", "timeout")
         self.timeout = float(self.timeout)
-
-    def _check_planner(self) -> None:
-        if self.planner is not None:
-            if not isinstance(self.planner, str) or self.planner.lower() not in PLANNERS:
-                raise SettingError(f"planner={self.planner!r}: allowed values are {list(PLANNERS)} or None (set by hand)", "planner")
-            self.planner = self.planner.lower()
-            if self.schedule not in ("2bw", "1f1b", "gpipe") and not self.auto:
-                raise SettingError(
-                    f"planner=2bw plans schedule 2bw, 1f1b or gpipe (auto: all three), not schedule={self.schedule!r}", "schedule"
-                )
-            if self.pipelines is not None or self.adaptive or self.tune:
-                what = "pipelines (AvgPipe)" if self.pipelines is not None else ("adaptive" if self.adaptive else "tune")
-                raise SettingError(f"planner=2bw chooses width and depth itself: it does not combine with {what}", "planner")
-            if not isinstance(self.partition, str):
-                raise SettingError(
-                    f"planner=2bw plans the partition for the depth it chooses: partition={self.partition!r} must be a method "
-                    f"name, one of {sorted(PARTITIONERS)}",
-                    "partition",
-                )
-        if self.global_batch is not None:
-            if self.planner is None:
-                raise SettingError(f"global_batch={self.global_batch!r} is a setting of planner=2bw: set planner=2bw too", "global_batch")
-            check_count("global_batch", self.global_batch)
-        if not isinstance(self.recompute, (bool, str)) and hasattr(self.recompute, "__iter__"):  # a list (Hydra: a ListConfig)
-            self.recompute = list(self.recompute)
-            if not self.recompute or any(not isinstance(r, bool) for r in self.recompute):
-                raise SettingError(f"recompute={list(self.recompute)!r}: true, false, or a list of true/false, one per stage", "recompute")
-            self.recompute = list(self.recompute)
-        elif not isinstance(self.recompute, bool):
-            raise SettingError(f"recompute={self.recompute!r}: true, false, or a list of true/false, one per stage", "recompute")
+        for mode in MODE_SETTINGS:  # each mode's own settings, checked by the mode (modes/<mode>/settings.py)
+            mode.check_config(self)
+        for rule in LEGALITY:  # then which settings combine
+            if rule.illegal(self):
+                raise SettingError(rule.message(self), rule.setting)
 
     def recompute_stages(self, depth: int) -> list[bool]:
         """Recomputation per stage of a pipeline `depth` deep."""
@@ -268,132 +230,6 @@ class PipelineConfig:
             return list(self.recompute)
         return [bool(self.recompute)] * depth
 
-    def _check_adaptive(self) -> None:
-        value = self.adaptive.lower() if isinstance(self.adaptive, str) else self.adaptive
-        normal = {
-            True: "rule",
-            "rule": "rule",
-            "true": "rule",
-            "learned": "learned",
-            False: False,
-            None: False,
-            "false": False,
-            "off": False,
-        }
-        if not isinstance(value, (bool, str, type(None))) or value not in normal:
-            raise SettingError(f"adaptive={self.adaptive!r}: one of rule (or true), learned, false", "adaptive")
-        self.adaptive = normal[value]
-        if self.adaptive == "learned":
-            # the predictor reads the schedule it scores and was trained on each with these options
-            # (adaptive/offline.py SCHEDULE_OPTIONS): anything else is outside what it has seen
-            if self.auto:
-                raise SettingError(
-                    "adaptive=learned with schedule='auto': the learned predictor reads the schedule it scores; name one "
-                    "(gpipe, 1f1b, interleaved, wave, hanayo, advance or 2bw), or use adaptive=rule",
-                    "adaptive",
-                )
-            from .adaptive.features import SCHEDULES as LEARNED  # the schedules its predictor was trained on
-
-            if canonical(self.schedule) not in LEARNED:
-                raise SettingError(
-                    f"adaptive=learned with schedule={self.schedule!r}: the learned predictor was not trained on it "
-                    f"(it knows {', '.join(LEARNED)}); use adaptive=rule",
-                    "adaptive",
-                )
-            trained = {"interleaved": ("chunks", 2), "wave": ("waves", 1), "hanayo": ("waves", 1)}.get(canonical(self.schedule))
-            if trained is not None and getattr(self, trained[0]) != trained[1]:
-                name, value = trained
-                raise SettingError(
-                    f"adaptive=learned with schedule={self.schedule!r} and {name}={getattr(self, name)}: the learned predictor "
-                    f"was trained on {self.schedule} with {name}={value}; use that, or adaptive=rule (any {name})",
-                    name,
-                )
-        if isinstance(self.adaptive_gain, bool) or not isinstance(self.adaptive_gain, (int, float)) or not 0 <= self.adaptive_gain < 1:
-            raise SettingError(f"adaptive_gain={self.adaptive_gain!r}: a fraction in [0, 1), e.g. 0.05 for 5%", "adaptive_gain")
-        hysteresis = self.adaptive_hysteresis
-        if isinstance(hysteresis, bool) or not isinstance(hysteresis, (int, float)) or not 0 <= hysteresis < 1:
-            raise SettingError(f"adaptive_hysteresis={hysteresis!r}: a fraction in [0, 1), e.g. 0.05", "adaptive_hysteresis")
-        if hysteresis and self.adaptive == "learned":
-            raise SettingError(
-                f"adaptive_hysteresis={hysteresis!r} is the rule's (adaptive=rule); adaptive=learned's arbiter decides "
-                "switches itself: set adaptive_hysteresis=0",
-                "adaptive_hysteresis",
-            )
-        for name in ("adaptive_interval", "adaptive_window"):
-            check_count(name, getattr(self, name))
-        if self.adaptive_switch not in ("fine-grained", "stop"):
-            raise SettingError(f"adaptive_switch={self.adaptive_switch!r}: one of fine-grained (AutoPipe-RL §4.4), stop", "adaptive_switch")
-
-    def _check_avgpipe(self) -> None:
-        if not isinstance(self.share_devices, bool):
-            raise SettingError(f"share_devices={self.share_devices!r}: true (N processes per device) or false", "share_devices")
-        if self.pipelines is None:
-            for name in ("alpha", "staleness"):
-                if getattr(self, name) not in (None, 0):
-                    raise SettingError(f"{name}={getattr(self, name)!r} is an AvgPipe setting: set pipelines=N too (N >= 1)", name)
-            return
-        check_count("pipelines", self.pipelines)
-        if self.width != 1:
-            raise SettingError(
-                f"pipelines={self.pipelines} and width={self.width}: AvgPipe's parallel pipelines replace the replicas; set width=1",
-                "width",
-            )
-        if self.auto:
-            raise SettingError(
-                f"pipelines={self.pipelines}: AvgPipe runs one schedule you name (gpipe, 1f1b, interleaved, wave, hanayo, advance, "
-                "zb-h1, zb-v or 2bw), not 'auto'",
-                "schedule",
-            )
-        if self.alpha is not None and (
-            isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 <= self.alpha <= 1
-        ):
-            raise SettingError(f"alpha={self.alpha!r}: a number in [0, 1], or None for 1 / pipelines", "alpha")
-        if isinstance(self.staleness, bool) or not isinstance(self.staleness, int) or self.staleness < 0:
-            raise SettingError(f"staleness={self.staleness!r}: an integer >= 0 (0: synchronous and deterministic)", "staleness")
-
-    def _check_advance(self) -> None:
-        if self.advance_num is not None:
-            if self.schedule not in ("advance", "2bw"):
-                raise SettingError(
-                    f"advance_num={self.advance_num!r} is a setting of schedule='advance' or '2bw' (AvgPipe(2BW)'s advance "
-                    f"forward order), not {self.schedule!r}",
-                    "advance_num",
-                )
-            if isinstance(self.advance_num, bool) or not isinstance(self.advance_num, int) or self.advance_num < 0:
-                raise SettingError(
-                    f"advance_num={self.advance_num!r}: an integer in [K - 1, M], or None for the adaptive rule", "advance_num"
-                )
-        if not isinstance(self.tune, bool):
-            raise SettingError(f"tune={self.tune!r}: true or false", "tune")
-        check_count("tune_batches", self.tune_batches)
-        if self.tune_model not in ("paper", "calibrated"):
-            raise SettingError(f"tune_model={self.tune_model!r}: one of 'paper' (Eq. 1-8), 'calibrated' (ours)", "tune_model")
-        for name in ("tune_microbatches", "tune_pipelines"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            try:
-                values = sorted(set(value))
-            except TypeError:
-                raise SettingError(f"{name}={value!r}: a list of integers >= 1", name) from None
-            if not values:
-                raise SettingError(f"{name}=[]: list at least one value (integers >= 1), or null for the default grid", name)
-            for v in values:
-                check_count(name, v)
-            setattr(self, name, values)
-
-    def check_advance(self, stages: int) -> None:
-        """A fixed advance_num must lie in [K - 1, M] on this depth."""
-        if self.schedule not in ("advance", "2bw") or self.advance_num is None:
-            return
-        low, high = advance_bounds(stages, self.microbatches)
-        if not low <= self.advance_num <= high:
-            raise SettingError(
-                f"advance_num={self.advance_num} is outside [K - 1, M] = [{low}, {high}] for K={stages} stages and "
-                f"microbatches={self.microbatches} ({low}: 1F1B, {high}: all forwards first)",
-                "advance_num",
-            )
-
     # ---- what the settings mean ----------------------------------------------------------------
     @property
     def replicas(self) -> int:
@@ -405,7 +241,7 @@ class PipelineConfig:
         """The slicer's method: as set, else the paper's Algorithm 2 where it is defined (1F1B)."""
         if self.slicer_method is not None:
             return self.slicer_method
-        return "algorithm2" if not self.auto and self.schedule_spec.name == "1f1b" else "sweep"
+        return "algorithm2" if not self.auto and self.schedule_spec.name in ALGORITHM2_SCHEDULES else "sweep"
 
     @property
     def processes_per_device(self) -> int:
@@ -460,19 +296,6 @@ class PipelineConfig:
             message = str(err).replace("width=", "pipelines=", 1).replace("allowed widths", "allowed values")
             raise SettingError(message, "pipelines") from None
 
-    def check_adaptive_weights(self, depth: int) -> None:
-        """adaptive=learned: the weight files for this depth exist and load (before any process starts)."""
-        if self.adaptive != "learned":
-            return
-        from pathlib import Path
-
-        from .adaptive.learned import load_learned
-
-        try:
-            load_learned(Path(self.adaptive_weights) if self.adaptive_weights else None, depth)
-        except (OSError, ValueError) as error:
-            raise SettingError(str(error), "adaptive_weights") from None
-
     def check_world(self, world_size: int) -> Topology:
         """The devices are known: the width must divide them and the schedule must take the
         micro-batch count on that depth (e.g. interleaved needs a multiple of the stages)."""
@@ -480,8 +303,8 @@ class PipelineConfig:
             return self.topology(world_size)
         topology = self.topology(world_size)
         self.recompute_stages(topology.depth)
-        self.check_advance(topology.depth)
-        self.check_adaptive_weights(topology.depth)
+        advance.check_world(self, topology.depth)
+        partition_control.check_world(self, topology.depth)
         self.schedule_spec.placement(topology.depth, self.microbatches)
         return topology
 
@@ -505,15 +328,8 @@ class PipelineConfig:
                 raise SettingError(f"profile={self.profile!r}: {str(err).splitlines()[0]}", "profile") from None
 
     def check_plannable(self, world_size: int, num_blocks: int, batch_size: Optional[int] = None) -> None:
-        """planner=2bw: some (width, depth) exists for the devices and reaches the global batch
-        (global_batch, else the DataLoader's `batch_size` once known)."""
-        from .planning.two_bw import check_reachable
-
-        batch = self.global_batch or batch_size
-        try:
-            check_reachable(world_size, num_blocks, batch or 1, ("2bw", "1f1b", "gpipe") if self.auto else (self.schedule,))
-        except ValueError as err:
-            raise SettingError(str(err), "global_batch" if batch else "planner") from None
+        """planner=2bw: some (width, depth) exists for the devices and reaches the global batch."""
+        two_bw.check_plannable(self, world_size, num_blocks, batch_size)
 
     def check_batch_size(self, batch_size: Optional[int], what: str = "the training DataLoader's batch_size") -> None:
         if self.planner is not None:  # planner=2bw sets the batch per replica itself (check_plannable)
@@ -524,6 +340,106 @@ class PipelineConfig:
                 "use a batch size >= microbatches or fewer micro-batches",
                 "microbatches",
             )
+
+
+# ---- the legality table: which settings combine (the only place that names modes) ------------------
+MULTI_CHUNK = tuple(name for name, kind in REGISTRY.items() if kind.chunks is not None)
+SLICED = tuple(name for name in REGISTRY if name not in MULTI_CHUNK + ("2bw", "advance"))  # whose warm-up the slicer halves
+ALGORITHM2_SCHEDULES = ("1f1b",)  # AutoPipe's Algorithm 2 slices 1F1B
+ADVANCE_NUM_SCHEDULES = ("advance", "2bw")  # the schedules with AvgPipe(2BW)'s advance forward order
+
+
+@dataclass(frozen=True)
+class Legality:
+    """A row: `setting` is refused where `illegal(config)` holds, saying `message(config)`."""
+
+    setting: str
+    illegal: Callable[["PipelineConfig"], bool]
+    message: Callable[["PipelineConfig"], str]
+
+
+def _planner_excludes(c: "PipelineConfig") -> str:
+    return "pipelines (AvgPipe)" if c.pipelines is not None else ("adaptive" if c.adaptive else "tune")
+
+
+LEGALITY: tuple[Legality, ...] = (
+    Legality(
+        "width",
+        lambda c: c.pipelines is not None and c.width != 1,
+        lambda c: f"pipelines={c.pipelines} and width={c.width}: AvgPipe's parallel pipelines replace the replicas; set width=1",
+    ),
+    Legality(
+        "schedule",
+        lambda c: c.pipelines is not None and c.auto,
+        lambda c: (
+            f"pipelines={c.pipelines}: AvgPipe runs one schedule you name (gpipe, 1f1b, interleaved, wave, hanayo, "
+            "advance, zb-h1, zb-v or 2bw), not 'auto'"
+        ),
+    ),
+    Legality(
+        "advance_num",
+        lambda c: c.advance_num is not None and c.schedule not in ADVANCE_NUM_SCHEDULES,
+        lambda c: (
+            f"advance_num={c.advance_num!r} is a setting of schedule='advance' or '2bw' (AvgPipe(2BW)'s advance forward "
+            f"order), not {c.schedule!r}"
+        ),
+    ),
+    Legality(
+        "slicer",
+        lambda c: bool(c.slicer) and not c.auto and c.schedule not in SLICED,
+        lambda c: f"slicer={c.slicer!r} works with schedule='gpipe' or '1f1b', not {c.schedule!r}",
+    ),
+    Legality(
+        "slicer_method",
+        lambda c: c.slicer_method == "algorithm2" and (c.auto or c.schedule_spec.name not in ALGORITHM2_SCHEDULES),
+        lambda c: f"slicer_method='algorithm2' slices 1F1B (AutoPipe's Algorithm 2), not schedule={c.schedule!r}: use 'sweep'",
+    ),
+    Legality(
+        "schedule",
+        lambda c: c.planner is not None and not c.auto and c.schedule not in two_bw.PLANNED_SCHEDULES,
+        lambda c: f"planner=2bw plans schedule 2bw, 1f1b or gpipe (auto: all three), not schedule={c.schedule!r}",
+    ),
+    Legality(
+        "planner",
+        lambda c: c.planner is not None and (c.pipelines is not None or bool(c.adaptive) or c.tune),
+        lambda c: f"planner=2bw chooses width and depth itself: it does not combine with {_planner_excludes(c)}",
+    ),
+    Legality(
+        "partition",
+        lambda c: c.planner is not None and not isinstance(c.partition, str),
+        lambda c: (
+            f"planner=2bw plans the partition for the depth it chooses: partition={c.partition!r} must be a method "
+            f"name, one of {sorted(PARTITIONERS)}"
+        ),
+    ),
+    Legality(
+        "partition",
+        lambda c: c.auto and not isinstance(c.partition, str),
+        lambda c: (
+            f"schedule='auto' plans its own partition for each candidate schedule: partition={c.partition!r} "
+            f"must be a method name, one of {sorted(PARTITIONERS)}"
+        ),
+    ),
+    Legality(
+        "adaptive",
+        lambda c: c.adaptive == "learned" and c.auto,
+        lambda c: (
+            "adaptive=learned with schedule='auto': the learned predictor reads the schedule it scores; name one "
+            "(gpipe, 1f1b, interleaved, wave, hanayo, advance or 2bw), or use adaptive=rule"
+        ),
+    ),
+)
+
+
+def _recompute(value: Any) -> Any:
+    if not isinstance(value, (bool, str)) and hasattr(value, "__iter__"):  # a list (Hydra: a ListConfig)
+        stages = list(value)
+        if not stages or any(not isinstance(r, bool) for r in stages):
+            raise SettingError(f"recompute={stages!r}: true, false, or a list of true/false, one per stage", "recompute")
+        return stages
+    if not isinstance(value, bool):
+        raise SettingError(f"recompute={value!r}: true, false, or a list of true/false, one per stage", "recompute")
+    return value
 
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}

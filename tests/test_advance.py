@@ -20,7 +20,7 @@ from torch import nn
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.errors import SettingError
-from lightning_pipe.layers import AdvanceRule
+from lightning_pipe.modes.advance.engine import AdvanceRule
 from lightning_pipe.planning import partition_blocks
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline

@@ -19,8 +19,8 @@ import lightning_pipe  # noqa: F401  (registers the strategies)
 from lightning_pipe import AutoPipeStrategy, PipelineConfig, ScheduleSpec, SettingError
 from lightning_pipe.cli.paths import CONFIG_DIR
 from lightning_pipe.cli.train import pipeline_config
-from lightning_pipe.lightning.layers import choose_layers
-from lightning_pipe.lightning.layers.double_buffer import DoubleBufferLayer
+from lightning_pipe.lightning.compose import choose_layers
+from lightning_pipe.modes.two_bw.lightning import DoubleBufferLayer
 from lightning_pipe.schedules import REGISTRY
 
 

@@ -1,7 +1,8 @@
-"""The package's import graph has no cycle, and the layering holds (no Lightning below the bridge).
+"""The package's import graph runs one way: no cycle, at most one import back up the layers, no
+Lightning below the bridge.
 
-Every import statement counts, at module level or inside a function (a lazy import that only dodges
-a cycle is still a cycle of concerns); imports under `if TYPE_CHECKING:` do not run and are left out.
+Every import statement counts, at module level, inside a function (a lazy import that only dodges a
+cycle is still a cycle of concerns) or under `if TYPE_CHECKING:` (a reader still needs the other file).
 """
 
 from __future__ import annotations
@@ -22,19 +23,12 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
-def _type_checking_only(node: ast.AST) -> bool:
-    test = getattr(node, "test", None)
-    return isinstance(node, ast.If) and isinstance(test, (ast.Name, ast.Attribute)) and "TYPE_CHECKING" in ast.unparse(test)
-
-
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     """The package's modules `name` imports (the module, or the submodule a `from` names)."""
     is_package = path.name == "__init__.py"
     out: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if _type_checking_only(node):
-            return
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name in known)
         elif isinstance(node, ast.ImportFrom):
@@ -98,11 +92,96 @@ def test_no_import_cycle_in_the_package():
     assert not cycle, " -> ".join(cycle)
 
 
+# The layers, lowest first (docs/architecture.md draws them). A module imports its own layer or lower.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "faults", "topology"),
+    ("schedules",),
+    ("simulation",),
+    ("runtime",),
+    ("models",),
+    ("planning",),
+    ("profiling",),
+    ("adaptive", "tuning"),
+    ("modes", "modes.engine", "modes.*.engine", "modes.*.settings"),  # each mode's engine part and its settings' checks
+    ("frontend",),
+    ("config",),
+    (
+        "lightning",
+        "modes.lightning",
+        "modes.*.lightning",
+        "data",
+        "models.lit",
+        "models.hf",
+    ),  # the bridge (each mode's Lightning part with it), the LightningModules and data modules
+    ("cli",),
+    ("plan", "train", ""),  # the package's __init__ and its commands
+)
+
+
+def layer_of(name: str) -> int:
+    """The layer of module `name` (lightning_pipe.<...>): the most specific pattern that matches."""
+    rest = name.split(".", 1)[1] if "." in name else ""
+    best, depth = -1, -1
+    for index, patterns in enumerate(LAYERS):
+        for pattern in patterns:
+            parts = pattern.split(".") if pattern else []
+            mine = rest.split(".") if rest else []
+            matches = (len(mine) >= len(parts) and all(p in ("*", m) for p, m in zip(parts, mine))) if parts else not mine
+            if matches and len(parts) > depth:
+                best, depth = index, len(parts)
+    assert best >= 0, f"{name} is in no layer of LAYERS: add it"
+    return best
+
+
+def imports_back_up(edges: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets if layer_of(b) > layer_of(a))
+
+
+def test_the_layer_finder_finds_an_import_back_up():
+    assert imports_back_up({"lightning_pipe.schedules.spec": {"lightning_pipe.config"}, "lightning_pipe.config": set()}) == [
+        "lightning_pipe.schedules.spec -> lightning_pipe.config"
+    ]
+    assert (
+        layer_of("lightning_pipe.modes.two_bw.engine")
+        < layer_of("lightning_pipe.config")
+        < layer_of("lightning_pipe.modes.two_bw.lightning")
+    )
+    assert layer_of("lightning_pipe") == len(LAYERS) - 1
+
+
+def test_at_most_one_import_runs_back_up_the_layers():
+    up = imports_back_up(graph())
+    assert len(up) <= 1, up
+
+
+def test_config_names_no_mode_outside_its_legality_table():
+    """`config.py` holds the fields, their docs and the legality table: every comparison with a
+    schedule or mode name sits in the table (a mode's own checks are in modes/<mode>/settings.py)."""
+    from lightning_pipe.schedules import REGISTRY
+
+    names = set(REGISTRY) | {"auto", "learned", "rule", "2bw", "sync", "flush", "elastic", "avgpipe"}
+    text = (PACKAGE / "config.py").read_text()
+    tree = ast.parse(text)
+    marker = next(i for i, line in enumerate(text.splitlines(), 1) if line.startswith("# ---- the legality table"))
+    table_end = next(n.end_lineno for n in tree.body if isinstance(n, ast.AnnAssign) and ast.unparse(n.target) == "LEGALITY")
+    inside = {id(node) for n in tree.body if marker <= n.lineno <= table_end for node in ast.walk(n)}
+    constants = {n.targets[0].id for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)}
+    offenders = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and id(node) not in inside:
+            for side in [node.left, *node.comparators]:
+                literals = [c.value for c in ast.walk(side) if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+                if any(v.lower() in names for v in literals):
+                    offenders.append(f"line {node.lineno}: {ast.unparse(node)}")
+    assert not offenders, offenders
+    assert "MODE_SETTINGS" in constants
+
+
 def test_below_the_bridge_nothing_imports_lightning():
-    lower = ("schedules", "runtime", "layers", "simulation", "profiling", "planning", "adaptive", "tuning")
+    bridge = layer_of("lightning_pipe.lightning")
     offenders = []
     for name, path in modules().items():
-        if name.split(".")[1:2] and name.split(".")[1] in lower:
+        if layer_of(name) < bridge:
             tree = ast.parse(path.read_text())
             for node in ast.walk(tree):
                 mods = (
@@ -141,3 +220,21 @@ def test_the_strategy_alone_imports_neither_the_data_package_nor_the_cli():
     ours = loaded("lightning_pipe") - loaded("torch, lightning")
     for name in ("lightning_pipe.data", "lightning_pipe.cli", "torchdata", "hydra", "tokenizers", "transformers"):
         assert name not in ours, name
+
+
+def test_the_library_imports_nothing_of_the_benchmarks():
+    """The benchmarks (benchmarks/, not in the wheel) use the library, never the other way round;
+    what the library needs of theirs lives in the library (e.g. lightning_pipe.adaptive.stats)."""
+    offenders = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            mods = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            offenders += [f"{name}: {m}" for m in mods if m.split(".")[0] in ("benchmarks", "tests")]
+    assert not offenders, offenders
+    assert not list(PACKAGE.glob("bench/*.py")), "the benchmark harness is benchmarks/harness, outside the package"

@@ -7,15 +7,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_pipe.config import PipelineConfig
-from lightning_pipe.layers import Versions
 from lightning_pipe.lightning.checkpoint import keys
-from lightning_pipe.lightning.layers import Layer, choose_layers
-from lightning_pipe.lightning.layers.base import PartitionLayer, VersionsLayer
-from lightning_pipe.lightning.layers.controllers import AdvanceController
-from lightning_pipe.lightning.layers.double_buffer import DoubleBufferLayer
-from lightning_pipe.lightning.layers.flush import FlushLayer
-from lightning_pipe.lightning.layers.partition import AdaptivePartition, StaticPartition
-from lightning_pipe.lightning.layers.replicas import AllReduce, ElasticReplicas, NoReplicas
+from lightning_pipe.lightning.compose import choose_layers
+from lightning_pipe.modes.advance.lightning import AdvanceController
+from lightning_pipe.modes.avgpipe.lightning import ElasticReplicas
+from lightning_pipe.modes.engine import Versions
+from lightning_pipe.modes.flush.lightning import FlushLayer
+from lightning_pipe.modes.lightning import Layer, PartitionLayer, VersionsLayer
+from lightning_pipe.modes.partition.lightning import AdaptivePartition, StaticPartition
+from lightning_pipe.modes.two_bw.lightning import DoubleBufferLayer
+from lightning_pipe.modes.width.lightning import AllReduce, NoReplicas
 from lightning_pipe.schedules import REGISTRY
 
 
@@ -49,10 +50,10 @@ def test_the_interfaces_are_abstract_where_a_variant_must_say_something():
     with pytest.raises(TypeError):
         VersionsLayer(None, None)  # make_runner is required
     with pytest.raises(TypeError):
-        PartitionLayer(None, None)  # request is required
+        PartitionLayer(None, None, None)  # request is required
     with pytest.raises(TypeError):
         Versions()  # run, executor, drain, state_dict are required
-    Layer(None, None)  # every hook has a default
+    Layer(None)  # every hook has a default
 
 
 def test_a_layer_refuses_trainer_settings_before_spawning():

@@ -14,8 +14,8 @@ import torch
 from models import mlp_blocks
 from torch import nn
 
-from lightning_pipe.bench.launch import run_distributed
-from lightning_pipe.layers.double_buffer import DoubleBuffer, _Batch
+from benchmarks.harness.launch import run_distributed
+from lightning_pipe.modes.two_bw.engine import DoubleBuffer, _Batch
 from lightning_pipe.runtime.microbatch import signature, split_microbatches
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sequential import SequentialHost

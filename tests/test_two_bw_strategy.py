@@ -19,8 +19,8 @@ from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_pipe import AutoPipeStrategy
-from lightning_pipe.lightning.layers import choose_layers
-from lightning_pipe.lightning.layers.double_buffer import DoubleBufferLayer
+from lightning_pipe.lightning.compose import choose_layers
+from lightning_pipe.modes.two_bw.lightning import DoubleBufferLayer
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.multiprocess]
 

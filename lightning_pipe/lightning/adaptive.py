@@ -11,7 +11,7 @@
   that batch is the transition iteration, the pipeline keeps running, and the switch ends after its
   backward, before the optimizer step. Otherwise the pipeline stops there: every layer prepares
   (2BW drains, its stash moves with the blocks), the blocks move (`adaptive.switch`), then the
-  stage's gradient groups, schedule and step runner are rebuilt (`layers.compose.Training.switch`).
+  stage's gradient groups, schedule and step runner are rebuilt (`lightning/compose.Training.switch`).
   Checkpoints written afterwards hold the new partition, which a resumed run reuses.
 """
 
@@ -36,7 +36,7 @@ from ..adaptive.monitor import IterationMetrics, Monitor, StaticMetrics
 from ..adaptive.policy import SwitchRule
 from ..adaptive.switch import Bounds, check_bounds, plan_moves
 from .context import RankContext
-from .fine_switch import Transition, why_not_fine
+from .fine_switch import Switching, Transition, why_not_fine
 
 log = logging.getLogger(__name__)
 # set to 1: adaptive=learned records every decision's predictions, also by the offline network (benchmarks)
@@ -89,13 +89,13 @@ class Adaptive:
     def __init__(
         self,
         ctx: RankContext,
-        training: Any,
+        switching: Switching,
         profile: Optional[Any],
         costs: Optional[Any],
         scorer: Optional[Scorer] = None,
     ):
         config = ctx.config
-        self.ctx, self.training = ctx, training  # training.switch(new): the stop-and-move switch, collective over the pipeline
+        self.ctx, self.switching = ctx, switching  # switching.switch(new): the stop-and-move switch, collective over the pipeline
         self.transition: Optional[tuple[Transition, Bounds, Optional[tuple], float]] = None  # a fine-grained switch under way
         self._stream: Optional[Any] = None  # the switch transfers' process group, made at the first fine-grained switch
         self.early: Optional[int] = None  # requested: micro-batches a fine-grained switch leaves on the old worker
@@ -295,14 +295,14 @@ class Adaptive:
         started = time.perf_counter()
         stopped_because = ""
         if ctx.config.adaptive_switch == "fine-grained":
-            move, stopped_because = why_not_fine(self.training, new)
+            move, stopped_because = why_not_fine(self.switching, new)
             if move is not None:
                 if self._stream is None:
                     self._stream = ctx.groups.own_pipeline_group()
-                transition = Transition(self.training, move, new, self._early_microbatches(move), self._stream)
+                transition = Transition(self.switching, move, new, self._early_microbatches(move), self._stream)
                 self.transition = (transition, old, why, time.perf_counter() - started)
                 return None
-        result = self.training.switch(new)
+        result = self.switching.switch(new)
         return self._record(old, new, why, time.perf_counter() - started, result.sent_bytes, None, 0.0, stopped_because)
 
     def finish_transition(self) -> Optional[SwitchRecord]:

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
 from ..config import PipelineConfig
 from ..topology import ProcessGroups, Topology
-
-if TYPE_CHECKING:
-    from .cutting import Cut
-    from .plan_2bw import TwoBWChoice
+from .choice_2bw import TwoBWChoice
+from .cut import Cut
 
 
 @dataclass
@@ -34,8 +32,8 @@ class RankContext:
     main_port: int = 0
     resume_path: Optional[str] = None  # fit's ckpt_path
     checkpoint_io: Optional[Any] = None  # reads a checkpoint ahead of Lightning
-    shape: Optional["TwoBWChoice"] = None  # planner=...: the run's shape chosen at setup
-    cut: Optional["Cut"] = None
+    shape: Optional[TwoBWChoice] = None  # planner=...: the run's shape chosen at setup
+    cut: Optional[Cut] = None
     optimizers: list[Any] = field(default_factory=list)
     lr_scheduler_configs: list[Any] = field(default_factory=list)
 

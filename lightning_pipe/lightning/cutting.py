@@ -16,8 +16,7 @@ run starts from when the module defines `init_pipeline_block(index, block)` (our
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,45 +28,15 @@ from ..frontend import TracedPipeline, restore
 from ..frontend.weights import init_traced_block, release_others
 from ..models.init import InitBlock, draw_seed, is_meta, materialize, reset_block, seeded
 from ..planning.partition import partition_blocks
-from ..runtime.tied import TiedParameter, TieGroup, find_tied_parameters, tie_groups
+from ..runtime.tied import find_tied_parameters, tie_groups
 from ..schedules import ScheduleSpec
 from .autoplan import AutoPlanner
 from .checkpoint.resume import resumed_layout, resumed_state
 from .context import RankContext
+from .cut import Bounds, Cut
 from .stage import PipelineStage, check_no_outside_parameters, find_pipeline, set_submodule
 
 log = logging.getLogger(__name__)
-Bounds = tuple[tuple[int, int], ...]
-
-
-@dataclass
-class Cut:
-    path: str  # where the pipeline sits in the module
-    pipeline: Optional[nn.Sequential]  # the full pipeline, kept on global rank 0 to hand the trained model back
-    stage: PipelineStage
-    spec: ScheduleSpec  # the schedule it was cut for (schedule="auto": the one chosen)
-    bounds: Bounds  # block range of every model chunk
-    placement: tuple[int, ...]  # the rank holding each chunk
-    sliced: int = 0  # warm-up micro-batches the slicer cuts in halves
-    plan: Optional[Any] = None  # the Plan (planner partitions)
-    choice: Optional[Any] = None  # schedule="auto": every candidate and the chosen one
-    tied: list[TiedParameter] = field(default_factory=list)
-    # for live switches (adaptive): meta-device copies of the blocks this rank does not hold, and
-    # which blocks share a weight, by name
-    skeletons: dict[int, nn.Module] = field(default_factory=dict)
-    ties: list[TieGroup] = field(default_factory=list)
-    switched: bool = False  # the partition changed while training (checkpoints keep it on resume)
-    built_empty: bool = False  # the model was created on the meta device: no rank holds all of it
-
-    @property
-    def chunk_blocks(self) -> dict[int, list[int]]:
-        """This rank's chunks -> their block indices."""
-        return {c: list(range(*self.bounds[c])) for c in self.stage.chunk_bounds}
-
-    @property
-    def loss_stage(self) -> int:
-        """The rank holding the last chunk computes the loss (the last stage, or rank 0 in a wave)."""
-        return self.placement[-1]
 
 
 def held_bytes(module: nn.Module, optimizers: list[Any]) -> float:

@@ -9,15 +9,34 @@ new worker reduces them). `finish` runs after the iteration's backward, before t
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Protocol, Sequence
 
 from ..adaptive.fine_grained import Incoming, Outgoing, fine_grained_move, keeps_running_statistics
 from ..adaptive.switch import Bounds, Move
+from ..modes.lightning import Layer
 from ..runtime.tied import tied_from_groups
-from .layers.base import Layer
+from .context import RankContext
+from .gradients import StageGradients
 
 
-def why_not_fine(training: Any, new: Bounds) -> tuple[Optional[Move], str]:
+class Switching(Protocol):
+    """What a live switch uses of the composed layers (`compose.Training` is one): their hooks, and
+    the gradients and runtime it rebuilds over the new cut."""
+
+    ctx: RankContext
+    layers: Sequence[Layer]
+    gradients: Optional[StageGradients]
+
+    def build_gradients(self) -> StageGradients: ...
+
+    def build_runtime(self) -> None: ...
+
+    def switch(self, new: Any) -> Any:
+        """The stop-and-move switch (collective over the pipeline)."""
+        ...
+
+
+def why_not_fine(training: Switching, new: Bounds) -> tuple[Optional[Move], str]:
     """The move, or why this switch stops the pipeline instead."""
     ctx = training.ctx
     carried = [type(layer).__name__ for layer in training.layers if type(layer).switch_extras is not Layer.switch_extras]
@@ -35,7 +54,7 @@ def why_not_fine(training: Any, new: Bounds) -> tuple[Optional[Move], str]:
 class Transition:
     """This rank's part of one fine-grained switch, from the batch's start to `finish`."""
 
-    def __init__(self, training: Any, move: Move, new: Bounds, early: int, group: Any):
+    def __init__(self, training: Switching, move: Move, new: Bounds, early: int, group: Any):
         self.training, self.move, self.early = training, move, early
         ctx, cut = training.ctx, training.ctx.cut
         me, old = ctx.stage_index, cut.bounds

@@ -1,5 +1,8 @@
 """Starting the processes: Lightning's launchers, with the checks that must pass before any
-process starts, and a clean end of every worker."""
+process starts, and a clean end of every worker.
+
+The launchers see the strategy through `LaunchedStrategy`, what they read of it, so the strategy
+imports them and never the reverse."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import logging
 import os
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch.distributed as dist
 from lightning.fabric.strategies.launchers.subprocess_script import _set_num_threads_if_needed
@@ -15,11 +18,32 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from torch import nn
 
 from .. import faults
+from ..config import PipelineConfig
+from .cut import Cut
 from .front import restore_model
 from .preflight import validate_inputs
 
-if TYPE_CHECKING:
-    from .strategy import AutoPipeStrategy
+
+class LaunchedStrategy(Protocol):
+    """What the launchers use of the strategy: its settings and world, and fit's ckpt_path to note."""
+
+    config: PipelineConfig
+    resume_path: Optional[str]
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    @property
+    def num_processes(self) -> int: ...
+
+    @property
+    def cluster_environment(self) -> Optional[Any]: ...
+
+    @property
+    def checkpoint_io(self) -> Any: ...
+
+    @property
+    def cut(self) -> Optional[Cut]: ...
 
 
 def close_process_groups() -> None:
@@ -31,7 +55,7 @@ def close_process_groups() -> None:
 
 
 class CheckedSubprocessLauncher(_SubprocessScriptLauncher):
-    def __init__(self, strategy: "AutoPipeStrategy", *args: Any):
+    def __init__(self, strategy: LaunchedStrategy, *args: Any):
         super().__init__(*args)
         self._strategy = strategy
 
@@ -54,7 +78,7 @@ def _watch_children(period: float = 0.2) -> None:
     faults.end_for_child(*failed)
 
 
-def _validate(strategy: "AutoPipeStrategy", args: tuple, trainer: Optional[Any]) -> None:
+def _validate(strategy: LaunchedStrategy, args: tuple, trainer: Optional[Any]) -> None:
     """The checks before any process starts; the strategy notes fit's ckpt_path (read ahead in setup)."""
     strategy.resume_path = validate_inputs(strategy.config, strategy.num_nodes * strategy.num_processes, args, trainer)
 
@@ -95,10 +119,11 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
         os._exit(0)
 
 
-def make_launcher(strategy: "AutoPipeStrategy") -> Any:
+def make_launcher(strategy: LaunchedStrategy) -> Any:
     """The launcher for the strategy's `start_method`, after the checks on the world's size."""
     assert strategy.cluster_environment is not None
     strategy.config.check_world(strategy.num_nodes * strategy.num_processes)  # fail before spawning anything
     if strategy.config.start_method == "popen":
         return CheckedSubprocessLauncher(strategy, strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+    # Lightning's launcher drives it further as the ParallelStrategy it also is
     return CheckedMultiProcessingLauncher(strategy, start_method=strategy.config.start_method)

@@ -33,38 +33,11 @@ from ..planning.two_bw import NoConfiguration, TwoBWPlan, hardware, optimizer_fa
 from ..profiling.runtime import runtime_bytes
 from ..profiling.sized import profile_sizes
 from .autoplan import dataset_sample, pipeline_input, step_loss
+from .choice_2bw import TwoBWChoice
 from .profile_precision import run_precision
 from .stage import find_pipeline
 
 PROFILE_SIZES = (1, 2, 4, 8, 16, 32)  # micro-batch sizes profiled (those <= the global batch)
-
-
-@dataclass(frozen=True)
-class TwoBWChoice:
-    """What every rank applies: the planner's chosen configuration."""
-
-    width: int
-    microbatches: int
-    microbatch_size: int
-    schedule: str
-    recompute: tuple[bool, ...]
-    sizes: tuple[int, ...]  # blocks per stage
-    global_batch: int
-
-    @property
-    def replica_batch(self) -> int:
-        return self.microbatch_size * self.microbatches
-
-    def settings(self) -> dict[str, Any]:
-        return {
-            "width": self.width,
-            "microbatches": self.microbatches,
-            "schedule": self.schedule,
-            "recompute": list(self.recompute),
-            "partition": list(self.sizes),
-            "planner": None,
-            "global_batch": None,
-        }
 
 
 def train_loader(trainer: Any) -> Optional[Any]:

@@ -17,8 +17,8 @@ from torch import nn
 
 from ..config import PipelineConfig
 from ..errors import SettingError
+from .compose import choose_layers
 from .front import trace_before_spawn
-from .layers.compose import choose_layers
 from .metric_state import check_metrics
 from .stage import PipelineSetupError, check_no_outside_parameters, find_pipeline
 

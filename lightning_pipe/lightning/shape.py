@@ -12,7 +12,7 @@ from typing import Any, Optional
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ..config import PipelineConfig
-from .layers import choose_layers
+from .compose import choose_layers
 from .plan_2bw import TwoBWChoice, Where, plan_in_setup, rebatched
 
 __all__ = ["Where", "choose_shape", "rebatched"]

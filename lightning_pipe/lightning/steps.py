@@ -10,26 +10,39 @@ training step during the schedule's waits where the values have landed by then.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..modes.engine import Versions
+from ..modes.lightning import PartitionLayer
 from ..runtime.microbatch import batch_size, signature, split_microbatches
 from .context import RankContext
-from .gradients import GradientStash
+from .gradients import GradientStash, StageGradients
 from .host import LightningHost
 from .logs import LogBroadcaster, replay
 from .metric_state import attach
 from .outputs import merge_outputs
 
-if TYPE_CHECKING:
-    from .layers.compose import Training
+
+class Layers(Protocol):
+    """What a step uses of the composed layers (`compose.Training` is one)."""
+
+    runner: Optional[Versions]
+    partition: PartitionLayer
+    gradients: Optional[StageGradients]
+
+    def drain(self) -> None: ...
+
+    def showing_model(self) -> ContextManager[None]: ...
+
+    def keep_trace(self, executor: Any) -> None: ...
 
 
 class PipelineSteps:
-    def __init__(self, ctx: RankContext, training: "Training", host: LightningHost, group: Optional[Any], last: int, logs: LogBroadcaster):
+    def __init__(self, ctx: RankContext, training: Layers, host: LightningHost, group: Optional[Any], last: int, logs: LogBroadcaster):
         self.ctx, self.training, self.host = ctx, training, host
         self.module, self.cut, self.device, self.microbatches = ctx.module, ctx.cut, ctx.device, ctx.config.microbatches
         self.group, self.last = group, last  # the pipeline's process group (None: one stage); the last chunk's global rank
@@ -41,7 +54,7 @@ class PipelineSteps:
         self.recording: Optional[Any] = None  # the tuner's profile run (tune_record.TuneRecording)
 
     @classmethod
-    def build(cls, ctx: RankContext, training: "Training", previous: Optional["PipelineSteps"] = None) -> "PipelineSteps":
+    def build(cls, ctx: RankContext, training: Layers, previous: Optional["PipelineSteps"] = None) -> "PipelineSteps":
         """`previous`: the steps over the cut before a live switch (its log channel stays)."""
         cut = ctx.cut
         host = LightningHost(ctx.module, cut.stage, len(cut.placement) - 1, training.gradients.reduce_chunk)
@@ -85,7 +98,7 @@ class PipelineSteps:
         if kind == "train":
             partition.end_step(executor, len(keys))
         if self.trace_group is not None and kind == "train":
-            self.training.planner.keep_trace(executor)
+            self.training.keep_trace(executor)
         host.on_forwards_done = host.on_idle = None
         if self.logged_early is not None:
             return self.logged_early

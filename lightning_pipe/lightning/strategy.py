@@ -1,7 +1,7 @@
 """AutoPipeStrategy: pipeline parallelism for an unchanged LightningModule.
 
 Lightning's hooks only. Settings are a `PipelineConfig` (checked there); the model is cut by
-`cutting`; what a step is, is the composition of the training layers (`layers.compose.Training`,
+`cutting`; what a step is, is the composition of the training layers (`compose.Training`,
 built from the config by `layers.choose_layers`), which this module calls and never names;
 checkpoints are `checkpoint`'s, precision `precision`'s, the checks before spawning `launchers`'.
 """
@@ -26,12 +26,13 @@ from ..topology import ProcessGroups, Topology
 from .autoplan import AutoPlanner
 from .checkpoint import full_state_dict, load_stage_state, resumed_state, sharded
 from .checkpoint.io import StreamedCheckpointIO
+from .compose import Training
 from .context import RankContext
-from .cutting import Cut, cut_module, uncut_module
+from .cut import Cut
+from .cutting import cut_module, uncut_module
 from .empty_init import EmptyInitMixin
 from .front import ensure_traced
 from .launchers import make_launcher
-from .layers import Training
 from .precision import pipeline_precision
 from .preflight import STRATEGY_SETTINGS, strategy_config
 from .processes import ProcessGroupStrategy

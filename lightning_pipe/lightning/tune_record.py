@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..layers import Versions
+from ..modes.engine import Versions
 from ..profiling.link import measure_link
 from ..profiling.saved import SavedBytes
 from ..tuning.record import StageRecorder, in_flight_peak

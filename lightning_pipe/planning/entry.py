@@ -10,9 +10,8 @@ and both write `RunPlan.summary()` and draw `RunPlan.timeline(costs)`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
-from ..config import PipelineConfig
 from ..schedules import ScheduleSpec
 from ..simulation import CostModel, Timeline, simulate
 from .auto import ScheduleChoice, choose_schedule
@@ -21,6 +20,32 @@ from .partition import partition_blocks
 from .planner import Plan, plan
 from .replay import cached_schedule
 from .slicer import SlicePlan, algorithm2_slicing, choose_slicing, fixed_slicing, simulate_slicing
+
+
+class RunSettings(Protocol):
+    """What planning reads of the run's settings (`PipelineConfig` is one; planning sits below it)."""
+
+    microbatches: int
+    slicer: Any  # True (chosen), False, or a count
+    autopipe_expansions: int
+    bandwidth: Optional[float]
+    latency: Optional[float]
+
+    @property
+    def auto(self) -> bool: ...
+
+    @property
+    def partitioner(self) -> Optional[str]: ...
+
+    @property
+    def fixed_partition(self) -> Any: ...
+
+    @property
+    def schedule_spec(self) -> ScheduleSpec: ...
+
+    @property
+    def slicing(self) -> str: ...
+
 
 # The partitioners' block kinds, by the class names of the model's blocks (others: "block")
 BLOCK_KINDS = {
@@ -47,7 +72,7 @@ def block_kinds(names: Sequence[str]) -> list[str]:
 DEFAULT_LINKS = {"cuda": (25e9, 20e-6), "cpu": (2e9, 50e-6)}
 
 
-def link_model(config: PipelineConfig, device_type: str) -> tuple[float, float]:
+def link_model(config: RunSettings, device_type: str) -> tuple[float, float]:
     """(bandwidth, latency) to plan with: the settings, else the default link of the device type."""
     bandwidth, latency = DEFAULT_LINKS.get(device_type, DEFAULT_LINKS["cuda"])
     return config.bandwidth or bandwidth, config.latency if config.latency is not None else latency
@@ -106,7 +131,7 @@ class RunPlan:
 def plan_run(
     costs: CostModel,
     stages: int,
-    config: PipelineConfig,
+    config: RunSettings,
     kinds: Optional[Sequence[str]] = None,
     memory_limit: Optional[float] = None,
 ) -> RunPlan:
@@ -116,9 +141,7 @@ def plan_run(
         return _plan_run(costs, stages, config, kinds, memory_limit)
 
 
-def _plan_run(
-    costs: CostModel, stages: int, config: PipelineConfig, kinds: Optional[Sequence[str]], memory_limit: Optional[float]
-) -> RunPlan:
+def _plan_run(costs: CostModel, stages: int, config: RunSettings, kinds: Optional[Sequence[str]], memory_limit: Optional[float]) -> RunPlan:
     m, method, num_blocks = config.microbatches, config.partitioner, costs.num_blocks
     if config.auto:
         choice = choose_schedule(

@@ -14,7 +14,7 @@ delay every gradient upstream (measured: docs/benchmarks_advance.md). The ends:
 
 ``advance_num = 0`` in the options means ``K - 1`` (1F1B): the count depends on the depth, which
 the options do not know. How it is raised while training (Algorithm 1's lines 9-10) is
-`lightning_pipe.layers.advance.AdvanceRule`.
+`lightning_pipe.modes.advance.engine.AdvanceRule`.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ class ScheduleKind:
     options: Mapping[str, int] = field(default_factory=dict)  # option -> default
     chunks: Optional[Callable[..., int]] = None  # (stages, **options) -> model chunks; None: one per rank
     misfit: Optional[Callable[..., str]] = None  # (stages, num_blocks, **options) -> why it does not fit
-    versions: str = "flush"  # the weight-versions layer that runs it: "flush" or "2bw" (lightning_pipe.layers)
+    versions: str = "flush"  # the weight-versions layer that runs it: "flush" or "2bw" (lightning_pipe.modes)
     zero_means_default: frozenset[str] = frozenset()  # options whose 0 stands for a depth-dependent default
 
 

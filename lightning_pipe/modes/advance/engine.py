@@ -27,8 +27,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from ..profiling.saved import SavedBytes
-from ..schedules.advance import advance_bounds, peak_stash
+from ...profiling.saved import SavedBytes
+from ...schedules.advance import advance_bounds, peak_stash
 
 log = logging.getLogger(__name__)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ...layers import AdvanceRule
-from ..cutting import held_bytes
-from .base import ControllerLayer
+from ...lightning.cutting import held_bytes
+from ..lightning import ControllerLayer
+from .engine import AdvanceRule
 
 
 class AdvanceController(ControllerLayer):

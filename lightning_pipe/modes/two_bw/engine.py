@@ -25,13 +25,13 @@ from typing import Any, Callable, Optional, Sequence
 
 from torch import Tensor, nn
 
-from ..runtime.executor import Carry, Executor, StageHost
-from ..runtime.p2p import Activation, Transport
-from ..runtime.versions import Version, WeightVersions
-from ..schedules import ScheduleSpec
-from ..schedules.two_bw import drain_actions, leads, step_actions
-from .base import Versions
-from .flush import Flush
+from ...runtime.executor import Carry, Executor, StageHost
+from ...runtime.p2p import Activation, Transport
+from ...runtime.versions import Version, WeightVersions
+from ...schedules import ScheduleSpec
+from ...schedules.two_bw import drain_actions, leads, step_actions
+from ..engine import Versions
+from ..flush.engine import Flush
 
 
 @dataclass

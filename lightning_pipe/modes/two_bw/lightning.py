@@ -19,9 +19,10 @@ from typing import Any, Callable, Optional
 from torch import Tensor, nn
 
 from ...config import PipelineConfig
-from ...errors import SettingError
-from ...layers import DoubleBuffer, Versions
-from .base import VersionsLayer
+from ..engine import Versions
+from ..lightning import VersionsLayer
+from .engine import DoubleBuffer
+from .settings import check_trainer
 
 
 class DeferredScheduler:
@@ -74,7 +75,7 @@ class DoubleBufferLayer(VersionsLayer):
 
     def _drain_update(self) -> None:
         """A drain's update passes every layer's hooks, as Lightning's optimizer step does."""
-        self.training.update(lambda: (self._apply_update(), self._catch_up()))
+        self.update(lambda: (self._apply_update(), self._catch_up()))
 
     def start(self) -> None:
         """LR schedulers step after the update they follow (read the runner each time: a switch rebuilds it)."""
@@ -141,26 +142,3 @@ class DoubleBufferLayer(VersionsLayer):
         if applied and len(stashed) != len(live):
             raise ValueError(f"the checkpoint's 2BW state holds {len(stashed)} of this stage's {len(live)} stashed weights")
         runner.load_state(applied, stashed if applied else None)
-
-
-def check_trainer(trainer: Any, model: Any) -> None:
-    """What 2BW cannot honour, named before any process starts."""
-    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
-    if isinstance(accumulate, int) and accumulate > 1:
-        raise SettingError(
-            f"accumulate_grad_batches={accumulate}: schedule='2bw' applies one update per batch of micro-batches; "
-            "raise pipeline.microbatches (or the batch size) instead of accumulating batches",
-            "accumulate_grad_batches",
-        )
-    precision = str(getattr(getattr(trainer, "precision_plugin", None), "precision", ""))
-    if precision.startswith("16-mixed") or getattr(getattr(trainer, "precision_plugin", None), "scaler", None) is not None:
-        raise SettingError(
-            "precision='16-mixed': schedule='2bw' computes a batch's gradient under one loss scale and applies it a step "
-            "later under another; use bf16-mixed, 32 or 64, or a flushing schedule (1f1b)",
-            "precision",
-        )
-    if model is not None and not getattr(model, "automatic_optimization", True):
-        raise SettingError(
-            "automatic_optimization=False: schedule='2bw' runs the backward and the optimizer step itself; use automatic optimization",
-            "schedule",
-        )

@@ -1,6 +1,7 @@
-"""The bridge's layer interface: every hook the composition calls on a layer, declared once.
+"""The Lightning side of every mode: each hook the composition (`lightning/compose.py`) calls, declared once.
 
-A layer carries what belongs to it in Lightning: the Trainer settings it refuses (before any
+A layer gets what it uses when it is made or in a hook (the context, the runner, an update
+callable), never the composition itself. A layer carries what belongs to it in Lightning: the Trainer settings it refuses (before any
 process starts), its checkpoint state (handed to `lightning.checkpoint`, which owns the keys), what
 evaluation and checkpoints see, its part of a live switch, its end. Every hook defaults to
 nothing, so a layer overrides only what it changes.
@@ -14,28 +15,30 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
 from torch import nn
 
-from ...config import PipelineConfig
-from ...layers.base import Versions
+from ..config import PipelineConfig
+from .engine import Versions
 
 if TYPE_CHECKING:
-    from ..context import RankContext
-    from .compose import Training
+    from ..lightning.context import RankContext
+
+Update = Callable[[Callable[[], Any]], Any]  # one update of the weights through every layer's optimizer_step
 
 
 class Layer:
     """Every hook has a default; the kinds below add what they require."""
 
-    def __init__(self, ctx: "RankContext", training: "Training"):
-        self.ctx, self.training = ctx, training
+    def __init__(self, ctx: "RankContext"):
+        self.ctx = ctx
 
     @classmethod
     def check_trainer(cls, config: PipelineConfig, trainer: Any, model: Any) -> None:
-        """Refuse, with a `SettingError`, Trainer settings this layer cannot honour (before spawning)."""
+        """Refuse, with a `SettingError`, Trainer settings this layer cannot honour (before spawning);
+        a mode's checks live in its `settings.py`, beside its settings' own (`check_config`)."""
 
     def start(self) -> None:
         """Optimizers and LR schedulers exist (setup's end)."""
 
-    def on_runtime(self) -> None:
+    def on_runtime(self, runner: Versions) -> None:
         """The runner, gradients and steps were (re)built over the current cut."""
 
     def optimizer_step(self, step: Callable[[], Any]) -> Any:
@@ -78,7 +81,17 @@ class Layer:
 
 
 class VersionsLayer(Layer, ABC):
-    """Weight versions: builds the runner of a step's action list."""
+    """Weight versions: builds, and holds, the runner of a step's action list. `update` is one update of
+    the weights through every layer (what a drain applies, where the rule applies one there)."""
+
+    def __init__(self, ctx: "RankContext", update: Update):
+        super().__init__(ctx)
+        self.update = update
+        self.runner: Optional[Versions] = None
+
+    def build_runner(self, settings: dict[str, Any]) -> Versions:
+        self.runner = self.make_runner(settings)
+        return self.runner
 
     @abstractmethod
     def make_runner(self, settings: dict[str, Any]) -> Versions:
@@ -89,17 +102,22 @@ class VersionsLayer(Layer, ABC):
         return True
 
     def drain(self) -> None:
-        self.training.runner.drain()
+        self.runner.drain()
 
     def run_state(self) -> dict[str, Any]:
-        state = self.training.runner.state_dict()
+        state = self.runner.state_dict()
         return {"schedule": state["schedule"], "sliced": state["sliced"]}
 
 
 class ReplicasLayer(Layer):
-    """Replicas of the pipeline: whether REDUCE averages gradients across them."""
+    """Replicas of the pipeline: whether REDUCE averages gradients across them. `versions`: the weight
+    versions layer, whose per-parameter state a replica's checkpoint entry carries."""
 
     averages_gradients: bool = False
+
+    def __init__(self, ctx: "RankContext", versions: VersionsLayer):
+        super().__init__(ctx)
+        self.versions = versions
 
     def own_extras(self, extras: dict[int, dict[str, Any]], checkpoint: dict[str, Any]) -> dict[int, dict[str, Any]]:
         """Resume: the per-parameter extras of this replica's model, by parameter id (`extras`: the ones
@@ -108,7 +126,13 @@ class ReplicasLayer(Layer):
 
 
 class PartitionLayer(Layer, ABC):
-    """Partition control: may move block boundaries between steps."""
+    """Partition control: may move block boundaries between steps. `planner`: the setup's planner (its
+    profile and costs, read at `start`); `switching`: the composition's live switch
+    (`lightning/fine_switch.Switching`)."""
+
+    def __init__(self, ctx: "RankContext", planner: Any, switching: Any):
+        super().__init__(ctx)
+        self.planner, self.switching = planner, switching
 
     @abstractmethod
     def request(self, bounds: Any, early: Optional[int] = None) -> Any:

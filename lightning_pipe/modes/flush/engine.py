@@ -17,13 +17,13 @@ from __future__ import annotations
 import time
 from typing import Any, Optional, Sequence
 
-from ..runtime.executor import Executor, StageHost
-from ..runtime.p2p import Transport
-from ..schedules import ScheduleSpec, forward_only, validate
-from ..schedules.advance import advance_bounds
-from ..schedules.sliced import paper_schedule
-from .advance import AdvanceRule
-from .base import Versions
+from ...runtime.executor import Executor, StageHost
+from ...runtime.p2p import Transport
+from ...schedules import ScheduleSpec, forward_only, validate
+from ...schedules.advance import advance_bounds
+from ...schedules.sliced import paper_schedule
+from ..advance.engine import AdvanceRule
+from ..engine import Versions
 
 
 class Flush(Versions):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...layers import Flush, Versions
-from .base import VersionsLayer
+from ..engine import Versions
+from ..lightning import VersionsLayer
+from .engine import Flush
 
 
 class FlushLayer(VersionsLayer):

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from ..runtime.elastic import ReferenceLink, elastic_pull_, flat_into, flat_size, write_flat
+from ...runtime.elastic import ReferenceLink, elastic_pull_, flat_into, flat_size, write_flat
 
 
 class ElasticAveraging:

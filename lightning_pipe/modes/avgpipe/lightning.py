@@ -1,6 +1,6 @@
-"""Replicas in Lightning: none, an all-reduce across `width`, or AvgPipe's elastic averaging.
+"""AvgPipe's parallel pipelines in Lightning: elastic averaging against the reference processes.
 
-AvgPipe: N pipelines, each its own model and optimizer, one reference model.
+N pipelines, each its own model and optimizer, one reference model.
 
 - Layout: the world is N pipelines x K stages (the topology's replicas); pipeline n reads shard n of
   the data (Lightning's DistributedSampler over the replicas); gradients are *not* averaged across
@@ -22,24 +22,14 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 import torch.distributed as dist
 
-from ...layers import ElasticAveraging
+from ...lightning.checkpoint.full import load_named_state, parameter_names
+from ...lightning.checkpoint.keys import ALIASES, decode_parameter, encode_parameter
 from ...runtime.elastic import ReferenceLink
-from ..checkpoint.full import load_named_state, parameter_names
-from ..checkpoint.keys import ALIASES, decode_parameter, encode_parameter
-from .base import ReplicasLayer
+from ..lightning import ReplicasLayer
+from .engine import ElasticAveraging
 
 REF = "ref"  # a moved parameter's W_ref(j) slice travels as extra "ref<j>"
 _links = itertools.count()  # every rank creates its links in the same order: a common store prefix per fit
-
-
-class NoReplicas(ReplicasLayer):
-    """One pipeline."""
-
-
-class AllReduce(ReplicasLayer):
-    """`width` replicas of the pipeline (data parallel): REDUCE averages each chunk's gradients."""
-
-    averages_gradients = True
 
 
 class ElasticReplicas(ReplicasLayer):
@@ -52,7 +42,7 @@ class ElasticReplicas(ReplicasLayer):
         self.elastic: Optional[ElasticAveraging] = None
         self._carried: Optional[tuple[int, dict[int, dict[int, torch.Tensor]]]] = None  # (t, W_ref slices) across a switch
 
-    def on_runtime(self) -> None:
+    def on_runtime(self, runner: Any) -> None:
         if self.elastic is None:  # once per fit; its reference process starts on first use (after a resume loads)
             ctx, config = self.ctx, self.ctx.config
             self.elastic = ElasticAveraging(
@@ -119,7 +109,7 @@ class ElasticReplicas(ReplicasLayer):
             if refs:
                 slices[pid] = refs
         self.elastic = None
-        self.on_runtime()  # over the new stage, with a new reference process (started on first use)
+        self.on_runtime(None)  # over the new stage, with a new reference process (started on first use)
         params = self.elastic.params
         whole = lambda j: torch.cat([slices[id(p)][j].reshape(-1) for p in params]) if params else torch.zeros(0)  # noqa: E731
         versions = sorted(slices[id(params[0])]) if params else [iteration]
@@ -133,7 +123,7 @@ class ElasticReplicas(ReplicasLayer):
         """Per stored name: every pipeline's weight and optimizer state, and the pending references.
         Collective over the stage's pipelines (each sends its own to pipeline 0)."""
         elastic, topo = self.elastic, self.ctx.topology
-        versions = self.training.versions.parameter_state(stored, state)  # e.g. 2BW's stash: each pipeline has its own
+        versions = self.versions.parameter_state(stored, state)  # e.g. 2BW's stash: each pipeline has its own
         own = {
             stored[id(p)]: {
                 "weight": p.detach().cpu().clone(),

@@ -1,8 +1,10 @@
-"""One builder from a `PipelineConfig` to the layers, and `Training`: their composition on a rank.
+"""One builder from a `PipelineConfig` to the modes' layers, and `Training`: their composition on a rank.
 
-The strategy calls `Training` and names no layer. `Training` owns what the layers share (the
-runner of the action lists, the stage's gradients, the step runner) and calls every layer's hooks
-in one order: weight versions, replicas, partition control, controllers.
+The strategy calls `Training` and names no layer. `Training` owns what the layers share (the stage's
+gradients, the step runner; the runner of the action lists is the weight-versions layer's) and calls
+every layer's hooks in one order: weight versions, replicas, partition control, controllers. A layer
+gets what it uses (the context, the runner, an update callable, the planner, the live switch), never
+this composition.
 """
 
 from __future__ import annotations
@@ -15,25 +17,26 @@ from typing import Any, Callable, Iterator, Optional
 
 from torch import Tensor
 
-from ...adaptive.switch import switch_blocks
-from ...config import PipelineConfig
-from ...layers import Versions
-from ...runtime.p2p import Transport
-from ...runtime.tied import tied_from_groups
-from ..autoplan import AutoPlanner
-from ..checkpoint import full as full_checkpoint
-from ..checkpoint.keys import decode_run
-from ..context import RankContext
-from ..gradients import StageGradients
-from ..precision import PipelinePrecisionMixin
-from ..steps import PipelineSteps
-from ..tune_record import TuneRecording
-from .base import ControllerLayer, Layer, PartitionLayer, ReplicasLayer, VersionsLayer
-from .controllers import AdvanceController
-from .double_buffer import DoubleBufferLayer
-from .flush import FlushLayer
-from .partition import AdaptivePartition, StaticPartition
-from .replicas import AllReduce, ElasticReplicas, NoReplicas
+from ..adaptive.switch import switch_blocks
+from ..config import PipelineConfig
+from ..modes.advance.lightning import AdvanceController
+from ..modes.avgpipe.lightning import ElasticReplicas
+from ..modes.engine import Versions
+from ..modes.flush.lightning import FlushLayer
+from ..modes.lightning import ControllerLayer, Layer, PartitionLayer, ReplicasLayer, VersionsLayer
+from ..modes.partition.lightning import AdaptivePartition, StaticPartition
+from ..modes.two_bw.lightning import DoubleBufferLayer
+from ..modes.width.lightning import AllReduce, NoReplicas
+from ..runtime.p2p import Transport
+from ..runtime.tied import tied_from_groups
+from .autoplan import AutoPlanner
+from .checkpoint import full as full_checkpoint
+from .checkpoint.keys import decode_run
+from .context import RankContext
+from .gradients import StageGradients
+from .precision import PipelinePrecisionMixin
+from .steps import PipelineSteps
+from .tune_record import TuneRecording
 
 
 @dataclass(frozen=True)
@@ -72,14 +75,21 @@ class Training:
         self.ctx, self.planner = ctx, planner
         self.precision = precision  # the Trainer's pipeline-aware precision plugin: clips over this stage's gradients
         choice = choose_layers(ctx.config)
-        self.versions = choice.versions(ctx, self)
-        self.replicas = choice.replicas(ctx, self)
-        self.partition = choice.partition(ctx, self)
-        self.controllers = [c(ctx, self) for c in choice.controllers]
+        self.versions = choice.versions(ctx, self.update)
+        self.replicas = choice.replicas(ctx, self.versions)
+        self.partition = choice.partition(ctx, planner, self)  # self: the live switch (fine_switch.Switching)
+        self.controllers = [c(ctx) for c in choice.controllers]
         self.layers: list[Layer] = [self.versions, self.replicas, self.partition, *self.controllers]
-        self.runner: Optional[Versions] = None
         self.gradients: Optional[StageGradients] = None
         self.steps: Optional[PipelineSteps] = None
+
+    @property
+    def runner(self) -> Optional[Versions]:
+        """The runner of the action lists (the weight-versions layer's, rebuilt over each cut)."""
+        return self.versions.runner
+
+    def keep_trace(self, executor: Any) -> None:
+        self.planner.keep_trace(executor)
 
     # ---- building ---------------------------------------------------------------------------------
     def build_gradients(self) -> StageGradients:
@@ -111,13 +121,13 @@ class Training:
         )
         for controller in self.controllers:
             settings.update(controller.runner_options())
-        self.runner = self.versions.make_runner(settings)
+        runner = self.versions.build_runner(settings)
         previous = self.steps
         self.steps = PipelineSteps.build(ctx, self, previous)
         if previous is not None:
             self.steps.recording = previous.recording
         for layer in self.layers:
-            layer.on_runtime()
+            layer.on_runtime(runner)
 
     def start(self, fitting: bool) -> None:
         """Optimizers exist: the runtime over the cut, every layer started; the tuner's profile run records."""

@@ -2,7 +2,8 @@
 
 All three accept a switch requested by hand (`repartition(bounds)`); the adaptive ones also monitor
 every step and decide (`lightning/adaptive.py`: the rule or the learned predictor and arbiter).
-The switch itself is the composition's (`Training.switch`), where every layer moves its state.
+The switch itself is the composition's (`switching.switch`: `lightning/compose.Training`), where every
+layer moves its state.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from typing import Any, Optional
 
 from lightning.pytorch.trainer.states import TrainerFn
 
-from ..adaptive import Adaptive
-from .base import PartitionLayer
+from ...lightning.adaptive import Adaptive
+from ..lightning import PartitionLayer
 
 
 class StaticPartition(PartitionLayer):
@@ -21,11 +22,14 @@ class StaticPartition(PartitionLayer):
     def __init__(self, *args: Any):
         super().__init__(*args)
         self.adaptive: Optional[Adaptive] = None  # while fitting
+        self.runner: Any = None
 
     def start(self) -> None:
-        planner = self.training.planner
         fitting = self.ctx.trainer.state.fn == TrainerFn.FITTING
-        self.adaptive = Adaptive(self.ctx, self.training, planner.profile, planner.costs) if fitting else None
+        self.adaptive = Adaptive(self.ctx, self.switching, self.planner.profile, self.planner.costs) if fitting else None
+
+    def on_runtime(self, runner: Any) -> None:
+        self.runner = runner  # its transport's counters: what the monitor measures
 
     def request(self, bounds: Any, early: Optional[int] = None) -> Any:
         if self.adaptive is None:
@@ -38,7 +42,7 @@ class StaticPartition(PartitionLayer):
 
     def begin_step(self) -> None:
         if self.adaptive is not None and self.adaptive.enabled:
-            self.adaptive.begin_step(self.training.runner.transport)
+            self.adaptive.begin_step(self.runner.transport)
 
     def end_step(self, executor: Any, microbatches: int) -> None:
         if self.adaptive is not None and self.adaptive.enabled:

@@ -1,0 +1,1 @@
+"""Replicas of one pipeline across `width` (data parallel), or one pipeline: lightning.py."""
