@@ -36,10 +36,10 @@ class Switching(Protocol):
         ...
 
 
-def why_not_fine(training: Switching, new: Bounds) -> tuple[Optional[Move], str]:
+def why_not_fine(switching: Switching, new: Bounds) -> tuple[Optional[Move], str]:
     """The move, or why this switch stops the pipeline instead."""
-    ctx = training.ctx
-    carried = [type(layer).__name__ for layer in training.layers if type(layer).switch_extras is not Layer.switch_extras]
+    ctx = switching.ctx
+    carried = [type(layer).__name__ for layer in switching.layers if type(layer).switch_extras is not Layer.switch_extras]
     if carried:
         return None, f"{', '.join(carried)} carries per-parameter state with the blocks"
     if ctx.trainer.accumulate_grad_batches > 1:
@@ -54,9 +54,9 @@ def why_not_fine(training: Switching, new: Bounds) -> tuple[Optional[Move], str]
 class Transition:
     """This rank's part of one fine-grained switch, from the batch's start to `finish`."""
 
-    def __init__(self, training: Switching, move: Move, new: Bounds, early: int, group: Any):
-        self.training, self.move, self.early = training, move, early
-        ctx, cut = training.ctx, training.ctx.cut
+    def __init__(self, switching: Switching, move: Move, new: Bounds, early: int, group: Any):
+        self.switching, self.move, self.early = switching, move, early
+        ctx, cut = switching.ctx, switching.ctx.cut
         me, old = ctx.stage_index, cut.bounds
         blocks = cut.stage.blocks()
         self.outgoing: Optional[Outgoing] = None
@@ -71,17 +71,17 @@ class Transition:
         cut.stage.reassign(blocks, {c: new[c] for c in mine})
         cut.stage.transition(early, {c: old[c] for c in mine})
         cut.tied = tied_from_groups(cut.ties, cut.bounds, cut.placement, me, blocks)
-        training.build_gradients()
-        training.build_runtime()
+        switching.build_gradients()
+        switching.build_runtime()
         if self.incoming is not None:
             cut.stage.arrival = self.incoming.fill
-            training.gradients.before_reduce = self.incoming.add_partial
+            switching.gradients.before_reduce = self.incoming.add_partial
         if self.outgoing is not None:
             cut.stage.backward_done = self.outgoing.backward_done
 
     def finish(self) -> tuple[int, float]:
         """Bytes this rank sent and seconds its compute waited for the transfers."""
-        ctx, cut = self.training.ctx, self.training.ctx.cut
+        ctx, cut = self.switching.ctx, self.switching.ctx.cut
         sent = 0
         if self.outgoing is not None:
             sent = self.outgoing.finish(cut.skeletons)
@@ -90,8 +90,8 @@ class Transition:
             self.incoming.finish(ctx.optimizers)
         cut.stage.transition(0, cut.stage.chunk_bounds)
         cut.stage.arrival = cut.stage.backward_done = None
-        self.training.gradients.before_reduce = None
+        self.switching.gradients.before_reduce = None
         cut.switched = True
-        for layer in self.training.layers:
+        for layer in self.switching.layers:
             layer.after_switch({})
         return sent, self.incoming.waited if self.incoming is not None else 0.0

@@ -42,8 +42,8 @@ class Layers(Protocol):
 
 
 class PipelineSteps:
-    def __init__(self, ctx: RankContext, training: Layers, host: LightningHost, group: Optional[Any], last: int, logs: LogBroadcaster):
-        self.ctx, self.training, self.host = ctx, training, host
+    def __init__(self, ctx: RankContext, layers: Layers, host: LightningHost, group: Optional[Any], last: int, logs: LogBroadcaster):
+        self.ctx, self.layers, self.host = ctx, layers, host
         self.module, self.cut, self.device, self.microbatches = ctx.module, ctx.cut, ctx.device, ctx.config.microbatches
         self.group, self.last = group, last  # the pipeline's process group (None: one stage); the last chunk's global rank
         self.logs = logs
@@ -54,10 +54,10 @@ class PipelineSteps:
         self.recording: Optional[Any] = None  # the tuner's profile run (tune_record.TuneRecording)
 
     @classmethod
-    def build(cls, ctx: RankContext, training: Layers, previous: Optional["PipelineSteps"] = None) -> "PipelineSteps":
+    def build(cls, ctx: RankContext, layers: Layers, previous: Optional["PipelineSteps"] = None) -> "PipelineSteps":
         """`previous`: the steps over the cut before a live switch (its log channel stays)."""
         cut = ctx.cut
-        host = LightningHost(ctx.module, cut.stage, len(cut.placement) - 1, training.gradients.reduce_chunk)
+        host = LightningHost(ctx.module, cut.stage, len(cut.placement) - 1, layers.gradients.reduce_chunk)
         attach(ctx.module, ctx.groups.stage, ctx.topology.width)
         last, group = ctx.pipeline_rank(cut.loss_stage), ctx.pipeline_group
         if previous is not None and previous.logs.src == last:
@@ -68,7 +68,7 @@ class PipelineSteps:
             else:
                 frames = ctx.groups.own_pipeline_group() if group is not None else None
             logs = LogBroadcaster(group, last, ctx.device, ctx.global_rank == last, frames)
-        return cls(ctx, training, host, group, last, logs)
+        return cls(ctx, layers, host, group, last, logs)
 
     def _run(self, kind: str, step: str, context: Callable, args: tuple, kwargs: dict, m: int, scaler: Any = None) -> float:
         module, host = self.module, self.host
@@ -83,7 +83,7 @@ class PipelineSteps:
             host.recorder.metrics.begin()  # the micro-batches build each metric's batch state
         if self.trace_group is not None:
             dist.barrier(group=self.trace_group)  # a common start, so the ranks' traces line up
-        partition, runner = self.training.partition, self.training.runner
+        partition, runner = self.layers.partition, self.layers.runner
         if kind == "train":
             partition.begin_step()
         self.logs.post(kind)
@@ -98,7 +98,7 @@ class PipelineSteps:
         if kind == "train":
             partition.end_step(executor, len(keys))
         if self.trace_group is not None and kind == "train":
-            self.training.keep_trace(executor)
+            self.layers.keep_trace(executor)
         host.on_forwards_done = host.on_idle = None
         if self.logged_early is not None:
             return self.logged_early
@@ -138,13 +138,13 @@ class PipelineSteps:
     def backward(self, accumulate: int) -> None:
         """The schedule already ran the backward: put its gradients where the optimizer expects them."""
         self.stash.put_back(list(self.module.parameters()), accumulate)
-        self.training.partition.after_backward()
+        self.layers.partition.after_backward()
 
     def evaluate(self, step: str, context: Callable, args: tuple, kwargs: dict) -> Any:
         """validation/test/predict: forwards only, on the weights the run shows; the outputs are the
         last chunk's rank's."""
-        self.training.drain()
-        with self.training.showing_model():
+        self.layers.drain()
+        with self.layers.showing_model():
             self._run("eval", step, context, args, kwargs, min(self.microbatches, batch_size(args[0])))
         return merge_outputs(self.host.outputs) if self.ctx.stage_index == self.cut.loss_stage else None
 
