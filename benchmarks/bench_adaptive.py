@@ -1,4 +1,4 @@
-"""Adaptive re-partitioning (AutoPipe-RL) in an emulated shared cluster (lightning_pipe.bench.shared_cluster).
+"""Adaptive re-partitioning (AutoPipe-RL) in an emulated shared cluster (benchmarks.harness.shared_cluster).
 
 Default: a busy loop on rank 1's core from --start to --stop; a sweep of every cut under the load (the
 oracle's knowledge), static, adaptive=true, oracle (docs/adaptive.md, "Shared-cluster emulation").
@@ -6,10 +6,10 @@ oracle's knowledge), static, adaptive=true, oracle (docs/adaptive.md, "Shared-cl
 learned, oracle and the predictor against the sweep ("Changing load"). ``--decision-time``: one
 learned decision for paper-size models.
 
-    flock /tmp/bench.lock python benchmarks/bench_adaptive.py --out docs/img --save docs/adaptive_results.json
-    flock /tmp/bench.lock python benchmarks/bench_adaptive.py --changing --out docs/img --save docs/adaptive_learned_results.json
-    python benchmarks/bench_adaptive.py --decision-time
-    python benchmarks/bench_adaptive.py [--changing] --quick
+    flock /tmp/bench.lock python -m benchmarks.bench_adaptive --out docs/img --save docs/adaptive_results.json
+    flock /tmp/bench.lock python -m benchmarks.bench_adaptive --changing --out docs/img --save docs/adaptive_learned_results.json
+    python -m benchmarks.bench_adaptive --decision-time
+    python -m benchmarks.bench_adaptive [--changing] --quick
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness import provenance
+from benchmarks.harness.bench import Bench, Table, pyplot, save_figure
+from benchmarks.harness.shared_cluster import add_options, dwell_medians, plot_runs, results_of, run, samples_per_s
 from lightning_pipe.adaptive.offline import spearman
-from lightning_pipe.bench import provenance
-from lightning_pipe.bench.harness import Bench, Table, pyplot, save_figure
-from lightning_pipe.bench.shared_cluster import add_options, dwell_medians, plot_runs, results_of, run, samples_per_s
 
 
 def meter_call_cost(repeats: int = 20000) -> float:

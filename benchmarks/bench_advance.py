@@ -5,9 +5,9 @@ iteration, step, the simulator on costs profiled in the job, peak stash, the liv
 ``emulated``: sleeping stages, an EMULATED per-message delay; a deeper pipeline simulated. ``cli``:
 Algorithm 1's adaptive rule through the CLI. Feeds docs/benchmarks_advance.md.
 
-    flock /tmp/bench.lock python benchmarks/bench_advance.py --save /tmp/advbench/final.json --cli-dir /tmp/advbench/cli_final
-    flock /tmp/bench.lock python benchmarks/bench_advance.py --part emulated --latencies 0,2,8
-    python benchmarks/bench_advance.py --load /tmp/advbench/final.json --figure docs/img/advance_tradeoff.png
+    flock /tmp/bench.lock python -m benchmarks.bench_advance --save /tmp/advbench/final.json --cli-dir /tmp/advbench/cli_final
+    flock /tmp/bench.lock python -m benchmarks.bench_advance --part emulated --latencies 0,2,8
+    python -m benchmarks.bench_advance --load /tmp/advbench/final.json --figure docs/img/advance_tradeoff.png
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_pipe.bench import gpt
-from lightning_pipe.bench.cli_runs import run_command
-from lightning_pipe.bench.harness import Bench, Table, column_table, ms, pyplot, save_figure, spread, write_json
-from lightning_pipe.bench.launch import OTHER_JOBS, rank_zero_log, run_distributed, wait_for_quiet
-from lightning_pipe.bench.pipes import best_link, gather, median_costs, pipeline_steps, sleep_model, spans
+from benchmarks.harness import gpt
+from benchmarks.harness.bench import Bench, Table, column_table, ms, pyplot, save_figure, spread, write_json
+from benchmarks.harness.cli_runs import run_command
+from benchmarks.harness.launch import OTHER_JOBS, rank_zero_log, run_distributed, wait_for_quiet
+from benchmarks.harness.pipes import best_link, gather, median_costs, pipeline_steps, sleep_model, spans
 from lightning_pipe.profiling import Profile, profile_blocks
 from lightning_pipe.profiling.link import ping_pong
 from lightning_pipe.profiling.saved import SavedBytes
@@ -222,7 +222,7 @@ def cli_runs(args: Any, where: Path) -> list[dict]:
 
 
 def replay_rule(times: dict[int, float], low: int, high: int) -> list[int]:
-    """Algorithm 1's rule (lightning_pipe.layers AdvanceRule: start at K - 1, raise while the step
+    """Algorithm 1's rule (lightning_pipe.modes.advance AdvanceRule: start at K - 1, raise while the step
     got faster, settle at the first that did not) fed with one time per a: the values it visits."""
     seen = [low]
     while seen[-1] < high and (len(seen) == 1 or times[seen[-1]] < times[seen[-2]]):

@@ -10,9 +10,9 @@ Predicted: the simulator's step of one pipeline (2BW: a steady step) on the bloc
 profiled here, one process, compute only); N pipelines sharing devices (ours): the larger of that
 and N x a device's busy time, i.e. the bubbles filled at best. Results: docs/benchmarks_avgpipe.md.
 
-    python benchmarks/bench_compose.py emulated --rounds 3
-    python benchmarks/bench_compose.py real --rounds 3
-    python benchmarks/bench_compose.py emulated --quick     # smoke: 1 round, 2 steps
+    python -m benchmarks.bench_compose emulated --rounds 3
+    python -m benchmarks.bench_compose real --rounds 3
+    python -m benchmarks.bench_compose emulated --quick     # smoke: 1 round, 2 steps
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks.harness.bench import Bench, Table, interleave, spread
+from benchmarks.harness.emulated import emulated_model, share_device
+from benchmarks.harness.mlp import loss_fn, make_model
+from benchmarks.harness.trainer_runs import fit_timed, quiet_lightning
 from lightning_pipe import AutoPipeStrategy
-from lightning_pipe.bench.emulated import emulated_model, share_device
-from lightning_pipe.bench.harness import Bench, Table, interleave, spread
-from lightning_pipe.bench.mlp import loss_fn, make_model
-from lightning_pipe.bench.trainer_runs import fit_timed, quiet_lightning
 from lightning_pipe.profiling.blocks import profile_blocks
 from lightning_pipe.schedules import build_schedule
 from lightning_pipe.schedules.two_bw import pipedream_2bw

@@ -6,11 +6,11 @@ against plain 1F1B at 16 samples per step, every validation over the same first 
 windows, then each final model (last.ckpt: the reference for AvgPipe) on the whole validation split
 (docs/avgpipe_convergence.md).
 
-    python benchmarks/bench_convergence.py 2bw --reference
-    python benchmarks/bench_convergence.py avgpipe
-    python benchmarks/bench_convergence.py avgpipe --quick   # smoke: 4 steps per run
-    flock /tmp/bench.lock python benchmarks/bench_convergence.py ttt --json docs/time_to_loss.json --plot docs/img/time_to_loss.png
-    python benchmarks/bench_convergence.py efficiency --json docs/stat_efficiency.json   # long runs, the papers' settings
+    python -m benchmarks.bench_convergence 2bw --reference
+    python -m benchmarks.bench_convergence avgpipe
+    python -m benchmarks.bench_convergence avgpipe --quick   # smoke: 4 steps per run
+    flock /tmp/bench.lock python -m benchmarks.bench_convergence ttt --json docs/time_to_loss.json --plot docs/img/time_to_loss.png
+    python -m benchmarks.bench_convergence efficiency --json docs/stat_efficiency.json   # long runs, the papers' settings
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import sys
 import tempfile
 import time
 
-from lightning_pipe.bench import REPO, stat_efficiency, time_to_loss
-from lightning_pipe.bench import cli_runs as cli
-from lightning_pipe.bench.harness import Bench, Table, pyplot, save_figure
+from benchmarks.harness import REPO, stat_efficiency, time_to_loss
+from benchmarks.harness import cli_runs as cli
+from benchmarks.harness.bench import Bench, Table, pyplot, save_figure
 
 TOTAL_BATCH = 16  # avgpipe: samples per step in every run
 AVG = ["recipe=gpt-tiny-avgpipe", "schedule=1f1b"]  # 1F1B inside each pipeline, as measured (the recipe runs advance)

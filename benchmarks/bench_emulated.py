@@ -1,12 +1,12 @@
 """Depth on EMULATED devices: every schedule at P = 2..16 ranks, measured against the simulator.
 
-PacedBlocks (lightning_pipe.bench.emulated), 8 per rank, in the real runtime over gloo. Per (P, m,
+PacedBlocks (benchmarks.harness.emulated), 8 per rank, in the real runtime over gloo. Per (P, m,
 schedule): the median iteration against the simulator's (plain, and with measure_messages' terms),
 extra time per compute, exactness; then the targets. Method and tables: docs/emulated.md (the
 summary: docs/predictions.md).
 
-    flock /tmp/bench.lock python benchmarks/bench_emulated.py --json docs/emulated_results.json --markdown <file>
-    python benchmarks/bench_emulated.py --quick     # smoke: P = 2, m = P, 2 steps
+    flock /tmp/bench.lock python -m benchmarks.bench_emulated --json docs/emulated_results.json --markdown <file>
+    python -m benchmarks.bench_emulated --quick     # smoke: P = 2, m = P, 2 steps
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_pipe.bench.emulated import emulated_model, fine_timer_slack
-from lightning_pipe.bench.harness import Bench, column_table, ms
-from lightning_pipe.bench.launch import CpuClock, foreign_load, run_distributed, wait_for_quiet
-from lightning_pipe.bench.pipes import chunk_pipeline, pipeline_steps
-from lightning_pipe.bench.stats import spearman
+from benchmarks.harness.bench import Bench, column_table, ms
+from benchmarks.harness.emulated import emulated_model, fine_timer_slack
+from benchmarks.harness.launch import CpuClock, foreign_load, run_distributed, wait_for_quiet
+from benchmarks.harness.pipes import chunk_pipeline, pipeline_steps
+from lightning_pipe.adaptive.stats import spearman
 from lightning_pipe.errors import SettingError
 from lightning_pipe.planning import partition_blocks
 from lightning_pipe.planning.auto import CANDIDATES, choose_schedule

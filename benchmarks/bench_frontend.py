@@ -23,10 +23,10 @@ Parts (``--parts``, all by default):
   mapped onto the traced blocks; the plan command profiles a materialised HF model and refuses a
   meta-built one).
 
-    flock /tmp/bench.lock python benchmarks/bench_frontend.py --rounds 5 --reps 20 --json docs/benchmarks_frontend.json
-    flock /tmp/bench.lock python benchmarks/bench_frontend.py --parts throughput --modes hf-1f1b,hf-whole-1f1b,hf-hand-1f1b,ours-1f1b --rounds 9 --steps 30
-    flock /tmp/bench.lock python benchmarks/bench_frontend.py --parts overhead --rounds 7 --reps 20
-    python benchmarks/bench_frontend.py --quick
+    flock /tmp/bench.lock python -m benchmarks.bench_frontend --rounds 5 --reps 20 --json docs/benchmarks_frontend.json
+    flock /tmp/bench.lock python -m benchmarks.bench_frontend --parts throughput --modes hf-1f1b,hf-whole-1f1b,hf-hand-1f1b,ours-1f1b --rounds 9 --steps 30
+    flock /tmp/bench.lock python -m benchmarks.bench_frontend --parts overhead --rounds 7 --reps 20
+    python -m benchmarks.bench_frontend --quick
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_pipe.bench.harness import Bench, Table, interleave, spread
-from lightning_pipe.bench.launch import OTHER_JOBS, CpuClock, foreign_load, wait_for_quiet
-from lightning_pipe.bench.trainer_runs import quiet_lightning
+from benchmarks.harness.bench import Bench, Table, interleave, spread
+from benchmarks.harness.launch import OTHER_JOBS, CpuClock, foreign_load, wait_for_quiet
+from benchmarks.harness.trainer_runs import quiet_lightning
 
 MODES = ["hf-1f1b", "hf-whole-1f1b", "hf-hand-1f1b", "ours-1f1b", "hf-single", "ours-single"]
 PARTS = ["throughput", "overhead", "planning"]

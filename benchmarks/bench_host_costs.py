@@ -6,9 +6,9 @@ isend / irecv in flight takes (2 pinned gloo processes); ``messages`` (asked for
 spread of the setup's message costs measured again and again. Feeds docs/predictions.md ("What the
 host costs beyond the blocks") and docs/messages.md.
 
-    flock /tmp/bench.lock python benchmarks/bench_host_costs.py --rounds 40
-    flock /tmp/bench.lock python benchmarks/bench_host_costs.py --parts chunks --mlp-ratio 1 --rounds 60
-    flock /tmp/bench.lock python benchmarks/bench_host_costs.py --parts messages [--bounce-only]
+    flock /tmp/bench.lock python -m benchmarks.bench_host_costs --rounds 40
+    flock /tmp/bench.lock python -m benchmarks.bench_host_costs --parts chunks --mlp-ratio 1 --rounds 60
+    flock /tmp/bench.lock python -m benchmarks.bench_host_costs --parts messages [--bounce-only]
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipe.bench.harness import Bench, Table, interleave, spread
-from lightning_pipe.bench.launch import run_distributed
-from lightning_pipe.bench.mlp import Block
-from lightning_pipe.bench.pipes import broadcast
+from benchmarks.harness.bench import Bench, Table, interleave, spread
+from benchmarks.harness.launch import run_distributed
+from benchmarks.harness.mlp import Block
+from benchmarks.harness.pipes import broadcast
 from lightning_pipe.profiling import profile_blocks
 from lightning_pipe.runtime.executor import Executor
 from lightning_pipe.runtime.microbatch import signature

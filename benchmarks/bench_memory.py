@@ -5,10 +5,10 @@ Default: GPipe, 1F1B and PipeDream-2BW train the residual MLP on d = 2, 4 gloo p
 one CLI step of a paper-size recipe on CPU, every process's peak memory against the planners' memory
 model. Feeds docs/memory.md (method there).
 
-    python benchmarks/bench_memory.py
-    python benchmarks/bench_memory.py --no-prefetch   # Executor(prefetch=False)
-    python benchmarks/bench_memory.py --ranks --runs gpt2-345m:2:32-true --init empty,full --checkpoint full,sharded
-    python benchmarks/bench_memory.py [--ranks] --quick  # smoke: d = 2 only; gpt-tiny-cpu on 2 ranks
+    python -m benchmarks.bench_memory
+    python -m benchmarks.bench_memory --no-prefetch   # Executor(prefetch=False)
+    python -m benchmarks.bench_memory --ranks --runs gpt2-345m:2:32-true --init empty,full --checkpoint full,sharded
+    python -m benchmarks.bench_memory [--ranks] --quick  # smoke: d = 2 only; gpt-tiny-cpu on 2 ranks
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipe.bench.harness import Bench, Table, column_table, names
-from lightning_pipe.bench.launch import run_distributed
-from lightning_pipe.bench.mlp import loss_fn, make_data, make_model
-from lightning_pipe.bench.pipes import equal_bounds, run_layer, schedule_layer
-from lightning_pipe.bench.rss import run_sampled
+from benchmarks.harness.bench import Bench, Table, column_table, names
+from benchmarks.harness.launch import run_distributed
+from benchmarks.harness.mlp import loss_fn, make_data, make_model
+from benchmarks.harness.pipes import equal_bounds, run_layer, schedule_layer
+from benchmarks.harness.rss import run_sampled
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sequential import SequentialHost
 from lightning_pipe.schedules import build_schedule

@@ -5,12 +5,12 @@ CPU processes in interleaved rounds: predicted vs measured, the pick against the
 planning time (part time): docs/planner_2bw.md. ``auto``: schedule="auto" per workload (mlp,
 gpt-tiny, bert-tiny) and m, every candidate from the auto run's profile: docs/predictions.md.
 
-    flock /tmp/bench.lock python benchmarks/bench_pick.py 2bw --part a --quiet-wait 300 --retries 3 --save out.json   # x 3
-    flock /tmp/bench.lock python benchmarks/bench_pick.py 2bw --part b,time --save out.json
-    python benchmarks/bench_pick.py 2bw --report out.json --plot docs/img/planner_2bw_predicted_vs_measured.png
-    flock /tmp/bench.lock python benchmarks/bench_pick.py auto --save docs/auto_measured.json       # m = 4 and 2, ~20 min
-    python benchmarks/bench_pick.py auto --report docs/auto_measured.json                           # tables of a saved run
-    python benchmarks/bench_pick.py {2bw,auto} --quick   # smoke: every part, best rows; mlp, m = 2; 2 steps
+    flock /tmp/bench.lock python -m benchmarks.bench_pick 2bw --part a --quiet-wait 300 --retries 3 --save out.json   # x 3
+    flock /tmp/bench.lock python -m benchmarks.bench_pick 2bw --part b,time --save out.json
+    python -m benchmarks.bench_pick 2bw --report out.json --plot docs/img/planner_2bw_predicted_vs_measured.png
+    flock /tmp/bench.lock python -m benchmarks.bench_pick auto --save docs/auto_measured.json       # m = 4 and 2, ~20 min
+    python -m benchmarks.bench_pick auto --report docs/auto_measured.json                           # tables of a saved run
+    python -m benchmarks.bench_pick {2bw,auto} --quick   # smoke: every part, best rows; mlp, m = 2; 2 steps
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks.harness.bench import Bench, Table, column_table, interleave, pyplot, save_figure
+from benchmarks.harness.launch import wait_for_quiet
+from benchmarks.harness.mlp_module import MLPModule, MLPRows
+from benchmarks.harness.trainer_runs import fit_timed, quiet_lightning, undisturbed
 from lightning_pipe import AutoPipeStrategy
-from lightning_pipe.bench.harness import Bench, Table, column_table, interleave, pyplot, save_figure
-from lightning_pipe.bench.launch import wait_for_quiet
-from lightning_pipe.bench.mlp_module import MLPModule, MLPRows
-from lightning_pipe.bench.stats import spearman
-from lightning_pipe.bench.trainer_runs import fit_timed, quiet_lightning, undisturbed
+from lightning_pipe.adaptive.stats import spearman
 from lightning_pipe.data import CausalLMDataModule, MaskedLMDataModule
 from lightning_pipe.models import CausalLM, MaskedLM, ModelConfig
 from lightning_pipe.planning.auto import choose_schedule

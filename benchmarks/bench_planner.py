@@ -3,9 +3,9 @@ time, gap to exhaustive search, planning time and balance for GPT-2 345M / 762M 
 BERT-large (analytic profiles) at 2-16 stages, m = 2 x stages, 1F1B; the gap over random small
 profiles; planning GPT-2 1.3B / 16 stages in fresh processes. Results: docs/planner.md.
 
-    python benchmarks/bench_planner.py --random 2000 --update-docs   # the tables, also into docs/planner.md
-    python benchmarks/bench_planner.py --closure                     # the paper's heuristic unbounded (~2 min)
-    python benchmarks/bench_planner.py --quick                       # smoke: one model, 20 random profiles
+    python -m benchmarks.bench_planner --random 2000 --update-docs   # the tables, also into docs/planner.md
+    python -m benchmarks.bench_planner --closure                     # the paper's heuristic unbounded (~2 min)
+    python -m benchmarks.bench_planner --quick                       # smoke: one model, 20 random profiles
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import subprocess
 import sys
 import time
 
-from lightning_pipe.bench import REPO
-from lightning_pipe.bench.harness import Bench, Table
+from benchmarks.harness import REPO
+from benchmarks.harness.bench import Bench, Table
 from lightning_pipe.models import get_model_config
 from lightning_pipe.planning import plan, transformer_costs
 from lightning_pipe.planning.exhaustive import EXHAUSTIVE_LIMIT, count_splits

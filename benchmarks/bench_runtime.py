@@ -1,13 +1,13 @@
 """Training throughput on 2 gloo processes x 1 thread: our runtime vs torch.distributed.pipelining vs
 one process, and the Trainer path (trainer-single / trainer-1f1b, asked for with --modes) vs the raw runtime.
 
-lightning_pipe.bench.mlp's residual MLP cut in two equal halves; best of --repeats interleaved runs,
+benchmarks.harness.mlp's residual MLP cut in two equal halves; best of --repeats interleaved runs,
 final weights checked against ``single``. Results: docs/benchmarks.md; the Trainer path: docs/predictions.md.
 
-    flock /tmp/bench.lock python benchmarks/bench_runtime.py --repeats 3 --retries 3 --quiet-wait 20 --budget 300
-    flock /tmp/bench.lock python benchmarks/bench_runtime.py --modes trainer-single,ours-1f1b,trainer-1f1b --steps 40 --repeats 4 --budget 300
-    python benchmarks/bench_runtime.py --modes trainer-1f1b --steps 40 --repeats 2 --segments
-    python benchmarks/bench_runtime.py --quick
+    flock /tmp/bench.lock python -m benchmarks.bench_runtime --repeats 3 --retries 3 --quiet-wait 20 --budget 300
+    flock /tmp/bench.lock python -m benchmarks.bench_runtime --modes trainer-single,ours-1f1b,trainer-1f1b --steps 40 --repeats 4 --budget 300
+    python -m benchmarks.bench_runtime --modes trainer-1f1b --steps 40 --repeats 2 --segments
+    python -m benchmarks.bench_runtime --quick
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from statistics import median
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.bench.harness import Bench, Table
-from lightning_pipe.bench.mlp import best_runs, make_data, single_job, stage_job
-from lightning_pipe.bench.trainer_runs import quiet_lightning
-from lightning_pipe.bench.trainer_segments import segments, stamp_segments
+from benchmarks.harness.bench import Bench, Table
+from benchmarks.harness.mlp import best_runs, make_data, single_job, stage_job
+from benchmarks.harness.trainer_runs import quiet_lightning
+from benchmarks.harness.trainer_segments import segments, stamp_segments
 
 MODES = ["single", "single-mb", "pair", "ours-gpipe", "ours-1f1b", "torch-gpipe", "torch-1f1b"]  # the default
 TRAINER = ["trainer-single"] + [f"trainer-{s}" for s in ("1f1b", "interleaved", "hanayo", "zb-h1", "zb-v")]  # through the Trainer
@@ -70,7 +70,7 @@ def _trainer(rank: int, world: int, cfg: dict, schedule: str) -> dict:
     import lightning as L
     from lightning.pytorch.callbacks import Callback
 
-    from lightning_pipe.bench.mlp_module import MLPModule
+    from benchmarks.harness.mlp_module import MLPModule
 
     quiet_lightning()
     data, last = make_data(cfg), cfg["warmup"] + cfg["steps"] - 1

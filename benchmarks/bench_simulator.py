@@ -1,14 +1,14 @@
-"""Partitions of a small GPT (lightning_pipe.bench.gpt) measured on gloo processes against the simulator,
+"""Partitions of a small GPT (benchmarks.harness.gpt) measured on gloo processes against the simulator,
 on profiles and a link taken in the same job. Results: docs/autopipe.md.
 
 Default (AutoPipe's Table II / Fig. 11 on CPU): 1F1B m = 8 on 4, then 2, processes under 7 partitions
-(the planners' and unbalanced ones); analysis: lightning_pipe.bench.simulator_report. ``--speedup``:
+(the planners' and unbalanced ones); analysis: benchmarks.harness.simulator_report. ``--speedup``:
 `autopipe` over `uniform` in training steps of a GPT with a heavy embedding / head on 2 processes.
 
-    flock /tmp/bench.lock python benchmarks/bench_simulator.py   # 4 processes, then 2; ~3 min on a quiet machine
-    python benchmarks/bench_simulator.py --raw run.pt             # also keep the measurements ...
-    python benchmarks/bench_simulator.py --from-raw run.pt        # ... and analyse them again without measuring
-    python benchmarks/bench_simulator.py --speedup                # ~2 min on a quiet machine
+    flock /tmp/bench.lock python -m benchmarks.bench_simulator   # 4 processes, then 2; ~3 min on a quiet machine
+    python -m benchmarks.bench_simulator --raw run.pt             # also keep the measurements ...
+    python -m benchmarks.bench_simulator --from-raw run.pt        # ... and analyse them again without measuring
+    python -m benchmarks.bench_simulator --speedup                # ~2 min on a quiet machine
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from itertools import combinations
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.bench import REPO, gpt, simulator_report
-from lightning_pipe.bench.gpt import add_model_arguments, block_kinds, build_model, lm_loss, make_batch, segment
-from lightning_pipe.bench.harness import Bench, Table
-from lightning_pipe.bench.launch import CpuClock, rank_zero_log
-from lightning_pipe.bench.pipes import broadcast, gather, pipeline_steps, spans
-from lightning_pipe.bench.trainer_runs import quiet_distributed, stage_pipeline
+from benchmarks.harness import REPO, gpt, simulator_report
+from benchmarks.harness.bench import Bench, Table
+from benchmarks.harness.gpt import add_model_arguments, block_kinds, build_model, lm_loss, make_batch, segment
+from benchmarks.harness.launch import CpuClock, rank_zero_log
+from benchmarks.harness.pipes import broadcast, gather, pipeline_steps, spans
+from benchmarks.harness.trainer_runs import quiet_distributed, stage_pipeline
 from lightning_pipe.planning import plan
 from lightning_pipe.profiling import Profile, profile_blocks
 from lightning_pipe.profiling.link import ping_pong

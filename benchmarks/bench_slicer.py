@@ -5,8 +5,8 @@ Simulated on FLOP-based profiles with each depth's AutoPipe plan, 1F1B, m = 2 x 
 without slicing at 2 ranks (the residual MLP) and 4 / 8 (emulated devices whose time scales with
 the rows), against the simulator on the same costs. Feeds docs/autopipe.md.
 
-    python benchmarks/bench_slicer.py --pictures docs/img
-    flock /tmp/bench.lock python benchmarks/bench_slicer.py --measure   # real processes, ~3 min
+    python -m benchmarks.bench_slicer --pictures docs/img
+    flock /tmp/bench.lock python -m benchmarks.bench_slicer --measure   # real processes, ~3 min
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_pipe.bench.emulated import EmulatedBlock, _Occupy
-from lightning_pipe.bench.harness import Bench, Table
-from lightning_pipe.bench.mlp import make_model
+from benchmarks.harness.bench import Bench, Table
+from benchmarks.harness.emulated import EmulatedBlock, _Occupy
+from benchmarks.harness.mlp import make_model
 from lightning_pipe.planning import plan, transformer_costs
 from lightning_pipe.planning.slicer import algorithm2_slicing, choose_slicing, simulate_sliced
 from lightning_pipe.planning.slicer_algorithm2 import algorithm2, paper_schedule, simulate_paper, stage_times

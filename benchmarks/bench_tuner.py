@@ -3,10 +3,10 @@ item 3; the paper's §7.3): the whole ``python -m lightning_pipe.plan ... pipeli
 then every (M, N) of its grid trained with the tuner's own profile-run command line, each command
 holding /tmp/bench.lock; predicted vs measured time and memory per setting. Results: docs/tuner.md.
 
-    python benchmarks/bench_tuner.py                                   # both models (~25 minutes on 2 cores)
-    python benchmarks/bench_tuner.py --models gpt-tiny --repeats 3 --confirm 0 --out docs/tuner_results_gpt_repeats.json
-    python benchmarks/bench_tuner.py --report docs/tuner_results.json  # tables and plots of a saved run
-    python benchmarks/bench_tuner.py --quick                           # smoke: gpt-tiny, a 2 x 2 grid, 2 batches
+    python -m benchmarks.bench_tuner                                   # both models (~25 minutes on 2 cores)
+    python -m benchmarks.bench_tuner --models gpt-tiny --repeats 3 --confirm 0 --out docs/tuner_results_gpt_repeats.json
+    python -m benchmarks.bench_tuner --report docs/tuner_results.json  # tables and plots of a saved run
+    python -m benchmarks.bench_tuner --quick                           # smoke: gpt-tiny, a 2 x 2 grid, 2 batches
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_pipe.bench import REPO
-from lightning_pipe.bench import cli_runs as cli
-from lightning_pipe.bench.harness import Bench, column_table, interleave, pyplot, save_figure
-from lightning_pipe.bench.stats import spearman
+from benchmarks.harness import REPO
+from benchmarks.harness import cli_runs as cli
+from benchmarks.harness.bench import Bench, column_table, interleave, pyplot, save_figure
+from lightning_pipe.adaptive.stats import spearman
 
 RECORD_ENV = "LIGHTNING_PIPE_TUNE_RECORD"  # lightning_pipe.lightning.tune_record.RECORD_ENV
 MODELS: dict[str, list[str]] = {

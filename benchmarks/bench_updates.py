@@ -1,4 +1,4 @@
-"""Weight-update variants of the residual MLP (lightning_pipe.bench.mlp) against GPipe / 1F1B on gloo
+"""Weight-update variants of the residual MLP (benchmarks.harness.mlp) against GPipe / 1F1B on gloo
 processes x 1 thread, at the engine level: samples/s, measured and simulated.
 
 ``2bw`` (docs/benchmarks_2bw.md): PipeDream-2BW vs 1F1B (Flush) vs GPipe vs one process on 2 processes
@@ -8,10 +8,10 @@ pipelines, elastic averaging) vs plain GPipe / 1F1B at 256 rows per optimizer st
 the time goes per worker, the staleness bound, "malloc kept" runs; N pipelines with devices of their own
 simulated.
 
-    python benchmarks/bench_updates.py 2bw
-    python benchmarks/bench_updates.py 2bw --part emulated --depths 2,4 --tf 8
-    python benchmarks/bench_updates.py avgpipe --retries 1 --budget 480
-    python benchmarks/bench_updates.py {2bw,avgpipe} --quick   # smoke: 2bw m = d = 2; avgpipe N = M = 2, s = 1; 2 steps
+    python -m benchmarks.bench_updates 2bw
+    python -m benchmarks.bench_updates 2bw --part emulated --depths 2,4 --tf 8
+    python -m benchmarks.bench_updates avgpipe --retries 1 --budget 480
+    python -m benchmarks.bench_updates {2bw,avgpipe} --quick   # smoke: 2bw m = d = 2; avgpipe N = M = 2, s = 1; 2 steps
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pipe.bench import pipes
-from lightning_pipe.bench.harness import Bench, Table, column_table, ints, ms
-from lightning_pipe.bench.launch import proc_stat, timed_steps
-from lightning_pipe.bench.mlp import keep_blocks, loss_fn, make_data, make_model, single_job, stage_half, summarize
-from lightning_pipe.bench.pipes import Clock, compute_seconds, costs_at, equal_bounds, sleep_model, time_executor
-from lightning_pipe.layers import ElasticAveraging, Flush
+from benchmarks.harness import pipes
+from benchmarks.harness.bench import Bench, Table, column_table, ints, ms
+from benchmarks.harness.launch import proc_stat, timed_steps
+from benchmarks.harness.mlp import keep_blocks, loss_fn, make_data, make_model, single_job, stage_half, summarize
+from benchmarks.harness.pipes import Clock, compute_seconds, costs_at, equal_bounds, sleep_model, time_executor
+from lightning_pipe.modes.avgpipe.engine import ElasticAveraging
+from lightning_pipe.modes.flush.engine import Flush
 from lightning_pipe.runtime.elastic import ReferenceLink, flat_into, flat_size
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sequential import SequentialHost

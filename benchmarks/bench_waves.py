@@ -5,9 +5,9 @@ process, the simulator (on the strategy's kind of profile, and calibrated on the
 traces. ``--simulated``: the simulator alone, Hanayo's order vs ours vs 1F1B and the bubble ratios at
 B = P. Feeds docs/schedules.md and docs/predictions.md.
 
-    python benchmarks/bench_waves.py --simulated --pictures docs/img
-    flock /tmp/bench.lock python benchmarks/bench_waves.py --picture docs/img/waves_speedup.png
-    python benchmarks/bench_waves.py --microbatches 4 --modes ours-1f1b,ours-wave4,torch-zbv
+    python -m benchmarks.bench_waves --simulated --pictures docs/img
+    flock /tmp/bench.lock python -m benchmarks.bench_waves --picture docs/img/waves_speedup.png
+    python -m benchmarks.bench_waves --microbatches 4 --modes ours-1f1b,ours-wave4,torch-zbv
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from lightning_pipe.bench.harness import Bench, Table, column_table, pyplot, save_figure
-from lightning_pipe.bench.launch import timed_steps
-from lightning_pipe.bench.mlp import MSEBlock, best_runs, keep_blocks, loss_fn, make_data, make_model, single_job, stage_job
-from lightning_pipe.bench.pipes import Clock, best_link, chunk_pipeline, equal_bounds, gather, median_costs
+from benchmarks.harness.bench import Bench, Table, column_table, pyplot, save_figure
+from benchmarks.harness.launch import timed_steps
+from benchmarks.harness.mlp import MSEBlock, best_runs, keep_blocks, loss_fn, make_data, make_model, single_job, stage_job
+from benchmarks.harness.pipes import Clock, best_link, chunk_pipeline, equal_bounds, gather, median_costs
 from lightning_pipe.profiling import profile_blocks
 from lightning_pipe.profiling.messages import MessageCosts, measure_messages
 from lightning_pipe.runtime.p2p import Transport

@@ -1,13 +1,13 @@
 """Zero bubble (issue 29): ZB-H1 and ZB-V vs our 1F1B and torch's ZBV on 2 real processes (MLP,
 GPT-tiny), and EMULATED P = 4, 8 bubbles against the paper's formulas and our simulator.
 
-    python benchmarks/bench_zero_bubble.py --rounds 3
+    python -m benchmarks.bench_zero_bubble --rounds 3
 """
 
 import argparse
 
-from lightning_pipe.bench.harness import pin_threads
-from lightning_pipe.bench.zero_bubble import main
+from benchmarks.harness.bench import pin_threads
+from benchmarks.harness.zero_bubble import main
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,11 +1,11 @@
 """Soak: long CLI runs, checking that memory, file descriptors and step time stay flat.
 
 ``python -m lightning_pipe.train`` (GPT-tiny, synthetic tokens, validation and a checkpoint every
-250 steps) for --steps steps per configuration; `lightning_pipe.bench.soak.SoakMonitor` records every
+250 steps) for --steps steps per configuration; `benchmarks.harness.soak.SoakMonitor` records every
 rank's RSS, open fds and mean step time every 50 steps. Feeds docs/faults.md ("Soak").
 
-    python benchmarks/soak.py                        # 1F1B on 4 ranks and 2BW on 2 ranks, 1000 steps each
-    python benchmarks/soak.py --steps 200 --configs 1f1b-4
+    python -m benchmarks.soak                        # 1F1B on 4 ranks and 2BW on 2 ranks, 1000 steps each
+    python -m benchmarks.soak --steps 200 --configs 1f1b-4
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import subprocess
 import sys
 import tempfile
 
-from lightning_pipe.bench.harness import Bench, Table
+from benchmarks.harness import child_env
+from benchmarks.harness.bench import Bench, Table
 
 CONFIGS = {
     "1f1b-4": ["trainer.devices=4", "pipeline.schedule=1f1b", "pipeline.microbatches=4"],
@@ -31,8 +32,8 @@ def run(name: str, steps: int, folder: str) -> list[dict]:
     log = os.path.join(folder, f"{name}.jsonl")
     command = [sys.executable, "-m", "lightning_pipe.train", *TRAIN.split(), f"trainer.max_steps={steps}"]
     command += [f"hydra.run.dir={os.path.join(folder, name)}", f"+callbacks.soak.path={log}", *CONFIGS[name]]
-    command += ["+callbacks.soak._target_=lightning_pipe.bench.soak.SoakMonitor"]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command += ["+callbacks.soak._target_=benchmarks.harness.soak.SoakMonitor"]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=child_env({"OMP_NUM_THREADS": "1"}))
     with open(log) as lines:
         return [json.loads(line) for line in lines]
 

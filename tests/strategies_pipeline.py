@@ -43,7 +43,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_pipe.bench.launch import WorkerError
+from benchmarks.harness.launch import WorkerError
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline
 from lightning_pipe.runtime.tied import allreduce_tied, find_tied_parameters
@@ -502,7 +502,7 @@ class Pool:
     Workers are forked from a fork server that has imported this module (torch, lightning_pipe)
     once: the first start costs one import, a restart after a failure well under a second, which
     keeps Hypothesis' shrinking of a failure that kills the pool affordable. (Plain spawn, as
-    `lightning_pipe.bench.launch` uses, would import everything again in every worker at every start.)"""
+    `benchmarks.harness.launch` uses, would import everything again in every worker at every start.)"""
 
     def __init__(
         self,

@@ -22,9 +22,9 @@ from lightning.pytorch.loggers import CSVLogger
 from models import START, EpochPerm, max_rel_diff, trainer_kwargs
 from torch.utils.data import DataLoader, TensorDataset
 
+from benchmarks.harness.emulated import EmulatedBlock, set_slowdown
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.adaptive.switch import check_bounds
-from lightning_pipe.bench.emulated import EmulatedBlock, set_slowdown
 from lightning_pipe.models import CausalLM, ModelConfig
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.multiprocess]

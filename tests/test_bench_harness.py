@@ -1,4 +1,4 @@
-"""lightning_pipe.bench.harness: interleaved rounds, median and spread, the markdown table, the outputs."""
+"""benchmarks.harness.bench: interleaved rounds, median and spread, the markdown table, the outputs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lightning_pipe.bench.harness import Bench, Table, interleave, spread
+from benchmarks.harness.bench import Bench, Table, interleave, spread
 
 
 def test_interleave_runs_every_config_once_per_round_in_order():

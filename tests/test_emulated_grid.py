@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from _dist import run_distributed
 
-from lightning_pipe.bench.emulated import emulated_model
+from benchmarks.harness.emulated import emulated_model
 from lightning_pipe.planning import partition_blocks
 from lightning_pipe.runtime.p2p import Transport
 from lightning_pipe.runtime.sequential import SequentialHost, SequentialPipeline

@@ -7,8 +7,8 @@ import time
 
 import torch
 
-from lightning_pipe.bench import emulated
-from lightning_pipe.bench.emulated import CHAIN_GAP, emulated_model
+from benchmarks.harness import emulated
+from benchmarks.harness.emulated import CHAIN_GAP, emulated_model
 
 
 def test_a_block_chains_only_onto_its_model_neighbour_in_the_same_direction_and_soon():

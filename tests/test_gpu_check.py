@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_check_smoke_runs_every_section(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, "-m", "lightning_pipe.bench.gpu_check", "--smoke", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.gpu_check", "--smoke", "--out", str(tmp_path)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=520,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

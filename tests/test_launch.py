@@ -1,4 +1,4 @@
-"""lightning_pipe.bench.launch: results of every rank, a worker's traceback, one deadline that kills."""
+"""benchmarks.harness.launch: results of every rank, a worker's traceback, one deadline that kills."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from _dist import run_distributed
 
-from lightning_pipe.bench.launch import WorkerError, timed_steps
+from benchmarks.harness.launch import WorkerError, timed_steps
 
 # Spawned workers import this module (and with it the package) first: leave them time for that on
 # a loaded machine; the deadline test itself uses a short timeout.
@@ -93,7 +93,7 @@ def test_timed_steps_counts_warmup_and_timed_steps():
 
 
 def test_launch_module_does_not_import_lightning():
-    path = Path(__file__).resolve().parent.parent / "lightning_pipe" / "bench" / "launch.py"
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "harness" / "launch.py"
     code = (
         "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('standalone_launch', {str(path)!r})\n"

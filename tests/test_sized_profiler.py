@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lightning_pipe.bench.mlp import Block, make_model
+from benchmarks.harness.mlp import Block, make_model
 from lightning_pipe.planning.sized import BYTE_FIELDS, TIME_FIELDS, SizedProfile
 from lightning_pipe.profiling.sized import profile_sizes
 

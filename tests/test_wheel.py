@@ -26,7 +26,7 @@ def run(args: list, cwd: Path, timeout: float = 180) -> subprocess.CompletedProc
 def test_the_installed_wheel_plans_and_trains_from_anywhere(tmp_path):
     source = tmp_path / "source"  # a copy: building writes build/ and egg-info next to the sources
     source.mkdir()
-    for name in ("pyproject.toml", "setup.py", "README.md", "recipes"):
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE", "recipes"):
         (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, source / name)
     shutil.copytree(ROOT / "conf", source / "conf", symlinks=True)  # conf/recipe stays a link to ../recipes
     shutil.copytree(ROOT / "lightning_pipe", source / "lightning_pipe", ignore=shutil.ignore_patterns("__pycache__"))

@@ -33,7 +33,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..bench.stats import spearman
 from ..planning.replay import Replay, paused_gc
 from ..schedules import get_schedule
 from ..schedules.spec import ScheduleSpec
@@ -42,6 +41,7 @@ from . import features as F
 from .arbiter import Arbiter, SwitchCost, arbiter_features, cost_features
 from .candidates import neighbour_candidates
 from .predictor import WEIGHTS, SpeedPredictor, save
+from .stats import spearman
 
 WINDOW = 5
 

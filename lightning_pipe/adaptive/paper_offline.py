@@ -28,7 +28,6 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..bench.stats import spearman
 from . import meta
 from . import paper_data as D
 from . import paper_features as P
@@ -38,6 +37,7 @@ from .learned import load_learned
 from .offline import samples
 from .paper_arbiter import PaperArbiter, features
 from .predictor import WEIGHTS, save
+from .stats import spearman
 
 HORIZON = 100  # iterations a decision's switching cost is spread over (the reward's normalisation)
 ONLINE_STEPS = 5  # online adaptation: gradient steps on what the job measured (Reptile's inner loop, which it prepares)

@@ -38,7 +38,7 @@ Where the paper is ambiguous, and what we chose:
   its new end) when its last block moved to stage i+1. Read 0-based, Algorithm 1 would re-split
   blocks whose set did not change in either case.
 - The paper gives no order for the candidates and no bound on the search, and the closure of its
-  rule is far beyond a planning budget (`benchmarks/bench_planner.py --closure` prints its size on
+  rule is far beyond a planning budget (`python -m benchmarks.bench_planner --closure` prints its size on
   GPT-2 1.3B / 16 stages). Ours: candidates are taken fastest first (a heap on simulated time),
   each split processed by 2) at most once, and at most `autopipe_expansions` x stages of them
   (PipelineConfig.autopipe_expansions, default `MAX_EXPANSIONS_PER_STAGE`; the paper argues its

@@ -40,7 +40,7 @@ def gantt(timeline: Timeline, path: str | Path, title: Optional[str] = None, sho
     except ImportError:
         if not _warned:
             _warned.append(True)
-            log.warning("matplotlib is not installed: timelines are not drawn (pip install matplotlib)")
+            log.warning("matplotlib is not installed: timelines are not drawn (pip install 'lightning-pipe[plots]')")
         return None
 
     ranks = timeline.schedule.num_ranks

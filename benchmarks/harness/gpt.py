@@ -22,13 +22,13 @@ KINDS = {"Embedding": "embedding", "ResidualAttentionBlock": "attention", "Resid
 
 
 def model_config(args: Any):
-    from ..models import ModelConfig
+    from lightning_pipe.models import ModelConfig
 
     return ModelConfig(vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads, d_model=args.hidden, max_seq_len=args.seq)
 
 
 def build_model(args: Any) -> nn.Sequential:
-    from ..models import build_gpt
+    from lightning_pipe.models import build_gpt
 
     torch.manual_seed(0)
     return build_gpt(model_config(args))
@@ -68,7 +68,7 @@ def add_model_arguments(p: argparse.ArgumentParser, layers: int, vocab: int) -> 
 
 
 def add_common_arguments(p: argparse.ArgumentParser) -> None:
-    """Steps, rounds, profile repeats and the quiet-machine policy (`lightning_pipe.bench.launch.quiet_segment`)."""
+    """Steps, rounds, profile repeats and the quiet-machine policy (`benchmarks.harness.launch.quiet_segment`)."""
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--steps", type=int, default=12, help="timed steps per partition and round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
@@ -91,7 +91,7 @@ def tied_allreduce(model: nn.Sequential, bounds: Any, rank: int) -> Callable[[],
 
 
 def segment(run, rank: int, world: int, args: Any, log) -> tuple[Any, float]:
-    """`lightning_pipe.bench.launch.quiet_segment` with the policy of `add_common_arguments`."""
+    """`benchmarks.harness.launch.quiet_segment` with the policy of `add_common_arguments`."""
     return quiet_segment(run, rank, world, retries=args.retries, max_foreign=args.max_foreign, quiet_wait=args.quiet_wait, log=log)
 
 

@@ -1,10 +1,10 @@
-"""bench_runtime.py's residual MLP (`lightning_pipe.bench.mlp`) as a LightningModule, for benchmarks
+"""bench_runtime.py's residual MLP (`benchmarks.harness.mlp`) as a LightningModule, for benchmarks
 that go through ``Trainer(strategy=AutoPipeStrategy(...))``.
 
 The blocks are the module's only ``nn.Sequential`` child (``self.seq``), which is how the strategy
 finds the pipeline; the MSE loss is computed in ``training_step`` after the pipeline call, so the
 planner's profile charges it to the last block, as the last stage pays it. Unlike the rest of
-``lightning_pipe.bench`` this imports Lightning (import it only where Lightning is wanted).
+``benchmarks.harness`` this imports Lightning (import it only where Lightning is wanted).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A callback for soak runs: every rank's resident memory, open file descriptors and step time.
 
-Added to a CLI run with ``+callbacks.soak._target_=lightning_pipe.bench.soak.SoakMonitor
+Added to a CLI run with ``+callbacks.soak._target_=benchmarks.harness.soak.SoakMonitor
 +callbacks.soak.path=<file>``; every `every` steps each rank appends one JSON line
 ``{"rank", "step", "rss_mb", "fds", "step_ms"}`` (step_ms: the mean wall time per step since the
 last line). Linux only (/proc).

@@ -2,7 +2,7 @@
 its own core, as a device is its own, and a competing CPU-bound job on one rank's core for a span of
 steps (a shared GPU that another job starts using). Added through Hydra:
 
-    +callbacks.load._target_=lightning_pipe.bench.injected_load.InjectedLoad +callbacks.load.core=1 \
+    +callbacks.load._target_=benchmarks.harness.injected_load.InjectedLoad +callbacks.load.core=1 \
         +callbacks.load.start=50 +callbacks.load.stop=250
 """
 
@@ -15,7 +15,7 @@ from typing import Optional
 
 from lightning.pytorch.callbacks import Callback
 
-from .harness import pin_to_core
+from .bench import pin_to_core
 
 
 def busy_job(core: int) -> subprocess.Popen:

@@ -55,7 +55,7 @@ def compose(recipe: str, steps: int, seed: int) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from ..cli.paths import CONFIG_DIR
+    from lightning_pipe.cli.paths import CONFIG_DIR
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return hydra_compose("config", overrides=[f"recipe={RECIPES[recipe]}", f"trainer.max_steps={steps}", f"seed={seed}"])
@@ -182,7 +182,7 @@ def main(doc: str = __doc__) -> None:
     import json
     import multiprocessing as mp
 
-    from .harness import Bench, Table, pyplot, save_figure, spread
+    from .bench import Bench, Table, pyplot, save_figure, spread
 
     bench = Bench(doc, dict(steps=4, val_every=2), steps=2000)
     bench.options(

@@ -164,7 +164,7 @@ class Bench:
             raise ValueError(f"no common options {sorted(unknown)}; the script adds its own to bench.parser")
         doc = doc or ""
         self.parser = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-        g = self.parser.add_argument_group("common (lightning_pipe.bench.harness)")
+        g = self.parser.add_argument_group("common (benchmarks.harness.bench)")
         for key, (kind, text) in _OPTIONS.items():
             if key in defaults:
                 flags = ["--" + key.replace("_", "-")] + (["--repeats"] if key == "rounds" else [])
@@ -224,7 +224,11 @@ class Bench:
 
     @property
     def command(self) -> str:
-        return "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0]) if sys.argv else self.name, *sys.argv[1:]])
+        """The command that runs this again: ``python -m benchmarks.<script> ...`` (a script run by its
+        path is recorded by its path)."""
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        script = ["-m", spec.name] if spec is not None else [os.path.relpath(sys.argv[0]) if sys.argv else self.name]
+        return "python " + " ".join(shlex.quote(a) for a in [*script, *sys.argv[1:]])
 
     @property
     def provenance(self) -> str:

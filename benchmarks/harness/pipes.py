@@ -170,7 +170,8 @@ def costs_at(prof: dict, rows: int, name: str = "bench"):
 def schedule_layer(name: str, world: int, m: int, rank: int, transport: Any, chunk: Any, update: Callable, **kw: Any) -> Any:
     """The pipeline layer running schedule ``name`` on this rank: DoubleBuffer for 2BW (``update``: a
     drain's optimizer step, what the caller's own step does), Flush for the flushing schedules."""
-    from lightning_pipe.layers import DoubleBuffer, Flush
+    from lightning_pipe.modes.flush.engine import Flush
+    from lightning_pipe.modes.two_bw.engine import DoubleBuffer
     from lightning_pipe.schedules import ScheduleSpec
 
     if name == "2bw":
@@ -217,7 +218,7 @@ def spans(per_rank: Sequence[Sequence[tuple]]) -> tuple[list[float], list[float]
 def best_runs(configs: Sequence[Any], rounds: int, one: Callable[[Any, int], dict], score: str, worst: str) -> list[dict]:
     """Every config in interleaved rounds (``one(config, round)`` -> its figures); per config its
     run with the highest ``score``, with ``worst`` (where there is one) the largest over its runs."""
-    from .harness import interleave
+    from .bench import interleave
 
     out = []
     for runs in interleave(configs, rounds, one):

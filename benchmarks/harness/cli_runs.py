@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import child_env
 from .launch import CpuClock, foreign_load, own_seconds, proc_stat, wait_for_quiet
 from .rss import tree
 
@@ -43,7 +44,7 @@ def train(name: str, cmd: list[str], run_dir: str, timeout: float) -> tuple[str,
     start = time.perf_counter()
     with open(log_path, "w") as log:
         try:
-            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=tempfile.gettempdir())
+            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=tempfile.gettempdir(), env=child_env())
         except subprocess.TimeoutExpired:
             sys.exit(f"[{name}] did not finish within {timeout:.0f} s (hung?); its output: {log_path}")
     wall = time.perf_counter() - start
@@ -185,7 +186,7 @@ def run_command(
             out.write(" ".join(cmd) + "\n\n")
             out.flush()
             start, mine, t0, seen = CpuClock.now(children=True), own_seconds(), time.perf_counter(), {}
-            proc = subprocess.Popen(cmd, cwd=folder, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(cmd, cwd=folder, env=child_env(env), stdout=out, stderr=subprocess.STDOUT)
             try:  # the tree's CPU every 0.2 s, keyed by (pid, start time), until it exits
                 while proc.poll() is None and time.perf_counter() - t0 < timeout:
                     tree_cpu = {(pid, st[1]): st[2] for pid in tree(proc.pid) if (st := proc_stat(pid)) is not None}

@@ -1,4 +1,4 @@
-"""The prepared GPU check: `python -m lightning_pipe.bench.gpu_check [--smoke] [--out DIR]`.
+"""The prepared GPU check: `python -m benchmarks.gpu_check [--smoke] [--out DIR]`.
 
 One command, one JSON + markdown report, on one accelerator (under 8 minutes on an H100 / H200):
 
@@ -20,7 +20,7 @@ One command, one JSON + markdown report, on one accelerator (under 8 minutes on 
    against the planner's memory model.
 
 `--smoke` runs the same sections small on the CPU (GPT-tiny; planners for 2 and 4 stages): what CI
-runs, so the check cannot rot between the sessions that have a GPU.
+runs, so the check cannot rot between runs on a GPU.
 """
 
 from __future__ import annotations
@@ -40,16 +40,16 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from .. import AutoPipeStrategy
-from ..adaptive.meter import StepMeter
-from ..models import CausalLM, build_gpt, get_model_config
-from ..planning import plan
-from ..planning.auto import choose_schedule
-from ..planning.entry import block_kinds
-from ..planning.two_bw import hardware, plan_2bw
-from ..profiling import Profile, profile_blocks
-from ..profiling.sized import profile_sizes
-from . import provenance
+from benchmarks.harness import provenance
+from lightning_pipe import AutoPipeStrategy
+from lightning_pipe.adaptive.meter import StepMeter
+from lightning_pipe.models import CausalLM, build_gpt, get_model_config
+from lightning_pipe.planning import plan
+from lightning_pipe.planning.auto import choose_schedule
+from lightning_pipe.planning.entry import block_kinds
+from lightning_pipe.planning.two_bw import hardware, plan_2bw
+from lightning_pipe.profiling import Profile, profile_blocks
+from lightning_pipe.profiling.sized import profile_sizes
 
 SECTIONS: list[tuple[str, Callable[[argparse.Namespace, dict], Any]]] = []
 

@@ -98,7 +98,7 @@ MODES = (("stop", None), ("fine-grained", 1), ("fine-grained", 2), ("fine-graine
 
 
 def main(doc: str) -> None:
-    from .harness import Bench, Table, interleave, spread
+    from .bench import Bench, Table, interleave, spread
 
     bench = Bench(doc, rounds=5, steps=24, threads=1)
     bench.options(out=("/tmp/bench_switch", "run folders"), emulated=(False, "blocks that sleep their device time (EMULATED)"))

@@ -5,8 +5,8 @@ rank measured (``--raw FILE``: per world the ranks' results, with the run's argu
 provenance); this module turns such results into the tables and pictures, in the same run or
 later from the file:
 
-    python benchmarks/bench_simulator.py --from-raw run.pt               # the measuring run's options
-    python -m lightning_pipe.bench.simulator_report run.pt --pictures ''   # the same, options from the file
+    python -m benchmarks.bench_simulator --from-raw run.pt               # the measuring run's options
+    python -m benchmarks.harness.simulator_report run.pt --pictures ''   # the same, options from the file
 
 Per partition: the measured iteration (median over the timed steps of first rank in to last rank
 out), the simulated one from the profile taken in the same job, the error, the Spearman rank
@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
+from lightning_pipe.adaptive.stats import spearman
+
 from .gpt import describe
-from .stats import spearman
 
 RAW_FORMAT = "bench_simulator/2"
 
@@ -403,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if stored is None:
         p.error(
             f"{opts.raw} was saved without the measuring run's options: analyse it with "
-            "python benchmarks/bench_simulator.py --from-raw FILE and that run's options"
+            "python -m benchmarks.bench_simulator --from-raw FILE and that run's options"
         )
     args = argparse.Namespace(**stored)
     args.worlds = opts.worlds or [w for w in args.worlds if w in worlds]

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.models import CausalLM, ModelConfig
 
-from .harness import pin_to_core, pyplot, save_figure
+from .bench import pin_to_core, pyplot, save_figure
 from .injected_load import busy_job
 
 CFG = dict(vocab_size=260, n_layer=4, n_head=4, d_model=128, max_seq_len=64)

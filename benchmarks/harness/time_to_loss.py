@@ -30,7 +30,7 @@ AVGPIPE = [  # the reference is validated; each pipeline's sampler would split t
     *(f"trainer.limit_val_batches={VAL_SAMPLES // 8}", "+trainer.use_distributed_sampler=false"),
 ]
 LOAD = [  # ranks pinned to their cores; a busy job shares rank 1's core from step 50 to 250 (injected_load.py)
-    "+callbacks.load._target_=lightning_pipe.bench.injected_load.InjectedLoad",
+    "+callbacks.load._target_=benchmarks.harness.injected_load.InjectedLoad",
     *("+callbacks.load.core=1", "+callbacks.load.start=50", "+callbacks.load.stop=250"),
 ]
 MODES: dict[str, tuple[list[str], str]] = {  # name -> (Hydra overrides after the recipe, label)
@@ -109,7 +109,7 @@ def main(doc: str = __doc__) -> None:
     import json
     import tempfile
 
-    from .harness import Bench, Table, pyplot, save_figure, spread
+    from .bench import Bench, Table, pyplot, save_figure, spread
 
     bench = Bench(doc, dict(steps=6, val_every=3), steps=300, timeout=1800.0)
     bench.options(

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from .harness import pin_to_core
+from .bench import pin_to_core
 from .launch import busy_seconds, own_seconds, wait_for_quiet
 
 

@@ -6,7 +6,7 @@ or the paper's Eq. 1-8 from the live calibrated tuner's first profile (the paper
 pick's measured throughput over the traversal's best, and Spearman's rho of predicted against
 measured samples/s.
 
-    python -m lightning_pipe.bench.tuner_replay docs/tuner_results.json docs/tuner_results_gpt_repeats.json
+    python -m benchmarks.harness.tuner_replay docs/tuner_results.json docs/tuner_results_gpt_repeats.json
 
 A replay uses the traversal's measurement of the profiled settings where a live tuner runs its own
 profile run; the live figures are bench_tuner.py's (docs/tuner.md).
@@ -19,9 +19,10 @@ import statistics
 import sys
 from typing import Any
 
-from ..tuning import StageProfile, TuneProfile, choose, predict_calibrated
-from .harness import Table
-from .stats import spearman
+from lightning_pipe.adaptive.stats import spearman
+from lightning_pipe.tuning import StageProfile, TuneProfile, choose, predict_calibrated
+
+from .bench import Table
 
 
 def profile_of(setting: dict[str, Any], batch: int) -> TuneProfile:

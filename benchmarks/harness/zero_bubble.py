@@ -18,12 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..planning import partition_blocks
-from ..profiling import profile_blocks
-from ..runtime.p2p import Transport
-from ..runtime.tied import allreduce_tied, find_tied_parameters
-from ..schedules import build_schedule
-from ..simulation import CostModel, simulate
+from lightning_pipe.planning import partition_blocks
+from lightning_pipe.profiling import profile_blocks
+from lightning_pipe.runtime.p2p import Transport
+from lightning_pipe.runtime.tied import allreduce_tied, find_tied_parameters
+from lightning_pipe.schedules import build_schedule
+from lightning_pipe.simulation import CostModel, simulate
+
 from .emulated import _occupy
 from .launch import run_distributed, timed_steps
 from .mlp import keep_blocks, loss_fn, make_data, make_model, max_rel_error, single_job, stage_job
@@ -100,8 +101,8 @@ def real_job(rank: int, world: int, mode: str, cfg: dict) -> dict:
 def auto_pick(cfg: dict) -> str:
     """What `schedule="auto"` picks among 1F1B, ZB-H1 and ZB-V on 2 ranks from this model's profile
     (the strategy's kind: the blocks in a chain, two micro-batches in flight, BI and W measured)."""
-    from ..planning.auto import choose_schedule
-    from ..profiling.blocks import Profile
+    from lightning_pipe.planning.auto import choose_schedule
+    from lightning_pipe.profiling.blocks import Profile
 
     model, data, loss = _gpt(cfg) if cfg.get("gpt") else (make_model(cfg), make_data(cfg), loss_fn)
     x, y = (t.tensor_split(cfg["microbatches"])[0] for t in data[0])
