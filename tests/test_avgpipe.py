@@ -133,11 +133,9 @@ def parallel_models(path):
     return state["state_dict"], out
 
 
-@pytest.mark.parametrize("alpha,staleness,schedule", [(None, 0, "1f1b"), (0.3, 1, "advance")])
-def test_parallel_and_reference_weights_follow_the_rule(tmp_path, alpha, staleness, schedule):
-    # 2 pipelines x 2 stages, 7 iterations over 23-sample shards (batches 10, 10, 3: not divisible by m)
-    # validation every 3 steps evaluates the reference and must leave every trajectory unchanged;
-    # "advance": AvgPipe's advance forward propagation with its adaptive rule inside the pipelines
+def rule_run(folder, alpha, staleness, schedule):
+    """2 pipelines x 2 stages, 7 iterations over 23-sample shards (batches 10, 10, 3: not divisible by
+    m), validation every 3 steps, a checkpoint after every step in `folder`; the model fit hands back."""
     model = LitSeq()
     val = DataLoader(dataset(seed=3), batch_size=10)
     fit(
@@ -145,12 +143,38 @@ def test_parallel_and_reference_weights_follow_the_rule(tmp_path, alpha, stalene
         7,
         alpha=alpha,
         staleness=staleness,
-        callbacks=[saved(tmp_path, 7)],
+        callbacks=[saved(folder, 1)],
         enable_checkpointing=True,
         val=val,
         val_check_interval=3,
         schedule=schedule,
     )
+    return model
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """AvgPipe(1F1B) with the default α = 0.5, s = 0 (`rule_run`), run once for the tests that read it:
+    the rule at step 7, the mean of the parallel models at step 5, the plain module loading step 3
+    (each was a run of its own; the rule test shows that validation leaves every trajectory as it is)."""
+    folder = tmp_path_factory.mktemp("avgpipe_default")
+    here = os.getcwd()
+    os.chdir(folder)  # what the per-test working directory is for (tests/conftest.py)
+    try:
+        return rule_run(folder, None, 0, "1f1b"), folder
+    finally:
+        os.chdir(here)
+
+
+@pytest.mark.parametrize("alpha,staleness,schedule", [(None, 0, "1f1b"), (0.3, 1, "advance")])
+def test_parallel_and_reference_weights_follow_the_rule(request, tmp_path, alpha, staleness, schedule):
+    # 2 pipelines x 2 stages, 7 iterations over 23-sample shards (batches 10, 10, 3: not divisible by m)
+    # validation every 3 steps evaluates the reference and must leave every trajectory unchanged;
+    # "advance": AvgPipe's advance forward propagation with its adaptive rule inside the pipelines
+    if alpha is None:  # the defaults: the module's run of them
+        model, tmp_path = request.getfixturevalue("default_run")
+    else:
+        model = rule_run(tmp_path, alpha, staleness, schedule)
     want_parallel, want_ref = simulate(7, 2, 0.5 if alpha is None else alpha, staleness)
     (path,) = glob.glob(os.path.join(tmp_path, "*step=7.ckpt"))
     reference, parallel = parallel_models(path)
@@ -197,10 +221,10 @@ def test_avgpipe_2bw_follows_both_papers_rules(tmp_path, alpha, staleness, advan
     assert max_rel_diff(flush_parallel[0], parallel[0]) > 1e-6  # 2BW's stale gradients are not AvgPipe(1F1B)'s
 
 
-def test_the_reference_stays_the_mean_of_the_parallel_models(tmp_path):
+def test_the_reference_stays_the_mean_of_the_parallel_models(default_run):
     # s = 0 and a common start: the pull keeps the mean, the Δ's move mean and reference alike
-    fit(LitSeq(), 5, callbacks=[saved(tmp_path, 5)], enable_checkpointing=True)
-    reference, parallel = parallel_models(glob.glob(os.path.join(tmp_path, "*step=5.ckpt"))[0])
+    _, folder = default_run
+    reference, parallel = parallel_models(glob.glob(os.path.join(folder, "*step=5.ckpt"))[0])
     mean = {k: (parallel[0][k] + parallel[1][k]) / 2 for k in reference}
     assert max_rel_diff(mean, reference) <= 1e-12
     assert max_rel_diff(parallel[0], reference) > 1e-4
@@ -220,23 +244,50 @@ def test_one_pipeline_without_pull_is_plain_pipeline_training(tmp_path):
     assert max_rel_diff(plain.state_dict(), elastic.state_dict()) <= 1e-12
 
 
+def resumable():
+    return StatefulDataLoader(dataset(), batch_size=10)
+
+
+@pytest.fixture(scope="module")
+def whole_runs(tmp_path_factory):
+    """schedule -> (the state dict after 7 uninterrupted steps, s = 1, the folder of its full-layout
+    checkpoint after every step): one run per schedule for the module, which both 1f1b layouts read."""
+    runs = {}
+
+    def whole(schedule):
+        if schedule not in runs:
+            folder = tmp_path_factory.mktemp(f"avgpipe_whole_{schedule}")
+            here = os.getcwd()
+            os.chdir(folder)
+            try:
+                model = LitSeq()
+                fit(model, 7, callbacks=[saved(folder, 1)], train=resumable(), staleness=1, schedule=schedule, enable_checkpointing=True)
+            finally:
+                os.chdir(here)
+            runs[schedule] = model.state_dict(), folder
+        return runs[schedule]
+
+    return whole
+
+
 # 2bw: AvgPipe(2BW), each pipeline's own stash W_n(t - 1) in the checkpoint comes back to its pipeline
 @pytest.mark.parametrize("layout,schedule", [("full", "1f1b"), ("sharded", "1f1b"), ("full", "2bw")])
-def test_resume_continues_every_parallel_model(tmp_path, layout, schedule):
-    def resumable():
-        return StatefulDataLoader(dataset(), batch_size=10)
-
+def test_resume_continues_every_parallel_model(tmp_path, whole_runs, layout, schedule):
     common = dict(staleness=1, schedule=schedule, enable_checkpointing=True)
-    whole = LitSeq()
-    fit(whole, 7, callbacks=[saved(tmp_path / "whole", 7)], train=resumable(), **common)
-    # step 2 is mid-epoch (3 batches per pipeline and epoch): Lightning resumes the shard where it stopped
-    fit(LitSeq(), 2, callbacks=[saved(tmp_path / "first", 2)], train=resumable(), checkpoint=layout, **common)
-    (path,) = glob.glob(os.path.join(tmp_path, "first", "*step=2.ckpt"))
+    whole_state, whole_folder = whole_runs(schedule)
+    # step 2 is mid-epoch (3 batches per pipeline and epoch): Lightning resumes the shard where it stopped.
+    # The full layout's step-2 checkpoint is the whole run's own (written after step 2 as a run stopping
+    # there writes it, before the next step); the sharded one comes from a 2-step run in that layout
+    if layout == "full":
+        (path,) = glob.glob(os.path.join(whole_folder, "*step=2.ckpt"))
+    else:
+        fit(LitSeq(), 2, callbacks=[saved(tmp_path / "first", 2)], train=resumable(), checkpoint=layout, **common)
+        (path,) = glob.glob(os.path.join(tmp_path, "first", "*step=2.ckpt"))
     resumed = LitSeq(seed=5)
     fit(resumed, 7, ckpt_path=path, callbacks=[saved(tmp_path / "resumed", 7)], train=resumable(), **common)  # reads either layout
-    for k, v in whole.state_dict().items():
+    for k, v in whole_state.items():
         assert torch.equal(v, resumed.state_dict()[k]), k
-    (a,) = glob.glob(os.path.join(tmp_path, "whole", "*step=7.ckpt"))
+    (a,) = glob.glob(os.path.join(whole_folder, "*step=7.ckpt"))
     (b,) = glob.glob(os.path.join(tmp_path, "resumed", "*step=7.ckpt"))
     for x, y in zip(parallel_models(a)[1], parallel_models(b)[1]):
         for k in x:
@@ -245,9 +296,9 @@ def test_resume_continues_every_parallel_model(tmp_path, layout, schedule):
     assert max_rel_diff(want, resumed.state_dict()) <= 1e-10
 
 
-def test_the_checkpoint_loads_into_the_plain_module(tmp_path):
-    fit(LitSeq(), 3, callbacks=[saved(tmp_path, 3)], enable_checkpointing=True)
-    (path,) = glob.glob(os.path.join(tmp_path, "*step=3.ckpt"))
+def test_the_checkpoint_loads_into_the_plain_module(default_run):
+    _, folder = default_run
+    (path,) = glob.glob(os.path.join(folder, "*step=3.ckpt"))
     plain = LitSeq.load_from_checkpoint(path)
     _, want = simulate(3, 2, 0.5, 0)
     assert max_rel_diff(want, {k: v for k, v in plain.state_dict().items()}) <= 1e-10

@@ -154,16 +154,16 @@ def test_saved_profile_must_match_the_model(tmp_path):
 
 # ---- issue 10: the interleaved schedule's micro-batch error names pipeline.microbatches ---------
 def _cli(module, args, cwd):
+    """`python -m module args`; refused before any process starts: forked from the tests' fork server (tests/_cli.py)."""
     import os
-    import subprocess
-    import sys
     from pathlib import Path
+
+    from _cli import run_module
 
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
     env.pop("LOCAL_RANK", None)
-    run = [sys.executable, "-m", module, *args, f"hydra.run.dir={cwd / 'run'}"]
-    return subprocess.run(run, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    return run_module(module, [*args, f"hydra.run.dir={cwd / 'run'}"], cwd, env, timeout=120)
 
 
 def test_interleaved_microbatch_error_names_the_microbatches_setting():

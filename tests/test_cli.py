@@ -13,6 +13,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from _cli import run_module
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
@@ -137,10 +138,16 @@ def test_cli_resume_is_bit_for_bit_mid_epoch_and_at_epoch_boundaries(tmp_path):
             assert torch.equal(value, again["state_dict"][key]), f"resumed at step {step}: {key} differs"
 
 
-def bad(tmp_path, *args):
+def bad(tmp_path, *args, fresh=False):
     """The run fails with one `error:` line, exit 2, no traceback and no run folder (the default
-    run folder, outputs/, as a user gets it)."""
-    proc = cli(list(args), tmp_path, timeout=120)
+    run folder, outputs/, as a user gets it). Refused before any worker starts, so the command is
+    forked from the tests' fork server (tests/_cli.py); `fresh`: a real `python -m` interpreter."""
+    if fresh:
+        proc = cli(list(args), tmp_path, timeout=120)
+    else:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        env.pop("LOCAL_RANK", None)
+        proc = run_module("lightning_pipe.train", list(args), tmp_path, env, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and sum(line.startswith("error:") for line in proc.stderr.splitlines()) == 1
     assert not (tmp_path / "outputs").exists(), "nothing half-written may be left behind"
@@ -149,7 +156,7 @@ def bad(tmp_path, *args):
 
 @pytest.mark.multiprocess
 def test_unknown_recipe(tmp_path):
-    line = bad(tmp_path, "recipe=gpt-huge")
+    line = bad(tmp_path, "recipe=gpt-huge", fresh=True)  # the one refusal checked through a new interpreter
     assert line.startswith("error: Could not find 'recipe/gpt-huge' (available: ") and "gpt-tiny-cpu" in line  # the recipes there are
 
 
@@ -191,10 +198,8 @@ def test_devices_that_do_not_fit_the_pipeline(tmp_path):
 
 
 def plan_cli(args, cwd):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run(
-        [sys.executable, "-m", "lightning_pipe.plan", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
-    )
+    """`python -m lightning_pipe.plan` (it starts no processes: forked from the fork server, tests/_cli.py)."""
+    return run_module("lightning_pipe.plan", args, cwd, dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
 
 
 @pytest.mark.multiprocess

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _cli import run_module
 
 from lightning_pipe.profiling import Profile
 
@@ -37,8 +38,12 @@ SETTINGS = {
 
 
 def run(module: str, args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m module args`: the plan command (no processes) forked from the tests' fork server
+    (tests/_cli.py); training starts its ranks by re-running its command line, so a real interpreter."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("LOCAL_RANK", None)
+    if module == "lightning_pipe.plan":
+        return run_module(module, args, cwd, env, timeout=timeout)
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -10,20 +10,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from _cli import run_module
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["trainer.log_every_n_steps=1", "trainer.val_check_interval=3", "trainer.limit_val_batches=1", "data.max_bytes=100000"]
 
 
-def cli(module: str, args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+def cli(module: str, args: list[str], cwd: Path, forked: bool = False, **env: str) -> subprocess.CompletedProcess:
+    """`python -m module args`; `forked`: from the tests' fork server (tests/_cli.py), for a command that starts no processes."""
     environ = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")}
     environ.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **env)
+    if forked:
+        return run_module(module, args, cwd, environ, timeout=200)
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=environ, capture_output=True, text=True, timeout=200)
 
 
 @pytest.mark.parametrize("env, folder", [({"SLURM_JOB_ID": "4242"}, "slurm-4242"), ({"TORCHELASTIC_RUN_ID": "job7"}, "torchrun-job7")])
 def test_the_run_folder_is_named_by_the_jobs_id(tmp_path, env, folder):
-    proc = cli("lightning_pipe.plan", ["recipe=gpt-tiny-cpu"], tmp_path, **env)
+    proc = cli("lightning_pipe.plan", ["recipe=gpt-tiny-cpu"], tmp_path, forked=True, **env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "outputs" / "gpt-tiny-cpu" / folder / "plan.json").is_file()
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _cli import run_module
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from hypothesis import given
@@ -259,9 +260,13 @@ def test_train_tunes_then_runs_the_chosen_job(tmp_path):
 
 
 def test_bad_tuner_settings_are_one_line_before_any_process(tmp_path):
-    done = run("lightning_pipe.plan", ["recipe=gpt-tiny-cpu", "pipeline.tune=true"], tmp_path, timeout=60)
+    # refused before any process starts: both commands forked from the tests' fork server (tests/_cli.py)
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "LIGHTNING_PIPE_TUNED", "LIGHTNING_PIPE_TUNE_RECORD")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    done = run_module("lightning_pipe.plan", ["recipe=gpt-tiny-cpu", "pipeline.tune=true"], tmp_path, env, timeout=60)
     assert done.returncode == 2 and "tune=true is AvgPipe's tuner" in done.stderr and "pipeline.tune" in done.stderr
-    done = run("lightning_pipe.train", ["recipe=gpt-tiny-avgpipe", "pipeline.tune=true", "pipeline.tune_microbatches=[4,64]"], tmp_path, 60)
+    args = ["recipe=gpt-tiny-avgpipe", "pipeline.tune=true", "pipeline.tune_microbatches=[4,64]"]
+    done = run_module("lightning_pipe.train", args, tmp_path, env, timeout=60)
     assert done.returncode == 2 and "[64] exceed the batch size 8" in done.stderr and "pipeline.tune_microbatches" in done.stderr
     assert len([line for line in done.stderr.splitlines() if line.startswith("error:")]) == 1
     assert not list(tmp_path.glob("outputs/*/*/tune_profile"))

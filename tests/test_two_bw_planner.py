@@ -8,11 +8,10 @@ import glob
 import json
 import math
 import os
-import subprocess
-import sys
 
 import lightning as L
 import pytest
+from _cli import run_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -191,8 +190,8 @@ def test_memory_limit_sizes_and_recompute_per_stage():
 # ---- the plan CLI ----------------------------------------------------------------------------------
 def plan_cli(tmp_path, *overrides):
     tmp_path.mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "lightning_pipe.plan", "recipe=gpt2-1.3b", f"hydra.run.dir={tmp_path}", *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    # the plan command starts no processes: forked from the tests' fork server (tests/_cli.py)
+    return run_module("lightning_pipe.plan", ["recipe=gpt2-1.3b", f"hydra.run.dir={tmp_path}", *overrides], tmp_path, timeout=120)
 
 
 @pytest.mark.timeout(200)
