@@ -9,6 +9,8 @@ model. Feeds docs/memory.md (method there).
     python -m benchmarks.bench_memory --no-prefetch   # Executor(prefetch=False)
     python -m benchmarks.bench_memory --ranks --runs gpt2-345m:2:32-true --init empty,full --checkpoint full,sharded
     python -m benchmarks.bench_memory [--ranks] --quick  # smoke: d = 2 only; gpt-tiny-cpu on 2 ranks
+    python -m benchmarks.bench_memory --ranks --checkpoint none \
+        --runs gpt2-345m:4:32-true:width=2+data.batch_size=4,gpt2-345m:4:32-true:width=2+shard=optimizer+data.batch_size=4
 """
 
 from __future__ import annotations
@@ -301,14 +303,17 @@ WEIGHTS = [
 ]  # fmt: skip
 
 
-def cli_step(model: str, ranks: int, precision: str, init: str, checkpoint: str, timeout: float) -> dict:
-    """One step of the CLI, its process tree sampled: peak (rss, anon) of each rank and of the other processes."""
+def cli_step(model: str, ranks: int, precision: str, init: str, checkpoint: str, timeout: float, pipeline: str = "") -> dict:
+    """One step of the CLI, its process tree sampled: peak (rss, anon) of each rank and of the other processes.
+    `pipeline`: further settings, "name=value+name=value": pipeline.<name>, or as written where the name has a dot
+    (e.g. width=2+shard=optimizer+data.batch_size=4)."""
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, "-m", "lightning_pipe.train", f"recipe={model}", "trainer=cpu", "partition=autopipe",
                    "schedule=1f1b", f"trainer.devices={ranks}", f"trainer.precision={precision}", "trainer.max_steps=1",
                    "trainer.val_check_interval=null", "trainer.limit_val_batches=0", "data.synthetic=true", f"data.batch_size={BATCH}",
                    f"data.seq_len={SEQ}", f"pipeline.microbatches={MICRO}", f"empty_init={init == 'empty'}", f"hydra.run.dir={out}",
-                   *(["callbacks=none"] if checkpoint == "none" else [f"pipeline.checkpoint={checkpoint}"])]  # fmt: skip
+                   *(["callbacks=none"] if checkpoint == "none" else [f"pipeline.checkpoint={checkpoint}"]),
+                   *(s if "." in s.split("=")[0] else f"pipeline.{s}" for s in pipeline.split("+") if s)]  # fmt: skip
         rc, peaks, tail = run_sampled(command, timeout=timeout)
         plan = next(Path(out).rglob("plan.json"), None)  # the run's own prediction: the memory model on its profile
         prediction = json.loads(plan.read_text())["predicted_memory_bytes"] if plan else None
@@ -332,25 +337,34 @@ def rank_peaks(bench: Bench, args) -> None:
     runtime = idle[0].anon
     bench.say(f"runtime (a process that imported the CLI): {runtime / GiB:.2f} GiB anonymous memory")
     columns = ("predicted GiB", "of which runtime GiB", "peak anon GiB", "peak rss GiB", "anon / predicted")
-    table = Table("model", "ranks", "precision", "init", "checkpoint", "stage", *columns)
+    table = Table("model", "ranks", "pipeline", "precision", "init", "checkpoint", "rank", *columns)
     for spec in names(args.runs):
-        model, ranks, precision = spec.split(":")
-        ranks = int(ranks)
+        model, ranks, precision, *more = spec.split(":", 3)
+        ranks, pipeline = int(ranks), (more[0] if more else "")
         for init in names(args.init):
             for checkpoint in names(args.checkpoint):
                 bench.log(f"{model} x{ranks} {precision} init={init} checkpoint={checkpoint} ...")
                 try:
-                    result = cli_step(model, ranks, precision, init, checkpoint, args.timeout)
+                    result = cli_step(model, ranks, precision, init, checkpoint, args.timeout, pipeline)
                 except RuntimeError as err:
                     bench.say(f"- {model} x{ranks} {precision} init={init} checkpoint={checkpoint}: failed: {str(err).splitlines()[0]}")
                     continue
                 bench.keep(f"{spec}:{init}:{checkpoint}", result)
                 own = result["predicted"]["runtime_bytes"]  # what the run measured and planned with
-                for stage, (rss, anon) in result["ranks"].items():
-                    pred = result["predicted"]["per_rank"][stage]
+                for rank, (rss, anon) in result["ranks"].items():
+                    per_stage = result["predicted"]["per_rank"]  # one entry per stage; rank r runs stage r % depth
+                    pred = per_stage[rank % len(per_stage)]
                     figures, ratios = (pred / GiB, own / GiB, anon / GiB, rss / GiB), (anon / pred,)
                     table.add(
-                        model, ranks, precision, init, checkpoint, stage, *(f"{v:.2f}" for v in figures), *(f"{v:.2f}x" for v in ratios)
+                        model,
+                        ranks,
+                        pipeline.replace("+", " ") or "-",
+                        precision,
+                        init,
+                        checkpoint,
+                        rank,
+                        *(f"{v:.2f}" for v in figures),
+                        *(f"{v:.2f}x" for v in ratios),
                     )
                 if result["helpers"]:  # the data-loader workers, forked from the ranks: their pages are mostly the rank's
                     most = max(anon for *_, anon in result["helpers"])
@@ -366,7 +380,10 @@ def main() -> None:
     bench.options(rows=(32, "rows per micro-batch"), stages=([2, 4], "d values"), schedules=SCHEDULES, steps_2bw=(4, "2BW: then a drain"))
     bench.options(no_prefetch=(False, "the executor posts each receive when it is due (prefetch=False)"))
     runs = "gpt2-345m:2:32-true,gpt2-345m:2:bf16-true,gpt2-345m:4:32-true,gpt2-345m:4:bf16-true,gpt2-1.3b:4:bf16-true,gpt2-1.3b:4:32-true"
-    bench.options(ranks=(False, "per rank of CLI runs (timeout per run 1800 s)"), runs=(runs, "--ranks: model:ranks:precision, ..."))
+    bench.options(
+        ranks=(False, "per rank of CLI runs (timeout per run 1800 s)"),
+        runs=(runs, "--ranks: model:ranks:precision[:setting=value+...], ... (settings: pipeline.<setting>)"),
+    )
     bench.options(init=("empty", "--ranks: empty (each rank creates its stage), full (every rank builds the model), or both"))
     bench.options(checkpoint=("full", "--ranks: the checkpoint at the end: full, sharded, none (callbacks=none)"))
     args = bench.parse()

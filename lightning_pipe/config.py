@@ -24,6 +24,7 @@ from .modes.advance import settings as advance
 from .modes.avgpipe import settings as avgpipe
 from .modes.partition import settings as partition_control
 from .modes.two_bw import settings as two_bw
+from .modes.width import settings as width_settings
 from .planning.heuristic import MAX_EXPANSIONS_PER_STAGE, check_expansions
 from .planning.partition import PartitionSpec, partition_blocks
 from .planning.partitioners import PARTITIONERS
@@ -35,7 +36,7 @@ from .topology import Topology
 START_METHODS = ["popen", "spawn", "fork", "forkserver"]
 CHECKPOINT_LAYOUTS = ["full", "sharded"]
 SLICER_METHODS = (None, "algorithm2", "sweep")
-MODE_SETTINGS = (avgpipe, advance, two_bw, partition_control)  # each checks its own settings (check_config)
+MODE_SETTINGS = (width_settings, avgpipe, advance, two_bw, partition_control)  # each checks its own settings (check_config)
 
 
 @dataclass
@@ -61,6 +62,10 @@ class PipelineConfig:
     """Micro-batches per optimizer step (m)."""
     width: int = 1
     """Pipeline replicas (data parallel); stages = devices x nodes / width."""
+    shard: str = "none"
+    """none: every replica holds its stage's whole optimizer state; optimizer: ZeRO-1, each parameter's
+    optimizer state (Adam's moments) on one replica of its stage only, which steps it and broadcasts the new
+    values (needs width >= 2; the update is exactly the unsharded one)."""
     pipelines: Optional[int] = None
     """AvgPipe: N parallel pipelines, each training its own model on its own data, joined by elastic
     averaging with reference processes (None: off); stages = devices x nodes / N."""
@@ -237,6 +242,11 @@ class PipelineConfig:
         return self.pipelines if self.pipelines is not None else self.width
 
     @property
+    def optimizer_shards(self) -> int:
+        """Replicas each parameter's optimizer state is divided over (ZeRO-1); 1: whole on every replica."""
+        return self.width if self.shard == "optimizer" else 1
+
+    @property
     def slicing(self) -> str:
         """The slicer's method: as set, else the paper's Algorithm 2 where it is defined (1F1B)."""
         if self.slicer_method is not None:
@@ -363,6 +373,28 @@ def _planner_excludes(c: "PipelineConfig") -> str:
 
 
 LEGALITY: tuple[Legality, ...] = (
+    Legality(
+        "shard",
+        lambda c: c.shard != "none" and c.pipelines is not None,
+        lambda c: (
+            f"shard={c.shard!r} shards over the width's replicas; AvgPipe's pipelines (pipelines={c.pipelines}) train apart: set shard='none'"
+        ),
+    ),
+    Legality(
+        "shard",
+        lambda c: c.shard != "none" and c.pipelines is None and c.planner is None and c.width < 2,
+        lambda c: (
+            f"shard={c.shard!r} shards the optimizer state over the replicas, and width={c.width} has none: set width >= 2 or shard='none'"
+        ),
+    ),
+    Legality(
+        "shard",
+        lambda c: c.shard != "none" and bool(c.adaptive),
+        lambda c: (
+            f"shard={c.shard!r} with adaptive={c.adaptive!r}: a live switch moves blocks with their optimizer state, which is "
+            "spread over the replicas (not built); set shard='none' or adaptive=false"
+        ),
+    ),
     Legality(
         "width",
         lambda c: c.pipelines is not None and c.width != 1,

@@ -8,6 +8,7 @@ import glob
 import json
 import math
 import os
+from dataclasses import replace
 
 import lightning as L
 import pytest
@@ -72,6 +73,10 @@ def test_memory_by_hand():
     assert memory(c, bounds, (False, False), "gpipe", 4, hw) == (800 + 4 * 30, 800 + 4 * 70)
     # recomputation on stage 0: 2 x its blocks' inputs (1 + 2) + the larger block's activations while recomputed
     assert memory(c, bounds, (True, False), "1f1b", 4, hw) == (800 + 2 * 3 + 20, 800 + 70)
+    # shard="optimizer" (ZeRO-1) over 4 replicas: Adam's 2 x 200 divided by 4, (1 + 1 + 0.5) x 200 = 500
+    zero = replace(hw, shard_optimizer=True)
+    assert memory(c, bounds, (False, False), "1f1b", 4, zero, width=4) == (500 + 2 * 30, 500 + 1 * 70)
+    assert memory(c, bounds, (False, False), "1f1b", 4, zero, width=1) == memory(c, bounds, (False, False), "1f1b", 4, hw)
 
 
 @settings(max_examples=40, deadline=None)

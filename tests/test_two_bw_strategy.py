@@ -121,8 +121,10 @@ def test_resume_continues_the_same_trajectory(tmp_path, layout):
     assert max_rel_diff(ref.state_dict(), resumed.state_dict()) <= 1e-10
 
 
-def test_width_2_follows_the_rule_on_the_global_batch():
-    """Two replicas of a 2-stage pipeline (4 ranks), each stage all-reducing its gradients. Lightning's
+@pytest.mark.parametrize("shard", ["none", "optimizer"])
+def test_width_2_follows_the_rule_on_the_global_batch(shard):
+    """Two replicas of a 2-stage pipeline (4 ranks), each stage all-reducing its gradients (shard="optimizer":
+    each parameter stepped by one replica, ZeRO-1). Lightning's
     DistributedSampler (shuffle, seed 0) gives replica r the indices perm[r::2]; batch k of each replica
     holds 5 of them, so together a step sees perm[10k : 10k + 10]: the single-process global batch."""
     n = 40
@@ -141,7 +143,7 @@ def test_width_2_follows_the_rule_on_the_global_batch():
             return n
 
     model = LitSeq()
-    strategy = AutoPipeStrategy(schedule="2bw", microbatches=2, width=2, partition="uniform", start_method=START)
+    strategy = AutoPipeStrategy(schedule="2bw", microbatches=2, width=2, shard=shard, partition="uniform", start_method=START)
     trainer = L.Trainer(devices=4, strategy=strategy, **trainer_kwargs(max_steps=6))
     trainer.fit(model, torch.utils.data.DataLoader(ds, batch_size=5))
     ref = LitSeq()

@@ -52,6 +52,7 @@ def plan_from_cli(cfg: DictConfig, config: Any, out: Path) -> TwoBWPlan:
         config.inter_bandwidth,
         config.latency,
         factor,
+        shard_optimizer=config.shard == "optimizer",
     )
     batch = config.global_batch or int(cfg.data.batch_size)
     kinds = profile.block_names if profile.source.startswith("analytic") else None

@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from ..models.init import is_meta, profiling_blocks
-from ..planning.auto import ADAM_WEIGHT_COPIES, stage_memory
+from ..planning.auto import adam_weight_copies, stage_memory
 from ..planning.entry import BLOCK_KINDS as KINDS  # noqa: F401  (benchmarks read it here)
 from ..planning.entry import DEFAULT_LINKS, RunPlan, block_kinds, link_model, plan_run  # noqa: F401
 from ..planning.partition import partition_blocks
@@ -282,9 +282,10 @@ class AutoPlanner:
         out = self._out()
         profile.save(out / "profile.json")
         timeline = result.timeline(costs)
-        memory = stage_memory(timeline, ADAM_WEIGHT_COPIES, costs.runtime_bytes)  # what schedule="auto" holds to memory_limit
+        copies = adam_weight_copies(self.config.optimizer_shards)
+        memory = stage_memory(timeline, copies, costs.runtime_bytes)  # what schedule="auto" holds to memory_limit
         summary = {"profile": profile.key, "profiled_and_planned_seconds": seconds, **result.summary(), "messages": profile.messages}
-        summary["predicted_memory_bytes"] = {"per_rank": memory, "weight_copies": ADAM_WEIGHT_COPIES, "runtime_bytes": costs.runtime_bytes}
+        summary["predicted_memory_bytes"] = {"per_rank": memory, "weight_copies": copies, "runtime_bytes": costs.runtime_bytes}
         (out / "plan.json").write_text(json.dumps(summary, indent=1))
         gantt(timeline, out / "plan_timeline.png", title=f"predicted: {timeline.schedule.name}, chunks {[b - a for a, b in result.bounds]}")
         if profile.message_costs is not None:
@@ -293,7 +294,9 @@ class AutoPlanner:
             rank_zero_info("\n" + lines)
         rank_zero_info(
             "predicted peak memory per rank: " + ", ".join(f"{b / 2**30:.2f}" for b in memory) + " GiB (weights x "
-            f"{ADAM_WEIGHT_COPIES:g} for parameters, gradients and Adam's moments; stashed activations; the process's runtime "
+            f"{copies:g} for parameters, gradients and Adam's moments"
+            + (f" sharded over {self.config.optimizer_shards} replicas" if self.config.optimizer_shards > 1 else "")
+            + f"; stashed activations; the process's runtime "
             f"{costs.runtime_bytes / 2**30:.2f} GiB)"
         )
         rank_zero_info(f"plan, profile and predicted timeline written to {out}")

@@ -26,7 +26,7 @@ from ..modes.flush.lightning import FlushLayer
 from ..modes.lightning import ControllerLayer, Layer, PartitionLayer, ReplicasLayer, VersionsLayer
 from ..modes.partition.lightning import AdaptivePartition, StaticPartition
 from ..modes.two_bw.lightning import DoubleBufferLayer
-from ..modes.width.lightning import AllReduce, NoReplicas
+from ..modes.width.lightning import AllReduce, NoReplicas, ShardedOptimizer
 from ..runtime.p2p import Transport
 from ..runtime.tied import tied_from_groups
 from .autoplan import AutoPlanner
@@ -62,7 +62,12 @@ VERSIONS: dict[str, type[VersionsLayer]] = {"flush": FlushLayer, "2bw": DoubleBu
 
 def choose_layers(config: PipelineConfig) -> LayerChoice:
     """The one place that turns settings into layers."""
-    replicas = ElasticReplicas if config.pipelines is not None else AllReduce if config.width > 1 else NoReplicas
+    if config.pipelines is not None:
+        replicas: type[ReplicasLayer] = ElasticReplicas
+    elif config.width > 1:
+        replicas = ShardedOptimizer if config.shard == "optimizer" else AllReduce
+    else:
+        replicas = NoReplicas
     partition = AdaptivePartition if config.adaptive else StaticPartition
     controllers = (AdvanceController,) if config.schedule == "advance" and config.advance_num is None else ()
     return LayerChoice(VERSIONS[config.schedule_spec.kind.versions], replicas, partition, controllers)
@@ -102,6 +107,7 @@ class Training:
             self.ctx.global_rank,
             cut.tied,
             average_replicas=self.replicas.averages_gradients,
+            norm_over_replicas=self.replicas.shards_optimizer,
         )
         self.precision.pipeline = self.gradients
         return self.gradients
@@ -229,13 +235,22 @@ class Training:
 
     def optimizer_state(self, optimizer: Any, sharded: bool) -> dict[str, Any]:
         self.drain()
-        if sharded:
-            return full_checkpoint.stage_named_state(self.ctx, optimizer, self.parameter_state)
-        return full_checkpoint.full_optimizer_state(self.ctx, optimizer, self.run_state(), self.parameter_state)
+        with self._whole_optimizers(gather=not sharded):  # sharded: every rank writes the states it owns
+            if sharded:
+                return full_checkpoint.stage_named_state(self.ctx, optimizer, self.parameter_state)
+            return full_checkpoint.full_optimizer_state(self.ctx, optimizer, self.run_state(), self.parameter_state)
+
+    def _whole_optimizers(self, gather: bool) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        for layer in self.layers:
+            stack.enter_context(layer.whole_optimizers(gather))
+        return stack
 
     def load(self, checkpoint: dict[str, Any]) -> None:
         """The optimizers' states, then every layer's."""
-        extras = self.replicas.own_extras(full_checkpoint.load_optimizer_states(self.ctx, checkpoint), checkpoint)
+        with self._whole_optimizers(gather=False):
+            loaded = full_checkpoint.load_optimizer_states(self.ctx, checkpoint)
+        extras = self.replicas.own_extras(loaded, checkpoint)
         states = checkpoint.get("optimizer_states") or [{}]
         run = decode_run(states[0])
         for layer in self.layers:

@@ -34,9 +34,11 @@ class StageGradients:
         rank: int,
         tied: list[TiedParameter],
         average_replicas: bool = True,
+        norm_over_replicas: bool = False,
     ):
         self.stage, self.chunk_blocks, self.topology, self.groups = stage, chunk_blocks, topology, groups
         self.average_replicas = average_replicas  # False for AvgPipe: each pipeline keeps its own gradients
+        self.norm_over_replicas = norm_over_replicas  # ZeRO-1: each replica clips the share it steps
         self.stage_index, self.replica_index = topology.stage_of(rank), topology.replica_of(rank)
         self.tied = tied
         self._tied_groups = self._tie(rank)
@@ -82,22 +84,32 @@ class StageGradients:
 
     def clip_grad_norm(self, params: Iterable[Tensor], max_norm: float) -> Tensor:
         """`clip_grad_norm_` over the whole pipeline; a tied weight's (equal) gradient counts once,
-        on the first stage holding it."""
-        group = self.groups.pipeline if self.topology.depth > 1 else None
+        on the first stage holding it. With the optimizer sharded, `params` are this replica's share of
+        its stage's (equal, all-reduced) gradients: the shares of all ranks make up the model once."""
+        if self.norm_over_replicas:
+            group = dist.group.WORLD
+        else:
+            group = self.groups.pipeline if self.topology.depth > 1 else None
         copies = frozenset(id(t.parameter) for t in self.tied if t.stages[0] != self.stage_index)
         return clip_grad_norm_global(params, max_norm, group, skip_in_norm=copies)
+
+    def stage_device(self) -> torch.device:
+        return next(iter(self.stage.parameters())).device
 
     def agree_on_overflow(self, params: Iterable[Tensor]) -> None:
         """fp16: every rank must skip the same steps. Before the scaler unscales, any rank's
         non-finite gradient is made every rank's (one inf written into a local gradient), so each
         scaler's own check finds it, skips the step and backs off its scale alike."""
         grads = [p.grad for p in params if p.grad is not None]
-        if not grads or not dist.is_initialized() or dist.get_world_size() == 1:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
             return
-        local = torch.stack([torch.logical_not(torch.isfinite(g).all()) for g in grads]).any()
+        if grads:
+            local = torch.stack([torch.logical_not(torch.isfinite(g).all()) for g in grads]).any()
+        else:  # nothing to step here (a replica owning no parameter): still takes part in the agreement
+            local = torch.zeros((), dtype=torch.bool, device=self.stage_device())
         found = local.to(torch.float32).reshape(1)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        if found.item() > 0 and not local.item():
+        if found.item() > 0 and not local.item() and grads:
             grads[0].view(-1)[0] = float("inf")
 
 

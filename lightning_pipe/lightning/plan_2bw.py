@@ -126,6 +126,7 @@ def _plan(config: PipelineConfig, where: Where, module: Any, trainer: Any, batch
         config.latency,
         optimizer_factor(trainer.precision),
         runtime,
+        shard_optimizer=config.shard == "optimizer",
     )
     kinds = block_kinds([type(b).__name__ for b in blocks])
     schedules = ("2bw", "1f1b", "gpipe") if config.auto else (config.schedule,)

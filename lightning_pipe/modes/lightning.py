@@ -49,6 +49,11 @@ class Layer:
         """Inside the block the stage holds the weights evaluation, checkpoints and the end of fit see."""
         return contextlib.nullcontext()
 
+    def whole_optimizers(self, gather: bool) -> ContextManager[None]:
+        """Inside the block the optimizers hold every parameter of the stage, as a checkpoint stores them
+        (`gather`: with their state, for saving; else for loading). Collective where the layer needs it."""
+        return contextlib.nullcontext()
+
     @property
     def shows_other_weights(self) -> bool:
         """`showing_model` puts other weights in the stage (a checkpoint must copy them)."""
@@ -114,6 +119,7 @@ class ReplicasLayer(Layer):
     versions layer, whose per-parameter state a replica's checkpoint entry carries."""
 
     averages_gradients: bool = False
+    shards_optimizer: bool = False  # each replica steps its own share of the parameters: clipping's norm spans the replicas
 
     def __init__(self, ctx: "RankContext", versions: VersionsLayer):
         super().__init__(ctx)

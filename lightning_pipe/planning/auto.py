@@ -43,7 +43,15 @@ CANDIDATES: tuple[tuple[str, dict[str, int]], ...] = (
 )
 ZERO_BUBBLE = ("zb-h1", "zb-v")  # backward split in BI and W: candidates on a profile with measured W times
 WAVE_ORDERS = ("wave", "hanayo")  # Hanayo's placement: our greedy order, the paper's order
-ADAM_WEIGHT_COPIES = 4.0  # parameters + gradients + exp_avg + exp_avg_sq
+
+
+def adam_weight_copies(optimizer_shards: int = 1) -> float:
+    """A rank's bytes per weight byte under Adam: parameters + gradients + exp_avg + exp_avg_sq, the two
+    moments divided over `optimizer_shards` replicas (ZeRO-1, shard="optimizer")."""
+    return 2.0 + 2.0 / optimizer_shards
+
+
+ADAM_WEIGHT_COPIES = adam_weight_copies()
 
 
 def label(schedule: str, options: dict[str, int]) -> str:

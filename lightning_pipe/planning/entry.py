@@ -14,7 +14,7 @@ from typing import Any, Optional, Protocol, Sequence
 
 from ..schedules import ScheduleSpec
 from ..simulation import CostModel, Timeline, simulate
-from .auto import ScheduleChoice, choose_schedule
+from .auto import ScheduleChoice, adam_weight_copies, choose_schedule
 from .heuristic import expansion_bound
 from .partition import partition_blocks
 from .planner import Plan, plan
@@ -33,6 +33,9 @@ class RunSettings(Protocol):
 
     @property
     def auto(self) -> bool: ...
+
+    @property
+    def optimizer_shards(self) -> int: ...
 
     @property
     def partitioner(self) -> Optional[str]: ...
@@ -145,7 +148,14 @@ def _plan_run(costs: CostModel, stages: int, config: RunSettings, kinds: Optiona
     m, method, num_blocks = config.microbatches, config.partitioner, costs.num_blocks
     if config.auto:
         choice = choose_schedule(
-            costs, stages, m, method=method or "uniform", kinds=kinds if method else None, memory_limit=memory_limit, slicer=config.slicer
+            costs,
+            stages,
+            m,
+            method=method or "uniform",
+            kinds=kinds if method else None,
+            memory_limit=memory_limit,
+            slicer=config.slicer,
+            weight_copies=adam_weight_copies(config.optimizer_shards),
         )
         chosen = choice.chosen
         spec = ScheduleSpec.of(chosen.schedule, **chosen.schedule_options)

@@ -59,6 +59,7 @@ class Hardware:
     latency: float = 20e-6  # seconds per message / all-reduce step
     optimizer_factor: float = 2.0  # optimizer state bytes per parameter byte (Adam, same dtype: 2; mixed precision with fp32 master: 6)
     runtime_bytes: float = 0.0  # ours: a process's own memory besides the model (profiling/runtime.py), on every stage
+    shard_optimizer: bool = False  # ours, beside Algorithm 1: ZeRO-1 (shard="optimizer"), the optimizer state / width
 
     def pipeline_bandwidth(self, depth: int) -> float:
         """Ranks of a pipeline are consecutive (topology.py): within a node unless it is deeper than one."""
@@ -84,6 +85,7 @@ def hardware(
     latency: Optional[float] = None,
     optimizer_factor: float = 2.0,
     runtime_bytes: float = 0.0,
+    shard_optimizer: bool = False,
 ) -> Hardware:
     intra, inter = DEFAULT_BANDWIDTH.get(device_type, DEFAULT_BANDWIDTH["cuda"])
     return Hardware(
@@ -95,6 +97,7 @@ def hardware(
         20e-6 if latency is None else latency,
         optimizer_factor,
         runtime_bytes,
+        shard_optimizer,
     )
 
 
@@ -246,14 +249,21 @@ def in_flight(schedule: str, depth: int, microbatches: int) -> tuple[int, ...]:
 
 
 def memory(
-    costs: BlockCosts, bounds: Sequence[tuple[int, int]], recompute: Sequence[bool], schedule: str, microbatches: int, hw: Hardware
+    costs: BlockCosts,
+    bounds: Sequence[tuple[int, int]],
+    recompute: Sequence[bool],
+    schedule: str,
+    microbatches: int,
+    hw: Hardware,
+    width: int = 1,
 ) -> tuple[float, ...]:
-    """MEMORY(.): predicted peak bytes per stage."""
+    """MEMORY(.): predicted peak bytes per stage (`width`: the replicas a sharded optimizer divides over)."""
     held = in_flight(schedule, len(bounds), microbatches)
+    optimizer = hw.optimizer_factor / (width if hw.shard_optimizer else 1)
     per_stage = []
     for (a, b), on, n in zip(bounds, recompute, held):
         params = sum(costs.param_bytes[a:b])
-        states = (WEIGHT_VERSIONS[schedule] + 1 + hw.optimizer_factor) * params  # versions + gradients + optimizer
+        states = (WEIGHT_VERSIONS[schedule] + 1 + optimizer) * params  # versions + gradients + optimizer
         if on:
             acts = n * sum(costs.input_bytes[a:b]) + max(costs.saved_bytes[a:b], default=0.0)
         else:
@@ -263,12 +273,14 @@ def memory(
 
 
 def allreduce_time(costs: BlockCosts, bounds: Sequence[tuple[int, int]], width: int, hw: Hardware) -> float:
-    """Ring all-reduce of the largest stage's gradients over `width` replicas: 2 (w - 1) / w of the bytes."""
+    """Ring all-reduce of the largest stage's gradients over `width` replicas: 2 (w - 1) / w of the bytes;
+    a sharded optimizer adds the owners' broadcast of the new weights, (w - 1) / w more (ZeRO-1)."""
     if width <= 1:
         return 0.0
     bandwidth = hw.replica_bandwidth(width, len(bounds))
     largest = max(sum(costs.param_bytes[a:b]) for a, b in bounds)
-    return 2 * (width - 1) / width * largest / bandwidth + 2 * (width - 1) * hw.latency
+    passes = 3 if hw.shard_optimizer else 2
+    return passes * (width - 1) / width * largest / bandwidth + passes * (width - 1) * hw.latency
 
 
 @lru_cache(maxsize=512)
@@ -451,11 +463,11 @@ def _search(costs: BlockCosts, w: int, d: int, b: int, m: int, schedule: str, op
             flags = (True,) * d
         else:  # ours: only the stages over the limit without recomputation
             bounds0 = _bounds(costs, d, off)
-            flags = tuple(s > limit for s in memory(costs, bounds0, off, schedule, m, hw))
+            flags = tuple(s > limit for s in memory(costs, bounds0, off, schedule, m, hw, w))
             if not any(flags) or all(flags):
                 continue  # the same as off or on
         bounds = plans.setdefault(flags, _bounds(costs, d, flags))
-        stage_memory = memory(costs, bounds, flags, schedule, m, hw)
+        stage_memory = memory(costs, bounds, flags, schedule, m, hw, w)
         c = Candidate(w, d, b, m, schedule, option, flags, bounds, memory=max(stage_memory), stage_memory=stage_memory)
         if c.memory > limit:
             c.verdict = "over memory_limit"
@@ -504,7 +516,7 @@ def _refined(best: Candidate, costs: BlockCosts, hw: Hardware, refine: callable)
     d, flags = best.depth, best.stage_recompute
     model = costs.cost_model(best.bounds, flags, hw.pipeline_bandwidth(d), hw.latency)
     bounds = tuple(tuple(x) for x in refine(model, d, min(best.microbatches, d + min(d, 8)), best.schedule))
-    stage_memory = memory(costs, bounds, flags, best.schedule, best.microbatches, hw)
+    stage_memory = memory(costs, bounds, flags, best.schedule, best.microbatches, hw, best.width)
     step = step_time(costs, bounds, flags, best.schedule, best.microbatches, hw)
     ar = allreduce_time(costs, bounds, best.width, hw)
     return replace(

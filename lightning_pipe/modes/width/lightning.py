@@ -1,8 +1,24 @@
-"""Replicas of one pipeline (data parallel over `width`), or none: REDUCE averages across them."""
+"""Replicas of one pipeline (data parallel over `width`), or none: REDUCE averages across them.
+
+`ShardedOptimizer` (shard="optimizer"): ZeRO-1 over the replicas of each stage (engine.py). The
+user's optimizers keep their objects (LR schedulers and Lightning hold them) but each param group
+lists only the parameters this replica owns, so Adam's moments exist once per stage across the
+width; after Lightning's step the owners broadcast. Checkpoints see whole optimizers: the owners'
+states are gathered onto the replica that writes them, and a resume loads into whole groups before
+the groups are cut back, so the files are those of shard="none" and resume across settings.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ...errors import SettingError
 from ..lightning import ReplicasLayer
+from .engine import broadcast_from_owners, owners
 
 
 class NoReplicas(ReplicasLayer):
@@ -13,3 +29,73 @@ class AllReduce(ReplicasLayer):
     """`width` replicas of the pipeline (data parallel): REDUCE averages each chunk's gradients."""
 
     averages_gradients = True
+
+
+class ShardedOptimizer(AllReduce):
+    """ZeRO-1: `width` replicas whose optimizer state is partitioned over them (each parameter's on one)."""
+
+    shards_optimizer = True
+
+    def start(self) -> None:
+        ctx = self.ctx
+        self._whole = [[list(g["params"]) for g in opt.param_groups] for opt in ctx.optimizers]
+        self._params = list({id(p): p for groups in self._whole for group in groups for p in group}.values())
+        self._owner = owners([p.numel() for p in self._params], ctx.topology.width)
+        self._mine = {id(p) for p, o in zip(self._params, self._owner) if o == ctx.replica_index}
+        self._ranks = ctx.topology.stage_ranks(ctx.stage_index)
+        self._restrict()
+
+    def _restrict(self) -> None:
+        """Each param group lists (and the optimizer keeps state for) this replica's parameters only."""
+        for opt, groups in zip(self.ctx.optimizers, self._whole):
+            for group, whole in zip(opt.param_groups, groups):
+                group["params"] = [p for p in whole if id(p) in self._mine]
+            for p in [p for p in opt.state if id(p) not in self._mine]:
+                del opt.state[p]
+
+    def optimizer_step(self, step: Callable[[], Any]) -> Any:
+        result = step()
+        broadcast_from_owners(self._params, self._owner, self._ranks, self.ctx.groups.stage)
+        for p in self._params:  # Lightning zeroes the owned gradients; the others are spent too
+            if id(p) not in self._mine:
+                p.grad = None
+        return result
+
+    @contextlib.contextmanager
+    def whole_optimizers(self, gather: bool) -> Iterator[None]:
+        """Whole param groups inside the block; `gather`: with every parameter's state on replica 0
+        (collective over the stage's replicas), which writes the checkpoint."""
+        for opt, groups in zip(self.ctx.optimizers, self._whole):
+            for group, whole in zip(opt.param_groups, groups):
+                group["params"] = list(whole)
+        try:
+            if gather:
+                self._gather_states()
+            yield
+        finally:
+            self._restrict()
+
+    def _gather_states(self) -> None:
+        ctx = self.ctx
+        index = {id(p): i for i, p in enumerate(self._params)}
+        mine = [{index[id(p)]: _to(s, torch.device("cpu")) for p, s in opt.state.items() if id(p) in self._mine} for opt in ctx.optimizers]
+        parts: Any = [None] * ctx.topology.width if ctx.replica_index == 0 else None
+        dist.gather_object(mine, parts, dst=self._ranks[0], group=ctx.groups.stage)
+        if parts is None:
+            return
+        for part in parts[1:]:
+            for opt, states in zip(ctx.optimizers, part):
+                for i, s in states.items():
+                    opt.state[self._params[i]] = _to(s, ctx.device)
+
+    def switch_extras(self) -> None:
+        """A live switch moves blocks with their optimizer state: refused (the legality table refuses adaptive)."""
+        raise SettingError(
+            "repartition() with shard='optimizer' is not built: the optimizer state a moved block needs is spread over the "
+            "replicas; train with shard='none' to move blocks",
+            "shard",
+        )
+
+
+def _to(state: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in state.items()}

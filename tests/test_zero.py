@@ -1,0 +1,105 @@
+"""shard="optimizer" (ZeRO-1 over the width's replicas) on real processes: pp2 x dp2 (4 ranks) against
+one process on the global batch, the optimizer state held once per stage, checkpoints in the layout of
+shard="none" that resume bit for bit."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from models import START, EpochPerm, LitSeq, dataset, max_rel_diff, trainer_kwargs
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from lightning_pipe import AutoPipeStrategy
+from lightning_pipe.lightning.checkpoint.sharded import consolidate
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.multiprocess]
+
+# Lightning's DistributedSampler (shuffle, seed 0) gives replica r of 2 the rows perm[r::2] (EpochPerm): batch k
+# of both replicas together is perm[10k : 10k + 10], one process's global batch
+N, PER_REPLICA = 40, 5
+
+
+class RecordState(Callback):
+    """Each rank writes how much optimizer state it holds against its stage's parameters."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module):
+        opt = trainer.optimizers[0]
+        held = {n for n, p in pl_module.named_parameters() if p in opt.state}
+        stage = {n: p.numel() for n, p in pl_module.named_parameters()}
+        moments = sum(s["exp_avg"].numel() for s in opt.state.values())
+        out = dict(stage=stage, held=held, moments=moments, rank=trainer.global_rank)
+        torch.save(out, os.path.join(self.folder, f"state-rank{trainer.global_rank}.pt"))
+
+
+def single(steps, **kw):
+    ref = LitSeq()
+    trainer = L.Trainer(devices=1, **trainer_kwargs(max_steps=steps, **kw))
+    trainer.fit(ref, DataLoader(dataset(n=N), batch_size=2 * PER_REPLICA, sampler=EpochPerm(N)))
+    return ref, trainer
+
+
+def pipelined(model, steps, train=None, callbacks=(), ckpt_path=None, gradient_clip_val=None, **settings):
+    settings = dict(dict(schedule="1f1b", microbatches=2, width=2, shard="optimizer", start_method=START), **settings)
+    kw = dict(enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), gradient_clip_val=gradient_clip_val)
+    trainer = L.Trainer(
+        devices=4, strategy=AutoPipeStrategy(**settings), callbacks=list(callbacks), **trainer_kwargs(max_steps=steps, **kw)
+    )
+    trainer.fit(model, train or DataLoader(dataset(n=N), batch_size=PER_REPLICA), ckpt_path=ckpt_path)
+    return trainer
+
+
+# clipping active: the global norm is summed over every rank's share of the gradients
+@pytest.mark.parametrize("schedule,options", [("1f1b", {}), ("interleaved", {"chunks": 2}), ("zb-h1", {})])
+def test_sharded_optimizer_equals_one_process_and_holds_each_state_once(tmp_path, schedule, options):
+    ref, _ = single(5, gradient_clip_val=0.05)
+    model = LitSeq()
+    pipelined(model, 5, callbacks=[RecordState(tmp_path)], schedule=schedule, gradient_clip_val=0.05, **options)
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    unclipped, _ = single(5)
+    assert max_rel_diff(unclipped.state_dict(), model.state_dict()) > 1e-6  # the clip took effect
+    ranks = [torch.load(os.path.join(tmp_path, f"state-rank{r}.pt")) for r in range(4)]
+    for stage in range(2):  # ranks 2w + s: stage s of replica w (topology.py)
+        a, b = ranks[stage], ranks[2 + stage]
+        assert a["stage"] == b["stage"]
+        assert a["held"] and b["held"] and not a["held"] & b["held"], "each parameter's state on one replica"
+        assert a["held"] | b["held"] == set(a["stage"]), "every parameter's state on some replica"
+        assert a["moments"] + b["moments"] == sum(a["stage"].values())
+
+
+def adam_state_by_name(module, optimizer):
+    names = {p: n for n, p in module.named_parameters()}
+    return {names[p]: s for p, s in optimizer.state.items()}
+
+
+@pytest.mark.parametrize("layout", ["full", "sharded"])
+def test_checkpoint_holds_the_whole_state_and_resumes_bit_for_bit(tmp_path, layout):
+    def resumable():
+        return StatefulDataLoader(dataset(n=N), batch_size=PER_REPLICA)
+
+    whole = LitSeq()
+    pipelined(whole, 5, train=resumable())
+    saver = ModelCheckpoint(dirpath=tmp_path / "first", every_n_train_steps=2, save_top_k=-1)
+    pipelined(LitSeq(), 2, train=resumable(), callbacks=[saver], checkpoint=layout)
+    (path,) = glob.glob(os.path.join(tmp_path, "first", "*step=2.ckpt"))
+    # the file is shard="none"'s: every parameter's Adam state, equal to one process's after 2 steps
+    full = torch.load(path, weights_only=False) if layout == "full" else consolidate(path, tmp_path / "full.ckpt")
+    ref, trainer = single(2)
+    want = adam_state_by_name(ref, trainer.optimizers[0])
+    got = full["optimizer_states"][0]["state"]
+    assert set(want) <= set(got)
+    for name, state in want.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.allclose(got[name][key], state[key], rtol=1e-10, atol=1e-14), (name, key)
+    resumed = LitSeq(seed=5)
+    pipelined(resumed, 5, train=resumable(), ckpt_path=path, checkpoint=layout)
+    for k, v in whole.state_dict().items():
+        assert torch.equal(v, resumed.state_dict()[k]), k

@@ -1,0 +1,44 @@
+"""shard="optimizer" (ZeRO-1): its settings refused in one line before any process, and the ownership
+rule every rank computes alike."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lightning_pipe.config import PipelineConfig
+from lightning_pipe.errors import SettingError
+from lightning_pipe.modes.width.engine import owners
+from lightning_pipe.planning.auto import adam_weight_copies
+
+
+def test_settings_refused_before_any_process():
+    for settings, words in [
+        (dict(shard="full", width=2), "shard='full' (FSDP2"),
+        (dict(shard="zero3", width=2), "allowed values: 'none'"),
+        (dict(shard="optimizer"), "width=1 has none"),
+        (dict(shard="optimizer", width=1, pipelines=2), "AvgPipe's pipelines"),
+        (dict(shard="optimizer", width=2, adaptive="rule"), "a live switch moves blocks"),
+    ]:
+        with pytest.raises(SettingError, match="shard") as err:
+            PipelineConfig(**settings)
+        assert words in str(err.value) and err.value.setting == "shard"
+
+
+@given(st.lists(st.integers(1, 10_000), min_size=1, max_size=40), st.integers(1, 8))
+def test_owners_cover_every_parameter_and_balance_within_the_largest(sizes, shards):
+    owner = owners(sizes, shards)
+    assert len(owner) == len(sizes) and all(0 <= o < shards for o in owner)
+    load = [sum(n for n, o in zip(sizes, owner) if o == w) for w in range(shards)]
+    assert max(load) - min(load) <= max(sizes)  # greedy largest-first onto the least loaded
+    if len(sizes) >= shards:
+        assert min(load) > 0, "every replica steps some parameters when there are enough"
+    assert owners(list(sizes), shards) == owner  # every rank gets the same answer
+
+
+def test_the_planners_count_adams_moments_once_per_stage():
+    # parameters + gradients whole on every replica, the two moments divided over the replicas
+    assert adam_weight_copies(1) == 4.0 and adam_weight_copies(2) == 3.0 and adam_weight_copies(4) == 2.5
+    assert PipelineConfig(width=4, shard="optimizer").optimizer_shards == 4
+    assert PipelineConfig(width=4).optimizer_shards == 1
