@@ -32,9 +32,14 @@ FAST = [
 ]
 
 
-def cli(args, cwd, timeout=200):
+def cli(args, cwd, timeout=200, forked=False):
+    """`python -m lightning_pipe.train args`. `forked`: from the tests' fork server (tests/_cli.py), its second
+    rank forked (pipeline.start_method=fork) rather than a re-run command line: for tests of what a run
+    computes and writes; test_tiny_recipe_trains_5_steps_on_2_processes starts its ranks as a user's run does."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     env.pop("LOCAL_RANK", None)
+    if forked:
+        return run_module("lightning_pipe.train", [*args, "pipeline.start_method=fork"], cwd, env, timeout=timeout)
     return subprocess.run(
         [sys.executable, "-m", "lightning_pipe.train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -94,7 +99,7 @@ def test_tiny_recipe_trains_5_steps_on_2_processes(tmp_path):
 @pytest.mark.multiprocess
 def test_multirun_puts_each_job_in_its_own_folder(tmp_path):
     # the README's command as typed (no hydra.sweep.dir override: its default must resolve)
-    proc = cli(["-m", "pipeline.schedule=gpipe,1f1b", *FAST, "trainer.max_steps=3"], tmp_path, timeout=280)
+    proc = cli(["-m", "pipeline.schedule=gpipe,1f1b", *FAST, "trainer.max_steps=3"], tmp_path, timeout=280, forked=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (sweep,) = (tmp_path / "multirun" / "gpt-tiny-cpu").iterdir()
     for schedule in ["gpipe", "1f1b"]:
@@ -122,14 +127,14 @@ RESUME = [
 @pytest.mark.multiprocess
 def test_cli_resume_is_bit_for_bit_mid_epoch_and_at_epoch_boundaries(tmp_path):
     whole = tmp_path / "whole"
-    proc = cli([*RESUME, f"hydra.run.dir={whole}"], tmp_path)
+    proc = cli([*RESUME, f"hydra.run.dir={whole}"], tmp_path, forked=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = torch.load(whole / "checkpoints" / "last.ckpt", weights_only=False)
     assert final["global_step"] == 12  # last.ckpt is the newest state, whether val_loss improved or not
     for step in (6, 9):
         (ckpt,) = (whole / "checkpoints").glob(f"*step={step}.ckpt")
         resumed = tmp_path / f"from{step}"
-        proc = cli([*RESUME, f"hydra.run.dir={resumed}", f"ckpt_path='{ckpt}'"], tmp_path)
+        proc = cli([*RESUME, f"hydra.run.dir={resumed}", f"ckpt_path='{ckpt}'"], tmp_path, forked=True)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "not resumable" not in proc.stderr
         again = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=False)
@@ -213,6 +218,26 @@ def test_plan_command_prints_and_saves_a_plan(tmp_path):
     assert summary["plan"]["stages"] == 8 and sum(summary["plan"]["sizes"]) == 2 * 24 + 2
     assert summary["slicer"]["startup"] < summary["slicer"]["baseline_startup"]
     assert (tmp_path / "p" / "plan_timeline.png").exists()
+
+
+@pytest.mark.multiprocess
+def test_plan_command_prints_the_mesh_and_the_sharded_memory(tmp_path):
+    import json
+
+    runs = {}
+    for shard in ("none", "optimizer"):
+        args = ["recipe=gpt2-345m", "trainer.devices=8", "pipeline.width=2", f"pipeline.shard={shard}", f"hydra.run.dir={tmp_path / shard}"]
+        proc = plan_cli(args, tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[shard] = json.loads((tmp_path / shard / "plan.json").read_text())
+        assert "mesh: pp 4 x dp 2" in proc.stdout and "predicted peak memory per rank (by stage)" in proc.stdout
+    sharded, whole = runs["optimizer"], runs["none"]
+    assert sharded["mesh"] == {"pp": 4, "dp": 2, "shard": "optimizer"} and "sharded over 2 replicas" in proc.stdout
+    assert sharded["predicted_memory_bytes"]["weight_copies"] == 3.0 and whole["predicted_memory_bytes"]["weight_copies"] == 4.0
+    # the same partition: each stage's prediction drops by one weight copy (Adam's two moments, halved)
+    assert sharded["plan"]["sizes"] == whole["plan"]["sizes"]
+    for a, b in zip(sharded["predicted_memory_bytes"]["per_rank"], whole["predicted_memory_bytes"]["per_rank"]):
+        assert a < b
 
 
 @pytest.mark.multiprocess

@@ -16,6 +16,7 @@ from lightning_pipe.profiling import Profile
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(540)
 def test_gpu_check_smoke_runs_every_section(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))

@@ -11,6 +11,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_pipe"
 
 
@@ -204,6 +206,7 @@ def test_the_strategy_names_no_mode_and_stays_small():
     assert not re.search(r"\.mode\b", text), "a mode attribute"
 
 
+@pytest.mark.multiprocess
 def test_the_strategy_alone_imports_neither_the_data_package_nor_the_cli():
     """`Trainer(strategy="autopipe")` needs torch and Lightning: not the data modules' torchdata or
     tokenizers, nor Hydra (a GPU machine with only those installed runs the strategy)."""

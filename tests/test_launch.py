@@ -39,6 +39,7 @@ def report(rank: int, world: int, tag: str) -> dict:
     }
 
 
+@pytest.mark.multiprocess
 def test_results_of_all_ranks_in_rank_order():
     got = run_distributed(report, 2, "x", timeout=START, start_method="spawn")
     assert [r["rank"] for r in got] == [0, 1]
@@ -50,6 +51,7 @@ def inherited(rank: int, world: int) -> list:
     return list(PARENT_ONLY)
 
 
+@pytest.mark.multiprocess
 def test_the_tests_launcher_forks_its_workers():
     # else every test on it would pay for spawn again, unnoticed (tests/_dist.py patches the launcher)
     PARENT_ONLY.append("set in pytest's process")
@@ -65,6 +67,7 @@ def fail_on_one(rank: int, world: int) -> None:
     dist.barrier()  # rank 0 would wait here for ever: the launcher must not wait for it
 
 
+@pytest.mark.multiprocess
 def test_worker_exception_surfaces_with_traceback_without_waiting_for_the_deadline():
     started = time.monotonic()
     with pytest.raises(WorkerError, match="rank 1 of 2 failed") as err:
@@ -81,6 +84,7 @@ def exit_without_result(rank: int, world: int) -> None:
     dist.barrier()  # fails when the peer is gone: the crash is reported, not this consequence
 
 
+@pytest.mark.multiprocess
 def test_worker_that_dies_without_a_result():
     with pytest.raises(RuntimeError, match=r"rank 1 of 2 died without a result \(exit code 3\)"):
         run_distributed(exit_without_result, 2, timeout=START)
@@ -93,6 +97,7 @@ def hang_on_one(rank: int, world: int, folder: str) -> int:
     return rank
 
 
+@pytest.mark.multiprocess
 def test_hanging_worker_hits_the_one_deadline_and_is_killed(tmp_path):
     timeout = 4.0  # forked workers: rank 0 is done well within it
     started = time.monotonic()
@@ -111,6 +116,7 @@ def test_timed_steps_counts_warmup_and_timed_steps():
     assert len(timing) == 4 and timing[0] >= sum(timing[1:]) > 0
 
 
+@pytest.mark.multiprocess
 def test_launch_module_does_not_import_lightning():
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "harness" / "launch.py"
     code = (

@@ -19,6 +19,7 @@ def _measure(rank: int, world: int) -> MessageCosts:
     return measure_messages(list(range(world)), 1 << 16, torch.device("cpu"), think=THINK, rounds=8)
 
 
+@pytest.mark.multiprocess
 def test_three_ranks_measure_both_links_and_agree():
     per_rank = run_distributed(_measure, 3, timeout=120)
     first = per_rank[0]
@@ -43,6 +44,7 @@ def _measure_on_separate_hosts(rank: int, world: int) -> MessageCosts:
     return _measure(rank, world)
 
 
+@pytest.mark.multiprocess
 def test_ranks_on_several_hosts_measure_round_trips_only():
     per_rank = run_distributed(_measure_on_separate_hosts, 2, timeout=120)
     assert per_rank[0] == per_rank[1]

@@ -52,6 +52,7 @@ def run(code: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", BLOCK + code], cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_every_library_module_imports_without_matplotlib(tmp_path):
     proc = run(IMPORT_ALL.format(package=str(ROOT / "lightning_pipe")), tmp_path)
@@ -59,6 +60,7 @@ def test_every_library_module_imports_without_matplotlib(tmp_path):
     assert int(proc.stdout.split()[0]) > 50, proc.stdout
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(200)
 def test_training_plans_and_writes_without_matplotlib_and_says_so_once(tmp_path):
     proc = run(TRAIN.format(tests=str(ROOT / "tests"), out=str(tmp_path)), tmp_path)

@@ -70,6 +70,7 @@ def check(world: int, configs: list) -> None:
         assert err <= tol, f"{schedule} world={world} partition={partition} m={m} {kind} {dtype}: rel err {err:.2e} > {tol}"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_gpipe_and_1f1b_equal_single_process(world):
     configs = [
@@ -80,6 +81,7 @@ def test_gpipe_and_1f1b_equal_single_process(world):
     check(world, configs)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 3])
 def test_tuple_activation_with_integer_mask_and_changing_shapes(world):
     configs = [("masked", torch.float64, schedule, "uniform", 3) for schedule in ["gpipe", "1f1b"]]
@@ -99,6 +101,7 @@ def traced_step(rank: int, world: int) -> list:
     return pipe.executor.records
 
 
+@pytest.mark.multiprocess
 def test_trace_records_every_compute_and_send():
     from lightning_pipe.simulation.timelines import traced_timeline
 

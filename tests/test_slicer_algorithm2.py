@@ -200,6 +200,7 @@ def _sliced_stage(rank: int, world: int, variants: list) -> list[dict]:
     return out
 
 
+@pytest.mark.multiprocess
 def test_sliced_runs_equal_one_process():
     variants = [("alg2", 4, 2), ("alg2", 4, 1), ("ours", 4, 2)]  # alg2 with k = 2 merges on stage 0
     per_rank = run_distributed(_sliced_stage, 2, variants, timeout=180)

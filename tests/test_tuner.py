@@ -148,6 +148,9 @@ def run(module, args, cwd, timeout=400):
 
 TUNE = ["recipe=gpt-tiny-avgpipe", "pipeline.tune=true", "pipeline.tune_batches=3", "data.max_bytes=300000"]
 TUNE += ["pipeline.tune_microbatches=[2,4]", "pipeline.tune_pipelines=[1,2]"]
+# every job forks its second rank instead of re-running its command line (the tuner's profile runs get the
+# setting with the rest): what these tests check, the profiles, the grid and the chosen job, is the same
+TUNE += ["pipeline.start_method=fork"]
 PAPER = ["pipeline.tune_model=paper"]  # §5.2's Eq. 1-8 from one profile (the default is ours, calibrated)
 
 

@@ -33,6 +33,7 @@ from ..frontend import TracedPipeline, trace
 from ..lightning.autoplan import loader_sample, profile_pipeline
 from ..lightning.stage import find_pipeline
 from ..planning import transformer_costs
+from ..planning.auto import adam_weight_copies, memory_line, stage_memory
 from ..planning.entry import block_kinds, link_model, plan_run
 from ..profiling import Profile
 from ..schedules.text import dump
@@ -100,14 +101,21 @@ def _main(cfg: DictConfig) -> None:
             err = named(err)
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    (out / "plan.json").write_text(json.dumps({"costs": source, **result.summary()}, indent=1))
     timeline = result.timeline(costs)
+    copies = adam_weight_copies(config.optimizer_shards)
+    memory = stage_memory(timeline, copies, costs.runtime_bytes)
+    mesh = {"pp": stages, "dp": config.replicas, "shard": config.shard}
+    summary = {"costs": source, **result.summary(), "mesh": mesh}
+    summary["predicted_memory_bytes"] = {"per_rank": memory, "weight_copies": copies, "runtime_bytes": costs.runtime_bytes}
+    (out / "plan.json").write_text(json.dumps(summary, indent=1))
     picture = gantt(
         timeline, out / "plan_timeline.png", title=f"predicted: {config.partition} plan, {timeline.schedule.name}, {stages} ranks"
     )
     print(f"costs: {source}")
+    print(f"mesh: pp {stages} x dp {config.replicas}" + (f", shard={config.shard}" if config.shard != "none" else ""))
     for lines in result.report():
         print(lines)
+    print(memory_line(memory, config.optimizer_shards, costs.runtime_bytes))
     written = [out / "plan.json", *([picture] if picture is not None else [])]
     if cfg.plan.get("dump_schedule"):
         text = dump(timeline.schedule)

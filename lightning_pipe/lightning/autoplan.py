@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from ..models.init import is_meta, profiling_blocks
-from ..planning.auto import adam_weight_copies, stage_memory
+from ..planning.auto import adam_weight_copies, memory_line, stage_memory
 from ..planning.entry import BLOCK_KINDS as KINDS  # noqa: F401  (benchmarks read it here)
 from ..planning.entry import DEFAULT_LINKS, RunPlan, block_kinds, link_model, plan_run  # noqa: F401
 from ..planning.partition import partition_blocks
@@ -292,13 +292,7 @@ class AutoPlanner:
             rank_zero_info("messages (planned with): " + profile.message_costs.summary())
         for lines in result.report():
             rank_zero_info("\n" + lines)
-        rank_zero_info(
-            "predicted peak memory per rank: " + ", ".join(f"{b / 2**30:.2f}" for b in memory) + " GiB (weights x "
-            f"{copies:g} for parameters, gradients and Adam's moments"
-            + (f" sharded over {self.config.optimizer_shards} replicas" if self.config.optimizer_shards > 1 else "")
-            + f"; stashed activations; the process's runtime "
-            f"{costs.runtime_bytes / 2**30:.2f} GiB)"
-        )
+        rank_zero_info(memory_line(memory, self.config.optimizer_shards, costs.runtime_bytes))
         rank_zero_info(f"plan, profile and predicted timeline written to {out}")
 
     def _out(self) -> Path:

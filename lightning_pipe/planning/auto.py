@@ -54,6 +54,16 @@ def adam_weight_copies(optimizer_shards: int = 1) -> float:
 ADAM_WEIGHT_COPIES = adam_weight_copies()
 
 
+def memory_line(per_stage: Sequence[float], optimizer_shards: int, runtime_bytes: float) -> str:
+    """The predicted peak per rank, as the plan and the training log print it."""
+    shared = f" sharded over {optimizer_shards} replicas" if optimizer_shards > 1 else ""
+    return (
+        "predicted peak memory per rank (by stage): " + ", ".join(f"{b / 2**30:.2f}" for b in per_stage) + " GiB (weights x "
+        f"{adam_weight_copies(optimizer_shards):g} for parameters, gradients and Adam's moments{shared}; stashed activations; "
+        f"the process's runtime {runtime_bytes / 2**30:.2f} GiB)"
+    )
+
+
 def label(schedule: str, options: dict[str, int]) -> str:
     return schedule + "".join(f" {k}={v}" for k, v in sorted(options.items()))
 
