@@ -105,6 +105,10 @@ class PipelineConfig:
     """2bw: PipeDream-2BW's planner (§4, Algorithm 1) chooses width, depth, micro-batch size and count and
     recomputation per stage at setup, from a profile at several micro-batch sizes, the fastest predicted
     within memory_limit; schedule=auto also chooses among 2bw, 1f1b and gpipe. None: set by hand."""
+    planner_2bw_cost: str = "simulated"
+    """planner=2bw's cost functions: simulated (ours: each candidate's partition, schedule and optimizer state on
+    the simulator) or paper (PipeDream-2BW's closed-form THROUGHPUT and MEMORY of §4.2: even split, no
+    simulation, no optimizer state). The plan command prints the other's choice beside it."""
     global_batch: Optional[int] = None
     """planner=2bw: samples per optimizer step over all replicas, B = width x micro-batch size x
     microbatches (None: the training DataLoader's batch size)."""

@@ -215,6 +215,22 @@ def test_plan_cli_prints_the_candidate_table(tmp_path):
     assert "pipeline.memory_limit" in small.stderr and "smallest footprint" in small.stderr
 
 
+@pytest.mark.multiprocess
+def test_plan_cli_runs_either_cost_model_and_prints_the_other_beside(tmp_path):
+    settings = ("trainer.devices=16", "pipeline.planner=2bw", "pipeline.memory_limit=16GB")
+    ours = plan_cli(tmp_path / "ours", *settings)
+    paper = plan_cli(tmp_path / "paper", *settings, "pipeline.planner_2bw_cost=paper")
+    assert ours.returncode == 0 and paper.returncode == 0, ours.stderr + paper.stderr
+    mine, theirs = (json.loads((tmp_path / name / "plan_2bw.json").read_text()) for name in ("ours", "paper"))
+    assert "even (the paper's B/d) partition" in paper.stdout and "min-max" in ours.stdout
+    # each run's choice is the other's "beside" line: the same two answers, from either side
+    assert mine["beside"]["planner_2bw_cost"] == "paper" and theirs["beside"]["planner_2bw_cost"] == "simulated"
+    assert mine["beside"]["chosen"] == theirs["chosen"] and theirs["beside"]["chosen"] == mine["chosen"]
+    assert "planner_2bw_cost=paper chooses w=" in ours.stdout and "planner_2bw_cost=simulated chooses w=" in paper.stdout
+    bad = plan_cli(tmp_path / "bad", *settings, "pipeline.planner_2bw_cost=closed")
+    assert bad.returncode == 2 and "pipeline.planner_2bw_cost" in bad.stderr and "'paper'" in bad.stderr
+
+
 # ---- planner=2bw in a real Trainer -----------------------------------------------------------------
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
@@ -277,6 +293,10 @@ def test_closed_forms_by_hand():
     assert closed_step(c, 2, 1, 4, False, hw) == 6.0
     # recomputation measured: 2 x (1 + 3) = 8 > 6
     assert closed_step(c, 2, 1, 4, True, hw) == 8.0
+    # not measured (a profile whose recomputed backward is the plain one): the paper's c_extra = 4/3 of 6
+    unmeasured = replace(c, recompute_backward=c.backward)
+    assert closed_step(unmeasured, 2, 1, 4, True, hw) == pytest.approx(4 / 3 * 6.0)
+    assert closed_step(unmeasured, 2, 1, 4, False, hw) == 6.0
     # two replicas: ring all-reduce of 200 bytes, 2 (2 - 1) / 2 x 200 / 2 = 100 s per step, over g = 4 micro-batches
     assert closed_step(c, 2, 2, 4, False, hw) == 25.0
     # MEMORY: 2BW 2 |W| / d + |A| = 2 x 400 / 2 + 100; with recomputation |A| / d

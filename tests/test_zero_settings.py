@@ -4,6 +4,7 @@ rule every rank computes alike."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -11,6 +12,7 @@ from lightning_pipe.config import PipelineConfig
 from lightning_pipe.errors import SettingError
 from lightning_pipe.modes.width.engine import owners
 from lightning_pipe.planning.auto import adam_weight_copies
+from lightning_pipe.runtime.reduce import buckets
 
 
 def test_settings_refused_before_any_process():
@@ -42,3 +44,15 @@ def test_the_planners_count_adams_moments_once_per_stage():
     assert adam_weight_copies(1) == 4.0 and adam_weight_copies(2) == 3.0 and adam_weight_copies(4) == 2.5
     assert PipelineConfig(width=4, shard="optimizer").optimizer_shards == 4
     assert PipelineConfig(width=4).optimizer_shards == 1
+
+
+@given(st.lists(st.tuples(st.integers(1, 300), st.sampled_from(["float32", "float64"])), max_size=30), st.integers(8, 2000))
+def test_buckets_keep_every_tensor_once_by_dtype_within_the_cap(shapes, cap):
+    tensors = [torch.zeros(n, dtype=getattr(torch, d)) for n, d in shapes]
+    found = list(buckets(tensors, cap))
+    assert sorted(id(t) for g in found for t in g) == sorted(id(t) for t in tensors)
+    for group in found:
+        assert len({t.dtype for t in group}) == 1
+        assert len(group) == 1 or sum(t.numel() * t.element_size() for t in group) <= cap
+        order = [next(i for i, x in enumerate(tensors) if x is t) for t in group]
+        assert order == sorted(order)  # the tensors' own order within a bucket

@@ -56,8 +56,9 @@ def _main(cfg: DictConfig) -> None:
             print(f"chosen: M={result.chosen.microbatches}, N={result.chosen.pipelines}; written: {out / 'tune.json'}")
             return
         if config.planner == "2bw":  # PipeDream-2BW's planner: width, depth, b, recomputation
-            result = plan_from_cli(cfg, config, out)
+            result, beside = plan_from_cli(cfg, config, out)
             print(result.table())
+            print(beside)
             print(f"written: {out / 'plan_2bw.json'}")
             return
         world = config.world(int(cfg.trainer.devices), int(cfg.trainer.get("num_nodes", 1)))

@@ -14,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from ..errors import SettingError
+from ..modes.two_bw import settings as two_bw_settings
 from ..planning.sized import SizedProfile, analytic_profile
 from ..planning.two_bw import NoConfiguration, TwoBWPlan, hardware, optimizer_factor, plan_2bw, refiner
 
@@ -24,7 +25,8 @@ def schedules_of(config: Any) -> tuple[str, ...]:
     return ("2bw", "1f1b", "gpipe") if config.auto else (config.schedule,)
 
 
-def plan_from_cli(cfg: DictConfig, config: Any, out: Path) -> TwoBWPlan:
+def plan_from_cli(cfg: DictConfig, config: Any, out: Path) -> tuple[TwoBWPlan, str]:
+    """The plan, and one line with what the other cost functions (planner_2bw_cost) choose beside it."""
     per_node = int(cfg.trainer.devices)
     devices = per_node * int(cfg.trainer.get("num_nodes", 1))
     device_type = "cuda" if str(cfg.trainer.get("accelerator", "cpu")) in ("gpu", "cuda", "auto") else "cpu"
@@ -56,9 +58,35 @@ def plan_from_cli(cfg: DictConfig, config: Any, out: Path) -> TwoBWPlan:
     )
     batch = config.global_batch or int(cfg.data.batch_size)
     kinds = profile.block_names if profile.source.startswith("analytic") else None
+    own = two_bw_settings.cost_model(config)
+
+    def planned(cost_model: str) -> TwoBWPlan:
+        return plan_2bw(profile, hw, batch, schedules_of(config), refine=refiner(config.partition, kinds), cost_model=cost_model)
+
     try:
-        result = plan_2bw(profile, hw, batch, schedules_of(config), refine=refiner(config.partition, kinds))
+        result = planned(own)
     except NoConfiguration as err:
         raise SettingError(str(err), err.setting) from None
-    (out / "plan_2bw.json").write_text(json.dumps(result.to_dict(), indent=1))
-    return result
+    other_setting = next(k for k, v in two_bw_settings.PLANNER_COSTS.items() if v != own)
+    try:  # the other cost functions' choice, printed beside (paper vs ours)
+        other: Any = planned(two_bw_settings.PLANNER_COSTS[other_setting]).chosen
+    except NoConfiguration as err:
+        other = str(err).splitlines()[0]
+    summary = {
+        **result.to_dict(),
+        "beside": {"planner_2bw_cost": other_setting, "chosen": other if isinstance(other, str) else other.to_dict()},
+    }
+    (out / "plan_2bw.json").write_text(json.dumps(summary, indent=1))
+    return result, beside_line(result, other_setting, other)
+
+
+def beside_line(result: TwoBWPlan, setting: str, other: Any) -> str:
+    """What the other cost functions (`setting`) choose on the same profile and hardware: a candidate, or why none."""
+    if isinstance(other, str):
+        return f"planner_2bw_cost={setting}: no configuration ({other})"
+    c = result.chosen
+    return (
+        f"planner_2bw_cost={setting} chooses w={other.width} d={other.depth} b={other.microbatch_size} g={other.microbatches} "
+        f"{other.schedule} recompute={other.recompute} ({other.throughput:.1f} samples/s by its own cost functions) beside this "
+        f"w={c.width} d={c.depth} b={c.microbatch_size} g={c.microbatches} {c.schedule} recompute={c.recompute}"
+    )

@@ -28,6 +28,7 @@ from torch.utils.data import BatchSampler, DataLoader
 
 from ..config import PipelineConfig
 from ..errors import SettingError
+from ..modes.two_bw import settings as two_bw_settings
 from ..planning.entry import block_kinds
 from ..planning.two_bw import NoConfiguration, TwoBWPlan, hardware, optimizer_factor, plan_2bw, refiner
 from ..profiling.runtime import runtime_bytes
@@ -130,7 +131,8 @@ def _plan(config: PipelineConfig, where: Where, module: Any, trainer: Any, batch
     )
     kinds = block_kinds([type(b).__name__ for b in blocks])
     schedules = ("2bw", "1f1b", "gpipe") if config.auto else (config.schedule,)
-    result = plan_2bw(profile, hw, batch, schedules, refine=refiner(config.partition, kinds), every_device=True)
+    refine = refiner(config.partition, kinds)
+    result = plan_2bw(profile, hw, batch, schedules, refine=refine, every_device=True, cost_model=two_bw_settings.cost_model(config))
     result.notes.append(f"profiled {len(blocks)} blocks at micro-batch sizes {sizes} in {profiled:.1f} s on {device}")
     out = where.out_dir
     if out is not None:

@@ -3,30 +3,60 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any, Optional
+from collections.abc import Iterable, Iterator
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+BUCKET_BYTES = 25 * 2**20  # a flat buffer holds at most this much (DDP's default bucket): the copy a collective adds stays small
+
+
+def buckets(tensors: Iterable[Tensor], cap: int = BUCKET_BYTES) -> Iterator[list[Tensor]]:
+    """`tensors` in order, grouped by dtype into runs of at most `cap` bytes (a larger tensor alone)."""
+    open_: dict[torch.dtype, tuple[list[Tensor], int]] = {}
+    for t in tensors:
+        group, size = open_.get(t.dtype, ([], 0))
+        nbytes = t.numel() * t.element_size()
+        if group and size + nbytes > cap:
+            yield group
+            group, size = [], 0
+        open_[t.dtype] = (group + [t], size + nbytes)
+    for group, _ in open_.values():
+        if group:
+            yield group
+
+
+def collective_in_buckets(tensors: Iterable[Tensor], op: Callable[[Tensor], None]) -> None:
+    """`op(buffer)` in place on every tensor of `tensors`, one bucket at a time: a lone contiguous tensor is
+    its own buffer, a run of smaller ones is flattened and copied back."""
+    for group in buckets(tensors):
+        if len(group) == 1 and group[0].is_contiguous():
+            op(group[0])
+            continue
+        flat = _flatten_dense_tensors(group)
+        op(flat)
+        for t, new in zip(group, _unflatten_dense_tensors(flat, group)):
+            t.copy_(new)
+
 
 def allreduce_mean(params: Iterable[torch.nn.Parameter], group: Any, size: int) -> None:
-    """Average the gradients of `params` over the `size` ranks of `group`, one flat buffer per dtype."""
+    """Average the gradients of `params` over the `size` ranks of `group`, in buckets (`collective_in_buckets`)."""
     if size <= 1:
         return
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    grads = []
     for p in params:
         if p.grad is None:  # a parameter unused this step still takes part: the others may have a grad
             p.grad = torch.zeros_like(p)
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        flat.div_(size)
-        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(reduced)
+        grads.append(p.grad)
+
+    def mean(buffer: Tensor) -> None:
+        dist.all_reduce(buffer, group=group)
+        buffer.div_(size)
+
+    collective_in_buckets(grads, mean)
 
 
 def clip_grad_norm_global(params: Iterable[Tensor], max_norm: float, group: Optional[Any], skip_in_norm: frozenset = frozenset()) -> Tensor:

@@ -10,6 +10,7 @@ from ...errors import SettingError, check_count
 
 PLANNERS = ("2bw",)
 PLANNED_SCHEDULES = ("2bw", "1f1b", "gpipe")  # what its planner chooses among (schedule=auto: all three)
+PLANNER_COSTS = {"simulated": "simulated", "paper": "closed"}  # planner_2bw_cost -> planning.two_bw's cost_model
 
 
 def check_config(config: Any) -> None:
@@ -18,6 +19,12 @@ def check_config(config: Any) -> None:
         if not isinstance(config.planner, str) or config.planner.lower() not in PLANNERS:
             raise SettingError(f"planner={config.planner!r}: allowed values are {list(PLANNERS)} or None (set by hand)", "planner")
         config.planner = config.planner.lower()
+    if config.planner_2bw_cost not in PLANNER_COSTS:
+        raise SettingError(
+            f"planner_2bw_cost={config.planner_2bw_cost!r}: 'simulated' (ours: every candidate on the simulator) or 'paper' "
+            "(PipeDream-2BW's closed-form THROUGHPUT and MEMORY, §4.2)",
+            "planner_2bw_cost",
+        )
     if config.global_batch is not None:
         if config.planner is None:
             raise SettingError(f"global_batch={config.global_batch!r} is a setting of planner=2bw: set planner=2bw too", "global_batch")
@@ -58,3 +65,8 @@ def check_trainer(trainer: Any, model: Any) -> None:
             "automatic_optimization=False: schedule='2bw' runs the backward and the optimizer step itself; use automatic optimization",
             "schedule",
         )
+
+
+def cost_model(config: Any) -> str:
+    """The 2BW planner's cost functions for `planner_2bw_cost` (planning.two_bw.COST_MODELS)."""
+    return PLANNER_COSTS[config.planner_2bw_cost]

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ...runtime.reduce import collective_in_buckets
 
 
 def owners(sizes: Sequence[int], shards: int) -> list[int]:
@@ -33,15 +33,8 @@ def owners(sizes: Sequence[int], shards: int) -> list[int]:
 
 
 def broadcast_from_owners(params: Sequence[Tensor], owner: Sequence[int], ranks: Sequence[int], group: Any) -> None:
-    """After the owners' step: every replica gets each parameter's new value from its owner, one flat
-    broadcast per owner and dtype (`ranks`: the global rank of each replica in `group`)."""
+    """After the owners' step: every replica gets each parameter's new value from its owner, in buckets
+    per owner (`ranks`: the global rank of each replica in `group`)."""
     for w, src in enumerate(ranks):
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for p, o in zip(params, owner):
-            if o == w:
-                by_dtype.setdefault(p.dtype, []).append(p.data)
-        for tensors in by_dtype.values():
-            flat = _flatten_dense_tensors(tensors)
-            dist.broadcast(flat, src=src, group=group)
-            for t, new in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
-                t.copy_(new)
+        mine = [p.data for p, o in zip(params, owner) if o == w]
+        collective_in_buckets(mine, lambda buffer, src=src: dist.broadcast(buffer, src=src, group=group))
