@@ -65,7 +65,8 @@ class PipelineConfig:
     shard: str = "none"
     """none: every replica holds its stage's whole optimizer state; optimizer: ZeRO-1, each parameter's
     optimizer state (Adam's moments) on one replica of its stage only, which steps it and broadcasts the new
-    values (needs width >= 2; the update is exactly the unsharded one)."""
+    values; full: FSDP2's fully_shard on every block over the replicas (parameters, gradients and optimizer
+    state 1/width each; flush schedules). Needs width >= 2; the update is the unsharded one."""
     pipelines: Optional[int] = None
     """AvgPipe: N parallel pipelines, each training its own model on its own data, joined by elastic
     averaging with reference processes (None: off); stages = devices x nodes / N."""
@@ -361,6 +362,7 @@ MULTI_CHUNK = tuple(name for name, kind in REGISTRY.items() if kind.chunks is no
 SLICED = tuple(name for name in REGISTRY if name not in MULTI_CHUNK + ("2bw", "advance"))  # whose warm-up the slicer halves
 ALGORITHM2_SCHEDULES = ("1f1b",)  # AutoPipe's Algorithm 2 slices 1F1B
 ADVANCE_NUM_SCHEDULES = ("advance", "2bw")  # the schedules with AvgPipe(2BW)'s advance forward order
+FULL_SHARD_EXCLUDED = ("2bw", "zb-h1", "zb-v")  # a weight stash, a split backward: not over FSDP2's sharded blocks
 
 
 @dataclass(frozen=True)
@@ -389,6 +391,24 @@ LEGALITY: tuple[Legality, ...] = (
         lambda c: c.shard != "none" and c.pipelines is None and c.planner is None and c.width < 2,
         lambda c: (
             f"shard={c.shard!r} shards the optimizer state over the replicas, and width={c.width} has none: set width >= 2 or shard='none'"
+        ),
+    ),
+    Legality(
+        "shard",
+        lambda c: c.shard == "full" and (c.auto or c.planner is not None or c.schedule in FULL_SHARD_EXCLUDED or c.recompute is not False),
+        lambda c: (
+            "shard='full' (FSDP2) runs the flush schedules gpipe, 1f1b, interleaved, wave, hanayo, advance, named, not "
+            + (
+                "schedule='auto'"
+                if c.auto
+                else "planner=2bw"
+                if c.planner
+                else "recompute"
+                if c.schedule not in FULL_SHARD_EXCLUDED
+                else f"schedule={c.schedule!r}"
+            )
+            + " (2BW's weight stash, zero bubble's split backward and recomputation over sharded blocks are not built); "
+            "use shard='optimizer' there"
         ),
     ),
     Legality(

@@ -17,6 +17,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.lightning.checkpoint.sharded import consolidate
+from lightning_pipe.runtime.reduce import local
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.multiprocess]
 
@@ -35,8 +36,9 @@ class RecordState(Callback):
         opt = trainer.optimizers[0]
         held = {n for n, p in pl_module.named_parameters() if p in opt.state}
         stage = {n: p.numel() for n, p in pl_module.named_parameters()}
-        moments = sum(s["exp_avg"].numel() for s in opt.state.values())
-        out = dict(stage=stage, held=held, moments=moments, rank=trainer.global_rank)
+        moments = sum(local(s["exp_avg"]).numel() for s in opt.state.values())  # shard="full": this rank's shards
+        weights = sum(local(p).numel() for p in pl_module.parameters())
+        out = dict(stage=stage, held=held, moments=moments, weights=weights, rank=trainer.global_rank)
         torch.save(out, os.path.join(self.folder, f"state-rank{trainer.global_rank}.pt"))
 
 
@@ -75,20 +77,37 @@ def test_sharded_optimizer_equals_one_process_and_holds_each_state_once(tmp_path
         assert a["moments"] + b["moments"] == sum(a["stage"].values())
 
 
+# FSDP2 per block: every parameter, gradient and moment split over the two replicas of its stage
+@pytest.mark.parametrize("schedule,options", [("1f1b", {}), ("gpipe", {}), ("interleaved", {"chunks": 2})])
+def test_fully_sharded_replicas_equal_one_process_and_hold_half_of_everything(tmp_path, schedule, options):
+    ref, _ = single(5, gradient_clip_val=0.05)
+    model = LitSeq()
+    pipelined(model, 5, callbacks=[RecordState(tmp_path)], schedule=schedule, shard="full", gradient_clip_val=0.05, **options)
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    ranks = [torch.load(os.path.join(tmp_path, f"state-rank{r}.pt")) for r in range(4)]
+    for stage in range(2):
+        a, b = ranks[stage], ranks[2 + stage]
+        total = sum(a["stage"].values())
+        assert a["held"] == b["held"] == set(a["stage"]), "each rank holds a shard of every parameter's state"
+        assert a["weights"] + b["weights"] == total and a["moments"] + b["moments"] == total
+        assert a["weights"] < total and b["weights"] < total
+
+
 def adam_state_by_name(module, optimizer):
     names = {p: n for n, p in module.named_parameters()}
     return {names[p]: s for p, s in optimizer.state.items()}
 
 
+@pytest.mark.parametrize("shard", ["optimizer", "full"])
 @pytest.mark.parametrize("layout", ["full", "sharded"])
-def test_checkpoint_holds_the_whole_state_and_resumes_bit_for_bit(tmp_path, layout):
+def test_checkpoint_holds_the_whole_state_and_resumes_bit_for_bit(tmp_path, layout, shard):
     def resumable():
         return StatefulDataLoader(dataset(n=N), batch_size=PER_REPLICA)
 
     whole = LitSeq()
-    pipelined(whole, 5, train=resumable())
+    pipelined(whole, 5, train=resumable(), shard=shard)
     saver = ModelCheckpoint(dirpath=tmp_path / "first", every_n_train_steps=2, save_top_k=-1)
-    pipelined(LitSeq(), 2, train=resumable(), callbacks=[saver], checkpoint=layout)
+    pipelined(LitSeq(), 2, train=resumable(), callbacks=[saver], checkpoint=layout, shard=shard)
     (path,) = glob.glob(os.path.join(tmp_path, "first", "*step=2.ckpt"))
     # the file is shard="none"'s: every parameter's Adam state, equal to one process's after 2 steps
     full = torch.load(path, weights_only=False) if layout == "full" else consolidate(path, tmp_path / "full.ckpt")
@@ -99,7 +118,8 @@ def test_checkpoint_holds_the_whole_state_and_resumes_bit_for_bit(tmp_path, layo
     for name, state in want.items():
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.allclose(got[name][key], state[key], rtol=1e-10, atol=1e-14), (name, key)
+    assert max_rel_diff(ref.state_dict(), {k: full["state_dict"][k] for k in ref.state_dict()}) <= 1e-10
     resumed = LitSeq(seed=5)
-    pipelined(resumed, 5, train=resumable(), ckpt_path=path, checkpoint=layout)
+    pipelined(resumed, 5, train=resumable(), ckpt_path=path, checkpoint=layout, shard=shard)
     for k, v in whole.state_dict().items():
         assert torch.equal(v, resumed.state_dict()[k]), k

@@ -26,7 +26,7 @@ from ..modes.flush.lightning import FlushLayer
 from ..modes.lightning import ControllerLayer, Layer, PartitionLayer, ReplicasLayer, VersionsLayer
 from ..modes.partition.lightning import AdaptivePartition, StaticPartition
 from ..modes.two_bw.lightning import DoubleBufferLayer
-from ..modes.width.lightning import AllReduce, NoReplicas, ShardedOptimizer
+from ..modes.width.lightning import AllReduce, FullyShardedReplicas, NoReplicas, ShardedOptimizer
 from ..runtime.p2p import Transport
 from ..runtime.tied import tied_from_groups
 from .autoplan import AutoPlanner
@@ -65,7 +65,7 @@ def choose_layers(config: PipelineConfig) -> LayerChoice:
     if config.pipelines is not None:
         replicas: type[ReplicasLayer] = ElasticReplicas
     elif config.width > 1:
-        replicas = ShardedOptimizer if config.shard == "optimizer" else AllReduce
+        replicas = {"optimizer": ShardedOptimizer, "full": FullyShardedReplicas}.get(config.shard, AllReduce)
     else:
         replicas = NoReplicas
     partition = AdaptivePartition if config.adaptive else StaticPartition
@@ -111,6 +111,12 @@ class Training:
         )
         self.precision.pipeline = self.gradients
         return self.gradients
+
+    def prepare_stage(self) -> None:
+        """Before the optimizers: the replicas start from replica 0's weights, then each layer lays the stage out."""
+        self.gradients.sync_replicas()
+        for layer in self.layers:
+            layer.prepare_stage()
 
     def build_runtime(self) -> None:
         """The runner and the step runner over the current cut (again after a live switch)."""

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..runtime.reduce import allreduce_mean, clip_grad_norm_global
+from ..runtime.reduce import local as local_shard
 from ..runtime.tied import TiedParameter, allreduce_tied
 from ..topology import ProcessGroups, Topology
 from .stage import PipelineStage
@@ -38,7 +39,7 @@ class StageGradients:
     ):
         self.stage, self.chunk_blocks, self.topology, self.groups = stage, chunk_blocks, topology, groups
         self.average_replicas = average_replicas  # False for AvgPipe: each pipeline keeps its own gradients
-        self.norm_over_replicas = norm_over_replicas  # ZeRO-1: each replica clips the share it steps
+        self.norm_over_replicas = norm_over_replicas  # ZeRO-1 / FSDP2: each replica clips the share it steps
         self.stage_index, self.replica_index = topology.stage_of(rank), topology.replica_of(rank)
         self.tied = tied
         self._tied_groups = self._tie(rank)
@@ -100,7 +101,7 @@ class StageGradients:
         """fp16: every rank must skip the same steps. Before the scaler unscales, any rank's
         non-finite gradient is made every rank's (one inf written into a local gradient), so each
         scaler's own check finds it, skips the step and backs off its scale alike."""
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [local_shard(p.grad) for p in params if p.grad is not None]
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
         if grads:

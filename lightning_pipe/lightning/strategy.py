@@ -174,7 +174,7 @@ class AutoPipeStrategy(EmptyInitMixin, ProcessGroupStrategy):
         self.layers.build_gradients()
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self.layers.gradients.sync_replicas()
+        self.layers.prepare_stage()
         if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()

@@ -38,6 +38,10 @@ class Layer:
     def start(self) -> None:
         """Optimizers and LR schedulers exist (setup's end)."""
 
+    def prepare_stage(self) -> None:
+        """The stage is cut, on its device and in step with its replicas; no optimizer exists yet (the
+        place to re-lay its parameters out, e.g. FSDP2's sharding)."""
+
     def on_runtime(self, runner: Versions) -> None:
         """The runner, gradients and steps were (re)built over the current cut."""
 

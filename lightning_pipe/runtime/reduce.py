@@ -10,6 +10,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
+
+
+def local(t: Tensor) -> Tensor:
+    """A DTensor's shard on this rank (FSDP2's sharded gradients), else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
 
 BUCKET_BYTES = 25 * 2**20  # a flat buffer holds at most this much (DDP's default bucket): the copy a collective adds stays small
 
@@ -64,8 +71,8 @@ def clip_grad_norm_global(params: Iterable[Tensor], max_norm: float, group: Opti
     gradients of every stage, summed as squares across `group`, so each stage scales by one factor.
     Parameters in `skip_in_norm` (ids; copies of a tied weight held elsewhere too) are scaled but not counted."""
     params = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in params]
-    counted = [p.grad for p in params if id(p) not in skip_in_norm]
+    grads = [local(p.grad) for p in params]  # shard="full": this rank's shard (the group spans the shards)
+    counted = [local(p.grad) for p in params if id(p) not in skip_in_norm]
     device = grads[0].device if grads else torch.device("cpu")
     if counted:
         norms = torch.stack([torch.linalg.vector_norm(g, 2.0).to(torch.float64) for g in counted])

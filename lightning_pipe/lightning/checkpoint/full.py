@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..context import RankContext
+from .dtensors import full_tensors, like
 from .keys import ALIASES, OLD_STATES, RUN, decode_parameter, encode_parameter, encode_run, is_ours
 
 # (stored names by id(parameter), this stage's name-keyed optimizer state) -> the layers' per-parameter extras
@@ -141,7 +142,7 @@ def _receive(slot: _Slot, src: int, group: Any, device: torch.device, folder: Pa
 
 def full_state_dict(ctx: RankContext) -> dict[str, Any]:
     merged: dict[str, Any] = {}
-    for part in gather_to_zero(ctx, ctx.module.state_dict()) or []:
+    for part in gather_to_zero(ctx, full_tensors(ctx.module.state_dict())) or []:  # every rank: DTensors made whole
         merged.update(part)
     return merged
 
@@ -180,7 +181,7 @@ def stage_named_state(ctx: RankContext, optimizer: Any, extras: Optional[Paramet
     optimizer = getattr(optimizer, "_optimizer", optimizer)
     names = parameter_names(ctx.module)
     stored = _stored_names(ctx, names)
-    raw = optimizer.state_dict()
+    raw = full_tensors(optimizer.state_dict())  # shard="full": every rank of the mesh takes part
     state, groups = {}, []
     for group, saved in zip(optimizer.param_groups, raw["param_groups"]):
         members = [stored[id(p)] for p in group["params"]]
@@ -245,7 +246,7 @@ def load_named_state(optimizer: Any, named: dict[str, Any], module: Any) -> dict
                 where = f"in param group {home[name]}" if name in home else "not"
                 raise ValueError(f"parameter {name!r} is in param group {g} of the optimizer but {where} in the checkpoint")
             if name in named["state"]:
-                own = {k: v for k, v in named["state"][name].items() if not is_ours(k)}
+                own = {k: like(v, p) for k, v in named["state"][name].items() if not is_ours(k)}
                 extra = decode_parameter(named["state"][name])
                 if own:
                     state[index] = own
@@ -283,8 +284,9 @@ def load_optimizer_states(ctx: RankContext, checkpoint: dict[str, Any]) -> dict[
 
 def load_stage_state(module: Any, checkpoint: dict[str, Any], strict: bool = True) -> None:
     """This stage's keys of a full-model state dict."""
-    local_keys = module.state_dict().keys()
-    state = {k: v for k, v in checkpoint["state_dict"].items() if k in local_keys}
+    local = module.state_dict()
+    local_keys = local.keys()
+    state = {k: like(v, local[k]) for k, v in checkpoint["state_dict"].items() if k in local_keys}
     if strict:
         missing = [k for k in local_keys if k not in state]
         if missing:

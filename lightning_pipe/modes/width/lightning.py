@@ -1,5 +1,11 @@
 """Replicas of one pipeline (data parallel over `width`), or none: REDUCE averages across them.
 
+`FullyShardedReplicas` (shard="full"): FSDP2's `fully_shard` on every block of the stage over the
+stage's replicas (a one-dimensional mesh of them): parameters, gradients and optimizer state are each
+1/width on a rank; a block's weights are gathered for its forward and backward and freed after
+(reshard_after_forward), its gradients reduce-scattered after each backward. REDUCE has nothing left
+to average. Checkpoints are whole tensors in shard="none"'s layout (lightning/checkpoint/dtensors.py).
+
 `ShardedOptimizer` (shard="optimizer"): ZeRO-1 over the replicas of each stage (engine.py). The
 user's optimizers keep their objects (LR schedulers and Lightning hold them) but each param group
 lists only the parameters this replica owns, so Adam's moments exist once per stage across the
@@ -11,13 +17,18 @@ the groups are cut back, so the files are those of shard="none" and resume acros
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from ...config import PipelineConfig
 from ...errors import SettingError
 from ..lightning import ReplicasLayer
+from . import settings
 from .engine import broadcast_from_owners, owners
 
 
@@ -95,6 +106,37 @@ class ShardedOptimizer(AllReduce):
             "replicas; train with shard='none' to move blocks",
             "shard",
         )
+
+
+class FullyShardedReplicas(ReplicasLayer):
+    """FSDP2 per block over the stage's `width` replicas (shard="full")."""
+
+    shards_optimizer = True  # the gradients a rank clips are its shards: the norm spans every rank
+
+    @classmethod
+    def check_trainer(cls, config: PipelineConfig, trainer: Any, model: Any) -> None:
+        settings.check_trainer_full(trainer)
+
+    def prepare_stage(self) -> None:
+        ctx, cut = self.ctx, self.ctx.cut
+        if cut.tied:
+            raise SettingError(
+                f"shard='full' with parameters tied across stages {[t.stages for t in cut.tied]} is not built (their "
+                "gradients are summed across stages as whole tensors); use shard='optimizer' or untie them",
+                "shard",
+            )
+        mesh = DeviceMesh.from_group(ctx.groups.stage, ctx.device.type)
+        for index, block in cut.stage.blocks().items():
+            if isinstance(block, FSDPModule) or not any(True for _ in block.parameters()):
+                continue  # sharded by an earlier fit, or nothing to shard
+            if cut.pipeline is not None:  # global rank 0 hands the trained model back in these modules: shard a copy
+                block = copy.deepcopy(block)
+                cut.stage._modules[str(index)] = block
+            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+
+    def switch_extras(self) -> None:
+        """Refused, as `ShardedOptimizer`'s: the legality table refuses adaptive."""
+        raise SettingError("repartition() with shard='full' is not built: train with shard='none' to move blocks", "shard")
 
 
 def _to(state: dict[str, Any], device: torch.device) -> dict[str, Any]:

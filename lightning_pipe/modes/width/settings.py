@@ -7,21 +7,25 @@ from typing import Any
 
 from ...errors import SettingError
 
-SHARD = ("none", "optimizer")  # "full" (FSDP2 per block) is not built yet: refused with its own line
+SHARD = ("none", "optimizer", "full")
 
 
 def check_config(config: Any) -> None:
     value = config.shard
-    if value == "full":
-        raise SettingError(
-            "shard='full' (FSDP2's fully_shard per block) is not built yet; allowed values: 'none' (full replicas), "
-            "'optimizer' (ZeRO-1: the optimizer state sharded over the width's replicas)",
-            "shard",
-        )
     if not isinstance(value, str) or value.lower() not in SHARD:
         raise SettingError(
             f"shard={value!r}; allowed values: 'none' (full replicas), 'optimizer' (ZeRO-1: the optimizer state sharded "
-            "over the width's replicas)",
+            "over the width's replicas), 'full' (FSDP2: parameters, gradients and optimizer state sharded per block)",
             "shard",
         )
     config.shard = value.lower()
+
+
+def check_trainer_full(trainer: Any) -> None:
+    """What shard='full' cannot honour, before any process starts."""
+    plugin = getattr(trainer, "precision_plugin", None)
+    if getattr(plugin, "scaler", None) is not None:
+        raise SettingError(
+            "shard='full' with a GradScaler (precision='16-mixed') is not built: use bf16-mixed, bf16-true or 32-true",
+            "shard",
+        )
