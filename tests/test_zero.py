@@ -12,6 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from models import START, EpochPerm, LitSeq, dataset, max_rel_diff, trainer_kwargs
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -40,6 +41,33 @@ class RecordState(Callback):
         weights = sum(local(p).numel() for p in pl_module.parameters())
         out = dict(stage=stage, held=held, moments=moments, weights=weights, rank=trainer.global_rank)
         torch.save(out, os.path.join(self.folder, f"state-rank{trainer.global_rank}.pt"))
+
+
+class CountReduceScatters(Callback):
+    """Each rank counts FSDP2's reduce-scatters in every training step (the real collective, counted on
+    its way through) against its sharded blocks."""
+
+    def __init__(self, folder):
+        self.folder, self.per_step = folder, []
+
+    def on_train_start(self, trainer, pl_module):
+        real = torch.distributed.reduce_scatter_single
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        torch.distributed.reduce_scatter_single = counted  # this worker process only
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.calls = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.per_step.append(self.calls)
+
+    def on_train_end(self, trainer, pl_module):
+        blocks = sum(isinstance(m, FSDPModule) for m in pl_module.modules())
+        torch.save(dict(per_step=self.per_step, blocks=blocks), os.path.join(self.folder, f"rs-rank{trainer.global_rank}.pt"))
 
 
 def single(steps, **kw):
@@ -82,8 +110,12 @@ def test_sharded_optimizer_equals_one_process_and_holds_each_state_once(tmp_path
 def test_fully_sharded_replicas_equal_one_process_and_hold_half_of_everything(tmp_path, schedule, options):
     ref, _ = single(5, gradient_clip_val=0.05)
     model = LitSeq()
-    pipelined(model, 5, callbacks=[RecordState(tmp_path)], schedule=schedule, shard="full", gradient_clip_val=0.05, **options)
+    callbacks = [RecordState(tmp_path), CountReduceScatters(tmp_path)]
+    pipelined(model, 5, callbacks=callbacks, schedule=schedule, shard="full", gradient_clip_val=0.05, **options)
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    for rank in range(4):  # m = 2 micro-batches, one reduce-scatter per sharded block and step
+        counts = torch.load(os.path.join(tmp_path, f"rs-rank{rank}.pt"))
+        assert counts["blocks"] > 0 and counts["per_step"] == [counts["blocks"]] * 5, counts
     ranks = [torch.load(os.path.join(tmp_path, f"state-rank{r}.pt")) for r in range(4)]
     for stage in range(2):
         a, b = ranks[stage], ranks[2 + stage]

@@ -111,6 +111,10 @@ class LightningHost:
     def reduce_gradients(self, chunk: int) -> None:
         self._reduce(chunk)
 
+    def before_backward(self, chunk: int, last: bool) -> None:
+        if self.stage.backward_sync is not None:
+            self.stage.backward_sync(chunk, last)
+
     def weight_gradients_done(self, chunk: int, microbatch: int) -> None:
         if self.stage.backward_done is not None:
             self.stage.backward_done(microbatch, len(self.microbatches))

@@ -117,6 +117,7 @@ class PipelineStage(nn.Module):
         self.early, self.before = 0, chunk_bounds
         self.arrival: Optional[Callable[[int], None]] = None
         self.backward_done: Optional[Callable[[int, int], None]] = None  # (micro-batch, count): the old worker's partial gradients
+        self.backward_sync: Optional[Callable[[int, bool], None]] = None  # (chunk, last): before a backward (shard="full")
         attach_user_names(self)  # a traced model's blocks: state dicts in the model's own names
 
     def blocks(self) -> dict[int, nn.Module]:

@@ -44,7 +44,9 @@ class StageHost(Protocol):
     def reduce_gradients(self, chunk: int) -> None:
         """The gradients of `chunk` are final for this step."""
 
-    # optional: weight_gradients_done(chunk, microbatch), after a micro-batch's weight gradients of
+    # optional: before_backward(chunk, last), before a backward (whole or W) of `chunk` runs; `last`: the
+    # run's last one of the chunk (a sharded stage reduces its gradients once, in that one);
+    # weight_gradients_done(chunk, microbatch), after a micro-batch's weight gradients of
     # `chunk` are accumulated (a fine-grained switch sends the old worker's partial gradients then);
     # idle(), before a compute waits for a receive still in flight (not while a meter measures the
     # waits): work of the host's own that would otherwise wait for the step's end
@@ -113,6 +115,8 @@ class Executor:
         self.actions = schedule.actions[rank]
         self.last_chunk = schedule.num_chunks - 1
         self.crossing = _crossing_sends(schedule, rank)
+        weights = (Op.BACKWARD, Op.BACKWARD_WEIGHT)  # the actions that accumulate a chunk's weight gradients
+        self.last_backward = {a.chunk: i for i, a in enumerate(self.actions) if a.op in weights}  # the run's last, by chunk
         # trace: (action index, start, end) of each compute and send of the last run, perf_counter
         # seconds. A compute starts once its input is taken (the wait for a receive is idle time,
         # not compute); on CUDA the device is synchronised around each compute, which costs overlap.
@@ -300,9 +304,15 @@ class Executor:
         out, inputs = st.stash_out.pop((c, mb)), st.stash_in.pop((c, mb))
         return out, inputs, self._take(st, Op.RECV_GRAD, c, mb) if c != self.last_chunk else None
 
+    def _before_backward(self, st: _Run, index: int, c: int) -> None:
+        before = getattr(st.host, "before_backward", None)
+        if before is not None:
+            before(c, index == self.last_backward[c])
+
     def _backward(self, st: _Run, index: int, a: Action) -> None:
         c, mb = a.chunk, a.microbatch
         out, inputs, received = self._backward_inputs(st, c, mb)
+        self._before_backward(st, index, c)
         started = self._clock(st) if st.trace else 0.0
         timer = self.meter.start() if self.meter is not None else None
         if c == self.last_chunk:
@@ -348,6 +358,7 @@ class Executor:
     def _backward_weight(self, st: _Run, index: int, a: Action) -> None:
         """W: the weight gradients of a micro-batch whose BI has run (accumulated into ``.grad``)."""
         deferred = st.deferred.pop((a.chunk, a.microbatch))
+        self._before_backward(st, index, a.chunk)
         started = self._clock(st) if st.trace else 0.0
         timer = self.meter.start() if self.meter is not None else None
         backward_weight(deferred)

@@ -133,6 +133,17 @@ class FullyShardedReplicas(ReplicasLayer):
                 block = copy.deepcopy(block)
                 cut.stage._modules[str(index)] = block
             fully_shard(block, mesh=mesh, reshard_after_forward=True)
+        cut.stage.backward_sync = self._gradient_sync
+
+    def _gradient_sync(self, chunk: int, last: bool) -> None:
+        """Gradients accumulate unsharded over a step's micro-batches and are reduce-scattered once, in the
+        chunk's last backward (as torch.distributed.pipelining's stage does)."""
+        stage = self.ctx.cut.stage
+        start, stop = stage.chunk_bounds[chunk]
+        for index in range(start, stop):
+            block = stage._modules[str(index)]
+            if isinstance(block, FSDPModule):
+                block.set_requires_gradient_sync(last, recurse=False)
 
     def switch_extras(self) -> None:
         """Refused, as `ShardedOptimizer`'s: the legality table refuses adaptive."""
