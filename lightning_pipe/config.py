@@ -247,11 +247,6 @@ class PipelineConfig:
         return self.pipelines if self.pipelines is not None else self.width
 
     @property
-    def optimizer_shards(self) -> int:
-        """Replicas each parameter's optimizer state is divided over (ZeRO-1); 1: whole on every replica."""
-        return self.width if self.shard == "optimizer" else 1
-
-    @property
     def slicing(self) -> str:
         """The slicer's method: as set, else the paper's Algorithm 2 where it is defined (1F1B)."""
         if self.slicer_method is not None:
@@ -374,6 +369,12 @@ class Legality:
     message: Callable[["PipelineConfig"], str]
 
 
+def _full_shard_conflict(c: "PipelineConfig") -> str:
+    if c.auto or c.schedule in FULL_SHARD_EXCLUDED:
+        return f"schedule={c.schedule!r}"
+    return "planner=2bw" if c.planner is not None else f"recompute={c.recompute!r}"
+
+
 def _planner_excludes(c: "PipelineConfig") -> str:
     return "pipelines (AvgPipe)" if c.pipelines is not None else ("adaptive" if c.adaptive else "tune")
 
@@ -397,18 +398,9 @@ LEGALITY: tuple[Legality, ...] = (
         "shard",
         lambda c: c.shard == "full" and (c.auto or c.planner is not None or c.schedule in FULL_SHARD_EXCLUDED or c.recompute is not False),
         lambda c: (
-            "shard='full' (FSDP2) runs the flush schedules gpipe, 1f1b, interleaved, wave, hanayo, advance, named, not "
-            + (
-                "schedule='auto'"
-                if c.auto
-                else "planner=2bw"
-                if c.planner
-                else "recompute"
-                if c.schedule not in FULL_SHARD_EXCLUDED
-                else f"schedule={c.schedule!r}"
-            )
-            + " (2BW's weight stash, zero bubble's split backward and recomputation over sharded blocks are not built); "
-            "use shard='optimizer' there"
+            "shard='full' (FSDP2) runs the flush schedules you name (gpipe, 1f1b, interleaved, wave, hanayo, advance), not "
+            + _full_shard_conflict(c)
+            + ": a weight stash, a split backward or a recomputed forward over sharded blocks is not built; use shard='optimizer'"
         ),
     ),
     Legality(

@@ -232,7 +232,7 @@ def test_plan_command_prints_the_mesh_and_the_sharded_memory(tmp_path):
         runs[shard] = json.loads((tmp_path / shard / "plan.json").read_text())
         assert "mesh: pp 4 x dp 2" in proc.stdout and "predicted peak memory per rank (by stage)" in proc.stdout
     sharded, whole = runs["optimizer"], runs["none"]
-    assert sharded["mesh"] == {"pp": 4, "dp": 2, "shard": "optimizer"} and "sharded over 2 replicas" in proc.stdout
+    assert sharded["mesh"] == {"pp": 4, "dp": 2, "shard": "optimizer"} and "Adam's moments sharded over 2 replicas" in proc.stdout
     assert sharded["predicted_memory_bytes"]["weight_copies"] == 3.0 and whole["predicted_memory_bytes"]["weight_copies"] == 4.0
     # the same partition: each stage's prediction drops by one weight copy (Adam's two moments, halved)
     assert sharded["plan"]["sizes"] == whole["plan"]["sizes"]

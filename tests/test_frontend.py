@@ -5,10 +5,13 @@ float64, dropout 0, weights after 4 AdamW steps; every run is a real multi-proce
 
 from __future__ import annotations
 
+import os
+
 import lightning as L
 import pytest
 import torch
 from hf_models import (
+    Tokens,
     UserLM,
     close,
     loader,
@@ -18,6 +21,7 @@ from hf_models import (
     train_single,
     trainer_kwargs,
 )
+from torch.utils.data import DataLoader
 
 from lightning_pipe import AutoPipeStrategy
 
@@ -57,6 +61,23 @@ def test_2bw_follows_its_rule(kind, devices):
     ref, model = pair(kind)
     reference_2bw(ref, STEPS)
     pipelined(model, devices, schedule="2bw", microbatches=devices)
+    assert close(ref.state_dict(), model.state_dict()) <= 1e-10
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "full"])
+def test_sharded_replicas_train_a_hugging_face_model_as_one_process(shard):
+    # pp2 x dp2 (Llama, untied head). Lightning's DistributedSampler (shuffle, the run's seed) deals replica r
+    # the rows perm[r::2] of each epoch; one process trains on the union of both replicas' k-th batches
+    ref, model = pair("llama")
+    seed, rows = int(os.environ.get("PL_GLOBAL_SEED", 0)), len(Tokens())
+    steps, epoch = [], 0
+    while len(steps) < STEPS:
+        perm = torch.randperm(rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        shards = [perm[r::2] for r in range(2)]
+        steps += [shards[0][k : k + 8] + shards[1][k : k + 8] for k in range(0, rows // 2, 8)]
+        epoch += 1
+    train_single(ref, STEPS, data=DataLoader(Tokens(), batch_sampler=steps[:STEPS]))
+    pipelined(model, 4, width=2, shard=shard, microbatches=2)
     assert close(ref.state_dict(), model.state_dict()) <= 1e-10
 
 

@@ -70,10 +70,10 @@ class CountReduceScatters(Callback):
         torch.save(dict(per_step=self.per_step, blocks=blocks), os.path.join(self.folder, f"rs-rank{trainer.global_rank}.pt"))
 
 
-def single(steps, **kw):
-    ref = LitSeq()
+def single(steps, tied=False, **kw):
+    ref = LitSeq(tied=tied)
     trainer = L.Trainer(devices=1, **trainer_kwargs(max_steps=steps, **kw))
-    trainer.fit(ref, DataLoader(dataset(n=N), batch_size=2 * PER_REPLICA, sampler=EpochPerm(N)))
+    trainer.fit(ref, DataLoader(dataset(n=N, tied=tied), batch_size=2 * PER_REPLICA, sampler=EpochPerm(N)))
     return ref, trainer
 
 
@@ -123,6 +123,18 @@ def test_fully_sharded_replicas_equal_one_process_and_hold_half_of_everything(tm
         assert a["held"] == b["held"] == set(a["stage"]), "each rank holds a shard of every parameter's state"
         assert a["weights"] + b["weights"] == total and a["moments"] + b["moments"] == total
         assert a["weights"] < total and b["weights"] < total
+
+
+# the embedding on stage 0 and the head on stage 1 share one weight: its gradient is summed across the stages
+# (shard-wise under FSDP2) and counts once in the clipped norm
+@pytest.mark.parametrize("shard", ["optimizer", "full"])
+def test_a_weight_tied_across_stages_with_sharded_replicas(shard):
+    ref, _ = single(5, tied=True, gradient_clip_val=0.05)
+    model = LitSeq(tied=True)
+    train = DataLoader(dataset(n=N, tied=True), batch_size=PER_REPLICA)
+    pipelined(model, 5, train=train, shard=shard, partition=[2, 3], gradient_clip_val=0.05)
+    assert model.seq[0].emb.weight is model.seq[-1].weight
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
 
 
 def adam_state_by_name(module, optimizer):

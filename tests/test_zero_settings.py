@@ -17,7 +17,10 @@ from lightning_pipe.runtime.reduce import buckets
 
 def test_settings_refused_before_any_process():
     for settings, words in [
-        (dict(shard="full", width=2), "shard='full' (FSDP2"),
+        (dict(shard="full", width=2, schedule="zb-h1"), "not schedule='zb-h1'"),
+        (dict(shard="full", width=2, schedule="2bw"), "not schedule='2bw'"),
+        (dict(shard="full", width=2, recompute=True), "not recompute=True"),
+        (dict(shard="full", width=2, schedule="auto"), "not schedule='auto'"),
         (dict(shard="zero3", width=2), "allowed values: 'none'"),
         (dict(shard="optimizer"), "width=1 has none"),
         (dict(shard="optimizer", width=1, pipelines=2), "AvgPipe's pipelines"),
@@ -39,11 +42,12 @@ def test_owners_cover_every_parameter_and_balance_within_the_largest(sizes, shar
     assert owners(list(sizes), shards) == owner  # every rank gets the same answer
 
 
-def test_the_planners_count_adams_moments_once_per_stage():
+def test_the_planners_count_what_each_shard_setting_keeps():
     # parameters + gradients whole on every replica, the two moments divided over the replicas
-    assert adam_weight_copies(1) == 4.0 and adam_weight_copies(2) == 3.0 and adam_weight_copies(4) == 2.5
-    assert PipelineConfig(width=4, shard="optimizer").optimizer_shards == 4
-    assert PipelineConfig(width=4).optimizer_shards == 1
+    assert adam_weight_copies() == 4.0 and adam_weight_copies("none", 4) == 4.0
+    assert adam_weight_copies("optimizer", 2) == 3.0 and adam_weight_copies("optimizer", 4) == 2.5
+    # FSDP2: parameters and moments / width, the gradients of a step whole until its one reduce-scatter
+    assert adam_weight_copies("full", 2) == 2.5 and adam_weight_copies("full", 4) == 1.75
 
 
 @given(st.lists(st.tuples(st.integers(1, 300), st.sampled_from(["float32", "float64"])), max_size=30), st.integers(8, 2000))

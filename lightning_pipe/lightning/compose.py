@@ -113,10 +113,15 @@ class Training:
         return self.gradients
 
     def prepare_stage(self) -> None:
-        """Before the optimizers: the replicas start from replica 0's weights, then each layer lays the stage out."""
+        """Before the optimizers: the replicas start from replica 0's weights, then each layer lays the stage out
+        (a layer may replace parameter objects, e.g. FSDP2's: the tied copies are found again by name)."""
         self.gradients.sync_replicas()
         for layer in self.layers:
             layer.prepare_stage()
+        cut = self.ctx.cut
+        if cut.tied:
+            cut.tied = tied_from_groups(cut.ties, cut.bounds, cut.placement, self.ctx.stage_index, cut.stage.blocks())
+            self.gradients.tied = cut.tied
 
     def build_runtime(self) -> None:
         """The runner and the step runner over the current cut (again after a live switch)."""

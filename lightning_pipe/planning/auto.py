@@ -45,21 +45,31 @@ ZERO_BUBBLE = ("zb-h1", "zb-v")  # backward split in BI and W: candidates on a p
 WAVE_ORDERS = ("wave", "hanayo")  # Hanayo's placement: our greedy order, the paper's order
 
 
-def adam_weight_copies(optimizer_shards: int = 1) -> float:
-    """A rank's bytes per weight byte under Adam: parameters + gradients + exp_avg + exp_avg_sq, the two
-    moments divided over `optimizer_shards` replicas (ZeRO-1, shard="optimizer")."""
-    return 2.0 + 2.0 / optimizer_shards
+SHARDED = {  # how a rank's Adam state is laid out over the `width` replicas of its stage: what each holds
+    "none": "whole on every replica",
+    "optimizer": "Adam's moments sharded over {w} replicas (ZeRO-1)",
+    "full": "parameters and moments sharded over {w} replicas, gradients whole while a step accumulates them (FSDP2)",
+}
+
+
+def adam_weight_copies(shard: str = "none", width: int = 1) -> float:
+    """A rank's bytes per weight byte of its stage under Adam: parameters + gradients + exp_avg + exp_avg_sq.
+    shard="optimizer" divides the two moments over the `width` replicas; "full" also the parameters (the
+    gradients accumulate unsharded over a step's micro-batches and are reduce-scattered once)."""
+    if width <= 1 or shard == "none":
+        return 4.0
+    return 2.0 + 2.0 / width if shard == "optimizer" else 1.0 + 3.0 / width
 
 
 ADAM_WEIGHT_COPIES = adam_weight_copies()
 
 
-def memory_line(per_stage: Sequence[float], optimizer_shards: int, runtime_bytes: float) -> str:
+def memory_line(per_stage: Sequence[float], shard: str, width: int, runtime_bytes: float) -> str:
     """The predicted peak per rank, as the plan and the training log print it."""
-    shared = f" sharded over {optimizer_shards} replicas" if optimizer_shards > 1 else ""
+    layout = SHARDED[shard if width > 1 else "none"].format(w=width)
     return (
         "predicted peak memory per rank (by stage): " + ", ".join(f"{b / 2**30:.2f}" for b in per_stage) + " GiB (weights x "
-        f"{adam_weight_copies(optimizer_shards):g} for parameters, gradients and Adam's moments{shared}; stashed activations; "
+        f"{adam_weight_copies(shard, width):g} for parameters, gradients and Adam's moments, {layout}; stashed activations; "
         f"the process's runtime {runtime_bytes / 2**30:.2f} GiB)"
     )
 

@@ -34,8 +34,8 @@ class RunSettings(Protocol):
     @property
     def auto(self) -> bool: ...
 
-    @property
-    def optimizer_shards(self) -> int: ...
+    shard: str
+    width: int
 
     @property
     def partitioner(self) -> Optional[str]: ...
@@ -155,7 +155,7 @@ def _plan_run(costs: CostModel, stages: int, config: RunSettings, kinds: Optiona
             kinds=kinds if method else None,
             memory_limit=memory_limit,
             slicer=config.slicer,
-            weight_copies=adam_weight_copies(config.optimizer_shards),
+            weight_copies=adam_weight_copies(config.shard, config.width),
         )
         chosen = choice.chosen
         spec = ScheduleSpec.of(chosen.schedule, **chosen.schedule_options)

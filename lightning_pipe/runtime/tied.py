@@ -11,8 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
+
+from .reduce import local
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,10 @@ def allreduce_tied(tied: list[TiedParameter], groups: dict[int, object], stage: 
             continue
         p = t.parameter
         if p.grad is None:
-            p.grad = p.new_zeros(p.shape)
-        dist.all_reduce(p.grad, group=groups[t.index])
+            p.grad = torch.zeros_like(p)
+        # a DTensor's shard (shard="full"): every holder shards the weight alike over its replicas, so the
+        # shards of one replica index are the same slice on every stage
+        dist.all_reduce(local(p.grad), group=groups[t.index])
 
 
 TieGroup = tuple[tuple[int, str], ...]  # (block index, parameter name inside the block) sharing one weight

@@ -119,10 +119,13 @@ class FullyShardedReplicas(ReplicasLayer):
 
     def prepare_stage(self) -> None:
         ctx, cut = self.ctx, self.ctx.cut
-        if cut.tied:
+        held = set(cut.stage.blocks())
+        shared = [g for g in cut.ties if len({b for b, _ in g if b in held}) > 1]
+        if shared:
             raise SettingError(
-                f"shard='full' with parameters tied across stages {[t.stages for t in cut.tied]} is not built (their "
-                "gradients are summed across stages as whole tensors); use shard='optimizer' or untie them",
+                f"shard='full' with a weight shared by blocks of one stage ({[b for b, _ in shared[0]]}, e.g. a tied embedding "
+                "and head placed on one rank) is not built: FSDP2 shards each block on its own; use shard='optimizer', "
+                "another partition or schedule, or untie them",
                 "shard",
             )
         mesh = DeviceMesh.from_group(ctx.groups.stage, ctx.device.type)
