@@ -304,6 +304,37 @@ def shared(args: argparse.Namespace, report: dict) -> dict:
     return out
 
 
+def _sharded(accelerator: str, shard: str, out: str) -> dict[str, torch.Tensor]:
+    """pp2 x dp2 on 4 devices (NCCL on GPUs), float64, 4 steps, `shard` over the 2 replicas; the model back."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.pop("MASTER_PORT", None)
+    torch.manual_seed(0)
+    strategy = AutoPipeStrategy(width=2, shard=shard, microbatches=4, partition="uniform", start_method="spawn")
+    trainer = L.Trainer(
+        accelerator=accelerator, devices=4, strategy=strategy, precision="64-true", max_steps=4, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+    )  # fmt: skip
+    module = CausalLM("gpt-tiny", lr=1e-3, weight_decay=0.0)
+    trainer.fit(module, _data(32))
+    return {k: v.detach().double().cpu() for k, v in module.state_dict().items()}
+
+
+@section("pipeline x sharded data parallel on 4 GPUs")
+def sharded(args: argparse.Namespace, report: dict) -> dict:
+    # NCCL's paths of shard="optimizer" (the owners' broadcast) and shard="full" (FSDP2's all-gather and
+    # reduce-scatter on a mesh of the stage's replicas) against whole replicas on the same 4 GPUs (those
+    # equal one process on CPU: tests/test_strategy.py, tests/test_zero.py run all three there)
+    if args.smoke:
+        return {"not run on CPU": "4 processes; tests/test_zero.py runs every shard setting on CPU processes"}
+    if torch.cuda.device_count() < 4:
+        return {"not run": f"needs 4 GPUs (pp2 x dp2), this machine has {torch.cuda.device_count()}"}
+    whole = _sharded("gpu", "none", str(args.out))
+    out = {f"shard={s}: max rel error vs shard=none": _max_rel(_sharded("gpu", s, str(args.out)), whole) for s in ("optimizer", "full")}
+    assert all(v <= 1e-10 for v in out.values()), out
+    return out
+
+
 # ---- the report -----------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> dict:
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -167,3 +167,18 @@ def test_checkpoint_holds_the_whole_state_and_resumes_bit_for_bit(tmp_path, layo
     pipelined(resumed, 5, train=resumable(), ckpt_path=path, checkpoint=layout, shard=shard)
     for k, v in whole.state_dict().items():
         assert torch.equal(v, resumed.state_dict()[k]), k
+
+
+def test_a_checkpoint_resumes_under_another_shard_setting(tmp_path):
+    # written by FSDP2 (shard="full"), resumed by ZeRO-1 and by whole replicas on the same pp2 x dp2 mesh
+    def resumable():
+        return StatefulDataLoader(dataset(n=N), batch_size=PER_REPLICA)
+
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    pipelined(LitSeq(), 2, train=resumable(), callbacks=[saver], shard="full")
+    (path,) = glob.glob(os.path.join(tmp_path, "*step=2.ckpt"))
+    want, _ = single(5)
+    for shard in ("optimizer", "none"):
+        resumed = LitSeq(seed=5)
+        pipelined(resumed, 5, train=resumable(), ckpt_path=path, shard=shard)
+        assert max_rel_diff(want.state_dict(), resumed.state_dict()) <= 1e-10, shard
