@@ -35,6 +35,7 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
         "CUDA-timed block profiles",
         "planners on the measured profiles",
         "peak memory per stage",
+        "pipeline x sharded data parallel on 4 GPUs",
     }
     assert all(s["status"] == "ok" for s in sections.values()), {k: s["result"] for k, s in sections.items() if s["status"] != "ok"}
     exact = sections["strategy on one GPU"]["result"]
@@ -42,4 +43,6 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     assert sections["2BW and AvgPipe(2BW) on one GPU"]["result"]["AvgPipe(2BW) N=1 vs 2BW: max rel error"] <= 1e-10
     assert Profile.load(tmp_path / "profile_gpt-tiny.json").num_blocks == 10
     assert "autopipe plan, 1f1b, 4 stages" in sections["planners on the measured profiles"]["result"]["gpt-tiny on 4"]["autopipe"]
+    # 4 processes: its CPU twin is tests/test_zero.py, so the smoke run only names it
+    assert "tests/test_zero.py" in sections["pipeline x sharded data parallel on 4 GPUs"]["result"]["not run on CPU"]
     assert "# GPU check: cpu (smoke)" in (tmp_path / "gpu_check.md").read_text()
