@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from ...config import PipelineConfig
 from ...errors import SettingError
+from ...runtime.host_memory import return_large_buffers
 from ..lightning import ReplicasLayer
 from . import settings
 from .engine import broadcast_from_owners, owners
@@ -128,6 +129,8 @@ class FullyShardedReplicas(ReplicasLayer):
                 "another partition or schedule, or untie them",
                 "shard",
             )
+        if ctx.device.type == "cpu":  # ours: FSDP2's per-block buffers go back to the system once freed
+            return_large_buffers()
         mesh = DeviceMesh.from_group(ctx.groups.stage, ctx.device.type)
         for index, block in cut.stage.blocks().items():
             if isinstance(block, FSDPModule) or not any(True for _ in block.parameters()):
