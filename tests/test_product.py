@@ -5,7 +5,8 @@ composed from the per-layer rules ends (fp64, <= 1e-10); the rules are written h
 not from the code:
 
 - weight versions: a flush takes batch t's gradient at W(t); PipeDream-2BW at W(max(t - 1, 0));
-- replicas: none; width 2 averages the two shards' gradients; AvgPipe N = 2 trains one model per
+- replicas: none; width 2 averages the two shards' gradients (whole replicas, or sharded: ZeRO-1's
+  optimizer state, FSDP2's blocks; the update is the same); AvgPipe N = 2 trains one model per
   shard and after each update pulls it: W_n <- (1 - α) W_n(t) + α W_ref(max(t - s, 0)) + Δ_n,
   W_ref(t + 1) = W_ref(t) + mean_n Δ_n;
 - the schedule, the micro-batch count and a live switch change when work runs, never the result.
@@ -40,7 +41,8 @@ pytestmark = [pytest.mark.multiprocess]
 BLOCKS, SAMPLES, BATCH, STEPS, SWITCH_AT = 6, 40, 10, 5, 2
 ALPHA, STALENESS = 0.3, 1
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "hanayo", "advance", "2bw"]
-REPLICAS = ["none", "width", "avgpipe"]
+REPLICAS = ["none", "width", "zero1", "fsdp", "avgpipe"]
+SHARD = {"zero1": "optimizer", "fsdp": "full"}  # width 2 with its replicas sharded
 EXAMPLES = int(os.environ.get("LIGHTNING_PIPE_PRODUCT_EXAMPLES", "2"))
 
 
@@ -60,11 +62,18 @@ def clashes(schedule: str, depth: int, m: int) -> set[str]:
     return out
 
 
+def shard_clashes(schedule: str, replicas: str) -> set[str]:
+    """FSDP2's sharded blocks hold no second weight version (2BW). (Neither sharding moves blocks live:
+    `combinations` draws no switch for them, a repartition() call is refused in the workers.)"""
+    return {"shard"} if replicas == "fsdp" and schedule == "2bw" else set()
+
+
 @st.composite
 def combinations(draw):
     replicas = draw(st.sampled_from(REPLICAS))
     depth = 2 if replicas != "none" else draw(st.sampled_from([2, 4]))  # at most 4 worker processes
-    return draw(st.sampled_from(SCHEDULES)), replicas, draw(st.booleans()), draw(st.integers(1, 4)), depth
+    switch = draw(st.booleans()) and replicas not in SHARD  # a live switch of sharded replicas fails in the workers
+    return draw(st.sampled_from(SCHEDULES)), replicas, switch, draw(st.integers(1, 4)), depth
 
 
 def sizes(count: int) -> list[int]:
@@ -156,6 +165,9 @@ def reference(versions: str, replicas: str) -> dict[str, torch.Tensor]:
 @example(("hanayo", "width", True, 3, 2))  # Hanayo's waves on replicas, a switch between chunks
 @example(("advance", "none", True, 4, 4))  # the advance rule at depth 4, with a switch
 @example(("interleaved", "none", False, 2, 4))  # illegal: 8 chunks of 6 blocks
+@example(("hanayo", "fsdp", False, 2, 2))  # FSDP2 under Hanayo's waves
+@example(("advance", "zero1", False, 3, 2))  # ZeRO-1 under the advance rule
+@example(("2bw", "fsdp", False, 2, 2))  # illegal: FSDP2's blocks hold no second weight version
 def test_every_combination_is_exact_or_refused(tmp_path_factory, combination):
     here = os.getcwd()
     os.chdir(tmp_path_factory.mktemp("product"))  # the workers write what they held here
@@ -166,14 +178,15 @@ def test_every_combination_is_exact_or_refused(tmp_path_factory, combination):
 
 
 def check(schedule: str, replicas: str, switch: bool, m: int, depth: int) -> None:
-    width = 2 if replicas == "width" else 1
+    width = 2 if replicas in ("width", *SHARD) else 1
     pipelines = 2 if replicas == "avgpipe" else None
-    devices = depth * (2 if replicas == "width" else 1)  # AvgPipe's 2 pipelines share the depth's devices
+    devices = depth * width  # AvgPipe's 2 pipelines share the depth's devices
     world = depth * (2 if replicas != "none" else 1)
     settings_ = dict(schedule=schedule, microbatches=m, width=width, pipelines=pipelines, start_method=START)
+    settings_["shard"] = SHARD.get(replicas, "none")
     if pipelines:
         settings_.update(alpha=ALPHA, staleness=STALENESS)
-    broken = clashes(schedule, depth, m)
+    broken = clashes(schedule, depth, m) or shard_clashes(schedule, replicas)
     if broken:
         started = time.monotonic()
         with pytest.raises(SettingError) as err:

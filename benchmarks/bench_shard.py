@@ -1,0 +1,83 @@
+"""Step time of pp2 x dp2 with whole replicas, ZeRO-1 and FSDP2 (pipeline.shard none | optimizer | full).
+
+GPT-tiny (lightning_pipe.models.CausalLM), fp32, 1F1B, 4 gloo processes x 1 thread through the Trainer,
+synthetic tokens; each run trains `--warmup` untimed steps, then `--steps` timed ones (rank 0's wall time
+per step, from the start of the first timed batch to the end of the last). The settings run interleaved
+(none, optimizer, full, none, ...) for `--rounds` rounds; the table gives each one's median, its spread and
+its ratio to whole replicas. Feeds docs/memory.md (the memory of the same settings is bench_memory's).
+
+    python -m benchmarks.bench_shard
+    python -m benchmarks.bench_shard --quick   # smoke: 1 round of 2 steps
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from benchmarks.harness.bench import Bench, Table, interleave, spread
+from lightning_pipe import AutoPipeStrategy
+from lightning_pipe.models import CausalLM
+
+SHARDS = ["none", "optimizer", "full"]
+
+
+class StepClock(L.Callback):
+    """Rank 0's seconds from the first timed batch's start to the last one's end, kept on the module."""
+
+    def __init__(self, warmup: int):
+        self.warmup, self.started = warmup, 0.0
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.warmup:
+            self.started = time.perf_counter()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.global_rank == 0:
+            seconds = (time.perf_counter() - self.started) / (trainer.global_step - self.warmup)
+            torch.save(seconds, f"{trainer.default_root_dir}/step_seconds.pt")
+
+
+def tokens(rows: int, seq: int) -> DataLoader:
+    ids = torch.randint(0, 260, (rows, seq + 1), generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=8)
+
+
+def step_seconds(shard: str, args: Any) -> float:
+    with tempfile.TemporaryDirectory() as out:
+        torch.manual_seed(0)
+        strategy = AutoPipeStrategy(
+            width=2, shard=shard, microbatches=4, partition="uniform", start_method="fork", message_costs=False, timeout=args.timeout
+        )
+        trainer = L.Trainer(
+            accelerator="cpu", devices=4, strategy=strategy, max_steps=args.warmup + args.steps, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+            limit_val_batches=0, callbacks=[StepClock(args.warmup)], default_root_dir=out,
+        )  # fmt: skip
+        rows = 2 * 8 * (args.warmup + args.steps)  # every step a new batch of 8 per replica
+        trainer.fit(CausalLM("gpt-tiny", lr=1e-3, weight_decay=0.0), tokens(rows, args.seq))
+        return float(torch.load(f"{out}/step_seconds.pt"))
+
+
+def main() -> None:
+    bench = Bench(__doc__, {}, threads=1, rounds=3, steps=8, warmup=2, timeout=300.0)
+    bench.options(seq=(64, "tokens per sequence"), shards=(SHARDS, "the shard settings to time"))
+    args = bench.parse()
+    results = interleave(args.shards, args.rounds, lambda shard, r: step_seconds(shard, args))
+    bench.keep("step_seconds", dict(zip(args.shards, results)))
+    base = statistics.median(results[0])
+    table = Table("shard", "step ms: median (min..max)", f"median vs {args.shards[0]}")
+    for shard, seconds in zip(args.shards, results):
+        table.add(shard, spread(seconds).fmt(1e3), f"{statistics.median(seconds) / base:.2f}x")
+    bench.table(table, f"pp2 x dp2, GPT-tiny fp32, 1F1B, 4 micro-batches of 2 x {args.seq} tokens, {args.rounds} rounds interleaved")
+    bench.finish()
+
+
+if __name__ == "__main__":
+    main()
