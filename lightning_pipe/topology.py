@@ -75,6 +75,7 @@ class ProcessGroups:
         self.topology, self.rank = topology, rank
         self.pipeline: Any = None
         self.stage: Any = None
+        self._mesh: Any = None
         if topology.world_size == 1:
             return
         for w in range(topology.width):
@@ -87,6 +88,20 @@ class ProcessGroups:
             group = dist.new_group(ranks, backend=backend) if topology.depth > 1 else dist.group.WORLD
             if rank in ranks:
                 self.stage = group
+
+    def mesh(self, device_type: str) -> Optional[Any]:
+        """The run's `DeviceMesh` over these groups, dimensions ("pp", "dp"): mesh[s][w] is stage s of replica
+        w, so ``mesh["dp"]`` is this rank's stage across the replicas (what FSDP2 shards over) and ``mesh["pp"]``
+        its pipeline. Made from the groups that exist (no new ones); None in a one-process run."""
+        if self.topology.world_size == 1:
+            return None
+        if self._mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            t = self.topology
+            ranks = [[t.global_rank(w, s) for w in range(t.width)] for s in range(t.depth)]
+            self._mesh = DeviceMesh.from_group([self.pipeline, self.stage], device_type, mesh=ranks, mesh_dim_names=("pp", "dp"))
+        return self._mesh
 
     def own_pipeline_group(self) -> Any:
         """A further group of this rank's pipeline, for traffic that must not meet the schedule's

@@ -39,7 +39,9 @@ class RecordState(Callback):
         stage = {n: p.numel() for n, p in pl_module.named_parameters()}
         moments = sum(local(s["exp_avg"]).numel() for s in opt.state.values())  # shard="full": this rank's shards
         weights = sum(local(p).numel() for p in pl_module.parameters())
-        out = dict(stage=stage, held=held, moments=moments, weights=weights, rank=trainer.global_rank)
+        mesh = trainer.strategy.device_mesh  # the run's one mesh, as the module sees it too
+        layout = dict(ranks=mesh.mesh.tolist(), names=mesh.mesh_dim_names, dp=mesh["dp"].mesh.tolist(), same=pl_module.device_mesh is mesh)
+        out = dict(stage=stage, held=held, moments=moments, weights=weights, rank=trainer.global_rank, mesh=layout)
         torch.save(out, os.path.join(self.folder, f"state-rank{trainer.global_rank}.pt"))
 
 
@@ -103,6 +105,8 @@ def test_sharded_optimizer_equals_one_process_and_holds_each_state_once(tmp_path
         assert a["held"] and b["held"] and not a["held"] & b["held"], "each parameter's state on one replica"
         assert a["held"] | b["held"] == set(a["stage"]), "every parameter's state on some replica"
         assert a["moments"] + b["moments"] == sum(a["stage"].values())
+    for rank, r in enumerate(ranks):  # mesh[s][w] is stage s of replica w (rank 2w + s); "dp" is the stage's replicas
+        assert r["mesh"] == dict(ranks=[[0, 2], [1, 3]], names=("pp", "dp"), dp=[rank % 2, rank % 2 + 2], same=True)
 
 
 # FSDP2 per block: every parameter, gradient and moment split over the two replicas of its stage

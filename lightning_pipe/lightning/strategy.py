@@ -97,6 +97,13 @@ class AutoPipeStrategy(EmptyInitMixin, ProcessGroupStrategy):
         return self.ctx.cut if self.ctx is not None else None
 
     @property
+    def device_mesh(self) -> Optional[Any]:
+        """The run's `DeviceMesh`, dimensions ("pp", "dp") (pipeline stages x replicas), once set up; None on one process."""
+        if self.process_groups is None or self.root_device is None:
+            return None
+        return self.process_groups.mesh(self.root_device.type)
+
+    @property
     def adaptive(self) -> Optional[Any]:
         """The monitor and live switches (AutoPipe-RL) while fitting; callbacks read `.monitor.latest`."""
         return self.layers.partition.adaptive if self.layers is not None else None
@@ -162,6 +169,8 @@ class AutoPipeStrategy(EmptyInitMixin, ProcessGroupStrategy):
         self.topology = self.config.topology(self.world_size, len(self.parallel_devices or ()))
         if self.process_groups is None:
             self.process_groups = ProcessGroups(self.topology, self.global_rank, pipeline_backend=self.group_backend)
+        if self.processes_per_device == 1:  # AvgPipe's shared devices mix backends: no one mesh
+            module._device_mesh = self.device_mesh  # `self.device_mesh` in the module, as Lightning's ModelParallelStrategy
         env = self.cluster_environment
         cut = self.cut if self.cut is not None and module.get_submodule(self.cut.path) is self.cut.stage else None  # an earlier fit's
         self.ctx = ctx = RankContext(

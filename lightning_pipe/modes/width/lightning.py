@@ -1,7 +1,7 @@
 """Replicas of one pipeline (data parallel over `width`), or none: REDUCE averages across them.
 
 `FullyShardedReplicas` (shard="full"): FSDP2's `fully_shard` on every block of the stage over the
-stage's replicas (a one-dimensional mesh of them): parameters, gradients and optimizer state are each
+stage's replicas (the run's mesh's "dp" dimension): parameters, gradients and optimizer state are each
 1/width on a rank; a block's weights are gathered for its forward and backward and freed after
 (reshard_after_forward), its gradients reduce-scattered after each backward. REDUCE has nothing left
 to average. Checkpoints are whole tensors in shard="none"'s layout (lightning/checkpoint/dtensors.py).
@@ -22,7 +22,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from ...config import PipelineConfig
@@ -131,7 +130,7 @@ class FullyShardedReplicas(ReplicasLayer):
             )
         if ctx.device.type == "cpu":  # ours: FSDP2's per-block buffers go back to the system once freed
             return_large_buffers()
-        mesh = DeviceMesh.from_group(ctx.groups.stage, ctx.device.type)
+        mesh = ctx.groups.mesh(ctx.device.type)["dp"]  # the run's mesh: this stage across its replicas
         for index, block in cut.stage.blocks().items():
             if isinstance(block, FSDPModule) or not any(True for _ in block.parameters()):
                 continue  # sharded by an earlier fit, or nothing to shard
