@@ -1,9 +1,8 @@
 """AutoPipeStrategy: pipeline parallelism for an unchanged LightningModule.
 
-Lightning's hooks only. Settings are a `PipelineConfig` (checked there); the model is cut by
-`cutting`; what a step is, is the composition of the training layers (`compose.Training`,
-built from the config by `layers.choose_layers`), which this module calls and never names;
-checkpoints are `checkpoint`'s, precision `precision`'s, the checks before spawning `launchers`'.
+Lightning's hooks only. Settings are a `PipelineConfig` (checked there); the model is cut by `cutting`;
+a step is the composition of the training layers (`compose.Training`, from `compose.choose_layers`),
+which this module calls and never names; checkpoints are `checkpoint`'s, precision `precision`'s.
 """
 
 from __future__ import annotations
@@ -42,10 +41,8 @@ from .shape import Where, choose_shape, rebatched
 class AutoPipeStrategy(EmptyInitMixin, ProcessGroupStrategy):
     """Pipeline parallelism, planned and run by lightning-pipe: ``Trainer(strategy="autopipe")``.
 
-    Keywords: every `PipelineConfig` field (documented there: schedule, microbatches, partition, width,
-    pipelines, slicer, adaptive, checkpoint, timeout, ...), and Lightning's accelerator,
-    parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend.
-    ``AutoPipeStrategy.from_config(config)`` takes a `PipelineConfig` instead.
+    Keywords: every `PipelineConfig` field (documented there), and Lightning's accelerator, parallel_devices,
+    cluster_environment, checkpoint_io, precision_plugin, process_group_backend; or `from_config(config)`.
     """
 
     strategy_name = "autopipe"
@@ -86,10 +83,8 @@ class AutoPipeStrategy(EmptyInitMixin, ProcessGroupStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register("autopipe", cls, description="Pipeline parallelism planned and run by lightning-pipe", override=True)
-        for name in [*REGISTRY, "auto"]:
-            strategy_registry.register(
-                f"autopipe_{name}", cls, description=f"lightning-pipe with schedule={name!r}", override=True, schedule=name
-            )
+        for name in [*REGISTRY, "auto"]:  # autopipe_<schedule>
+            strategy_registry.register(f"autopipe_{name}", cls, description=f"lightning-pipe, {name}", override=True, schedule=name)
 
     # ---- what the run is ------------------------------------------------------------------------
     @property
@@ -98,10 +93,8 @@ class AutoPipeStrategy(EmptyInitMixin, ProcessGroupStrategy):
 
     @property
     def device_mesh(self) -> Optional[Any]:
-        """The run's `DeviceMesh`, dimensions ("pp", "dp") (pipeline stages x replicas), once set up; None on one process."""
-        if self.process_groups is None or self.root_device is None:
-            return None
-        return self.process_groups.mesh(self.root_device.type)
+        """The run's DeviceMesh, "pp" stages x "dp" replicas (from setup on; None on one process)."""
+        return self.lightning_module.device_mesh if self.lightning_module is not None else None
 
     @property
     def adaptive(self) -> Optional[Any]:
@@ -169,8 +162,6 @@ class AutoPipeStrategy(EmptyInitMixin, ProcessGroupStrategy):
         self.topology = self.config.topology(self.world_size, len(self.parallel_devices or ()))
         if self.process_groups is None:
             self.process_groups = ProcessGroups(self.topology, self.global_rank, pipeline_backend=self.group_backend)
-        if self.processes_per_device == 1:  # AvgPipe's shared devices mix backends: no one mesh
-            module._device_mesh = self.device_mesh  # `self.device_mesh` in the module, as Lightning's ModelParallelStrategy
         env = self.cluster_environment
         cut = self.cut if self.cut is not None and module.get_submodule(self.cut.path) is self.cut.stage else None  # an earlier fit's
         self.ctx = ctx = RankContext(
