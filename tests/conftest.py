@@ -20,6 +20,21 @@ def _run_in_tmp(tmp_path, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _no_worker_outlives_its_test(monkeypatch):
+    """Each test's Trainer picks a free port of its own (Lightning keeps the first one in MASTER_PORT), and
+    a worker still alive after its test (one that hit its timeout) is killed: a hang fails one test, not
+    every later test that would find the port it holds taken."""
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    yield
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        if child.name != "SyncManager":  # not a test's worker
+            child.kill()
+            child.join(5)
+
+
+@pytest.fixture(autouse=True)
 def _no_process_group_left_in_pytest():
     """A process group left open in pytest's own process is inherited by every later test's forked
     workers, whose collectives then wait forever on a stale group: fail the test that left it."""
