@@ -39,8 +39,10 @@ class RecordState(Callback):
         stage = {n: p.numel() for n, p in pl_module.named_parameters()}
         moments = sum(local(s["exp_avg"]).numel() for s in opt.state.values())  # shard="full": this rank's shards
         weights = sum(local(p).numel() for p in pl_module.parameters())
-        mesh = trainer.strategy.device_mesh  # the run's one mesh, as the module sees it too
-        layout = dict(ranks=mesh.mesh.tolist(), names=mesh.mesh_dim_names, dp=mesh["dp"].mesh.tolist(), same=pl_module.device_mesh is mesh)
+        mesh = trainer.strategy.device_mesh  # the run's one mesh (made once)
+        layout = dict(
+            ranks=mesh.mesh.tolist(), names=mesh.mesh_dim_names, dp=mesh["dp"].mesh.tolist(), same=trainer.strategy.device_mesh is mesh
+        )
         out = dict(stage=stage, held=held, moments=moments, weights=weights, rank=trainer.global_rank, mesh=layout)
         torch.save(out, os.path.join(self.folder, f"state-rank{trainer.global_rank}.pt"))
 

@@ -115,9 +115,6 @@ class Training:
     def prepare_stage(self) -> None:
         """Before the optimizers: the replicas start from replica 0's weights, then each layer lays the stage out
         (a layer may replace parameter objects, e.g. FSDP2's: the tied copies are found again by name)."""
-        ctx = self.ctx
-        if ctx.config.processes_per_device == 1:  # `self.device_mesh` in the module (AvgPipe's shared devices mix backends)
-            ctx.module._device_mesh = ctx.groups.mesh(ctx.device.type)
         self.gradients.sync_replicas()
         for layer in self.layers:
             layer.prepare_stage()

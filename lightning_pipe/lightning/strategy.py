@@ -93,8 +93,8 @@ class AutoPipeStrategy(EmptyInitMixin, ProcessGroupStrategy):
 
     @property
     def device_mesh(self) -> Optional[Any]:
-        """The run's DeviceMesh, "pp" stages x "dp" replicas (from setup on; None on one process)."""
-        return self.lightning_module.device_mesh if self.lightning_module is not None else None
+        """The run's DeviceMesh, "pp" stages x "dp" replicas, made on first use (from setup on; None on one process)."""
+        return self.process_groups.mesh(self.root_device.type) if self.process_groups is not None else None
 
     @property
     def adaptive(self) -> Optional[Any]:
