@@ -20,18 +20,10 @@ def _run_in_tmp(tmp_path, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def _no_worker_outlives_its_test(monkeypatch):
-    """Each test's Trainer picks a free port of its own (Lightning keeps the first one in MASTER_PORT), and
-    a worker still alive after its test (one that hit its timeout) is killed: a hang fails one test, not
-    every later test that would find the port it holds taken."""
+def _a_port_of_its_own(monkeypatch):
+    """Each test's Trainer picks a free port (Lightning keeps the first one it picked in MASTER_PORT): a test
+    whose workers hung and still hold that port fails alone, not every later test with it."""
     monkeypatch.delenv("MASTER_PORT", raising=False)
-    yield
-    import multiprocessing
-
-    for child in multiprocessing.active_children():
-        if child.name != "SyncManager":  # not a test's worker
-            child.kill()
-            child.join(5)
 
 
 @pytest.fixture(autouse=True)
