@@ -273,20 +273,24 @@ def memory(args: argparse.Namespace, report: dict) -> dict:
     return out
 
 
-def _avgpipe_shared(accelerator: str, start: str, out: str) -> dict[str, torch.Tensor]:
-    """AvgPipe N = 2 on one device (2 processes sharing it), float64, 6 steps; the reference model back."""
+def _fresh_fit(strategy: Any, accelerator: str, devices: int, steps: int, out: str) -> dict[str, torch.Tensor]:
+    """A multi-process fit from this process (float64, GPT-tiny); the model the run hands back."""
     if torch.distributed.is_initialized():  # an earlier one-process section's group: its store holds MASTER_PORT
         torch.distributed.destroy_process_group()
     os.environ.pop("MASTER_PORT", None)  # the launcher picks a free one
     torch.manual_seed(0)
-    strategy = AutoPipeStrategy(pipelines=2, microbatches=4, partition="uniform", start_method=start)
     trainer = L.Trainer(
-        accelerator=accelerator, devices=1, strategy=strategy, precision="64-true", max_steps=6, logger=False,
+        accelerator=accelerator, devices=devices, strategy=strategy, precision="64-true", max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
     )  # fmt: skip
     module = CausalLM("gpt-tiny", lr=1e-3, weight_decay=0.0)
     trainer.fit(module, _data(32))
     return {k: v.detach().double().cpu() for k, v in module.state_dict().items()}
+
+
+def _avgpipe_shared(accelerator: str, start: str, out: str) -> dict[str, torch.Tensor]:
+    """AvgPipe N = 2 on one device (2 processes sharing it), 6 steps; the reference model back."""
+    return _fresh_fit(AutoPipeStrategy(pipelines=2, microbatches=4, partition="uniform", start_method=start), accelerator, 1, 6, out)
 
 
 @section("AvgPipe: two pipelines sharing one GPU")
@@ -305,19 +309,9 @@ def shared(args: argparse.Namespace, report: dict) -> dict:
 
 
 def _sharded(accelerator: str, shard: str, out: str) -> dict[str, torch.Tensor]:
-    """pp2 x dp2 on 4 devices (NCCL on GPUs), float64, 4 steps, `shard` over the 2 replicas; the model back."""
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    os.environ.pop("MASTER_PORT", None)
-    torch.manual_seed(0)
+    """pp2 x dp2 on 4 devices (NCCL on GPUs), 4 steps, `shard` over the 2 replicas; the model back."""
     strategy = AutoPipeStrategy(width=2, shard=shard, microbatches=4, partition="uniform", start_method="spawn")
-    trainer = L.Trainer(
-        accelerator=accelerator, devices=4, strategy=strategy, precision="64-true", max_steps=4, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
-    )  # fmt: skip
-    module = CausalLM("gpt-tiny", lr=1e-3, weight_decay=0.0)
-    trainer.fit(module, _data(32))
-    return {k: v.detach().double().cpu() for k, v in module.state_dict().items()}
+    return _fresh_fit(strategy, accelerator, 4, 4, out)
 
 
 @section("pipeline x sharded data parallel on 4 GPUs")
