@@ -3,7 +3,7 @@
 A fresh interpreter imports torch, Lightning and Hydra again before the command does anything:
 4-10 s per command on 2 loaded cores, most of a refused command's run. `run_module` forks the
 command instead from a fork server (multiprocessing's "forkserver": one process started once per
-test session that imported those packages and nothing else; not pytest's process, so nothing a
+test session that imported those packages (conftest's FORKSERVER_PRELOAD) and nothing else; not pytest's process, so nothing a
 test left there reaches the command). The forked process is a fresh one as far as the command can
 tell: it gets the arguments as `sys.argv`, the working directory and the environment, runs the
 module as `__main__` (runpy, as `python -m` does) and exits with the command's exit code; its
@@ -24,8 +24,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-PRELOAD = ["lightning_pipe.cli.train", "lightning_pipe.cli.plan"]
 
 
 def _command(module: str, args: list, cwd: str, env: dict, out: str, err: str) -> None:
@@ -55,7 +53,6 @@ def run_module(module: str, args: list, cwd, env: dict | None = None, timeout: f
     """`subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True,
     text=True, timeout=timeout)`, forked from the fork server (see the module docstring)."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the first command of the session)
     with tempfile.TemporaryDirectory(prefix="cli_") as folder:
         out, err = Path(folder, "stdout"), Path(folder, "stderr")
         proc = ctx.Process(

@@ -523,7 +523,6 @@ class Pool:
 
     def _start(self) -> None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])
         self.store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
         self.conns, self.procs = [], []
         for r in range(self.world):

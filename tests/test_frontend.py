@@ -27,7 +27,7 @@ from lightning_pipe import AutoPipeStrategy
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(240), pytest.mark.multiprocess]
-START = "fork"
+START = "forkserver"  # as tests/models.py START: no fork of pytest's threaded process
 STEPS = 4
 
 

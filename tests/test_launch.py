@@ -19,11 +19,10 @@ from benchmarks.harness.launch import WorkerError, timed_steps
 # a loaded machine; the deadline test itself uses a short timeout.
 START = 90.0
 # The launcher starts its workers with spawn; the tests' run_distributed (tests/_dist.py) forks them
-# from pytest's process unless told start_method="spawn". The first test runs the launcher as it is
-# (spawn: the function and its arguments pickled, the module imported again); the failure and deadline
-# tests fork (8-16 s less each on 2 loaded cores): what they test, how the launcher collects results,
-# raises and kills, is the same code whichever way the processes started.
-PARENT_ONLY: list = []  # filled in pytest's process just before a launch: a forked worker sees it, a spawned one not
+# from the tests' fork server unless told start_method="spawn". The first test runs the launcher as it
+# is (spawn: the function and its arguments pickled, the module imported again); the failure and
+# deadline tests fork (8-16 s less each on 2 loaded cores): what they test, how the launcher collects
+# results, raises and kills, is the same code whichever way the processes started.
 
 
 def report(rank: int, world: int, tag: str) -> dict:
@@ -47,18 +46,17 @@ def test_results_of_all_ranks_in_rank_order():
     assert all(r["sum"] == 3.0 for r in got)  # they were in one process group
 
 
-def inherited(rank: int, world: int) -> list:
-    return list(PARENT_ONLY)
+def started_from(rank: int, world: int) -> tuple[int, bool]:
+    """The worker's parent and whether it found the fork server's preloaded command module already imported."""
+    return os.getppid(), "lightning_pipe.cli.train" in sys.modules
 
 
 @pytest.mark.multiprocess
-def test_the_tests_launcher_forks_its_workers():
-    # else every test on it would pay for spawn again, unnoticed (tests/_dist.py patches the launcher)
-    PARENT_ONLY.append("set in pytest's process")
-    try:
-        assert run_distributed(inherited, 2, timeout=START) == [["set in pytest's process"]] * 2
-    finally:
-        PARENT_ONLY.clear()
+def test_the_tests_launcher_forks_its_workers_from_the_fork_server():
+    # else every test on it would pay for spawn again, unnoticed (tests/_dist.py patches the launcher), or
+    # fork pytest's own threaded process (conftest.py says why not)
+    got = run_distributed(started_from, 2, timeout=START)
+    assert all(parent != os.getpid() and preloaded for parent, preloaded in got)
 
 
 def fail_on_one(rank: int, world: int) -> None:

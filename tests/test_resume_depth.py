@@ -41,7 +41,7 @@ from lightning_pipe.lightning.checkpoint import consolidate
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.multiprocess]
 
-START = "fork"
+START = "forkserver"  # as tests/models.py START: no fork of pytest's threaded process
 
 
 class GroupedAdamW(LitSeq):

@@ -134,14 +134,17 @@ def test_validation_metrics_over_avgpipe_pipelines_are_the_reference_on_the_whol
         assert got[key] == pytest.approx(want[key], rel=1e-9), key
 
 
-def test_a_metric_that_is_not_a_module_attribute_is_named():
-    class Stray(LitSeq):
-        def validation_step(self, batch, batch_idx):
-            x, y = batch
-            metric = SumMetric()
-            metric(self.seq(x).sum())
-            self.log("stray", metric)
+class Stray(LitSeq):
+    """Logs a metric it made in the step (workers unpickle it by name: a module-level class)."""
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        metric = SumMetric()
+        metric(self.seq(x).sum())
+        self.log("stray", metric)
+
+
+def test_a_metric_that_is_not_a_module_attribute_is_named():
     strategy = AutoPipeStrategy(microbatches=2, start_method=START)
     trainer = L.Trainer(devices=2, strategy=strategy, **trainer_kwargs())
     with pytest.raises(Exception, match="must be an attribute of the LightningModule"):

@@ -13,8 +13,11 @@ import threading
 from typing import Any, Callable, Optional, Protocol
 
 import torch.distributed as dist
+from lightning.fabric.strategies.launchers.multiprocessing import _disable_module_memory_sharing
 from lightning.fabric.strategies.launchers.subprocess_script import _set_num_threads_if_needed
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
 from torch import nn
 
 from .. import faults
@@ -86,6 +89,11 @@ def _validate(strategy: LaunchedStrategy, args: tuple, trainer: Optional[Any]) -
 class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
         _validate(self._strategy, args, trainer)
+        # forkserver pickles the model to its workers as spawn does, but Lightning gives only spawn the
+        # launching process's random state and private weights (on CPU, torch.multiprocessing passes
+        # tensors as shared memory: every rank would update one copy). The launcher itself travels with
+        # its _wrapping_function, so the snapshot rides on it.
+        self._forkserver_states = _GlobalStateSnapshot.capture() if self._start_method == "forkserver" else None
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         finally:  # the trained weights are in; a model converted by the front end is the user's model again
@@ -101,8 +109,12 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
             output = output._replace(weights_path=None)
         return output
 
-    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
-        super()._wrapping_function(process_idx, *args, **kwargs)
+    def _wrapping_function(self, process_idx: int, trainer: Any, function: Callable, args: Any, kwargs: Any, *rest: Any) -> None:
+        if getattr(self, "_forkserver_states", None) is not None:
+            self._forkserver_states.restore()
+            if isinstance(self._strategy.accelerator, CPUAccelerator):
+                args, kwargs = _disable_module_memory_sharing((args, kwargs))
+        super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
         # A worker is about to exit: leave together and close the process groups ourselves. Left to
         # interpreter shutdown, gloo's threads were seen to abort a worker ("terminate called
         # without an active exception") when its peer had already gone.
