@@ -47,7 +47,8 @@ class PipelineConfig:
     schedule: str = "1f1b"
     """gpipe | 1f1b (alias flush: PipeDream-Flush) | interleaved | wave (Hanayo's placement, our greedy order) |
     hanayo (Hanayo's placement and order) | advance (AvgPipe's 1F1B with advance forward, §4.2) |
-    zb-h1 | zb-v (zero bubble: backward split into input and weight gradients) |
+    zb-h1 | zb-v (zero bubble: backward split into input and weight gradients) | zb-auto (zero
+    bubble's automatic scheduler: its heuristic on the profiled F / BI / W times) |
     2bw (PipeDream-2BW: no flush, 1-stale updates), or auto (the simulator's fastest synchronous
     schedule within memory_limit)."""
     chunks: int = 2
@@ -288,7 +289,7 @@ class PipelineConfig:
 
     @property
     def needs_profile(self) -> bool:
-        return self.auto or self.partitioner is not None or bool(self.slicer)
+        return self.auto or self.partitioner is not None or bool(self.slicer) or self.schedule_spec.kind.costed
 
     def replace(self, **changes: Any) -> "PipelineConfig":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -354,10 +355,11 @@ class PipelineConfig:
 
 # ---- the legality table: which settings combine (the only place that names modes) ------------------
 MULTI_CHUNK = tuple(name for name, kind in REGISTRY.items() if kind.chunks is not None)
-SLICED = tuple(name for name in REGISTRY if name not in MULTI_CHUNK + ("2bw", "advance"))  # whose warm-up the slicer halves
+COSTED = tuple(name for name, kind in REGISTRY.items() if kind.costed)  # built from the run's profile (zb-auto)
+SLICED = tuple(name for name in REGISTRY if name not in MULTI_CHUNK + COSTED + ("2bw", "advance"))  # whose warm-up the slicer halves
 ALGORITHM2_SCHEDULES = ("1f1b",)  # AutoPipe's Algorithm 2 slices 1F1B
 ADVANCE_NUM_SCHEDULES = ("advance", "2bw")  # the schedules with AvgPipe(2BW)'s advance forward order
-FULL_SHARD_EXCLUDED = ("2bw", "zb-h1", "zb-v")  # a weight stash, a split backward: not over FSDP2's sharded blocks
+FULL_SHARD_EXCLUDED = ("2bw", "zb-h1", "zb-v", "zb-auto")  # a weight stash, a split backward: not over FSDP2's sharded blocks
 
 
 @dataclass(frozen=True)
@@ -422,6 +424,14 @@ LEGALITY: tuple[Legality, ...] = (
         lambda c: (
             f"pipelines={c.pipelines}: AvgPipe runs one schedule you name (gpipe, 1f1b, interleaved, wave, hanayo, "
             "advance, zb-h1, zb-v or 2bw), not 'auto'"
+        ),
+    ),
+    Legality(
+        "schedule",
+        lambda c: c.pipelines is not None and c.schedule in COSTED,
+        lambda c: (
+            f"pipelines={c.pipelines}: schedule={c.schedule!r} is built from one pipeline's profile, which AvgPipe's "
+            "parallel pipelines do not take (not built); name zb-h1 or zb-v"
         ),
     ),
     Legality(

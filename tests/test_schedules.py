@@ -52,7 +52,7 @@ def test_forward_only_has_no_backward():
 def test_unknown_schedule_names_allowed_values():
     with pytest.raises(
         ValueError,
-        match=r"schedule='zigzag'.*\['1f1b', '2bw', 'advance', 'gpipe', 'hanayo', 'interleaved', 'wave', 'zb-h1', 'zb-v', 'flush'\]",
+        match=r"schedule='zigzag'.*\['1f1b', '2bw', 'advance', 'gpipe', 'hanayo', 'interleaved', 'wave', 'zb-auto', 'zb-h1', 'zb-v', 'flush'\]",
     ):
         get_schedule("zigzag")
 

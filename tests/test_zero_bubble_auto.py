@@ -9,6 +9,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from lightning_pipe.config import PipelineConfig
+from lightning_pipe.planning.auto import choose_schedule
+from lightning_pipe.planning.entry import plan_run
 from lightning_pipe.planning.zero_bubble import zero_bubble_auto
 from lightning_pipe.schedules import build_schedule
 from lightning_pipe.simulation import CostModel, simulate
@@ -90,3 +93,36 @@ def test_a_memory_limit_below_one_microbatch_is_refused():
     costs = CostModel.uniform(2, 1.0, 2.0, weight=(1.0,) * 2, activation_bytes=(1.0,) * 2, param_bytes=(1.0,) * 2)
     with pytest.raises(ValueError, match="does not hold stage 0..0's weights and one micro-batch"):
         zero_bubble_auto(costs, [(0, 1), (1, 2)], 4, memory_limit=4.5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(p=st.integers(1, 6), m=st.integers(1, 12))
+def test_the_name_builds_the_heuristic_on_equal_times_within_1f1b_memory(p, m):
+    # schedule="zb-auto" without a profile: valid for every depth and count, and it holds at most p
+    # micro-batches a stage (1F1B's activations) on equal F / B / W times
+    schedule = build_schedule("zb-auto", p, m)
+    costs, bounds = uniform(p)
+    assert max(simulate(schedule, costs, bounds).peak_activations) <= min(p, m)
+
+
+def test_a_run_plans_zb_auto_on_its_costs_and_auto_weighs_it():
+    # uneven BI / W split: the run's schedule is the heuristic's on these costs (a short run's m too),
+    # and schedule="auto" lists it with that schedule's simulated time
+    costs = CostModel(
+        forward=(1.0,) * 6,
+        backward=(2.0,) * 6,
+        activation_bytes=(1.0,) * 6,
+        param_bytes=(0.0,) * 6,
+        weight=(1.0, 1.0, 3.0, 3.0, 0.2, 0.2),
+        backward_input=(1.0, 1.0, 0.2, 0.2, 1.0, 1.0),
+    )
+    result = plan_run(costs, 3, PipelineConfig(schedule="zb-auto", microbatches=6))
+    assert result.spec.name == "zb-auto" and result.costed is not None
+    for m in (6, 3):
+        want, timeline = zero_bubble_auto(costs, result.bounds, m, max_held=3)
+        assert result.costed(m).actions == want.actions
+    assert result.timeline(costs).iteration_time == zero_bubble_auto(costs, result.bounds, 6, max_held=3)[1].iteration_time
+    choice = choose_schedule(costs, 3, 6, method="uniform")
+    (listed,) = [c for c in choice.candidates if c.schedule == "zb-auto"]
+    assert listed.verdict in ("runs", "chosen")
+    assert listed.iteration_time == zero_bubble_auto(costs, tuple(map(tuple, listed.plan.bounds)), 6, max_held=3)[1].iteration_time

@@ -245,11 +245,13 @@ class AutoPlanner:
         profile, costs = self._profile(ctx, module, pipeline, sample, mbs)
         kinds = block_kinds([type(b).__name__ for b in pipeline])
         result = plan_run(costs, depth, self.config, kinds, self.memory_limit(ctx.device))
-        box = [(result.bounds, result.spec, result.sliced)]
+        box = [(result.bounds, result.spec, result.sliced, result.costed)]
         if ctx.topology.world_size > 1:  # the same numbers everywhere already; rank 0's word is final
             dist.broadcast_object_list(box, 0)
-        if box[0] != (result.bounds, result.spec, result.sliced):
-            result = RunPlan(box[0][0], box[0][1], depth, m, box[0][2])
+        bounds, spec, sliced, costed = box[0]
+        if (bounds, spec, sliced) != (result.bounds, result.spec, result.sliced):
+            result = RunPlan(bounds, spec, depth, m, sliced)
+        result.costed = costed  # zb-auto: every rank builds its schedule from rank 0's costs
         if ctx.global_rank == 0:
             self._report(profile, costs, result, time.perf_counter() - start)
         return result

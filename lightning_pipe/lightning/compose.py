@@ -135,6 +135,7 @@ class Training:
             prefetch=config.prefetch,
             trace=config.trace,
             sliced=ctx.cut.sliced,
+            costed=ctx.cut.costed,
         )
         for controller in self.controllers:
             settings.update(controller.runner_options())

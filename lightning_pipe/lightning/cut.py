@@ -6,7 +6,7 @@ Data only, below `cutting` (which makes it) and `context` (which carries it to t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch import nn
 
@@ -35,6 +35,7 @@ class Cut:
     ties: list[TieGroup] = field(default_factory=list)
     switched: bool = False  # the partition changed while training (checkpoints keep it on resume)
     built_empty: bool = False  # the model was created on the meta device: no rank holds all of it
+    costed: Optional[Callable[[int], Any]] = None  # zb-auto: micro-batches -> its schedule, built from the run's costs
 
     @property
     def chunk_blocks(self) -> dict[int, list[int]]:

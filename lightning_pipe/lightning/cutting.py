@@ -50,8 +50,9 @@ def held_bytes(module: nn.Module, optimizers: list[Any]) -> float:
 
 def choose_layout(
     ctx: RankContext, planner: AutoPlanner, module: Any, pipeline: nn.Sequential
-) -> tuple[ScheduleSpec, Bounds, int, Any, Any]:
-    """(schedule, bounds, sliced, plan, choice) for this run."""
+) -> tuple[ScheduleSpec, Bounds, int, Any, Any, Any]:
+    """(schedule, bounds, sliced, plan, choice, costed) for this run; `costed` builds a schedule made
+    from the run's costs (zb-auto), else None."""
     config, depth = ctx.config, ctx.depth
     spec = config.schedule_spec
     fitting = module.trainer.state.fn == TrainerFn.FITTING
@@ -60,20 +61,22 @@ def choose_layout(
     if resumed is not None:
         if config.auto and resumed.schedule is not None:
             spec = resumed.schedule
-        if resumed.bounds is not None and len(resumed.bounds) == spec.chunk_count(depth):
-            return spec, resumed.bounds, resumed.sliced, None, None
+        # (a schedule built from costs is planned again: the checkpoint keeps no costs; flush schedules
+        # all give one process's gradients, so the trajectory is the same)
+        if resumed.bounds is not None and len(resumed.bounds) == spec.chunk_count(depth) and not spec.kind.costed:
+            return spec, resumed.bounds, resumed.sliced, None, None, None
         # else (another schedule asked for): plan anew; optimizer states follow the parameters' names
     if config.needs_profile:
         result = planner.run(ctx, module, pipeline, spec)
-        return result.spec, tuple(map(tuple, result.bounds)), result.sliced, result.plan, result.choice
+        return result.spec, tuple(map(tuple, result.bounds)), result.sliced, result.plan, result.choice, result.costed
     bounds = partition_blocks(config.fixed_partition, len(pipeline), spec.chunk_count(depth)).bounds
-    return spec, bounds, 0, None, None
+    return spec, bounds, 0, None, None, None
 
 
 def cut_module(ctx: RankContext, planner: AutoPlanner, module: Any) -> Cut:
     path, pipeline = find_pipeline(module, ctx.config.blocks)
     check_no_outside_parameters(module, path)
-    spec, bounds, sliced, plan, choice = choose_layout(ctx, planner, module, pipeline)
+    spec, bounds, sliced, plan, choice, costed = choose_layout(ctx, planner, module, pipeline)
     if ctx.config.adaptive and planner.costs is None:  # the monitor's ratios and the scorer's costs
         planner.profile_only(ctx, module, pipeline)
     placement = spec.placement(ctx.depth, ctx.config.microbatches)
@@ -93,7 +96,7 @@ def cut_module(ctx: RankContext, planner: AutoPlanner, module: Any) -> Cut:
     set_submodule(module, path, stage)
     log.info(f"rank {ctx.global_rank}: stage {ctx.stage_index}/{ctx.depth} holds chunks {mine} (blocks [start, stop))")
     cut = Cut(path, full, stage, spec, tuple(tuple(b) for b in bounds), placement, sliced, plan, choice, tied)
-    cut.skeletons, cut.ties, cut.built_empty = skeletons, tie_groups(pipeline), built_empty
+    cut.skeletons, cut.ties, cut.built_empty, cut.costed = skeletons, tie_groups(pipeline), built_empty, costed
     return cut
 
 

@@ -9,8 +9,10 @@ for backward at its peak. A candidate that cannot run (more chunks than blocks, 
 it cannot use) or does not fit `memory_limit` is kept in the table with the reason, so the choice
 can be read and checked. Ties go to fewer chunks: the same time with fewer messages.
 
-Zero-bubble candidates (ZB-H1, ZB-V) are simulated only on a profile that measured each block's
-weight-gradient (W) time: their gain is the W's filling bubbles, which a guessed split cannot tell.
+Zero-bubble candidates (ZB-H1, ZB-V, and zb-auto: the paper's automatic scheduler, whose order is
+built on the profile's own F / BI / W times) are simulated only on a profile that measured each
+block's weight-gradient (W) time: their gain is the W's filling bubbles, which a guessed split
+cannot tell.
 
 The wave guard: a wave order ("wave" or "hanayo") is never chosen when the simulator predicts it
 slower than 1F1B on the same profile (1F1B simulated even when it is not a candidate or does not
@@ -23,10 +25,12 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
+from ..schedules import schedule_kind
 from ..simulation import CostModel, Timeline, simulate
 from .planner import Plan, plan
 from .replay import cached_schedule
 from .slicer import choose_slicing, fixed_slicing, simulate_sliced
+from .zero_bubble import zero_bubble_auto
 
 CANDIDATES: tuple[tuple[str, dict[str, int]], ...] = (
     ("1f1b", {}),
@@ -40,8 +44,9 @@ CANDIDATES: tuple[tuple[str, dict[str, int]], ...] = (
     ("hanayo", {"waves": 4}),
     ("zb-h1", {}),
     ("zb-v", {}),
+    ("zb-auto", {}),
 )
-ZERO_BUBBLE = ("zb-h1", "zb-v")  # backward split in BI and W: candidates on a profile with measured W times
+ZERO_BUBBLE = ("zb-h1", "zb-v", "zb-auto")  # backward split in BI and W: candidates on a profile with measured W times
 WAVE_ORDERS = ("wave", "hanayo")  # Hanayo's placement: our greedy order, the paper's order
 
 
@@ -207,7 +212,15 @@ def choose_schedule(
             found.append(Candidate(schedule, key, None, math.inf, math.inf, 0, f"cannot run: {error}"))
             continue
         sliced, time = 0, chosen_plan.iteration_time
-        if slicer and not options and schedule not in ZERO_BUBBLE:
+        if schedule_kind(schedule).costed:  # the partition planned on its form without costs, the schedule on them
+            try:
+                held = None if memory_limit is not None else stages  # as a run builds it (CostedSchedule)
+                _, timeline = zero_bubble_auto(costs, chosen_plan.bounds, microbatches, memory_limit, weight_copies, max_held=held)
+            except ValueError as error:  # its weights and one micro-batch do not fit
+                found.append(Candidate(schedule, key, None, math.inf, math.inf, 0, f"cannot run: {error}"))
+                continue
+            time = timeline.iteration_time
+        elif slicer and not options and schedule not in ZERO_BUBBLE:
             slicing = (
                 choose_slicing(costs, chosen_plan.bounds, microbatches, schedule)
                 if slicer is True

@@ -20,6 +20,7 @@ from .partition import partition_blocks
 from .planner import Plan, plan
 from .replay import cached_schedule
 from .slicer import SlicePlan, algorithm2_slicing, choose_slicing, fixed_slicing, simulate_slicing
+from .zero_bubble import CostedSchedule
 
 
 class RunSettings(Protocol):
@@ -91,9 +92,12 @@ class RunPlan:
     plan: Optional[Plan] = None  # a named partitioner's plan (None: listed sizes or equal counts)
     slicing: Optional[SlicePlan] = None
     choice: Optional[ScheduleChoice] = None
+    costed: Optional[CostedSchedule] = None  # schedule="zb-auto": its schedule is built from these costs
 
     def timeline(self, costs: CostModel) -> Timeline:
         """The simulated step of this plan."""
+        if self.costed is not None:
+            return self.costed.build(self.microbatches)[1]
         if self.spec.options or self.spec.kind.chunks is not None:  # multi-chunk (zb-v has no option): never sliced
             return simulate(cached_schedule(self.spec.name, self.stages, self.microbatches, self.spec.options), costs, self.bounds)
         method = self.slicing.method if self.slicing is not None else "sweep"
@@ -121,6 +125,12 @@ class RunPlan:
             lines.append(self.plan.table())
         else:
             lines.append(f"partition {[b - a for a, b in self.bounds]} blocks per chunk (as set: no partitioner)")
+        if self.costed is not None:
+            built = self.costed.build(self.microbatches)[1]
+            lines.append(
+                f"zb-auto: the zero-bubble heuristic's order built on these costs: iteration {built.iteration_time * 1e3:.3f} ms "
+                "(simulated; the partition was planned on its order for equal times)"
+            )
         if self.slicing is not None:
             s = self.slicing
             how = "AutoPipe's Algorithm 2, halves back to back, merged send" if s.method == "algorithm2" else "sweep (ours)"
@@ -146,6 +156,11 @@ def plan_run(
 
 def _plan_run(costs: CostModel, stages: int, config: RunSettings, kinds: Optional[Sequence[str]], memory_limit: Optional[float]) -> RunPlan:
     m, method, num_blocks = config.microbatches, config.partitioner, costs.num_blocks
+    copies = adam_weight_copies(config.shard, config.width)
+
+    def costed(spec: ScheduleSpec, bounds: tuple) -> Optional[CostedSchedule]:
+        return CostedSchedule(costs, bounds, memory_limit, copies) if spec.kind.costed else None
+
     if config.auto:
         choice = choose_schedule(
             costs,
@@ -155,13 +170,13 @@ def _plan_run(costs: CostModel, stages: int, config: RunSettings, kinds: Optiona
             kinds=kinds if method else None,
             memory_limit=memory_limit,
             slicer=config.slicer,
-            weight_copies=adam_weight_copies(config.shard, config.width),
+            weight_copies=copies,
         )
         chosen = choice.chosen
         spec = ScheduleSpec.of(chosen.schedule, **chosen.schedule_options)
         bounds = tuple(map(tuple, choice.plan.bounds))
         slicing = fixed_slicing(costs, bounds, m, chosen.sliced, spec.name) if chosen.sliced else None
-        return RunPlan(bounds, spec, stages, m, chosen.sliced, choice.plan, slicing, choice)
+        return RunPlan(bounds, spec, stages, m, chosen.sliced, choice.plan, slicing, choice, costed(spec, bounds))
     spec = config.schedule_spec
     result = None
     if method is not None:
@@ -176,4 +191,4 @@ def _plan_run(costs: CostModel, stages: int, config: RunSettings, kinds: Optiona
         slicing = choose_slicing(costs, bounds, m, spec.name)
     elif config.slicer:  # a fixed count, run in the form of config.slicing
         slicing = fixed_slicing(costs, bounds, m, int(config.slicer), spec.name, config.slicing)
-    return RunPlan(bounds, spec, stages, m, slicing.sliced if slicing else 0, result, slicing)
+    return RunPlan(bounds, spec, stages, m, slicing.sliced if slicing else 0, result, slicing, costed=costed(spec, bounds))

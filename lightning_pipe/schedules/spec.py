@@ -24,6 +24,7 @@ from .validate import validate
 from .wave import wave, wave_chunks, wave_misfit
 from .wave_hanayo import hanayo
 from .zero_bubble import zb_h1
+from .zero_bubble_auto import zb_auto
 from .zero_bubble_v import zb_v, zb_v_chunks, zb_v_misfit
 
 
@@ -35,6 +36,9 @@ class ScheduleKind:
     misfit: Optional[Callable[..., str]] = None  # (stages, num_blocks, **options) -> why it does not fit
     versions: str = "flush"  # the weight-versions layer that runs it: "flush" or "2bw" (lightning_pipe.modes)
     zero_means_default: frozenset[str] = frozenset()  # options whose 0 stands for a depth-dependent default
+    # built from the run's measured costs (planning/zero_bubble.py) where there are costs; the
+    # generator is its form without them
+    costed: bool = False
 
 
 REGISTRY: dict[str, ScheduleKind] = {
@@ -52,6 +56,8 @@ REGISTRY: dict[str, ScheduleKind] = {
     # zero bubble (Qi et al., ICLR 2024): backward split in BI (input gradient) and W (weight gradients)
     "zb-h1": ScheduleKind(zb_h1),  # 1F1B's memory, W's deferred into its bubbles
     "zb-v": ScheduleKind(zb_v, chunks=zb_v_chunks, misfit=zb_v_misfit),  # two chunks per rank in a V
+    # the paper's automatic scheduler (§3.1): its heuristic on the profile's F / BI / W times
+    "zb-auto": ScheduleKind(zb_auto, costed=True),
 }
 ALIASES = {"flush": "1f1b"}  # PipeDream-Flush is our 1F1B (PipeDream-2BW paper, §3.2)
 AUTO = "auto"  # not a schedule: the strategy and the plan command choose one of REGISTRY

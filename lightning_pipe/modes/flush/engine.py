@@ -1,4 +1,4 @@
-"""Flush: one weight version; GPipe, 1F1B, interleaved, wave, advance (and the slicer's halved warm-up).
+"""Flush: one weight version; GPipe, 1F1B, interleaved, wave, advance, zero bubble (and the slicer's halved warm-up).
 
 The slicer's halves run in one of two forms (`slicing`): "algorithm2", AutoPipe's sliced 1F1B
 (`schedules/sliced.py`: the halves back to back where their micro-batch ran, the blocked half's send
@@ -9,17 +9,18 @@ The pipeline fills and drains inside one step, so one step's gradients equal one
 the same batch; the optimizer step that follows is the user's, unchanged. Executors are built
 once per (kind, micro-batch count, advance_num): the last batch of an epoch may split into fewer,
 and AvgPipe's advance rule (`AdvanceRule`, schedule "advance" without a fixed advance_num) changes
-the list between steps, the same way on every rank.
+the list between steps, the same way on every rank. zb-auto's list comes from the run's costs
+(`costed`: the same on every rank), built again for a short last batch's count.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from ...runtime.executor import Executor, StageHost
 from ...runtime.p2p import Transport
-from ...schedules import ScheduleSpec, forward_only, validate
+from ...schedules import PipelineSchedule, ScheduleSpec, forward_only, validate
 from ...schedules.advance import advance_bounds
 from ...schedules.sliced import paper_schedule
 from ..advance.engine import AdvanceRule
@@ -39,8 +40,10 @@ class Flush(Versions):
         sliced: int = 0,
         advance: Optional[AdvanceRule] = None,
         slicing: str = "sweep",
+        costed: Optional[Callable[[int], PipelineSchedule]] = None,
     ):
         self.spec, self.stages, self.rank, self.transport = spec, stages, rank, transport
+        self.costed = costed  # zb-auto: the schedule for a micro-batch count, built from the run's costs
         self.prefetch, self.trace, self.sliced, self.slicing = prefetch, trace, sliced, slicing
         self.advance = advance  # the adaptive advance_num (None: the spec's list is fixed)
         self.placement = spec.placement(stages, microbatches)  # where each model chunk lives
@@ -60,6 +63,9 @@ class Flush(Versions):
         if key not in self._executors:
             if kind == "train" and self.slicing == "algorithm2" and self.sliced and microbatches == self.spec_microbatches + self.sliced:
                 schedule = paper_schedule(self.stages, self.spec_microbatches, self.sliced)
+            elif kind == "train" and self.costed is not None:
+                schedule = self.costed(microbatches)
+                validate(schedule)
             elif kind == "train":
                 schedule = spec.build(self.stages, microbatches)
             else:  # evaluation: forwards only, over the training placement (the chunks are where they are)

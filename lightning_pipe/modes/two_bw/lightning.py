@@ -66,6 +66,7 @@ class DoubleBufferLayer(VersionsLayer):
 
     def make_runner(self, settings: dict[str, Any]) -> Versions:
         # a drain's update is Lightning's optimizer step (clipping, the user's optimizer), then the deferred schedulers
+        settings = {k: v for k, v in settings.items() if k != "costed"}  # 2BW builds its own schedule, never from costs
         self.buffer = DoubleBuffer(**settings, module=self.ctx.cut.stage, apply=self._drain_update)
         return self.buffer
 
