@@ -1,13 +1,13 @@
 """Adaptive re-partitioning (AutoPipe-RL) in an emulated shared cluster (benchmarks.harness.shared_cluster).
 
 Default: a busy loop on rank 1's core from --start to --stop; a sweep of every cut under the load (the
-oracle's knowledge), static, adaptive=true, oracle (docs/adaptive.md, "Shared-cluster emulation").
+oracle's knowledge), static, adaptive=true, oracle (docs/results/adaptive.md, "Shared-cluster emulation").
 ``--changing``: jobs join rank 1's core at --t1, rank 0's at --t2, both leave at --t3; static, rule,
 learned, oracle and the predictor against the sweep ("Changing load"). ``--decision-time``: one
 learned decision for paper-size models.
 
-    flock /tmp/bench.lock python -m benchmarks.bench_adaptive --out docs/img --save docs/adaptive_results.json
-    flock /tmp/bench.lock python -m benchmarks.bench_adaptive --changing --out docs/img --save docs/adaptive_learned_results.json
+    flock /tmp/bench.lock python -m benchmarks.bench_adaptive --out docs/img --save docs/results/adaptive_results.json
+    flock /tmp/bench.lock python -m benchmarks.bench_adaptive --changing --out docs/img --save docs/results/adaptive_learned_results.json
     python -m benchmarks.bench_adaptive --decision-time
     python -m benchmarks.bench_adaptive [--changing] --quick
 """

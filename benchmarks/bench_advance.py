@@ -3,7 +3,7 @@
 ``real``: GPT-tiny cut 5 / 5, batch 16 in M = 4, 8, 16 micro-batches, every advance_num a in [1, M]:
 iteration, step, the simulator on costs profiled in the job, peak stash, the live saved peak.
 ``emulated``: sleeping stages, an EMULATED per-message delay; a deeper pipeline simulated. ``cli``:
-Algorithm 1's adaptive rule through the CLI. Feeds docs/benchmarks_advance.md.
+Algorithm 1's adaptive rule through the CLI. Feeds docs/results/benchmarks_advance.md.
 
     flock /tmp/bench.lock python -m benchmarks.bench_advance --save /tmp/advbench/final.json --cli-dir /tmp/advbench/cli_final
     flock /tmp/bench.lock python -m benchmarks.bench_advance --part emulated --latencies 0,2,8

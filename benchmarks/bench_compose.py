@@ -8,7 +8,7 @@ them. ``real``: 2 processes x 1 thread, the residual MLP: 1F1B and 2BW over 2 st
 of one stage each. Every pipeline takes the same batch (AvgPipe: N x the samples per step).
 Predicted: the simulator's step of one pipeline (2BW: a steady step) on the blocks' times (real:
 profiled here, one process, compute only); N pipelines sharing devices (ours): the larger of that
-and N x a device's busy time, i.e. the bubbles filled at best. Results: docs/benchmarks_avgpipe.md.
+and N x a device's busy time, i.e. the bubbles filled at best. Results: docs/results/benchmarks_avgpipe.md.
 
     python -m benchmarks.bench_compose emulated --rounds 3
     python -m benchmarks.bench_compose real --rounds 3

@@ -1,16 +1,16 @@
 """Statistical efficiency on GPT-tiny through the CLI: the same data, seed and steps, only the update rule differs.
 
 ``2bw``: PipeDream-2BW against 1F1B (PipeDream-Flush) on 2 CPU processes; with --reference also both
-rules written out on one process (docs/two_bw_convergence.md). ``avgpipe``: AvgPipe N = 1, 2, 4
+rules written out on one process (docs/results/two_bw_convergence.md). ``avgpipe``: AvgPipe N = 1, 2, 4
 against plain 1F1B at 16 samples per step, every validation over the same first --val-samples
 windows, then each final model (last.ckpt: the reference for AvgPipe) on the whole validation split
-(docs/avgpipe_convergence.md).
+(docs/results/avgpipe_convergence.md).
 
     python -m benchmarks.bench_convergence 2bw --reference
     python -m benchmarks.bench_convergence avgpipe
     python -m benchmarks.bench_convergence avgpipe --quick   # smoke: 4 steps per run
-    flock /tmp/bench.lock python -m benchmarks.bench_convergence ttt --json docs/time_to_loss.json --plot docs/img/time_to_loss.png
-    python -m benchmarks.bench_convergence efficiency --json docs/stat_efficiency.json   # long runs, the papers' settings
+    flock /tmp/bench.lock python -m benchmarks.bench_convergence ttt --json docs/results/time_to_loss.json --plot docs/img/time_to_loss.png
+    python -m benchmarks.bench_convergence efficiency --json docs/results/stat_efficiency.json   # long runs, the papers' settings
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 PacedBlocks (benchmarks.harness.emulated), 8 per rank, in the real runtime over gloo. Per (P, m,
 schedule): the median iteration against the simulator's (plain, and with measure_messages' terms),
-extra time per compute, exactness; then the targets. Method and tables: docs/emulated.md (the
-summary: docs/predictions.md).
+extra time per compute, exactness; then the targets. Method and tables: docs/results/emulated.md (the
+summary: docs/results/predictions.md).
 
-    flock /tmp/bench.lock python -m benchmarks.bench_emulated --json docs/emulated_results.json --markdown <file>
+    flock /tmp/bench.lock python -m benchmarks.bench_emulated --json docs/results/emulated_results.json --markdown <file>
     python -m benchmarks.bench_emulated --quick     # smoke: P = 2, m = P, 2 steps
 """
 

@@ -1,7 +1,7 @@
 """The front end's cost: Hugging Face GPT-2 trained as it is (a model that loops over its blocks, traced
 and cut by lightning_pipe.frontend) against the same-size model written as our nn.Sequential GPT and
 against the same HF modules cut by hand, and the front end's setup (convert, trace, plan) for GPT-2
-1.3B built on the meta device. Results: docs/benchmarks_frontend.md (raw: docs/benchmarks_frontend*.json).
+1.3B built on the meta device. Results: docs/results/benchmarks_frontend.md (raw: docs/results/benchmarks_frontend*.json).
 
 Parts (``--parts``, all by default):
 
@@ -23,7 +23,7 @@ Parts (``--parts``, all by default):
   mapped onto the traced blocks; the plan command profiles a materialised HF model and refuses a
   meta-built one).
 
-    flock /tmp/bench.lock python -m benchmarks.bench_frontend --rounds 5 --reps 20 --json docs/benchmarks_frontend.json
+    flock /tmp/bench.lock python -m benchmarks.bench_frontend --rounds 5 --reps 20 --json docs/results/benchmarks_frontend.json
     flock /tmp/bench.lock python -m benchmarks.bench_frontend --parts throughput --modes hf-1f1b,hf-whole-1f1b,hf-hand-1f1b,ours-1f1b --rounds 9 --steps 30
     flock /tmp/bench.lock python -m benchmarks.bench_frontend --parts overhead --rounds 7 --reps 20
     python -m benchmarks.bench_frontend --quick

@@ -3,8 +3,8 @@
 ``dispatch``: the executor's own cost per compute action (null blocks on one rank); ``chunks``: the
 same 8 residual-MLP blocks on one rank as v = 1, 2, 4, 8 chunks; ``transport``: the compute time an
 isend / irecv in flight takes (2 pinned gloo processes); ``messages`` (asked for by --parts): the
-spread of the setup's message costs measured again and again. Feeds docs/predictions.md ("What the
-host costs beyond the blocks") and docs/messages.md.
+spread of the setup's message costs measured again and again. Feeds docs/results/predictions.md ("What the
+host costs beyond the blocks") and docs/guide/messages.md.
 
     flock /tmp/bench.lock python -m benchmarks.bench_host_costs --rounds 40
     flock /tmp/bench.lock python -m benchmarks.bench_host_costs --parts chunks --mlp-ratio 1 --rounds 60

@@ -3,7 +3,7 @@
 Default: GPipe, 1F1B and PipeDream-2BW train the residual MLP on d = 2, 4 gloo processes at m = d,
 4d; saved tensors, stash, communication buffers and weights per stage against simulate(). ``--ranks``:
 one CLI step of a paper-size recipe on CPU, every process's peak memory against the planners' memory
-model. Feeds docs/memory.md (method there).
+model. Feeds docs/results/memory.md (method there).
 
     python -m benchmarks.bench_memory
     python -m benchmarks.bench_memory --no-prefetch   # Executor(prefetch=False)

@@ -2,14 +2,14 @@
 CPU processes in interleaved rounds: predicted vs measured, the pick against the measured best.
 
 ``2bw``: planner=2bw on GPT-tiny-64, global batch 32 (part a), paper-size decisions (part b), cold
-planning time (part time): docs/planner_2bw.md. ``auto``: schedule="auto" per workload (mlp,
-gpt-tiny, bert-tiny) and m, every candidate from the auto run's profile: docs/predictions.md.
+planning time (part time): docs/results/planner_2bw.md. ``auto``: schedule="auto" per workload (mlp,
+gpt-tiny, bert-tiny) and m, every candidate from the auto run's profile: docs/results/predictions.md.
 
     flock /tmp/bench.lock python -m benchmarks.bench_pick 2bw --part a --quiet-wait 300 --retries 3 --save out.json   # x 3
     flock /tmp/bench.lock python -m benchmarks.bench_pick 2bw --part b,time --save out.json
     python -m benchmarks.bench_pick 2bw --report out.json --plot docs/img/planner_2bw_predicted_vs_measured.png
-    flock /tmp/bench.lock python -m benchmarks.bench_pick auto --save docs/auto_measured.json       # m = 4 and 2, ~20 min
-    python -m benchmarks.bench_pick auto --report docs/auto_measured.json                           # tables of a saved run
+    flock /tmp/bench.lock python -m benchmarks.bench_pick auto --save docs/results/auto_measured.json       # m = 4 and 2, ~20 min
+    python -m benchmarks.bench_pick auto --report docs/results/auto_measured.json                           # tables of a saved run
     python -m benchmarks.bench_pick {2bw,auto} --quick   # smoke: every part, best rows; mlp, m = 2; 2 steps
 """
 

@@ -1,9 +1,9 @@
 """Partitioners compared on the paper's models (AutoPipe §IV-D, Fig. 10 / 13): simulated iteration
 time, gap to exhaustive search, planning time and balance for GPT-2 345M / 762M / 1.3B and
 BERT-large (analytic profiles) at 2-16 stages, m = 2 x stages, 1F1B; the gap over random small
-profiles; planning GPT-2 1.3B / 16 stages in fresh processes. Results: docs/planner.md.
+profiles; planning GPT-2 1.3B / 16 stages in fresh processes. Results: docs/results/planner.md.
 
-    python -m benchmarks.bench_planner --random 2000 --update-docs   # the tables, also into docs/planner.md
+    python -m benchmarks.bench_planner --random 2000 --update-docs   # the tables, also into docs/results/planner.md
     python -m benchmarks.bench_planner --closure                     # the paper's heuristic unbounded (~2 min)
     python -m benchmarks.bench_planner --quick                       # smoke: one model, 20 random profiles
 """
@@ -32,7 +32,7 @@ METHODS = ("uniform", "parameters", "dp", "autopipe", "autopipe+refine", "exhaus
 LABELS = {"dp": "dp (Algorithm 1)", "autopipe": "autopipe (paper)", "autopipe+refine": "autopipe+refine (ours)"}
 SEARCHES = ("dp", "autopipe", "autopipe+refine")  # compared with exhaustive search
 REDUCED_LAYERS = 10  # 22 blocks: 8 and 16 stages stay within the exhaustive limit
-DOC = REPO / "docs" / "planner.md"
+DOC = REPO / "docs" / "results" / "planner.md"
 BEGIN, END = "<!-- bench_planner:begin -->", "<!-- bench_planner:end -->"
 
 

@@ -2,7 +2,7 @@
 one process, and the Trainer path (trainer-single / trainer-1f1b, asked for with --modes) vs the raw runtime.
 
 benchmarks.harness.mlp's residual MLP cut in two equal halves; best of --repeats interleaved runs,
-final weights checked against ``single``. Results: docs/benchmarks.md; the Trainer path: docs/predictions.md.
+final weights checked against ``single``. Results: docs/results/benchmarks.md; the Trainer path: docs/results/predictions.md.
 
     flock /tmp/bench.lock python -m benchmarks.bench_runtime --repeats 3 --retries 3 --quiet-wait 20 --budget 300
     flock /tmp/bench.lock python -m benchmarks.bench_runtime --modes trainer-single,ours-1f1b,trainer-1f1b --steps 40 --repeats 4 --budget 300

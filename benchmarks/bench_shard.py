@@ -4,7 +4,7 @@ GPT-tiny (lightning_pipe.models.CausalLM), fp32, 1F1B, 4 gloo processes x 1 thre
 synthetic tokens; each run trains `--warmup` untimed steps, then `--steps` timed ones (rank 0's wall time
 per step, from the start of the first timed batch to the end of the last). The settings run interleaved
 (none, optimizer, full, none, ...) for `--rounds` rounds; the table gives each one's median, its spread and
-its ratio to whole replicas. Feeds docs/memory.md (the memory of the same settings is bench_memory's).
+its ratio to whole replicas. Feeds docs/results/memory.md (the memory of the same settings is bench_memory's).
 
     python -m benchmarks.bench_shard
     python -m benchmarks.bench_shard --quick   # smoke: 1 round of 2 steps

@@ -1,5 +1,5 @@
 """Partitions of a small GPT (benchmarks.harness.gpt) measured on gloo processes against the simulator,
-on profiles and a link taken in the same job. Results: docs/autopipe.md.
+on profiles and a link taken in the same job. Results: docs/results/autopipe.md.
 
 Default (AutoPipe's Table II / Fig. 11 on CPU): 1F1B m = 8 on 4, then 2, processes under 7 partitions
 (the planners' and unbalanced ones); analysis: benchmarks.harness.simulator_report. ``--speedup``:

@@ -3,7 +3,7 @@
 Simulated on FLOP-based profiles with each depth's AutoPipe plan, 1F1B, m = 2 x stages: ours
 (`choose_slicing`) vs the paper's Algorithm 2. ``--measure``: the traced runtime (gloo) with and
 without slicing at 2 ranks (the residual MLP) and 4 / 8 (emulated devices whose time scales with
-the rows), against the simulator on the same costs. Feeds docs/autopipe.md.
+the rows), against the simulator on the same costs. Feeds docs/results/autopipe.md.
 
     python -m benchmarks.bench_slicer --pictures docs/img
     flock /tmp/bench.lock python -m benchmarks.bench_slicer --measure   # real processes, ~3 min

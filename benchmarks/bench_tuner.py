@@ -1,11 +1,11 @@
 """AvgPipe's profiling-based tuner (§5.2, Eq. 1-8) against a real traversal of its grid (issue 13
 item 3; the paper's §7.3): the whole ``python -m lightning_pipe.plan ... pipeline.tune=true`` command,
 then every (M, N) of its grid trained with the tuner's own profile-run command line, each command
-holding /tmp/bench.lock; predicted vs measured time and memory per setting. Results: docs/tuner.md.
+holding /tmp/bench.lock; predicted vs measured time and memory per setting. Results: docs/results/tuner.md.
 
     python -m benchmarks.bench_tuner                                   # both models (~25 minutes on 2 cores)
-    python -m benchmarks.bench_tuner --models gpt-tiny --repeats 3 --confirm 0 --out docs/tuner_results_gpt_repeats.json
-    python -m benchmarks.bench_tuner --report docs/tuner_results.json  # tables and plots of a saved run
+    python -m benchmarks.bench_tuner --models gpt-tiny --repeats 3 --confirm 0 --out docs/results/tuner_results_gpt_repeats.json
+    python -m benchmarks.bench_tuner --report docs/results/tuner_results.json  # tables and plots of a saved run
     python -m benchmarks.bench_tuner --quick                           # smoke: gpt-tiny, a 2 x 2 grid, 2 batches
 """
 
@@ -250,7 +250,9 @@ def main() -> None:
     bench.parser.add_argument("--set", nargs="*", default=[], help="extra Hydra overrides for every run (pipeline.tune_pipelines=[1,2])")
     bench.options(batches=(8, "recorded steps per traversal setting (one warm-up step more)"), lock="/tmp/bench.lock")
     bench.options(confirm=(1, "re-runs of the pick and the best (not counted in the traversal)"), workdir="/tmp/bench_tuner")
-    bench.options(out=(str(REPO / "docs" / "tuner_results.json"), "raw results (JSON)"), img=(str(REPO / "docs" / "img"), "'': none"))
+    bench.options(
+        out=(str(REPO / "docs" / "results" / "tuner_results.json"), "raw results (JSON)"), img=(str(REPO / "docs" / "img"), "'': none")
+    )
     bench.options(report=(None, "print the tables (and plots) of a saved results file; run nothing"))
     args = bench.parse()
     if args.report:

@@ -1,9 +1,9 @@
 """Weight-update variants of the residual MLP (benchmarks.harness.mlp) against GPipe / 1F1B on gloo
 processes x 1 thread, at the engine level: samples/s, measured and simulated.
 
-``2bw`` (docs/benchmarks_2bw.md): PipeDream-2BW vs 1F1B (Flush) vs GPipe vs one process on 2 processes
+``2bw`` (docs/results/benchmarks_2bw.md): PipeDream-2BW vs 1F1B (Flush) vs GPipe vs one process on 2 processes
 (``--part real``) and on d = 2, 4, 8 processes of sleeping stages (``emulated``); weight updates against
-one process, per-rank traces, one step's timeline. ``avgpipe`` (docs/benchmarks_avgpipe.md): AvgPipe (N
+one process, per-rank traces, one step's timeline. ``avgpipe`` (docs/results/benchmarks_avgpipe.md): AvgPipe (N
 pipelines, elastic averaging) vs plain GPipe / 1F1B at 256 rows per optimizer step, K = 2 stages: where
 the time goes per worker, the staleness bound, "malloc kept" runs; N pipelines with devices of their own
 simulated.

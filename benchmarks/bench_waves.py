@@ -3,7 +3,7 @@
 bench_runtime's residual MLP on 2 gloo processes x 1 thread: samples/s and weights against one
 process, the simulator (on the strategy's kind of profile, and calibrated on the traces), per-action
 traces. ``--simulated``: the simulator alone, Hanayo's order vs ours vs 1F1B and the bubble ratios at
-B = P. Feeds docs/schedules.md and docs/predictions.md.
+B = P. Feeds docs/results/schedules.md and docs/results/predictions.md.
 
     python -m benchmarks.bench_waves --simulated --pictures docs/img
     flock /tmp/bench.lock python -m benchmarks.bench_waves --picture docs/img/waves_speedup.png
@@ -256,7 +256,7 @@ def picture(tables: dict, path: str) -> None:
 
 
 def simulated_orders(bench: Bench, pictures: str | None) -> None:
-    """The tables of docs/schedules.md: Hanayo's order vs our greedy order vs 1F1B, its closed form,
+    """The tables of docs/results/schedules.md: Hanayo's order vs our greedy order vs 1F1B, its closed form,
     and the bubble ratios of every schedule at B = P (``pictures``: a folder for their P = 4 timelines)."""
 
     def run(schedule, p):

@@ -2,7 +2,7 @@
 
 ``python -m lightning_pipe.train`` (GPT-tiny, synthetic tokens, validation and a checkpoint every
 250 steps) for --steps steps per configuration; `benchmarks.harness.soak.SoakMonitor` records every
-rank's RSS, open fds and mean step time every 50 steps. Feeds docs/faults.md ("Soak").
+rank's RSS, open fds and mean step time every 50 steps. Feeds docs/results/soak.md.
 
     python -m benchmarks.soak                        # 1F1B on 4 ranks and 2BW on 2 ranks, 1000 steps each
     python -m benchmarks.soak --steps 200 --configs 1f1b-4

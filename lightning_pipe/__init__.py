@@ -11,7 +11,7 @@ from .profiling import Profile
 from .schedules import PipelineSchedule, ScheduleError, ScheduleSpec, build_schedule, validate
 from .simulation import CostModel, Timeline, simulate
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # "autopipe" and one name per schedule ("autopipe_wave", ...); idempotent (override=True): this
 # module may be imported twice (as a package and from __main__, or reloaded).

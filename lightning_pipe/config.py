@@ -132,7 +132,7 @@ class PipelineConfig:
     """Tuner: the parallel pipeline counts N to consider (None: 1, 2, 4)."""
     tune_model: str = "calibrated"
     """Tuner: how the grid is predicted: "calibrated" (ours, the default: a second profile at the grid's
-    smallest M; lightning_pipe/tuning/calibrated.py; it picked right where Eq. 1-8 did not, docs/tuner.md)
+    smallest M; lightning_pipe/tuning/calibrated.py; it picked right where Eq. 1-8 did not, docs/results/tuner.md)
     or "paper" (§5.2's Eq. 1-8 from one profile)."""
     profile: Optional[str] = None
     """A saved profile.json to plan from instead of profiling on the ranks."""

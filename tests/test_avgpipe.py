@@ -341,7 +341,7 @@ def test_a_killed_reference_process_ends_the_job_with_its_name(tmp_path, stage, 
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=100)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]  # 1: a lost peer (docs/faults.md)
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]  # 1: a lost peer (docs/guide/faults.md)
     # the owner sees its child exit (code -9); the other pipeline's worker sees the connection fail
     assert f"ReferenceLost: the AvgPipe reference process of stage {stage}" in errors[0], errors
     assert time.monotonic() - start < 90

@@ -90,6 +90,10 @@ def test_tiny_recipe_trains_5_steps_on_2_processes(tmp_path):
     shown = proc.stdout + proc.stderr
     assert "GPU available" not in shown and "litlogger" not in shown and "Initializing distributed" not in shown, shown[-3000:]
     assert "plan, profile and predicted timeline written" in shown
+    # one line per event, not one per rank: the tie said once by rank 0, no per-rank placement lines, no
+    # model summary (it would count rank 0's stage only), no sync_dist advice (every rank logs one value)
+    assert shown.count("tied across stages") == 1 and "holds chunks" not in shown, shown[-3000:]
+    assert "Trainable params" not in shown and "sync_dist=True" not in shown, shown[-3000:]
     # ... and in the run's train.log, with Lightning's own start-up lines kept off it as off the console
     logged = (run / "train.log").read_text()
     assert "plan, profile and predicted timeline written" in logged and "GPU available" not in logged, logged[-3000:]

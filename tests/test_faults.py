@@ -1,4 +1,4 @@
-"""The fault matrix (docs/faults.md): each fault injected into a real 2-process training job
+"""The fault matrix (docs/guide/faults.md): each fault injected into a real 2-process training job
 (tests/fault_job.py, pipeline timeout 6 s) ends it with at most one `error:` line, no traceback,
 the documented exit code and within a bounded time."""
 

@@ -25,7 +25,7 @@ def test_bytes_match_the_hand_count_of_the_residual_mlp():
     blocks = list(make_model({"hidden": HIDDEN, "mlp_ratio": INNER // HIDDEN, "blocks": 2}))
     p = profile_sizes(blocks, lambda b: torch.randn(b, HIDDEN), [16, 32], CPU, model="mlp", repeats=1, warmup=0)
     assert p.sizes == [16, 32] and p.model == "mlp" and p.block_names == ["Block", "Block"] and p.source == "measured"
-    # docs/memory.md: at 32 rows one block's forward saves its input (32 KiB), fc1's output (64 KiB)
+    # docs/results/memory.md: at 32 rows one block's forward saves its input (32 KiB), fc1's output (64 KiB)
     # and GELU's output (64 KiB); the residual add nothing, the weights are not activations
     per_row = HIDDEN * 4 + INNER * 4 + INNER * 4
     assert 32 * per_row == 160 * 1024

@@ -69,7 +69,7 @@ def test_every_schedule_is_valid_and_keeps_the_memory_limit(case):
 
 def test_on_uneven_stages_the_heuristic_alone_is_not_always_zb_h1():
     # recorded, not hidden: without the paper's ILP pass the heuristic ranges from 6% faster to 17%
-    # slower than ZB-H1 on 40 uneven profiles at 1F1B's memory (median 4% slower; docs/schedules.md);
+    # slower than ZB-H1 on 40 uneven profiles at 1F1B's memory (median 4% slower; docs/guide/schedules.md);
     # `handcrafted=True` (ours) keeps the better of the two
     rng = random.Random(1)
     ratios = []

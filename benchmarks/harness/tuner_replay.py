@@ -6,10 +6,10 @@ or the paper's Eq. 1-8 from the live calibrated tuner's first profile (the paper
 pick's measured throughput over the traversal's best, and Spearman's rho of predicted against
 measured samples/s.
 
-    python -m benchmarks.harness.tuner_replay docs/tuner_results.json docs/tuner_results_gpt_repeats.json
+    python -m benchmarks.harness.tuner_replay docs/results/tuner_results.json docs/results/tuner_results_gpt_repeats.json
 
 A replay uses the traversal's measurement of the profiled settings where a live tuner runs its own
-profile run; the live figures are bench_tuner.py's (docs/tuner.md).
+profile run; the live figures are bench_tuner.py's (docs/results/tuner.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Zero-bubble measurements (benchmarks/bench_zero_bubble.py, docs/schedules.md).
+"""Zero-bubble measurements (benchmarks/bench_zero_bubble.py, docs/results/schedules.md).
 
 - real: 2 gloo processes x 1 thread, bench_runtime's residual MLP and a GPT-tiny: our 1F1B, ZB-H1
   and ZB-V, and torch.distributed.pipelining's ZBV (MLP), samples/s (median of the rounds) and the
@@ -202,7 +202,7 @@ def table(rows: list[dict], columns: list[str]) -> str:
 
 
 def main(rounds: int, steps: int) -> None:
-    """The tables of docs/schedules.md's zero-bubble section."""
+    """The tables of docs/results/schedules.md's zero-bubble section."""
     common = dict(steps=steps, warmup=3, lr=1e-3, microbatches=4)
     mlp = dict(common, hidden=512, mlp_ratio=1, blocks=8, batch=256)
     gpt = dict(common, gpt=dict(vocab=512, layers=2, heads=4, hidden=128, seq=128, mbs=4))

@@ -4,7 +4,7 @@ with ours (`offline.py`'s shipped weights) on the same held-out environments.
     python -m lightning_pipe.adaptive.paper_offline --out lightning_pipe/adaptive/weights
 
 writes paper_predictor_d{2,4}.pt, paper_switch_cost_d{2,4}.pt, paper_arbiter_d{2,4}.pt and
-paper_report.json (every number docs/adaptive.md quotes). The steps, in the paper's order:
+paper_report.json (every number docs/results/adaptive.md quotes). The steps, in the paper's order:
 
 1. meta-learning across environments (`meta.reptile`) -> the meta-networks' initialisation;
 2. offline training: the predictor and the switch-cost network on every training environment's

@@ -155,7 +155,7 @@ class Training:
         self.steps.recording = TuneRecording.from_env(self.ctx, self.runner) if fitting else None
         if fitting:  # ours: setup's objects (modules, the Trainer, data) out of the collector's view, so a
             gc.collect()  # full collection scans only what training makes; one over the ~400k objects of a
-            gc.freeze()  # Lightning process took 0.2-0.3 s mid-step on this CPU (docs/predictions.md)
+            gc.freeze()  # Lightning process took 0.2-0.3 s mid-step on this CPU (docs/results/predictions.md)
 
     def finish(self) -> None:
         """The end of fit, on every rank: nothing in flight; the tuner's profile run writes its files."""

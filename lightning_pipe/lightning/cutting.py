@@ -94,7 +94,8 @@ def cut_module(ctx: RankContext, planner: AutoPlanner, module: Any) -> Cut:
     if traced and full is None:  # the model's other parts stay referenced by its forward: keep their shapes only
         release_others(pipeline, blocks.values())
     set_submodule(module, path, stage)
-    log.info(f"rank {ctx.global_rank}: stage {ctx.stage_index}/{ctx.depth} holds chunks {mine} (blocks [start, stop))")
+    # every rank's own line: the plan's table (rank 0) already lists what each stage holds
+    log.debug(f"rank {ctx.global_rank}: stage {ctx.stage_index}/{ctx.depth} holds chunks {mine} (blocks [start, stop))")
     cut = Cut(path, full, stage, spec, tuple(tuple(b) for b in bounds), placement, sliced, plan, choice, tied)
     cut.skeletons, cut.ties, cut.built_empty, cut.costed = skeletons, tie_groups(pipeline), built_empty, costed
     return cut

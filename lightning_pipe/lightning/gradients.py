@@ -23,6 +23,17 @@ from ..topology import ProcessGroups, Topology
 from .stage import PipelineStage
 
 log = logging.getLogger(__name__)
+_announced: set[tuple[tuple[int, ...], ...]] = set()
+
+
+def _announce_ties(stages: list[tuple[int, ...]], rank: int) -> None:
+    """One line on global rank 0 per layout of ties (not again for a live switch that keeps it)."""
+    layout = tuple(stages)
+    if not layout or rank != 0 or layout in _announced:
+        return
+    _announced.add(layout)
+    where = "; ".join(f"stages {', '.join(map(str, s))}" for s in layout)
+    log.info(f"{len(layout)} weight(s) tied across stages ({where}): their gradients are summed every step")
 
 
 class StageGradients:
@@ -59,8 +70,7 @@ class StageGradients:
             if self.stage_index in t.stages:
                 src = topo.global_rank(self.replica_index, t.stages[0])
                 dist.broadcast(t.parameter.data, src, group=groups[t.index])
-        if self.tied:
-            log.info(f"tied parameters across stages: {[t.stages for t in self.tied]}")
+        _announce_ties([t.stages for t in self.tied], rank)
         return groups
 
     def sync_replicas(self) -> None:

@@ -14,7 +14,7 @@ it changed (the first step, or a step that logs other keys) do the new schema (a
 the values follow. The frame travels point to point on a group of the pipeline's own, and every
 other rank posts its receive before the step's schedule runs (`post`): the first stage starts and
 ends each 1F1B step, and a broadcast at the step's end made it wait a collective's round trip on
-the critical path (ours; docs/predictions.md, "The Trainer path"). In a training step the last
+the critical path (ours; docs/results/predictions.md, "The Trainer path"). In a training step the last
 stage sends the frame as soon as its last forward has logged (`send_early`), and a rank that finds
 it landed while it waits for a gradient logs the step then (`arrived`, from the executor's idle
 hook) instead of after its last backward; never blocking on it, so a frame that lands late is
@@ -27,6 +27,7 @@ Lightning's step value, epoch ``compute()`` and reset work as in one process.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -234,6 +235,16 @@ class LogBroadcaster:
         values = iter(numbers[1:])
         out = [(n, metrics[kind[1]] if _is_metric(kind) else next(values), kw, kind) for n, kw, kind in entries]
         return numbers[0], out
+
+
+# Lightning's advice for epoch-level values logged without sync_dist. With one replica every rank logs the
+# last stage's value (above), so there is nothing to accumulate across devices: the advice does not apply.
+SYNC_DIST_ADVICE = r"It is recommended to use `self\.log\(.*, \.\.\., sync_dist=True\)` when logging on epoch level"
+
+
+def silence_sync_dist_advice() -> None:
+    """With one replica (every rank logs the same value): Lightning's sync_dist advice, by its exact text."""
+    warnings.filterwarnings("ignore", message=SYNC_DIST_ADVICE)
 
 
 def _is_metric(kind: Kind) -> bool:

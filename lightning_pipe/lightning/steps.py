@@ -22,7 +22,7 @@ from ..runtime.microbatch import batch_size, signature, split_microbatches
 from .context import RankContext
 from .gradients import GradientStash, StageGradients
 from .host import LightningHost
-from .logs import LogBroadcaster, replay
+from .logs import LogBroadcaster, replay, silence_sync_dist_advice
 from .metric_state import attach
 from .outputs import merge_outputs
 
@@ -59,6 +59,8 @@ class PipelineSteps:
         cut = ctx.cut
         host = LightningHost(ctx.module, cut.stage, len(cut.placement) - 1, layers.gradients.reduce_chunk)
         attach(ctx.module, ctx.groups.stage, ctx.topology.width)
+        if ctx.topology.width == 1 and ctx.config.pipelines is None:
+            silence_sync_dist_advice()
         last, group = ctx.pipeline_rank(cut.loss_stage), ctx.pipeline_group
         if previous is not None and previous.logs.src == last:
             logs = previous.logs
@@ -109,7 +111,7 @@ class PipelineSteps:
     def _arm_early_logs(self, kind: str) -> None:
         """Ours: in a training step the last stage sends its logs after its last forward, and the other
         ranks log them while they wait for a gradient, instead of after their last backward: on the
-        first stage, which ends every 1F1B step, that end is the critical path (docs/predictions.md)."""
+        first stage, which ends every 1F1B step, that end is the critical path (docs/results/predictions.md)."""
         self.logged_early = None
         host, logs = self.host, self.logs
         host.on_forwards_done = host.on_idle = None

@@ -2,7 +2,7 @@
 `partition="autopipe+refine"`.
 
 The paper's moves hand one block from the master stage to a neighbour. Measured against
-exhaustive search they stop short (docs/planner.md, random small profiles): the best splits often
+exhaustive search they stop short (docs/results/planner.md, random small profiles): the best splits often
 differ by a block handed along a chain of stages (every boundary between stage s and stage t
 shifted by one), or by a boundary away from the master. So, until nothing improves, try in turn
 

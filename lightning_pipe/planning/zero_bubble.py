@@ -8,7 +8,7 @@ stage.
 
 Ours, not the paper's: `handcrafted=True` adds ZB-H1 to the candidates when it fits the limit
 (without ILP the heuristic alone is slower than ZB-H1 on some uneven profiles:
-tests/test_zero_bubble_auto.py, docs/schedules.md); and a run with no `memory_limit` holds the
+tests/test_zero_bubble_auto.py, docs/guide/schedules.md); and a run with no `memory_limit` holds the
 heuristic to 1F1B's activation memory (`max_held` = p micro-batches per stage, ZB-H1's budget)
 rather than letting it hold every micro-batch.
 """

@@ -2,7 +2,7 @@
 
 A stage's weights, gradients, optimizer state and activations are what the planners count; a
 process also holds its runtime: on a host, the interpreter and the libraries it imported (Python,
-torch, Lightning: about 0.3 GiB on CPU, measured in docs/memory.md), on a GPU the CUDA context and
+torch, Lightning: about 0.3 GiB on CPU, measured in docs/results/memory.md), on a GPU the CUDA context and
 the libraries' workspaces outside torch's caching allocator (typically 0.3-1 GiB). On small stages
 that term decides whether a device fits, so the memory model adds it to every rank.
 """

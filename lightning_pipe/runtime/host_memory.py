@@ -4,7 +4,7 @@ glibc serves an allocation above its mmap threshold with its own mapping and unm
 but each such free raises the threshold to that size (up to 32 MiB), so later buffers of that size
 come from the heap, where freed memory stays with the process. FSDP2 allocates and frees a block's
 all-gathered weights and reduce-scatter buffers at every forward and backward: on CPU processes
-that kept 1.3-1.5x the live memory (docs/memory.md). Fixing the threshold (mallopt, as the
+that kept 1.3-1.5x the live memory (docs/results/memory.md). Fixing the threshold (mallopt, as the
 MALLOC_MMAP_THRESHOLD_ environment variable would at start) keeps such buffers mapped and returned.
 """
 

@@ -7,7 +7,7 @@ a fraction of AFAB's stashed activations. Algorithm 1 writes the first stage's o
 stage ``k`` keeps the same lead over 1F1B (``advance_num - k`` forwards in advance), so each stage
 has its next forward's input before it asks for it — except the last stage, which keeps 1F1B's
 order as in the paper's Fig. 7(c): it feeds no one, and holding its backwards back would only
-delay every gradient upstream (measured: docs/benchmarks_advance.md). The ends:
+delay every gradient upstream (measured: docs/results/benchmarks_advance.md). The ends:
 
 - ``advance_num = K - 1`` is 1F1B, action for action;
 - ``advance_num = M`` is AFAB (GPipe's order): every stage runs all its forwards first.

@@ -47,7 +47,7 @@ REGISTRY: dict[str, ScheduleKind] = {
     "interleaved": ScheduleKind(interleaved_1f1b, {"chunks": 2}, interleaved_chunks, interleaved_misfit),
     # Hanayo's placement with our greedy order (schedules/wave.py) ...
     "wave": ScheduleKind(wave, {"waves": 1}, wave_chunks, wave_misfit),
-    # ... and with the paper's own order (schedules/wave_hanayo.py; docs/schedules.md compares them)
+    # ... and with the paper's own order (schedules/wave_hanayo.py; docs/results/schedules.md compares them)
     "hanayo": ScheduleKind(hanayo, {"waves": 1}, wave_chunks, partial(wave_misfit, name="hanayo")),
     # AvgPipe's advance forward propagation: advance_num forwards before the first backward (0: K - 1, i.e. 1F1B)
     "advance": ScheduleKind(advance, {"advance_num": 0}, zero_means_default=frozenset({"advance_num"})),

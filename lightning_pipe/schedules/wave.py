@@ -1,7 +1,7 @@
 """Wave-like pipelines (Hanayo, Liu et al., SC'23): 2W model chunks per device, no model replicas.
 
 `schedule="wave"` is Hanayo's placement with OUR greedy order (below); `schedule="hanayo"`
-(`wave_hanayo.py`) is the same placement with the paper's own order. docs/schedules.md compares
+(`wave_hanayo.py`) is the same placement with the paper's own order. docs/results/schedules.md compares
 both with 1F1B (benchmarks/bench_waves.py --simulated).
 
 The stages run down the P devices and back up, W times: chunk c sits on device c % P on the way
@@ -13,7 +13,7 @@ The order of work on each device (ours, not the paper's) comes from a greedy lis
 T_B = 2 T_F: a device runs a ready backward first (oldest micro-batch first, which frees its
 activations), else the ready forward of the oldest micro-batch, deepest chunk first. The result is
 a valid, deadlock-free order that the validator checks like any other. Against Hanayo's order
-(docs/schedules.md, P = 2, 4, 8, W = 1, 2, 4, B = P, 2P, 4P): the same time at B = P; of the 18
+(docs/results/schedules.md, P = 2, 4, 8, W = 1, 2, 4, B = P, 2P, 4P): the same time at B = P; of the 18
 cases with B > P ours is faster in 5 (B = 4P, P >= 4), slower in 9, equal in 4; it holds up to
 1.875x 1F1B's peak activations (Hanayo's order: 1F1B's at B = P, at most 1.44x for B > P).
 """

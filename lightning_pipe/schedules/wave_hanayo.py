@@ -26,7 +26,7 @@ P = 4, W = 1 and Fig. 3(e), W = 2, B = 4; tests/test_multichunk.py::test_wave_p2
 Chimera swapped into waves). Eq. (1)'s bubble ratio is an approximation of such orders: at W = 1
 each device idles exactly its numerator's (P - 1) T_B / W; the test compares the rest.
 
-What this gives (tests/test_multichunk.py, docs/schedules.md): each chunk stashes at most
+What this gives (tests/test_multichunk.py, docs/results/schedules.md): each chunk stashes at most
 min(n - c, P) micro-batches, so a device holds at most P stage-sized activations, as 1F1B's first
 device does (Hanayo's memory claim, which the greedy order does not keep); the bubble for B = P is
 below 1F1B's; for B > P the units' seams cost time (see the table).

@@ -1,6 +1,6 @@
 """Ours, not the paper's: the tuner's calibrated prediction (`tune_model=calibrated`).
 
-AvgPipe's Eq. 1-8 (predict.py) rank (M, N) backwards on shared CPU cores (docs/tuner.md): a
+AvgPipe's Eq. 1-8 (predict.py) rank (M, N) backwards on shared CPU cores (docs/results/tuner.md): a
 micro-batch has a fixed cost that Eq. 2 cannot express, and the N pipelines fill each other's
 bubbles, which Eq. 5-7 (bubbles independent of N) do not model. This variant keeps the paper's
 profile and adds a second profile point:
