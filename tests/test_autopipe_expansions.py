@@ -9,8 +9,9 @@ import pytest
 
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.errors import SettingError
+from lightning_pipe.planning import transformer_costs
 from lightning_pipe.planning.entry import plan_run
-from lightning_pipe.planning.heuristic import autopipe_search, expansion_bound
+from lightning_pipe.planning.heuristic import MAX_EXPANSIONS_PER_STAGE, autopipe_search, expansion_bound
 from lightning_pipe.planning.replay import Evaluator
 from lightning_pipe.simulation import CostModel
 
@@ -60,3 +61,19 @@ def test_bad_bounds_name_the_setting(bad):
     with pytest.raises(ValueError, match="an integer >= 1"):
         with expansion_bound(bad):
             pass
+
+
+@pytest.mark.parametrize("model,stages", [("gpt2-345m", 4), ("gpt2-1.3b", 8)])
+def test_the_default_bound_lets_the_papers_search_finish_where_it_can(caplog, model, stages):
+    # the default is the paper's whole search on these (the earlier 2 per stage stopped both short)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    costs, _ = transformer_costs(model, stages)
+    ev = Evaluator(costs, "1f1b", stages, 4 * stages)
+    with expansion_bound(MAX_EXPANSIONS_PER_STAGE):
+        default = autopipe_search(ev, stages)
+    assert not hits(caplog)  # it ran out of splits, the bound did not stop it
+    assert ev.time(default) == ev.time(autopipe_search(Evaluator(costs, "1f1b", stages, 4 * stages), stages, 10**9))
+    with expansion_bound(2):
+        autopipe_search(Evaluator(costs, "1f1b", stages, 4 * stages), stages)
+    assert hits(caplog)  # where a smaller bound would have stopped it
+    assert PipelineConfig().autopipe_expansions == MAX_EXPANSIONS_PER_STAGE
