@@ -93,8 +93,7 @@ class PipelineConfig:
     autopipe_expansions: int = MAX_EXPANSIONS_PER_STAGE
     """partition=autopipe: splits AutoPipe's heuristic processes per stage before it stops (ours: the
     paper sets no bound; the default lets the paper's whole search finish on GPT-2 up to 8 stages and
-    keeps 1.3B on 16 stages near 0.4 s); a search the bound stops is logged (INFO,
-    lightning_pipe.planning.heuristic)."""
+    keeps 1.3B on 16 stages near 0.4 s); a search the bound stops says so under the plan's table."""
     slicer: Any = False
     """AutoPipe slicer: True (the count chosen by `slicer_method`), False, or a count of warm-up micro-batches to halve."""
     slicer_method: Optional[str] = None

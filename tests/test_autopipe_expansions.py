@@ -1,5 +1,6 @@
 """AutoPipe's heuristic search bound (ours: the paper sets none): a PipelineConfig setting that
-reaches the search, refused when bad, and logged when it stops a search that had splits left."""
+reaches the search, refused when bad, and said (one line under the plan's table) when it stops a
+search that had splits left."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def hits(caplog) -> list[str]:
 
 
 def test_the_bound_stops_the_search_and_says_so(caplog):
-    caplog.set_level(logging.INFO, logger=LOGGER)
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
     simulated = {}
     for per_stage in (1, 50):
         caplog.clear()
@@ -45,12 +46,15 @@ def test_the_bound_stops_the_search_and_says_so(caplog):
 
 
 def test_the_run_setting_reaches_the_planner(caplog):
-    caplog.set_level(logging.INFO, logger=LOGGER)
-    plan_run(COSTS, 6, PipelineConfig(microbatches=16, partition="autopipe", autopipe_expansions=1))
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    stopped = plan_run(COSTS, 6, PipelineConfig(microbatches=16, partition="autopipe", autopipe_expansions=1))
     assert len(hits(caplog)) == 1
+    # said once, as the last line of the plan's table, with the setting that raises the bound
+    assert stopped.plan.table().splitlines()[-1] == hits(caplog)[0]
+    assert "Raise autopipe_expansions (pipeline.autopipe_expansions=...)" in stopped.plan.table()
     caplog.clear()
-    plan_run(COSTS, 6, PipelineConfig(microbatches=16, partition="autopipe", autopipe_expansions=50))
-    assert hits(caplog) == []
+    finished = plan_run(COSTS, 6, PipelineConfig(microbatches=16, partition="autopipe", autopipe_expansions=50))
+    assert hits(caplog) == [] and "hit its bound" not in finished.plan.table()
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
@@ -66,7 +70,7 @@ def test_bad_bounds_name_the_setting(bad):
 @pytest.mark.parametrize("model,stages", [("gpt2-345m", 4), ("gpt2-1.3b", 8)])
 def test_the_default_bound_lets_the_papers_search_finish_where_it_can(caplog, model, stages):
     # the default is the paper's whole search on these (the earlier 2 per stage stopped both short)
-    caplog.set_level(logging.INFO, logger=LOGGER)
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
     costs, _ = transformer_costs(model, stages)
     ev = Evaluator(costs, "1f1b", stages, 4 * stages)
     with expansion_bound(MAX_EXPANSIONS_PER_STAGE):

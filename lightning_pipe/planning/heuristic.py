@@ -46,7 +46,7 @@ Where the paper is ambiguous, and what we chose:
   345M and 1.3B on up to 8 stages, tests/test_autopipe_expansions.py) and the largest recipe stays
   inside the planning budget: GPT-2 1.3B on 16 stages stops at 32 x 16 splits in 0.4 s, 0.8% above
   the 4,740 ms the whole search finds in 32 s (docs/results/planner.md). When the bound stops a
-  search that had splits left, it is logged (logger `lightning_pipe.planning.heuristic`, INFO).
+  search that had splits left, the plan's table says so in one line (`last_stop`).
 - A split that cannot finish (no master stage) is dropped.
 
 `refine.py` is ours, not the paper's: `partition="autopipe+refine"` runs its local search from
@@ -59,7 +59,7 @@ import heapq
 import logging
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 from .minmax import MinMaxTable
 from .refine import EPS, refine
@@ -69,6 +69,7 @@ MAX_EXPANSIONS_PER_STAGE = 32  # splits processed by step 2), per stage: see the
 log = logging.getLogger(__name__)
 # the run's setting, set around planning (a context variable: plan() and its callers need no new argument)
 _per_stage: ContextVar[int] = ContextVar("autopipe_expansions", default=MAX_EXPANSIONS_PER_STAGE)
+_last_stop: ContextVar[Optional[str]] = ContextVar("autopipe_last_stop", default=None)
 
 
 def check_expansions(value: object) -> int:
@@ -142,6 +143,7 @@ def autopipe_search(evaluator: Evaluator, stages: int, max_expansions: int | Non
     """Steps 1)-4): the paper's heuristic, nothing of ours added but the bound on its length."""
     if max_expansions is None:
         max_expansions = _per_stage.get() * stages
+    _last_stop.set(None)
     costs = evaluator.costs
     weights = [f + b for f, b in zip(costs.forward, costs.backward)]
     table = MinMaxTable(weights, stages)
@@ -185,15 +187,23 @@ def autopipe_search(evaluator: Evaluator, stages: int, max_expansions: int | Non
                 pushed += 1
                 heapq.heappush(frontier, (t, pushed, candidate, master))
     if len(processed) >= max_expansions and _would_take(evaluator, frontier, processed):
-        log.info(
-            "AutoPipe's heuristic hit its bound: %d splits processed (at most %d: autopipe_expansions x %d stages) with "
-            "splits still to process; best simulated iteration time %.6g. Raise autopipe_expansions to search further",
-            len(processed),
-            max_expansions,
-            stages,
-            best_time,
+        stop = (
+            f"AutoPipe's heuristic hit its bound: {len(processed)} splits processed (at most {max_expansions}: "
+            f"autopipe_expansions x {stages} stages) with splits still to process; best simulated iteration "
+            f"{best_time * 1e3:.3f} ms. Raise autopipe_expansions (pipeline.autopipe_expansions=...) to search further"
         )
+        _last_stop.set(stop)  # the plan's table prints it as one line
+        log.debug(stop)
     return best
+
+
+def clear_stop() -> None:
+    _last_stop.set(None)
+
+
+def last_stop() -> Optional[str]:
+    """What the last search in this context said when its bound stopped it (None: it finished)."""
+    return _last_stop.get()
 
 
 def _would_take(evaluator: Evaluator, frontier: list, processed: set) -> bool:

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 from ..errors import SettingError, check_count
 from ..schedules import ScheduleSpec
 from ..simulation import CostModel, simulate
+from .heuristic import clear_stop, last_stop
 from .partition import Partition
 from .partitioners import PARTITIONERS
 from .replay import Bounds, cached_schedule, paused_gc
@@ -38,6 +39,7 @@ class Plan:
     kinds: tuple[str, ...] = ()
     options: tuple[tuple[str, int], ...] = ()  # chunks= / waves= of a multi-chunk schedule
     chunk_rank: tuple[int, ...] = ()  # the rank holding each piece (empty: piece s on rank s)
+    note: str = ""  # what the search said (AutoPipe's heuristic stopped by its bound), printed under the table
 
     @property
     def schedule_options(self) -> dict[str, int]:
@@ -112,6 +114,7 @@ class Plan:
         widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
         lines = [head, "  ".join(c.ljust(w) for c, w in zip(columns, widths))]
         lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+        lines += [self.note] if self.note else []
         return "\n".join(lines)
 
 
@@ -158,7 +161,9 @@ def plan(
     # Python's collector walking torch's objects made cold plans several times slower; nothing
     # allocated here forms cycles worth collecting meanwhile
     with paused_gc():
+        clear_stop()
         bounds = tuple(tuple(b) for b in PARTITIONERS[method](costs, stages, microbatches, schedule, kinds=kinds, options=options))
+        note = last_stop() or ""
         built = cached_schedule(schedule, stages, microbatches, tuple(sorted(options.items())))
         timeline = simulate(built, costs, bounds)
     planning_seconds = time.perf_counter() - started
@@ -178,4 +183,5 @@ def plan(
         kinds=kinds or (),
         options=tuple(sorted(options.items())),
         chunk_rank=tuple(built.chunk_rank),
+        note=note,
     )
