@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import re
@@ -309,6 +310,21 @@ def test_plan_command_dumps_the_schedule_it_planned(tmp_path):
     saved = (tmp_path / "p" / "schedule.txt").read_text()
     assert saved in proc.stdout
     assert load(saved) == build_schedule("wave", 2, 4, waves=1)
+    # a CPU recipe is planned on its blocks measured here, as its training run measures them (not on FLOPs at an
+    # accelerator's rate, which put 1 of its 10 blocks on one stage and 9 on the other)
+    assert "costs: the 10 blocks of gpt-tiny profiled on this machine's CPU" in proc.stdout
+    profile = json.loads((tmp_path / "p" / "profile.json").read_text())
+    assert len(profile["forward"]) == 10 and min(profile["forward"]) > 0
+
+
+@pytest.mark.multiprocess
+def test_the_default_plan_of_the_cpu_recipe_is_balanced_on_measured_costs(tmp_path):
+    proc = plan_cli([f"hydra.run.dir={tmp_path / 'p'}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert summary["costs"].startswith("the 10 blocks of gpt-tiny profiled on this machine's CPU")
+    # the embedding and the head are measured, not charged a kernel overhead: no stage holds a single block
+    assert min(summary["plan"]["sizes"]) >= 3, summary["plan"]["sizes"]
 
 
 class _WorseEveryTime(L.LightningModule):

@@ -2,9 +2,10 @@
 
 Costs come from a saved profile (`plan.profile=.../profile.json`, as training writes one; the link
 model of `trainer.accelerator`'s device unless pipeline.bandwidth / latency are set, as training
-uses) or, by default, from the model's FLOPs (`lightning_pipe.planning.transformer_costs`); a model with
-no FLOP model, one that loops over its blocks (the hf-* recipes' Hugging Face models), is traced on the
-data's first micro-batch and its blocks profiled on this machine's CPU here (profile.json is written). The
+uses); else a CPU recipe's blocks are profiled here on the data's first micro-batch, as its training
+run measures them (profile.json is written), and so is a model with no FLOP model, one that loops
+over its blocks (the hf-* recipes' Hugging Face models: traced first); else (a GPU recipe of ours)
+they come from the model's FLOPs (`lightning_pipe.planning.transformer_costs`). The
 decision is training's own (`planning.entry.plan_run`): what this prints is what training runs on
 the same costs. Prints the plan table and writes plan.json and the predicted timeline into the
 Hydra run directory.
@@ -68,13 +69,18 @@ def _main(cfg: DictConfig) -> None:
         if cfg.plan.profile:
             costs, kinds = Profile.load(cfg.plan.profile).costs(*link_model(config, device)), model_kinds(cfg, config.blocks)
             source = f"profile {cfg.plan.profile}"
-        elif "name" not in cfg.model.get("model", {}):  # not one of ours (a Hugging Face model): measure its blocks here
+        elif device == "cpu" or "name" not in cfg.model.get("model", {}):
+            # a CPU recipe (planned on what its blocks cost here, as its training run measures them), or a model
+            # with no FLOP model (a Hugging Face one): measure its blocks on this machine's CPU
             profile, name = measured_profile(cfg, config)
             profile.save(out / "profile.json")
             costs, kinds = profile.costs(*link_model(config, device)), block_kinds(profile.block_names)
+            traced = "name" not in cfg.model.get("model", {})
+            what = f"(first, {len(kinds) - 2} repeated or their halves, last) " if traced else ""
+            why = "no FLOP model of its blocks" if traced else "a CPU recipe: what its training run measures"
             source = (
-                f"the {len(kinds)} blocks of {name} (first, {len(kinds) - 2} repeated or their halves, last) profiled on this machine's CPU in one "
-                f"process, micro-batch {profile.microbatch_size} x {cfg.data.seq_len} tokens (no FLOP model of its blocks); saved as "
+                f"the {len(kinds)} blocks of {name} {what}profiled on this machine's CPU in one "
+                f"process, micro-batch {profile.microbatch_size} x {cfg.data.seq_len} tokens ({why}); saved as "
                 f"{out / 'profile.json'}, pipeline.profile= plans from it again"
                 + (
                     ""
@@ -141,26 +147,27 @@ def measured_profile(cfg: DictConfig, config: PipelineConfig) -> tuple[Profile, 
     """(profile, the model's class name) of a model that loops over its blocks: built as training builds it,
     traced on the data's first micro-batch and its blocks profiled on it on the CPU, in this process, as a
     training run profiles them on its ranks (the loss charged to the last block)."""
-    module = meta_module(cfg)
+    ours = "name" in cfg.model.get("model", {})
+    module = instantiate(cfg.model) if ours else meta_module(cfg)  # ours: a CPU recipe's small model, built to run
     path, pipeline = find_pipeline(module, config.blocks)
-    if not isinstance(pipeline, TracedPipeline):
+    if not ours and not isinstance(pipeline, TracedPipeline):
         raise SettingError(
             f"{type(module).__name__}: no FLOP model for its blocks (model.model.name names one of ours); plan from a "
             "training run's profile: plan.profile=.../profile.json"
         )
     model_config = getattr(module, "config", None)
     fits = {
-        "max_seq_len": getattr(model_config, "max_position_embeddings", None),
+        "max_seq_len": getattr(model_config, "max_seq_len", None) or getattr(model_config, "max_position_embeddings", None),
         "model_vocab_size": getattr(model_config, "vocab_size", None),
     }
     datamodule = instantiate(cfg.data, **{k: v for k, v in fits.items() if v})
     datamodule.setup("fit")
     loader = DataLoader(datamodule.train_dataset, batch_size=int(cfg.data.batch_size))
     batch, size = loader_sample(loader, loader.dataset, config.microbatches)
-    # where the model is cut: one run of its training_step on the micro-batch
-    trace(module, path, pipeline, batch, sublayers=config.sublayers)
+    if not ours:  # where the model is cut: one run of its training_step on the micro-batch
+        trace(module, path, pipeline, batch, sublayers=config.sublayers)
     profile = profile_pipeline(module, pipeline, batch, torch.device("cpu"), 0, 1, type(module).__name__, size)
-    return profile, type(pipeline.original).__name__
+    return profile, (type(pipeline.original).__name__ if not ours else cfg.model.model.name)
 
 
 def main() -> None:
