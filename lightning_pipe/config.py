@@ -178,7 +178,8 @@ class PipelineConfig:
     trace: bool = False
     """Record each action's real start and end; writes trace.json and trace_timeline.png."""
     start_method: str = "popen"
-    """How Lightning starts the processes: popen (re-run the command), spawn, fork or forkserver."""
+    """How Lightning starts the processes: popen (re-run the command), spawn, fork or forkserver. The
+    command line's default, auto, is popen, or spawn under Hydra's multirun (it picks before the config is built)."""
     checkpoint: str = "full"
     """full: one file in single-process layout, gathered on rank 0; sharded: a directory where every
     rank writes its own stage (torch.distributed.checkpoint). Either resumes at any depth."""
