@@ -109,3 +109,19 @@ def test_command_line_keys_are_the_config_fields():
 
     keys = {field.name for field in dataclasses.fields(PipelineSchema)} - {"_target_"}
     assert keys == set(options_table())
+
+
+def test_readme_options_show_the_config_defaults():
+    # the default column is what PipelineConfig() holds (Python literals: "1f1b", None, 32, ...), so
+    # a changed default cannot leave the README behind
+    text = README.read_text()
+    section = re.search(r"^## Options\n(.*?)(?=^## )", text, re.S | re.M).group(1)
+    defaults = {field.name: field.default for field in dataclasses.fields(PipelineConfig)}
+    for row in [line for line in section.splitlines() if line.startswith("|")][2:]:
+        cells = row.split("|")
+        names = [n.strip().strip("`") for n in cells[1].split(",")]
+        shown = [v.strip() for v in re.split(r",\s*(?![^\[]*\])", cells[2].strip())]
+        assert len(shown) == len(names), f"{row}: one default per field"
+        for name, value in zip(names, shown):
+            want = f'"{defaults[name]}"' if isinstance(defaults[name], str) else repr(defaults[name])
+            assert value == want, f"README.md's Options table: {name} defaults to {want}, the table says {value}"
