@@ -1,4 +1,5 @@
-"""Step time of pp2 x dp2 with whole replicas, ZeRO-1 and FSDP2 (pipeline.shard none | optimizer | full).
+"""Step time of pp2 x dp2 with whole replicas, ZeRO-1 and FSDP2 (pipeline.shard none | optimizer | full; full:step is
+shard=full with reshard=step: a block's weights gathered once a step, not for every micro-batch).
 
 GPT-tiny (lightning_pipe.models.CausalLM), fp32, 1F1B, 4 gloo processes x 1 thread through the Trainer,
 synthetic tokens; each run trains `--warmup` untimed steps, then `--steps` timed ones (rank 0's wall time
@@ -25,7 +26,7 @@ from benchmarks.harness.bench import Bench, Table, interleave, spread
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.models import CausalLM
 
-SHARDS = ["none", "optimizer", "full"]
+SHARDS = ["none", "optimizer", "full", "full:step"]  # full:step is shard="full" with reshard="step"
 
 
 class StepClock(L.Callback):
@@ -49,12 +50,14 @@ def tokens(rows: int, seq: int) -> DataLoader:
     return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=8)
 
 
-def step_seconds(shard: str, args: Any) -> float:
+def step_seconds(setting: str, args: Any) -> float:
+    shard, _, reshard = setting.partition(":")
     with tempfile.TemporaryDirectory() as out:
         torch.manual_seed(0)
         strategy = AutoPipeStrategy(
-            width=2, shard=shard, microbatches=4, partition="uniform", start_method="fork", message_costs=False, timeout=args.timeout
-        )
+            width=2, shard=shard, reshard=reshard or "microbatch", microbatches=4, partition="uniform", start_method="fork",
+            message_costs=False, timeout=args.timeout,
+        )  # fmt: skip
         trainer = L.Trainer(
             accelerator="cpu", devices=4, strategy=strategy, max_steps=args.warmup + args.steps, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

@@ -68,6 +68,11 @@ class PipelineConfig:
     optimizer state (Adam's moments) on one replica of its stage only, which steps it and broadcasts the new
     values; full: FSDP2's fully_shard on every block over the replicas (parameters, gradients and optimizer
     state 1/width each; flush schedules). Needs width >= 2; the update is the unsharded one."""
+    reshard: str = "microbatch"
+    """shard=full: when a block's gathered weights are freed. microbatch: after each micro-batch's forward and
+    backward (FSDP2's default: least memory, two all-gathers per block and micro-batch); step: kept from a
+    step's first forward to its last backward (one all-gather per block and step, as torchtitan runs FSDP
+    under a pipeline; the stage's whole parameters held during the step)."""
     pipelines: Optional[int] = None
     """AvgPipe: N parallel pipelines, each training its own model on its own data, joined by elastic
     averaging with reference processes (None: off); stages = devices x nodes / N."""
@@ -384,6 +389,11 @@ def _planner_excludes(c: "PipelineConfig") -> str:
 
 
 LEGALITY: tuple[Legality, ...] = (
+    Legality(
+        "reshard",
+        lambda c: c.reshard != "microbatch" and c.shard != "full",
+        lambda c: f"reshard={c.reshard!r} is a setting of shard='full' (when FSDP2 frees gathered weights), not shard={c.shard!r}",
+    ),
     Legality(
         "shard",
         lambda c: c.shard != "none" and c.pipelines is not None,

@@ -74,6 +74,23 @@ class CountReduceScatters(Callback):
         torch.save(dict(per_step=self.per_step, blocks=blocks), os.path.join(self.folder, f"rs-rank{trainer.global_rank}.pt"))
 
 
+class CountAllGathers(CountReduceScatters):
+    """Each rank counts FSDP2's all-gathers (a block's weights gathered) in every training step."""
+
+    def on_train_start(self, trainer, pl_module):
+        real = torch.distributed.all_gather_single
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        torch.distributed.all_gather_single = counted  # this worker process only
+
+    def on_train_end(self, trainer, pl_module):
+        blocks = sum(isinstance(m, FSDPModule) for m in pl_module.modules())
+        torch.save(dict(per_step=self.per_step, blocks=blocks), os.path.join(self.folder, f"ag-rank{trainer.global_rank}.pt"))
+
+
 def single(steps, tied=False, **kw):
     ref = LitSeq(tied=tied)
     trainer = L.Trainer(devices=1, **trainer_kwargs(max_steps=steps, **kw))
@@ -81,13 +98,15 @@ def single(steps, tied=False, **kw):
     return ref, trainer
 
 
-def pipelined(model, steps, train=None, callbacks=(), ckpt_path=None, gradient_clip_val=None, **settings):
+def pipelined(model, steps, train=None, callbacks=(), ckpt_path=None, gradient_clip_val=None, val=None, **settings):
     settings = dict(dict(schedule="1f1b", microbatches=2, width=2, shard="optimizer", start_method=START), **settings)
     kw = dict(enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), gradient_clip_val=gradient_clip_val)
+    if val is not None:
+        kw.update(val_check_interval=2, limit_val_batches=2)
     trainer = L.Trainer(
         devices=4, strategy=AutoPipeStrategy(**settings), callbacks=list(callbacks), **trainer_kwargs(max_steps=steps, **kw)
     )
-    trainer.fit(model, train or DataLoader(dataset(n=N), batch_size=PER_REPLICA), ckpt_path=ckpt_path)
+    trainer.fit(model, train or DataLoader(dataset(n=N), batch_size=PER_REPLICA), val, ckpt_path=ckpt_path)
     return trainer
 
 
@@ -111,17 +130,32 @@ def test_sharded_optimizer_equals_one_process_and_holds_each_state_once(tmp_path
         assert r["mesh"] == dict(ranks=[[0, 2], [1, 3]], names=("pp", "dp"), dp=[rank % 2, rank % 2 + 2], same=True)
 
 
-# FSDP2 per block: every parameter, gradient and moment split over the two replicas of its stage
-@pytest.mark.parametrize("schedule,options", [("1f1b", {}), ("gpipe", {}), ("interleaved", {"chunks": 2})])
-def test_fully_sharded_replicas_equal_one_process_and_hold_half_of_everything(tmp_path, schedule, options):
+# FSDP2 per block: every parameter, gradient and moment split over the two replicas of its stage; its weights
+# gathered for each micro-batch's forward and backward (reshard="microbatch") or once a step (reshard="step",
+# with validation between steps: an evaluation frees what it gathered, the next step gathers the updated shards)
+@pytest.mark.parametrize(
+    "schedule,options,reshard",
+    [
+        ("1f1b", {}, "microbatch"),
+        ("gpipe", {}, "microbatch"),
+        ("interleaved", {"chunks": 2}, "microbatch"),
+        ("1f1b", {}, "step"),
+        ("interleaved", {"chunks": 2}, "step"),
+    ],
+)
+def test_fully_sharded_replicas_equal_one_process_and_hold_half_of_everything(tmp_path, schedule, options, reshard):
     ref, _ = single(5, gradient_clip_val=0.05)
     model = LitSeq()
-    callbacks = [RecordState(tmp_path), CountReduceScatters(tmp_path)]
-    pipelined(model, 5, callbacks=callbacks, schedule=schedule, shard="full", gradient_clip_val=0.05, **options)
+    callbacks = [RecordState(tmp_path), CountReduceScatters(tmp_path), CountAllGathers(tmp_path)]
+    val = DataLoader(dataset(n=N), batch_size=PER_REPLICA) if reshard == "step" else None
+    pipelined(model, 5, callbacks=callbacks, schedule=schedule, shard="full", gradient_clip_val=0.05, reshard=reshard, val=val, **options)
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
     for rank in range(4):  # m = 2 micro-batches, one reduce-scatter per sharded block and step
         counts = torch.load(os.path.join(tmp_path, f"rs-rank{rank}.pt"))
         assert counts["blocks"] > 0 and counts["per_step"] == [counts["blocks"]] * 5, counts
+        gathers = torch.load(os.path.join(tmp_path, f"ag-rank{rank}.pt"))
+        per_block = 1 if reshard == "step" else 2 * 2  # once a step, or for each of the 2 forwards and 2 backwards
+        assert gathers["per_step"] == [per_block * gathers["blocks"]] * 5, gathers
     ranks = [torch.load(os.path.join(tmp_path, f"state-rank{r}.pt")) for r in range(4)]
     for stage in range(2):
         a, b = ranks[stage], ranks[2 + stage]

@@ -51,6 +51,9 @@ def test_the_planners_count_what_each_shard_setting_keeps():
     assert adam_weight_copies("optimizer", 2) == 3.0 and adam_weight_copies("optimizer", 4) == 2.5
     # FSDP2: parameters and moments / width, the gradients of a step whole until its one reduce-scatter
     assert adam_weight_copies("full", 2) == 2.5 and adam_weight_copies("full", 4) == 1.75
+    # reshard="step": the stage's gathered parameters held through the step besides
+    assert adam_weight_copies("full", 2, "step") == 3.5 and adam_weight_copies("full", 4, "step") == 2.75
+    assert adam_weight_copies("optimizer", 2, "step") == 3.0  # a setting of shard="full" only
 
 
 @given(st.lists(st.tuples(st.integers(1, 300), st.sampled_from(["float32", "float64"])), max_size=30), st.integers(8, 2000))

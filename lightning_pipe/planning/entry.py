@@ -36,6 +36,7 @@ class RunSettings(Protocol):
     def auto(self) -> bool: ...
 
     shard: str
+    reshard: str
     width: int
 
     @property
@@ -156,7 +157,7 @@ def plan_run(
 
 def _plan_run(costs: CostModel, stages: int, config: RunSettings, kinds: Optional[Sequence[str]], memory_limit: Optional[float]) -> RunPlan:
     m, method, num_blocks = config.microbatches, config.partitioner, costs.num_blocks
-    copies = adam_weight_copies(config.shard, config.width)
+    copies = adam_weight_copies(config.shard, config.width, config.reshard)
 
     def costed(spec: ScheduleSpec, bounds: tuple) -> Optional[CostedSchedule]:
         return CostedSchedule(costs, bounds, memory_limit, copies) if spec.kind.costed else None

@@ -2,9 +2,10 @@
 
 `FullyShardedReplicas` (shard="full"): FSDP2's `fully_shard` on every block of the stage over the
 stage's replicas (the run's mesh's "dp" dimension): parameters, gradients and optimizer state are each
-1/width on a rank; a block's weights are gathered for its forward and backward and freed after
-(reshard_after_forward), its gradients reduce-scattered after each backward. REDUCE has nothing left
-to average. Checkpoints are whole tensors in shard="none"'s layout (lightning/checkpoint/dtensors.py).
+1/width on a rank; a block's weights are gathered for its forward and backward and freed after each
+(reshard="microbatch"), or kept from the step's first forward to its last backward (reshard="step");
+its gradients accumulate unsharded over the step and are reduce-scattered once. REDUCE has nothing
+left to average. Checkpoints are whole tensors in shard="none"'s layout (lightning/checkpoint/dtensors.py).
 
 `ShardedOptimizer` (shard="optimizer"): ZeRO-1 over the replicas of each stage (engine.py). The
 user's optimizers keep their objects (LR schedulers and Lightning hold them) but each param group
@@ -137,22 +138,33 @@ class FullyShardedReplicas(ReplicasLayer):
             if cut.pipeline is not None:  # global rank 0 hands the trained model back in these modules: shard a copy
                 block = copy.deepcopy(block)
                 cut.stage._modules[str(index)] = block
-            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+            fully_shard(block, mesh=mesh, reshard_after_forward=ctx.config.reshard == "microbatch")
+            if ctx.config.reshard == "step":
+                block.register_forward_pre_hook(_reshard_unless_training)
         cut.stage.backward_sync = self._gradient_sync
 
     def _gradient_sync(self, chunk: int, last: bool) -> None:
         """Gradients accumulate unsharded over a step's micro-batches and are reduce-scattered once, in the
-        chunk's last backward (as torch.distributed.pipelining's stage does)."""
-        stage = self.ctx.cut.stage
+        chunk's last backward (as torch.distributed.pipelining's stage does); with reshard="step" the
+        gathered weights are freed there too, not after every micro-batch's backward."""
+        stage, per_step = self.ctx.cut.stage, self.ctx.config.reshard == "step"
         start, stop = stage.chunk_bounds[chunk]
         for index in range(start, stop):
             block = stage._modules[str(index)]
             if isinstance(block, FSDPModule):
                 block.set_requires_gradient_sync(last, recurse=False)
+                if per_step:
+                    block.set_reshard_after_backward(last, recurse=False)
 
     def switch_extras(self) -> None:
         """Refused, as `ShardedOptimizer`'s: the legality table refuses adaptive."""
         raise SettingError("repartition() with shard='full' is not built: train with shard='none' to move blocks", "shard")
+
+
+def _reshard_unless_training(block: Any, args: Any) -> None:
+    """reshard="step": a training forward keeps the gathered weights for the step's later micro-batches; an
+    evaluation forward (no backward to free them, and an optimizer step may follow) frees them after itself."""
+    block.set_reshard_after_forward(not (block.training and torch.is_grad_enabled()), recurse=False)
 
 
 def _to(state: dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""The replicas' settings: `width` (checked with the world in `topology.py`) and `shard`, each on its
-own; which modes `shard` combines with is the legality table's (`config.py`)."""
+"""The replicas' settings: `width` (checked with the world in `topology.py`), `shard` and `reshard`, each
+on its own; which modes they combine with is the legality table's (`config.py`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 from ...errors import SettingError
 
 SHARD = ("none", "optimizer", "full")
+RESHARD = ("microbatch", "step")
 
 
 def check_config(config: Any) -> None:
@@ -19,6 +20,14 @@ def check_config(config: Any) -> None:
             "shard",
         )
     config.shard = value.lower()
+    value = config.reshard
+    if not isinstance(value, str) or value.lower() not in RESHARD:
+        raise SettingError(
+            f"reshard={value!r}; allowed values: 'microbatch' (FSDP2 frees a block's gathered weights after each "
+            "micro-batch's forward and backward) or 'step' (kept from a step's first forward to its last backward)",
+            "reshard",
+        )
+    config.reshard = value.lower()
 
 
 def check_trainer_full(trainer: Any) -> None:
