@@ -19,7 +19,7 @@ from lightning_pipe import AutoPipeStrategy
     [
         (
             dict(schedule="zigzag"),
-            r"schedule='zigzag' is not a known schedule; allowed values: \['1f1b', '2bw', 'advance', 'gpipe', 'hanayo', 'interleaved', 'wave', 'zb-h1', 'zb-v', 'flush', 'auto'\]",
+            r"schedule='zigzag' is not a known schedule; allowed values: \['1f1b', '2bw', 'advance', 'gpipe', 'hanayo', 'interleaved', 'wave', 'zb-auto', 'zb-h1', 'zb-v', 'flush', 'auto'\]",
         ),
         (dict(microbatches=0), r"microbatches=0: .* integer >= 1"),
         (dict(width=0), r"width=0: .* integer >= 1"),

@@ -273,10 +273,10 @@ def test_plan_command_chooses_a_schedule(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((tmp_path / "p" / "plan.json").read_text())
     candidates = summary["schedule_choice"]["candidates"]
-    # 1f1b, interleaved v=2/4, wave W=1/2/4 (ours), hanayo W=1/2/4 (the paper's order), zb-h1 and zb-v (skipped:
-    # the analytic profile has no measured weight-gradient times)
-    assert len(candidates) == 11
-    assert {c["schedule"] for c in candidates if c["verdict"].startswith("skipped")} == {"zb-h1", "zb-v"}
+    # 1f1b, interleaved v=2/4, wave W=1/2/4 (ours), hanayo W=1/2/4 (the paper's order), zb-h1, zb-v and zb-auto
+    # (skipped: the analytic profile has no measured weight-gradient times)
+    assert len(candidates) == 12
+    assert {c["schedule"] for c in candidates if c["verdict"].startswith("skipped")} == {"zb-h1", "zb-v", "zb-auto"}
     chosen = next(c for c in candidates if c["verdict"] == "chosen")
     assert chosen["iteration_time"] == min(c["iteration_time"] for c in candidates)
     assert summary["plan"]["schedule"] == chosen["schedule"] and summary["plan"]["bounds"] == chosen["bounds"]
