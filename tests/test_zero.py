@@ -222,3 +222,25 @@ def test_a_checkpoint_resumes_under_another_shard_setting(tmp_path):
         resumed = LitSeq(seed=5)
         pipelined(resumed, 5, train=resumable(), ckpt_path=path, shard=shard)
         assert max_rel_diff(want.state_dict(), resumed.state_dict()) <= 1e-10, shard
+
+
+@pytest.mark.parametrize(
+    "first,then", [(dict(width=2, shard="full"), dict(width=1, shard="none")), (dict(width=1, shard="none"), dict(width=2, shard="full"))]
+)
+def test_a_checkpoint_resumes_on_another_mesh(tmp_path, first, then):
+    # pp2 x dp2 with FSDP2 -> pp4, and back: the checkpoint holds whole tensors by name, so it continues on another
+    # mesh. Every step trains on all 10 rows (one batch an epoch): pp4's one replica reads them at once, pp2 x dp2's
+    # two replicas 5 each, so both layouts step on one process's batch whatever order their samplers deal it in
+    rows = 2 * PER_REPLICA
+
+    def loader_for(settings):
+        return DataLoader(dataset(n=rows), batch_size=rows // settings["width"])
+
+    want = LitSeq()
+    L.Trainer(devices=1, **trainer_kwargs(max_steps=8)).fit(want, DataLoader(dataset(n=rows), batch_size=rows))
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    pipelined(LitSeq(), 4, train=loader_for(first), callbacks=[saver], partition="uniform", **first)
+    (path,) = glob.glob(os.path.join(tmp_path, "*step=4.ckpt"))
+    resumed = LitSeq(seed=5)
+    pipelined(resumed, 8, train=loader_for(then), ckpt_path=path, partition="uniform", **then)
+    assert max_rel_diff(want.state_dict(), resumed.state_dict()) <= 1e-10
