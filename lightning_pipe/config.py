@@ -381,7 +381,7 @@ class Legality:
 def _full_shard_conflict(c: "PipelineConfig") -> str:
     if c.auto or c.schedule in FULL_SHARD_EXCLUDED:
         return f"schedule={c.schedule!r}"
-    return "planner=2bw" if c.planner is not None else f"recompute={c.recompute!r}"
+    return "planner=2bw"
 
 
 def _planner_excludes(c: "PipelineConfig") -> str:
@@ -410,11 +410,11 @@ LEGALITY: tuple[Legality, ...] = (
     ),
     Legality(
         "shard",
-        lambda c: c.shard == "full" and (c.auto or c.planner is not None or c.schedule in FULL_SHARD_EXCLUDED or c.recompute is not False),
+        lambda c: c.shard == "full" and (c.auto or c.planner is not None or c.schedule in FULL_SHARD_EXCLUDED),
         lambda c: (
             "shard='full' (FSDP2) runs the flush schedules you name (gpipe, 1f1b, interleaved, wave, hanayo, advance), not "
             + _full_shard_conflict(c)
-            + ": a weight stash, a split backward or a recomputed forward over sharded blocks is not built; use shard='optimizer'"
+            + ": a weight stash or a split backward over sharded blocks is not built; use shard='optimizer'"
         ),
     ),
     Legality(

@@ -141,6 +141,8 @@ def test_sharded_optimizer_equals_one_process_and_holds_each_state_once(tmp_path
         ("interleaved", {"chunks": 2}, "microbatch"),
         ("1f1b", {}, "step"),
         ("interleaved", {"chunks": 2}, "step"),
+        ("1f1b", {"recompute": True}, "microbatch"),  # a recomputed block's forward replayed on gathered weights
+        ("1f1b", {"recompute": True}, "step"),
     ],
 )
 def test_fully_sharded_replicas_equal_one_process_and_hold_half_of_everything(tmp_path, schedule, options, reshard):

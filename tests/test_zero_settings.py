@@ -22,7 +22,7 @@ def test_settings_refused_before_any_process():
     for settings, words in [
         (dict(shard="full", width=2, schedule="zb-h1"), "not schedule='zb-h1'"),
         (dict(shard="full", width=2, schedule="2bw"), "not schedule='2bw'"),
-        (dict(shard="full", width=2, recompute=True), "not recompute=True"),
+        (dict(shard="full", width=2, schedule="zb-auto"), "not schedule='zb-auto'"),
         (dict(shard="full", width=2, schedule="auto"), "not schedule='auto'"),
         (dict(shard="zero3", width=2), "allowed values: 'none'"),
         (dict(shard="optimizer"), "width=1 has none"),
@@ -32,6 +32,7 @@ def test_settings_refused_before_any_process():
         with pytest.raises(SettingError, match="shard") as err:
             PipelineConfig(**settings)
         assert words in str(err.value) and err.value.setting == "shard"
+    assert PipelineConfig(shard="full", width=2, recompute=True).recompute is True  # recomputed sharded blocks run
 
 
 @given(st.lists(st.integers(1, 10_000), min_size=1, max_size=40), st.integers(1, 8))

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 Slots = list[tuple[nn.Module, str, Any]]  # (owner, name, the parameter registered there)
@@ -47,7 +48,9 @@ def _registered(slots: Slots) -> Iterator[None]:
 def recomputed(module: nn.Module, fn: Any, *inputs: Any) -> Any:
     """``fn(*inputs)`` (which reads `module`'s parameters) under checkpoint, replayed in backward on the
     parameters `module` holds now; the models' own per-block recompute flag uses it too."""
-    slots = _slots(module)  # the parameters this forward reads (2BW: the micro-batch's version)
+    # the parameters this forward reads (2BW: the micro-batch's version); FSDP2 swaps a sharded block's own
+    # parameters in and out around each call, so there the replay takes whatever it registers then
+    slots = [] if isinstance(module, FSDPModule) else _slots(module)
 
     def forward(*args: Any) -> Any:
         with _registered(slots):
