@@ -123,6 +123,10 @@ class PipelineConfig:
     recompute: Any = False
     """Activation recomputation: true (every stage), false, or one true/false per stage: a recomputed
     stage keeps only each block's input for backward and runs the block's forward again there."""
+    compile: bool = False
+    """torch.compile each pipeline block once (as torchtitan compiles per transformer block), before the
+    profile, so the planners see compiled costs; graph breaks are reported at the end of fit. Flush
+    schedules and 2BW; not with zero bubble's split backward or shard='full'."""
     intra_bandwidth: Optional[float] = None
     """planner=2bw: bytes/s between devices of one node (None: a default for the device type)."""
     inter_bandwidth: Optional[float] = None
@@ -220,6 +224,8 @@ class PipelineConfig:
             raise SettingError(f"slicer_method={self.slicer_method!r}: 'algorithm2' (the paper's), 'sweep' (ours) or None", "slicer_method")
         self.memory_limit = parse_bytes(self.memory_limit)
         self.recompute = _recompute(self.recompute)
+        if not isinstance(self.compile, bool):
+            raise SettingError(f"compile={self.compile!r}: True (torch.compile each block) or False", "compile")
         for name in ("bandwidth", "latency", "intra_bandwidth", "inter_bandwidth"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
@@ -366,6 +372,7 @@ COSTED = tuple(name for name, kind in REGISTRY.items() if kind.costed)  # built 
 SLICED = tuple(name for name in REGISTRY if name not in MULTI_CHUNK + COSTED + ("2bw", "advance"))  # whose warm-up the slicer halves
 ALGORITHM2_SCHEDULES = ("1f1b",)  # AutoPipe's Algorithm 2 slices 1F1B
 ADVANCE_NUM_SCHEDULES = ("advance", "2bw")  # the schedules with AvgPipe(2BW)'s advance forward order
+COMPILE_EXCLUDED = ("zb-h1", "zb-v", "zb-auto")  # a split backward (autograd.grad on a block's inputs, then its weights)
 FULL_SHARD_EXCLUDED = ("2bw", "zb-h1", "zb-v", "zb-auto")  # a weight stash, a split backward: not over FSDP2's sharded blocks
 
 
@@ -389,6 +396,14 @@ def _planner_excludes(c: "PipelineConfig") -> str:
 
 
 LEGALITY: tuple[Legality, ...] = (
+    Legality(
+        "compile",
+        lambda c: c.compile is True and (c.schedule in COMPILE_EXCLUDED or c.shard == "full"),
+        lambda c: (
+            f"compile=True with {'shard=' + repr(c.shard) if c.shard == 'full' else 'schedule=' + repr(c.schedule)}: "
+            "a split backward (zero bubble) or FSDP2's hooks around a compiled block is not built; set compile=False"
+        ),
+    ),
     Legality(
         "reshard",
         lambda c: c.reshard != "microbatch" and c.shard != "full",

@@ -32,6 +32,7 @@ from ..runtime.tied import tied_from_groups
 from .autoplan import AutoPlanner
 from .checkpoint import full as full_checkpoint
 from .checkpoint.keys import decode_run
+from .compiling import report_graph_breaks
 from .context import RankContext
 from .gradients import StageGradients
 from .precision import PipelinePrecisionMixin
@@ -160,6 +161,8 @@ class Training:
     def finish(self) -> None:
         """The end of fit, on every rank: nothing in flight; the tuner's profile run writes its files."""
         self.partition.finish()
+        if self.ctx.config.compile:
+            report_graph_breaks(self.ctx.global_rank)
         gc.unfreeze()  # collectable again after fit (a notebook's next run)
         if self.steps.recording is not None:  # the link, then the files
             self.steps.recording.finish()

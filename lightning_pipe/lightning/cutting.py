@@ -32,6 +32,7 @@ from ..runtime.tied import find_tied_parameters, tie_groups
 from ..schedules import ScheduleSpec
 from .autoplan import AutoPlanner
 from .checkpoint.resume import resumed_layout, resumed_state
+from .compiling import compile_blocks
 from .context import RankContext
 from .cut import Bounds, Cut
 from .stage import PipelineStage, check_no_outside_parameters, find_pipeline, set_submodule
@@ -76,6 +77,8 @@ def choose_layout(
 def cut_module(ctx: RankContext, planner: AutoPlanner, module: Any) -> Cut:
     path, pipeline = find_pipeline(module, ctx.config.blocks)
     check_no_outside_parameters(module, path)
+    if ctx.config.compile:  # before the profile: the planners plan on compiled costs
+        compile_blocks(pipeline)
     spec, bounds, sliced, plan, choice, costed = choose_layout(ctx, planner, module, pipeline)
     if ctx.config.adaptive and planner.costs is None:  # the monitor's ratios and the scorer's costs
         planner.profile_only(ctx, module, pipeline)

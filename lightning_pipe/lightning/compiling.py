@@ -1,0 +1,52 @@
+"""compile=True: torch.compile on each pipeline block, once, in place (`nn.Module.compile`), as torchtitan
+compiles per transformer block. Done before the profile, so the planners plan on compiled costs; the
+blocks stay compiled wherever the cut puts them (the state dict's names do not change). A micro-batch of
+another size (an uneven last batch) makes Dynamo recompile once with that dimension dynamic, not once per
+size. What Dynamo could not capture is said in one line at the end of fit (`graph_breaks`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional
+
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+COMPILED = "_lightning_pipe_compiled"
+
+
+def compile_blocks(pipeline: nn.Module) -> int:
+    """Compile every block of `pipeline` not compiled yet (a second fit finds them compiled); how many now."""
+    count = 0
+    for block in pipeline:
+        if not getattr(block, COMPILED, False):
+            block.compile()
+            setattr(block, COMPILED, True)
+            count += 1
+    return count
+
+
+def graph_breaks() -> Optional[str]:
+    """One line on Dynamo's graph breaks in this process (None: none): how many, the commonest reasons."""
+    from torch._dynamo.utils import counters
+
+    breaks = Counter(counters["graph_break"])
+    if not breaks:
+        return None
+    reasons = "; ".join(f"{reason[:80]} ({n}x)" for reason, n in breaks.most_common(3))
+    return f"compile=True: {sum(breaks.values())} graph break(s) in the blocks, each a Python fallback: {reasons}"
+
+
+def report_graph_breaks(rank: int) -> None:
+    """At the end of fit, on every rank (a collective): each distinct line once, with the ranks it holds for."""
+    mine = graph_breaks()
+    lines = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
+    if dist.is_initialized():
+        dist.all_gather_object(lines, mine)
+    seen: dict[str, list[int]] = {}
+    for r, line in enumerate(lines):
+        if line is not None:
+            seen.setdefault(line, []).append(r)
+    for line, ranks in seen.items():
+        rank_zero_info(f"{line} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})")

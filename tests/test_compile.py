@@ -1,0 +1,103 @@
+"""compile=True: every block torch.compile'd once, trained through the Trainer on 2 processes in float32,
+ends within 1e-5 of one eager process (the flush schedules) or of 2BW's rule run eagerly in one process;
+the schedules it cannot run are refused before any process starts; graph breaks are reported."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from models import START, LitSeq, loader, max_rel_diff
+from test_strategy import pipelined, single
+from test_two_bw_strategy import reference_2bw
+from torch import nn
+
+from lightning_pipe import AutoPipeStrategy
+from lightning_pipe.config import PipelineConfig
+from lightning_pipe.errors import SettingError
+from lightning_pipe.lightning.compiling import COMPILED, compile_blocks, graph_breaks
+
+TOL = 1e-5  # float32: compiled kernels may fuse and reorder what eager computes op by op
+
+
+class RecordCompiled(Callback):
+    """Each rank writes how many of its stage's blocks are compiled and whether their calls ran under
+    torch.compile (a forward hook, traced with the block, sees `torch.compiler.is_compiling()`)."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_train_start(self, trainer, pl_module):
+        self.seen = []
+        for block in pl_module.seq.blocks().values():
+            block.register_forward_hook(lambda module, args, out: self.seen.append(torch.compiler.is_compiling()))
+
+    def on_train_end(self, trainer, pl_module):
+        blocks = list(pl_module.seq.blocks().values())
+        out = dict(blocks=len(blocks), compiled=sum(bool(getattr(b, COMPILED, False)) for b in blocks), traced=any(self.seen))
+        torch.save(out, os.path.join(self.folder, f"compiled-rank{trainer.global_rank}.pt"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "schedule,options", [("gpipe", {}), ("1f1b", {}), ("interleaved", {"chunks": 2}), ("hanayo", {"waves": 1}), ("advance", {})]
+)
+def test_compiled_blocks_train_like_one_eager_process(tmp_path, schedule, options):
+    # 46 samples in batches of 10: the last batch of 6 splits into micro-batches of 2, 2, 1, 1 (another shape)
+    ref = LitSeq(dtype="float32")
+    single(ref, steps=5, train=loader(dtype=torch.float32))
+    model = LitSeq(dtype="float32")
+    strategy = AutoPipeStrategy(schedule=schedule, microbatches=4, partition="uniform", compile=True, start_method=START, **options)
+    pipelined(model, 2, steps=5, train=loader(dtype=torch.float32), strategy=strategy, callbacks=[RecordCompiled(tmp_path)])
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= TOL
+    untrained = LitSeq(dtype="float32")
+    assert max_rel_diff(untrained.state_dict(), model.state_dict()) > 100 * TOL  # it trained
+    for rank in range(2):  # every block of every stage ran compiled
+        seen = torch.load(os.path.join(tmp_path, f"compiled-rank{rank}.pt"))
+        assert seen["blocks"] > 0 and seen["compiled"] == seen["blocks"] and seen["traced"], seen
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_compiled_blocks_follow_the_2bw_rule():
+    ref, _ = reference_2bw(5, "float32")
+    model = LitSeq(dtype="float32")
+    strategy = AutoPipeStrategy(schedule="2bw", microbatches=2, partition="uniform", compile=True, start_method=START)
+    pipelined(model, 2, steps=5, train=loader(dtype=torch.float32), strategy=strategy)
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= TOL
+
+
+def test_what_compile_cannot_run_is_refused_before_spawning():
+    for settings, words in [
+        (dict(schedule="zb-h1"), "schedule='zb-h1'"),
+        (dict(schedule="zb-auto"), "schedule='zb-auto'"),
+        (dict(width=2, shard="full"), "shard='full'"),
+    ]:
+        with pytest.raises(SettingError, match="compile=True") as err:
+            PipelineConfig(compile=True, **settings)
+        assert words in str(err.value) and err.value.setting == "compile"
+    with pytest.raises(SettingError, match="compile='yes'"):
+        PipelineConfig(compile="yes")
+
+
+class Breaks(nn.Module):
+    def forward(self, x):
+        x = x * 2
+        torch._dynamo.graph_break()  # Python in the middle of the block: Dynamo splits it here
+        return x + 1
+
+
+def test_blocks_compile_once_and_graph_breaks_are_reported():
+    torch._dynamo.reset()
+    pipeline = nn.Sequential(nn.Linear(4, 4), Breaks())
+    assert compile_blocks(pipeline) == 2 and compile_blocks(pipeline) == 0  # a second fit finds them compiled
+    assert all(getattr(block, COMPILED) for block in pipeline)
+    assert list(dict(pipeline.named_parameters())) == ["0.weight", "0.bias"]  # the state dict's names unchanged
+    out = pipeline(torch.ones(2, 4))
+    assert torch.allclose(out, nn.Sequential(*[b for b in pipeline])(torch.ones(2, 4)))
+    line = graph_breaks()
+    assert line is not None and line.startswith("compile=True: ") and "graph break" in line
+    torch._dynamo.reset()
