@@ -26,13 +26,13 @@ class RecordCompiled(Callback):
     """Each rank writes how many of its stage's blocks are compiled and whether their calls ran under
     torch.compile (a forward hook, traced with the block, sees `torch.compiler.is_compiling()`)."""
 
-    def __init__(self, folder):
-        self.folder = folder
+    def __init__(self, folder, hooks: bool):
+        self.folder, self.hooks, self.seen = folder, hooks, []
 
     def on_train_start(self, trainer, pl_module):
-        self.seen = []
-        for block in pl_module.seq.blocks().values():
-            block.register_forward_hook(lambda module, args, out: self.seen.append(torch.compiler.is_compiling()))
+        if self.hooks:  # a hook added after compiling makes Dynamo trace the blocks again: one schedule checks it
+            for block in pl_module.seq.blocks().values():
+                block.register_forward_hook(lambda module, args, out: self.seen.append(torch.compiler.is_compiling()))
 
     def on_train_end(self, trainer, pl_module):
         blocks = list(pl_module.seq.blocks().values())
@@ -51,13 +51,16 @@ def test_compiled_blocks_train_like_one_eager_process(tmp_path, schedule, option
     single(ref, steps=5, train=loader(dtype=torch.float32))
     model = LitSeq(dtype="float32")
     strategy = AutoPipeStrategy(schedule=schedule, microbatches=4, partition="uniform", compile=True, start_method=START, **options)
-    pipelined(model, 2, steps=5, train=loader(dtype=torch.float32), strategy=strategy, callbacks=[RecordCompiled(tmp_path)])
+    pipelined(
+        model, 2, steps=5, train=loader(dtype=torch.float32), strategy=strategy, callbacks=[RecordCompiled(tmp_path, schedule == "1f1b")]
+    )
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= TOL
     untrained = LitSeq(dtype="float32")
     assert max_rel_diff(untrained.state_dict(), model.state_dict()) > 100 * TOL  # it trained
     for rank in range(2):  # every block of every stage ran compiled
         seen = torch.load(os.path.join(tmp_path, f"compiled-rank{rank}.pt"))
-        assert seen["blocks"] > 0 and seen["compiled"] == seen["blocks"] and seen["traced"], seen
+        assert seen["blocks"] > 0 and seen["compiled"] == seen["blocks"], seen
+        assert seen["traced"] or schedule != "1f1b", seen
 
 
 @pytest.mark.multiprocess
