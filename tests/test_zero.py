@@ -47,21 +47,22 @@ class RecordState(Callback):
         torch.save(out, os.path.join(self.folder, f"state-rank{trainer.global_rank}.pt"))
 
 
-class CountReduceScatters(Callback):
-    """Each rank counts FSDP2's reduce-scatters in every training step (the real collective, counted on
-    its way through) against its sharded blocks."""
+class CountCollective(Callback):
+    """Each rank counts one of FSDP2's collectives (`name` in torch.distributed: reduce_scatter_single,
+    all_gather_single) in every training step (the real collective, counted on its way through) against
+    its sharded blocks; written as `<tag>-rank<r>.pt`."""
 
-    def __init__(self, folder):
-        self.folder, self.per_step = folder, []
+    def __init__(self, folder, name, tag):
+        self.folder, self.name, self.tag, self.per_step = folder, name, tag, []
 
     def on_train_start(self, trainer, pl_module):
-        real = torch.distributed.reduce_scatter_single
+        real = getattr(torch.distributed, self.name)
 
         def counted(*args, **kwargs):
             self.calls += 1
             return real(*args, **kwargs)
 
-        torch.distributed.reduce_scatter_single = counted  # this worker process only
+        setattr(torch.distributed, self.name, counted)  # this worker process only
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.calls = 0
@@ -71,24 +72,7 @@ class CountReduceScatters(Callback):
 
     def on_train_end(self, trainer, pl_module):
         blocks = sum(isinstance(m, FSDPModule) for m in pl_module.modules())
-        torch.save(dict(per_step=self.per_step, blocks=blocks), os.path.join(self.folder, f"rs-rank{trainer.global_rank}.pt"))
-
-
-class CountAllGathers(CountReduceScatters):
-    """Each rank counts FSDP2's all-gathers (a block's weights gathered) in every training step."""
-
-    def on_train_start(self, trainer, pl_module):
-        real = torch.distributed.all_gather_single
-
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return real(*args, **kwargs)
-
-        torch.distributed.all_gather_single = counted  # this worker process only
-
-    def on_train_end(self, trainer, pl_module):
-        blocks = sum(isinstance(m, FSDPModule) for m in pl_module.modules())
-        torch.save(dict(per_step=self.per_step, blocks=blocks), os.path.join(self.folder, f"ag-rank{trainer.global_rank}.pt"))
+        torch.save(dict(per_step=self.per_step, blocks=blocks), os.path.join(self.folder, f"{self.tag}-rank{trainer.global_rank}.pt"))
 
 
 def single(steps, tied=False, **kw):
@@ -148,7 +132,11 @@ def test_sharded_optimizer_equals_one_process_and_holds_each_state_once(tmp_path
 def test_fully_sharded_replicas_equal_one_process_and_hold_half_of_everything(tmp_path, schedule, options, reshard):
     ref, _ = single(5, gradient_clip_val=0.05)
     model = LitSeq()
-    callbacks = [RecordState(tmp_path), CountReduceScatters(tmp_path), CountAllGathers(tmp_path)]
+    callbacks = [
+        RecordState(tmp_path),
+        CountCollective(tmp_path, "reduce_scatter_single", "rs"),  # a block's gradients reduce-scattered
+        CountCollective(tmp_path, "all_gather_single", "ag"),  # a block's weights gathered
+    ]
     val = DataLoader(dataset(n=N), batch_size=PER_REPLICA) if reshard == "step" else None
     pipelined(model, 5, callbacks=callbacks, schedule=schedule, shard="full", gradient_clip_val=0.05, reshard=reshard, val=val, **options)
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10

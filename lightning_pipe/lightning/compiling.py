@@ -1,8 +1,8 @@
 """compile=True: torch.compile on each pipeline block, once, in place (`nn.Module.compile`), as torchtitan
 compiles per transformer block. Done before the profile, so the planners plan on compiled costs; the
 blocks stay compiled wherever the cut puts them (the state dict's names do not change). A micro-batch of
-another size (an uneven last batch) makes Dynamo recompile once with that dimension dynamic, not once per
-size. What Dynamo could not capture is said in one line at the end of fit (`graph_breaks`)."""
+another size (an uneven last batch) is left to Dynamo's automatic dynamic shapes (it recompiles with
+that dimension dynamic rather than once per size; not measured here). What Dynamo could not capture is said in one line at the end of fit (`graph_breaks`)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def graph_breaks() -> Optional[str]:
     return f"compile=True: {sum(breaks.values())} graph break(s) in the blocks, each a Python fallback: {reasons}"
 
 
-def report_graph_breaks(rank: int) -> None:
+def report_graph_breaks() -> None:
     """At the end of fit, on every rank (a collective): each distinct line once, with the ranks it holds for."""
     mine = graph_breaks()
     lines = [None] * dist.get_world_size() if dist.is_initialized() else [mine]

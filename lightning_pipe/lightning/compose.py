@@ -162,7 +162,7 @@ class Training:
         """The end of fit, on every rank: nothing in flight; the tuner's profile run writes its files."""
         self.partition.finish()
         if self.ctx.config.compile:
-            report_graph_breaks(self.ctx.global_rank)
+            report_graph_breaks()
         gc.unfreeze()  # collectable again after fit (a notebook's next run)
         if self.steps.recording is not None:  # the link, then the files
             self.steps.recording.finish()

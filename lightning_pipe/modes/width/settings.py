@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import SettingError
+from ...errors import SettingError, check_choice
 
 SHARD = ("none", "optimizer", "full")
 RESHARD = ("microbatch", "step")
@@ -20,14 +20,7 @@ def check_config(config: Any) -> None:
             "shard",
         )
     config.shard = value.lower()
-    value = config.reshard
-    if not isinstance(value, str) or value.lower() not in RESHARD:
-        raise SettingError(
-            f"reshard={value!r}; allowed values: 'microbatch' (FSDP2 frees a block's gathered weights after each "
-            "micro-batch's forward and backward) or 'step' (kept from a step's first forward to its last backward)",
-            "reshard",
-        )
-    config.reshard = value.lower()
+    config.reshard = check_choice("reshard", config.reshard, list(RESHARD))
 
 
 def check_trainer_full(trainer: Any) -> None:
