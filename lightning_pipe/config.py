@@ -73,6 +73,10 @@ class PipelineConfig:
     backward (FSDP2's default: least memory, two all-gathers per block and micro-batch); step: kept from a
     step's first forward to its last backward (one all-gather per block and step, as torchtitan runs FSDP
     under a pipeline; the stage's whole parameters held during the step)."""
+    tensor: int = 1
+    """Tensor-parallel ranks per stage (T): each block's weights split over T consecutive ranks (the mesh's
+    innermost "tp" dimension) by the model's plan (`parallelize_block`, or our GPT / BERT / Hugging Face plans);
+    stages = devices x nodes / (width x tensor)."""
     pipelines: Optional[int] = None
     """AvgPipe: N parallel pipelines, each training its own model on its own data, joined by elastic
     averaging with reference processes (None: off); stages = devices x nodes / N."""
@@ -207,7 +211,7 @@ class PipelineConfig:
             raise SettingError(
                 f"blocks={self.blocks!r}: must be the path of an nn.ModuleList, e.g. 'model.transformer.h', or None", "blocks"
             )
-        for name in ("microbatches", "width", "chunks", "waves"):
+        for name in ("microbatches", "width", "tensor", "chunks", "waves"):
             check_count(name, getattr(self, name))
         if self.stages is not None:
             check_count("stages", self.stages)
@@ -313,8 +317,10 @@ class PipelineConfig:
     def topology(self, world_size: int, node_devices: int = 0) -> Topology:
         """`node_devices`: devices per node, which hold consecutive stages when pipelines share them."""
         try:
-            return Topology(world_size, self.replicas, node_devices if self.processes_per_device > 1 else 0)
+            return Topology(world_size, self.replicas, node_devices if self.processes_per_device > 1 else 0, self.tensor)
         except ValueError as err:
+            if str(err).startswith("tensor="):
+                raise SettingError(str(err), "tensor") from None
             if self.pipelines is None:
                 raise SettingError(str(err), "width") from None
             message = str(err).replace("width=", "pipelines=", 1).replace("allowed widths", "allowed values")
@@ -374,6 +380,7 @@ ALGORITHM2_SCHEDULES = ("1f1b",)  # AutoPipe's Algorithm 2 slices 1F1B
 ADVANCE_NUM_SCHEDULES = ("advance", "2bw")  # the schedules with AvgPipe(2BW)'s advance forward order
 COMPILE_EXCLUDED = ("zb-h1", "zb-v", "zb-auto")  # a split backward (autograd.grad on a block's inputs, then its weights)
 FULL_SHARD_EXCLUDED = ("2bw", "zb-h1", "zb-v", "zb-auto")  # a weight stash, a split backward: not over FSDP2's sharded blocks
+TENSOR_EXCLUDED = ("2bw", "zb-h1", "zb-v", "zb-auto")  # a weight stash, a split backward: not over DTensor blocks (not built)
 
 
 @dataclass(frozen=True)
@@ -438,6 +445,24 @@ LEGALITY: tuple[Legality, ...] = (
         lambda c: (
             f"shard={c.shard!r} with adaptive={c.adaptive!r}: a live switch moves blocks with their optimizer state, which is "
             "spread over the replicas (not built); set shard='none' or adaptive=false"
+        ),
+    ),
+    Legality(
+        "tensor",
+        lambda c: c.tensor > 1 and (c.auto or c.schedule in TENSOR_EXCLUDED or c.shard == "optimizer" or c.compile is True),
+        lambda c: (
+            f"tensor={c.tensor} with "
+            + ("shard='optimizer'" if c.shard == "optimizer" else "compile=True" if c.compile is True else f"schedule={c.schedule!r}")
+            + " is not built: tensor parallelism runs the flush schedules you name (gpipe, 1f1b, interleaved, wave, hanayo, "
+            "advance) with shard='none' or 'full', compile=False"
+        ),
+    ),
+    Legality(
+        "tensor",
+        lambda c: c.tensor > 1 and (c.pipelines is not None or c.planner is not None or bool(c.adaptive) or c.tune is True),
+        lambda c: (
+            f"tensor={c.tensor} with {'pipelines (AvgPipe)' if c.pipelines is not None else 'planner=' + repr(c.planner) if c.planner is not None else 'adaptive' if c.adaptive else 'tune'}"
+            " is not built (their planners and live switches move or size whole blocks); set tensor=1"
         ),
     ),
     Legality(

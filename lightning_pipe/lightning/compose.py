@@ -37,6 +37,7 @@ from .context import RankContext
 from .gradients import StageGradients
 from .precision import PipelinePrecisionMixin
 from .steps import PipelineSteps
+from .tensor import parallelize_stage
 from .tune_record import TuneRecording
 
 
@@ -117,6 +118,7 @@ class Training:
         """Before the optimizers: the replicas start from replica 0's weights, then each layer lays the stage out
         (a layer may replace parameter objects, e.g. FSDP2's: the tied copies are found again by name)."""
         self.gradients.sync_replicas()
+        parallelize_stage(self.ctx)  # tensor=T: blocks split over "tp" before the replicas' layer shards them over "dp"
         for layer in self.layers:
             layer.prepare_stage()
         cut = self.ctx.cut

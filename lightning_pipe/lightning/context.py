@@ -49,9 +49,14 @@ class RankContext:
     def replica_index(self) -> int:
         return self.topology.replica_of(self.global_rank)
 
+    @property
+    def tensor_index(self) -> int:
+        """This rank's place in its tensor-parallel group (0 without tensor parallelism)."""
+        return self.topology.tensor_of(self.global_rank)
+
     def pipeline_rank(self, stage: int) -> int:
-        """The global rank of `stage` in this rank's pipeline."""
-        return self.topology.global_rank(self.replica_index, stage)
+        """The global rank of `stage` in this rank's pipeline (at this rank's tensor index)."""
+        return self.topology.global_rank(self.replica_index, stage, self.tensor_index)
 
     @property
     def pipeline_group(self) -> Optional[Any]:

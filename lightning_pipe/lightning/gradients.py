@@ -15,6 +15,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from ..runtime.reduce import allreduce_mean, clip_grad_norm_global
 from ..runtime.reduce import local as local_shard
@@ -52,6 +53,7 @@ class StageGradients:
         self.average_replicas = average_replicas  # False for AvgPipe: each pipeline keeps its own gradients
         self.norm_over_replicas = norm_over_replicas  # ZeRO-1 / FSDP2: each replica clips the share it steps
         self.stage_index, self.replica_index = topology.stage_of(rank), topology.replica_of(rank)
+        self.tensor_index = topology.tensor_of(rank)
         self.tied = tied
         self._tied_groups = self._tie(rank)
         self._reduced: set[int] = set()
@@ -63,12 +65,13 @@ class StageGradients:
         topo, groups = self.topology, {}
         for t in self.tied:
             for w in range(topo.width):
-                ranks = [topo.global_rank(w, s) for s in t.stages]
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    groups[t.index] = group
+                for k in range(topo.tensor):
+                    ranks = [topo.global_rank(w, s, k) for s in t.stages]
+                    group = dist.new_group(ranks)
+                    if rank in ranks:
+                        groups[t.index] = group
             if self.stage_index in t.stages:
-                src = topo.global_rank(self.replica_index, t.stages[0])
+                src = topo.global_rank(self.replica_index, t.stages[0], self.tensor_index)
                 dist.broadcast(t.parameter.data, src, group=groups[t.index])
         _announce_ties([t.stages for t in self.tied], rank)
         return groups
@@ -77,7 +80,7 @@ class StageGradients:
         """Replicas of a stage start from replica 0's weights (as DDP syncs from rank 0)."""
         if self.topology.width == 1:
             return
-        src = self.topology.global_rank(0, self.stage_index)
+        src = self.topology.global_rank(0, self.stage_index, self.tensor_index)
         for tensor in list(self.stage.parameters()) + list(self.stage.buffers()):
             dist.broadcast(tensor.data, src, group=self.groups.stage)
 
@@ -97,12 +100,24 @@ class StageGradients:
         """`clip_grad_norm_` over the whole pipeline; a tied weight's (equal) gradient counts once,
         on the first stage holding it. With the optimizer sharded, `params` are this replica's share of
         its stage's (equal, all-reduced) gradients: the shares of all ranks make up the model once."""
+        params = list(params)
         if self.norm_over_replicas:
             group = dist.group.WORLD
         else:
             group = self.groups.pipeline if self.topology.depth > 1 else None
         copies = frozenset(id(t.parameter) for t in self.tied if t.stages[0] != self.stage_index)
-        return clip_grad_norm_global(params, max_norm, group, skip_in_norm=copies)
+        if self.topology.tensor > 1:  # the norm spans the tensor groups too; what a group holds whole counts once
+            group = dist.group.WORLD
+            copies |= {id(p) for p in params if not self._counted_here(p)}
+        return clip_grad_norm_global(params, max_norm, group, skip_in_norm=frozenset(copies))
+
+    def _counted_here(self, p: Tensor) -> bool:
+        """tensor > 1: whether this rank adds `p`'s gradient to the world's norm. A tensor whole on every rank of a
+        tensor group (not split over "tp") counts on its first rank; equal replicas (not sharded) on replica 0."""
+        split = isinstance(p, DTensor) and any(
+            name == "tp" and not placement.is_replicate() for name, placement in zip(p.device_mesh.mesh_dim_names or (), p.placements)
+        )
+        return (split or self.tensor_index == 0) and (self.norm_over_replicas or self.replica_index == 0)
 
     def stage_device(self) -> torch.device:
         return next(iter(self.stage.parameters())).device

@@ -66,8 +66,9 @@ class SelfAttention(nn.Module):
 
     def forward(self, h: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, T, d = h.shape
-        q, k, v = self.qkv(h).split(d, dim=-1)
-        q, k, v = (t.view(B, T, self.n_head, d // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
+        # chunk(3) and -1 heads: under tensor parallelism this rank's qkv holds its heads' q, k and v (models/tensor_plan.py)
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        q, k, v = (t.view(B, T, -1, d // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
         bias = None
         if mask is not None:
             # additive bias rather than a boolean mask: an all-padding row then attends uniformly
@@ -85,7 +86,7 @@ class SelfAttention(nn.Module):
             is_causal=self.causal and bias is None,
             dropout_p=self.dropout if self.training else 0.0,
         )
-        return self.proj(y.transpose(1, 2).reshape(B, T, d))
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):

@@ -57,7 +57,7 @@ def allreduce_mean(params: Iterable[torch.nn.Parameter], group: Any, size: int) 
     for p in params:
         if p.grad is None:  # a parameter unused this step still takes part: the others may have a grad
             p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
+        grads.append(local(p.grad))  # tensor parallelism: this rank's shard (the group holds the same shard's replicas)
 
     def mean(buffer: Tensor) -> None:
         dist.all_reduce(buffer, group=group)

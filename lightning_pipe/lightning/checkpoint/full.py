@@ -57,7 +57,7 @@ def gather_to_zero(ctx: RankContext, obj: Any) -> Optional[list[Any]]:
     which the kernel writes back and may drop while torch.save copies them into the checkpoint."""
     if ctx.depth == 1:
         return [_to_cpu(obj)] if ctx.global_rank == 0 else None
-    if ctx.replica_index != 0:
+    if ctx.replica_index != 0 or ctx.tensor_index != 0:
         return None
     group, device = ctx.groups.pipeline, ctx.device
     transfer = device if device.type == "cuda" else None  # NCCL moves everything through device memory

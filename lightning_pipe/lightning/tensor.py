@@ -1,0 +1,58 @@
+"""tensor=T: this rank's blocks split over the mesh's "tp" dimension, before the replicas' layer shards them
+(FSDP2 over "dp" then holds 2-D shards, as torchtitan composes them).
+
+Whose plan: the LightningModule's `parallelize_block(block, tp_mesh)` when it has one (as Lightning's
+ModelParallelStrategy hands `configure_model` its mesh); else our GPT / BERT blocks' plan; else a Hugging Face
+model's own `config.base_model_tp_plan`; a block with none of them is refused, naming the hook.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+from torch import nn
+
+from ..errors import SettingError
+from ..frontend.tensor_plan import hf_plan_of, hf_tensor_plan
+from ..models.tensor_plan import tensor_plan
+from ..runtime.tensor_parallel import Plan, parallelize_blocks
+from .context import RankContext
+
+
+def parallelize_stage(ctx: RankContext) -> None:
+    size = ctx.config.tensor
+    if size == 1:
+        return
+    cut, mesh = ctx.cut, ctx.groups.mesh(ctx.device.type)["tp"]
+    hook = getattr(ctx.module, "parallelize_block", None)
+    hf = hf_plan_of(_traced_root(cut.stage))
+    if cut.pipeline is not None:  # global rank 0 hands the trained model back in these modules: split copies
+        for index, block in cut.stage.blocks().items():
+            cut.stage._modules[str(index)] = copy.deepcopy(block)
+
+    def plan_for(index: int, block: nn.Module) -> Optional[Plan]:
+        if callable(hook):
+            hook(block, mesh)
+            return None
+        try:
+            plan = tensor_plan(block, size)
+            if plan is None and hf is not None:
+                plan = hf_tensor_plan(block, hf)
+        except ValueError as err:
+            raise SettingError(f"tensor={size}: {err}", "tensor") from None
+        if plan is None:
+            raise SettingError(
+                f"tensor={size}: block {index} ({type(block).__name__}) has no tensor-parallel plan; define "
+                "parallelize_block(self, block, tp_mesh) on your LightningModule (e.g. torch's parallelize_module with "
+                "ColwiseParallel / RowwiseParallel), or set tensor=1",
+                "tensor",
+            )
+        return plan
+
+    parallelize_blocks(cut.stage.blocks(), mesh, plan_for)
+
+
+def _traced_root(stage: Any) -> Any:
+    """The user's model behind a traced pipeline's blocks (they share its front end), else None."""
+    return next((b.frontend.root for b in stage.blocks().values() if getattr(b, "frontend", None) is not None), None)
