@@ -10,11 +10,12 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from models import START, max_rel_diff, trainer_kwargs
+from models import START, EpochPerm, max_rel_diff, trainer_kwargs
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipe import AutoPipeStrategy
+from lightning_pipe.errors import SettingError
 from lightning_pipe.models import CausalLM, ModelConfig
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.multiprocess]
@@ -74,3 +75,23 @@ def test_pipeline_by_tensor_parallel_equals_one_process(tmp_path, schedule, opti
     want = {f"model.{i}.attn.{k}" for i in layers[::2] for k in ("qkv.weight", "qkv.bias", "proj.weight")}
     want |= {f"model.{i}.mlp.{k}" for i in layers[1::2] for k in ("fc.weight", "fc.bias", "proj.weight")}
     assert held == want, "every attention and MLP matrix split, row-parallel biases and the rest whole"
+
+
+def test_replicas_of_tensor_parallel_stages_equal_one_process():
+    # pp2 x dp2 x tp2 (8 ranks), whole replicas: each tensor rank all-reduces its shards with its stage's other replica
+    rows = 16
+    ref = make()
+    one = DataLoader(gpt_data(rows).dataset, batch_size=8, sampler=EpochPerm(rows))
+    L.Trainer(devices=1, **trainer_kwargs(gradient_clip_val=0.5)).fit(ref, one)
+    model = make()
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, width=2, tensor=2, start_method=START)
+    L.Trainer(devices=8, strategy=strategy, **trainer_kwargs(gradient_clip_val=0.5)).fit(model, gpt_data(rows))
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+
+
+def test_fully_sharded_tensor_parallel_refuses_a_fused_projection_before_spawning():
+    strategy = AutoPipeStrategy(microbatches=2, width=2, shard="full", tensor=2, start_method=START)
+    trainer = L.Trainer(devices=8, strategy=strategy, **trainer_kwargs())
+    with pytest.raises(SettingError, match=r"shard='full' with tensor=2 over .*qkv.*Llama") as err:
+        trainer.fit(make(), gpt_data())
+    assert err.value.setting == "shard"

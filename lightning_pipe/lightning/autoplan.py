@@ -147,7 +147,8 @@ def _measure(
     repeats: int,
 ) -> Profile:
     blocks = list(pipeline)
-    mine = range(*partition_blocks("uniform", len(blocks), world).bounds[rank]) if world > 1 else range(len(blocks))
+    shares = min(world, len(blocks))  # more ranks than blocks (replicas, tensor groups): the last ranks time none
+    mine = range(*partition_blocks("uniform", len(blocks), shares).bounds[rank]) if rank < shares else range(0)
     if is_meta(pipeline):  # a meta-built model: values only for this rank's share, one block at a time before it
         blocks = profiling_blocks(blocks, mine)
     buffers = [{n: b.detach().clone() for n, b in blk.named_buffers()} for blk in blocks]

@@ -117,10 +117,14 @@ class FullyShardedReplicas(ReplicasLayer):
     @classmethod
     def check_trainer(cls, config: PipelineConfig, trainer: Any, model: Any) -> None:
         settings.check_trainer_full(trainer)
+        settings.check_model_full(config, model)
 
     def prepare_stage(self) -> None:
         ctx, cut = self.ctx, self.ctx.cut
         held = set(cut.stage.blocks())
+        strided = next((n for n, p in cut.stage.named_parameters() if settings.strided(p)), None)
+        if strided is not None:
+            raise SettingError(settings.strided_message(ctx.config.tensor, strided), "shard")
         shared = [g for g in cut.ties if len({b for b, _ in g if b in held}) > 1]
         if shared:
             raise SettingError(

@@ -31,3 +31,30 @@ def check_trainer_full(trainer: Any) -> None:
             "shard='full' with a GradScaler (precision='16-mixed') is not built: use bf16-mixed, bf16-true or 32-true",
             "shard",
         )
+
+
+def strided(param: Any) -> bool:
+    """A parameter split as a strided shard over "tp" (a fused projection's parts, e.g. q, k, v side by side)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(param, DTensor) and any(isinstance(p, _StridedShard) for p in param.placements)
+
+
+def strided_message(tensor: int, name: str) -> str:
+    return (
+        f"shard='full' with tensor={tensor} over {name}, a fused projection split as a strided shard (our GPT / BERT's "
+        "q, k, v), is not built: FSDP2 cannot shard it once more over the replicas; use shard='none', or a model with "
+        "separate q, k and v projections (e.g. Llama's)"
+    )
+
+
+def check_model_full(config: Any, model: Any) -> None:
+    """Before spawning: our attention's fused q, k, v under shard='full' and tensor > 1 (`strided_message`)."""
+    if config.tensor == 1 or callable(getattr(model, "parallelize_block", None)):
+        return
+    from ...models.blocks import SelfAttention
+
+    fused = next((f"{n}.qkv" for n, m in model.named_modules() if isinstance(m, SelfAttention)), None)
+    if fused is not None:
+        raise SettingError(strided_message(config.tensor, fused), "shard")

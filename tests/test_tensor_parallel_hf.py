@@ -1,0 +1,98 @@
+"""tensor=T on models users bring: a Hugging Face Llama split by its own `base_model_tp_plan` (pp2 x tp2, and
+with FSDP2 over replicas, pp2 x dp2 x tp2 on 8 ranks), and a home-grown model split by the LightningModule's
+`parallelize_block(block, tp_mesh)` hook; against one process, float64, 4 AdamW steps."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import pytest
+import torch
+from hf_models import Tokens, UserLM, close, loader, pair, train_single, trainer_kwargs
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.utils.data import DataLoader
+
+from lightning_pipe import AutoPipeStrategy
+
+pytest.importorskip("transformers")
+pytestmark = [pytest.mark.timeout(300), pytest.mark.multiprocess]
+START = "forkserver"
+STEPS = 4
+
+
+def fit(model, devices, data=None, callbacks=(), **settings):
+    settings = {"microbatches": 4, "partition": "uniform", "start_method": START, "tensor": 2, **settings}
+    strategy = AutoPipeStrategy(**settings)
+    trainer = L.Trainer(devices=devices, strategy=strategy, callbacks=list(callbacks), **trainer_kwargs(max_steps=STEPS))
+    trainer.fit(model, data or loader())
+    return trainer
+
+
+class Splits(L.Callback):
+    """Each rank writes the names of its stage's parameters split over "tp" (DTensors) at the end of fit."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module):
+        split = sorted(n for n, p in pl_module.named_parameters() if isinstance(p, DTensor))
+        torch.save(split, os.path.join(self.folder, f"split-{trainer.global_rank}.pt"))
+
+
+def split_names(folder, ranks):
+    return [torch.load(os.path.join(folder, f"split-{r}.pt")) for r in range(ranks)]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_llama_split_by_its_own_plan_equals_one_process(tmp_path, schedule):
+    ref, model = pair("llama")
+    train_single(ref, STEPS)
+    fit(model, 4, schedule=schedule, callbacks=[Splits(tmp_path)])
+    assert close(ref.state_dict(), model.state_dict()) <= 1e-10
+    assert not any(isinstance(p, DTensor) for p in model.parameters()), "fit hands back the user's plain model"
+    split = {n.replace("/", ".") for n in set().union(*split_names(tmp_path, 4))}  # a stage's names: model.<block>.<path>
+    plan = [k.split("*.")[1] for k in model.model.config.base_model_tp_plan]  # q/k/v/o, gate/up/down projections
+    for layer in range(6):
+        for part in plan:
+            assert any(n.endswith(f"model.layers.{layer}.{part}.weight") for n in split), (layer, part)
+    assert not any("norm" in n or "embed" in n or "lm_head" in n for n in split), "what the plan does not name stays whole"
+
+
+def test_llama_in_three_dimensions_equals_one_process():
+    # pp2 x dp2 x tp2 with FSDP2 over the replicas: Lightning's DistributedSampler (shuffle, the run's seed) deals
+    # replica r the rows perm[r::2] of each epoch; one process trains on the union of both replicas' k-th batches
+    ref, model = pair("llama")
+    seed, rows = int(os.environ.get("PL_GLOBAL_SEED", 0)), len(Tokens())
+    steps, epoch = [], 0
+    while len(steps) < STEPS:
+        perm = torch.randperm(rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        shards = [perm[r::2] for r in range(2)]
+        steps += [shards[0][k : k + 8] + shards[1][k : k + 8] for k in range(0, rows // 2, 8)]
+        epoch += 1
+    train_single(ref, STEPS, data=DataLoader(Tokens(), batch_sampler=steps[:STEPS]))
+    fit(model, 8, width=2, shard="full", microbatches=2)
+    assert close(ref.state_dict(), model.state_dict()) <= 1e-10
+
+
+class HookedLM(UserLM):
+    """A home-grown model: the user says how a block splits (its mix layer column-parallel, as a whole-output
+    projection: the block's output is gathered back whole)."""
+
+    def parallelize_block(self, block, tp_mesh):
+        for name, module in block.named_modules():
+            if name.endswith("mix"):
+                parallelize_module(block, tp_mesh, {name: ColwiseParallel(output_layouts=Replicate())})
+
+
+def test_parallelize_block_hook_splits_a_home_grown_model(tmp_path):
+    torch.manual_seed(0)
+    ref = UserLM("looped", 6)
+    model = HookedLM("looped", 6)
+    model.load_state_dict(ref.state_dict())
+    train_single(ref, STEPS)
+    fit(model, 4, callbacks=[Splits(tmp_path)])
+    assert close(ref.state_dict(), model.state_dict()) <= 1e-10
+    split = {n.replace("/", ".").split(".", 2)[2] for n in set().union(*split_names(tmp_path, 4))}  # model.<block>.<path>
+    assert split == {f"blocks.{i}.mix.{k}" for i in range(6) for k in ("weight", "bias")}
