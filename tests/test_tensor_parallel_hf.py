@@ -81,9 +81,8 @@ class HookedLM(UserLM):
     projection: the block's output is gathered back whole)."""
 
     def parallelize_block(self, block, tp_mesh):
-        for name, module in block.named_modules():
-            if name.endswith("mix"):
-                parallelize_module(block, tp_mesh, {name: ColwiseParallel(output_layouts=Replicate())})
+        for name in [n for n, _ in block.named_modules() if n.endswith("mix")]:
+            parallelize_module(block, tp_mesh, {name: ColwiseParallel(output_layouts=Replicate())})
 
 
 def test_parallelize_block_hook_splits_a_home_grown_model(tmp_path):
