@@ -4,15 +4,17 @@ against one process: our GPT with its tied embedding (pp2 x tp2, 4 ranks), with 
 
 from __future__ import annotations
 
+import glob
 import os
 
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from models import START, EpochPerm, max_rel_diff, trainer_kwargs
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.errors import SettingError
@@ -95,3 +97,53 @@ def test_fully_sharded_tensor_parallel_refuses_a_fused_projection_before_spawnin
     with pytest.raises(SettingError, match=r"shard='full' with tensor=2 over .*qkv.*Llama") as err:
         trainer.fit(make(), gpt_data())
     assert err.value.setting == "shard"
+
+
+def resumable(rows=16):
+    return StatefulDataLoader(gpt_data(rows).dataset, batch_size=4)
+
+
+def fit_pipelined(model, steps, ckpt_path=None, callbacks=(), **settings):
+    settings = dict(dict(schedule="1f1b", microbatches=4, start_method=START, partition="uniform"), **settings)
+    checkpointing = any(isinstance(c, ModelCheckpoint) for c in callbacks)
+    trainer = L.Trainer(
+        devices=4,
+        strategy=AutoPipeStrategy(**settings),
+        callbacks=list(callbacks),
+        **trainer_kwargs(max_steps=steps, enable_checkpointing=checkpointing),
+    )
+    trainer.fit(model, resumable(), ckpt_path=ckpt_path)
+
+
+@pytest.mark.parametrize("layout", ["full", "sharded"])
+def test_checkpoint_of_split_weights_resumes_bit_for_bit(tmp_path, layout):
+    # written in the single-process layout (split weights and Adam moments gathered whole), read back as this rank's shards
+    whole = make()
+    fit_pipelined(whole, 5, tensor=2)
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    fit_pipelined(make(), 2, callbacks=[saver], checkpoint=layout, tensor=2)
+    (path,) = glob.glob(os.path.join(tmp_path, "*step=2.ckpt"))
+    if layout == "full":  # the file is one process's: its weights after 2 steps
+        ref = make()
+        L.Trainer(devices=1, **trainer_kwargs(max_steps=2)).fit(ref, resumable())
+        saved = torch.load(path, weights_only=False)["state_dict"]
+        assert max_rel_diff(ref.state_dict(), {k: saved[k] for k in ref.state_dict()}) <= 1e-10
+    torch.manual_seed(5)
+    resumed = CausalLM(model=ModelConfig(**CFG), lr=1e-2, warmup_steps=1, max_steps=4).double()  # other initial weights
+    fit_pipelined(resumed, 5, ckpt_path=path, checkpoint=layout, tensor=2)
+    for k, v in whole.state_dict().items():
+        assert torch.equal(v, resumed.state_dict()[k]), k
+
+
+@pytest.mark.parametrize("first,then", [(dict(tensor=2), dict(tensor=1)), (dict(tensor=1), dict(tensor=2))])
+def test_a_checkpoint_resumes_between_tensor_parallel_and_pipeline_meshes(tmp_path, first, then):
+    # pp2 x tp2 -> pp4, and back: the checkpoint holds whole tensors by name
+    want = make()
+    L.Trainer(devices=1, **trainer_kwargs(max_steps=5)).fit(want, resumable())
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    fit_pipelined(make(), 2, callbacks=[saver], **first)
+    (path,) = glob.glob(os.path.join(tmp_path, "*step=2.ckpt"))
+    torch.manual_seed(5)
+    resumed = CausalLM(model=ModelConfig(**CFG), lr=1e-2, warmup_steps=1, max_steps=4).double()
+    fit_pipelined(resumed, 5, ckpt_path=path, **then)
+    assert max_rel_diff(want.state_dict(), resumed.state_dict()) <= 1e-10

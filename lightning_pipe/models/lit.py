@@ -171,7 +171,8 @@ def adamw_warmup_cosine(module: L.LightningModule) -> dict:
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    groups = [g for g in groups if g["params"]]  # a stage may hold only matrices (the embedding)
+    # an empty group is kept (a stage holding only the embedding): every stage's optimizer has the same groups,
+    # so a checkpoint resumes at any depth
     opt = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
     factor = functools.partial(warmup_cosine, warmup_steps=hp.warmup_steps, max_steps=hp.max_steps, min_lr_ratio=hp.min_lr_ratio)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)

@@ -56,6 +56,12 @@ def _local_output(module: nn.Module, args: tuple, output):
     return output.to_local() if isinstance(output, DTensor) else output
 
 
+def is_strided(t) -> bool:
+    """A DTensor split as a strided shard (a `FusedColwise` weight): stores that take contiguous chunks
+    (torch.distributed.checkpoint, FSDP2 on top) cannot take it as it is."""
+    return isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements)
+
+
 def parallelize_blocks(blocks: Mapping[int, nn.Module], mesh, plan_for: Callable[[int, nn.Module], Optional[Plan]]) -> None:
     """Each block's weights split over `mesh` (1-D, the "tp" dimension) by `plan_for(index, block)`; an empty
     plan leaves the block whole on every rank. A block already split (an earlier fit's) is left as it is."""

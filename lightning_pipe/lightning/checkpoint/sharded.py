@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ...runtime.tensor_parallel import is_strided
 from ..context import RankContext
 from .full import gather_to_zero, layout, merge_named, parameter_names
 from .keys import ALIASES
@@ -73,7 +74,8 @@ def save(ctx: RankContext, checkpoint: dict[str, Any], path: Any, run_state: dic
             os.remove(path)
         os.makedirs(path)
     _barrier()
-    dcp.save(tensors, checkpoint_id=path)
+    # a strided shard (tensor parallelism's fused q, k, v) is stored whole: DCP stores contiguous chunks only
+    dcp.save({k: v.full_tensor() if is_strided(v) else v for k, v in tensors.items()}, checkpoint_id=path)
     if ctx.global_rank == 0:
         prefix = ctx.cut.path + "."
         checkpoint["optimizer_states"] = [{**merge_named(parts, prefix), **layout(ctx, run_state)} for parts in skeletons]

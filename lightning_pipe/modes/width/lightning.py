@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from ...config import PipelineConfig
 from ...errors import SettingError
 from ...runtime.host_memory import return_large_buffers
+from ...runtime.tensor_parallel import is_strided
 from ..lightning import ReplicasLayer
 from . import settings
 from .engine import broadcast_from_owners, owners
@@ -122,7 +123,7 @@ class FullyShardedReplicas(ReplicasLayer):
     def prepare_stage(self) -> None:
         ctx, cut = self.ctx, self.ctx.cut
         held = set(cut.stage.blocks())
-        strided = next((n for n, p in cut.stage.named_parameters() if settings.strided(p)), None)
+        strided = next((n for n, p in cut.stage.named_parameters() if is_strided(p)), None)
         if strided is not None:
             raise SettingError(settings.strided_message(ctx.config.tensor, strided), "shard")
         shared = [g for g in cut.ties if len({b for b, _ in g if b in held}) > 1]

@@ -33,14 +33,6 @@ def check_trainer_full(trainer: Any) -> None:
         )
 
 
-def strided(param: Any) -> bool:
-    """A parameter split as a strided shard over "tp" (a fused projection's parts, e.g. q, k, v side by side)."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    return isinstance(param, DTensor) and any(isinstance(p, _StridedShard) for p in param.placements)
-
-
 def strided_message(tensor: int, name: str) -> str:
     return (
         f"shard='full' with tensor={tensor} over {name}, a fused projection split as a strided shard (our GPT / BERT's "
