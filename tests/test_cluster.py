@@ -1,8 +1,8 @@
 """Cluster launchers on one host: torchrun across 2 "nodes" (c10d rendezvous; 1 and 2 processes per
 node), the environment `srun` gives 2 tasks (Lightning's SLURMEnvironment detected), and AvgPipe
 with its reference processes on one node serving the pipeline of the other. Each trains to the
-one-process weights (AvgPipe: to the rule of tests/test_avgpipe.py's one-process simulation). The
-README's "On a cluster" commands are these."""
+one-process weights (AvgPipe: to the rule of tests/test_avgpipe.py's one-process simulation).
+The "On a cluster" commands of docs/guide/scale.md are these."""
 
 from __future__ import annotations
 

@@ -36,6 +36,7 @@ from ..lightning.stage import find_pipeline
 from ..planning import transformer_costs
 from ..planning.auto import adam_weight_copies, memory_line, stage_memory
 from ..planning.entry import block_kinds, link_model, plan_run
+from ..planning.tensor import split_by_tensor
 from ..profiling import Profile
 from ..schedules.text import dump
 from ..simulation.timelines import gantt
@@ -102,6 +103,7 @@ def _main(cfg: DictConfig) -> None:
                     else ")"
                 )
             )
+        costs = split_by_tensor(costs, kinds, config.tensor)
         result = plan_run(costs, stages, config, kinds, config.memory_limit)
     except (ValueError, FileNotFoundError) as err:
         if isinstance(err, SettingError) and err.setting:
@@ -111,7 +113,7 @@ def _main(cfg: DictConfig) -> None:
     timeline = result.timeline(costs)
     copies = adam_weight_copies(config.shard, config.width, config.reshard)
     memory = stage_memory(timeline, copies, costs.runtime_bytes)
-    mesh = {"pp": stages, "dp": config.replicas, "shard": config.shard}
+    mesh = {"pp": stages, "dp": config.replicas, "tp": config.tensor, "shard": config.shard}
     summary = {"costs": source, **result.summary(), "mesh": mesh}
     summary["predicted_memory_bytes"] = {"per_rank": memory, "weight_copies": copies, "runtime_bytes": costs.runtime_bytes}
     (out / "plan.json").write_text(json.dumps(summary, indent=1))
@@ -119,10 +121,11 @@ def _main(cfg: DictConfig) -> None:
         timeline, out / "plan_timeline.png", title=f"predicted: {config.partition} plan, {timeline.schedule.name}, {stages} ranks"
     )
     print(f"costs: {source}")
-    print(f"mesh: pp {stages} x dp {config.replicas}" + (f", shard={config.shard}" if config.shard != "none" else ""))
+    tp = f" x tp {config.tensor}" if config.tensor > 1 else ""
+    print(f"mesh: pp {stages} x dp {config.replicas}{tp}" + (f", shard={config.shard}" if config.shard != "none" else ""))
     for lines in result.report():
         print(lines)
-    print(memory_line(memory, config.shard, config.width, costs.runtime_bytes, config.reshard))
+    print(memory_line(memory, config.shard, config.width, costs.runtime_bytes, config.reshard, config.tensor))
     written = [out / "plan.json", *([picture] if picture is not None else [])]
     if cfg.plan.get("dump_schedule"):
         text = dump(timeline.schedule)

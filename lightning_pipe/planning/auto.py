@@ -72,10 +72,13 @@ def adam_weight_copies(shard: str = "none", width: int = 1, reshard: str = "micr
 ADAM_WEIGHT_COPIES = adam_weight_copies()
 
 
-def memory_line(per_stage: Sequence[float], shard: str, width: int, runtime_bytes: float, reshard: str = "microbatch") -> str:
+def memory_line(
+    per_stage: Sequence[float], shard: str, width: int, runtime_bytes: float, reshard: str = "microbatch", tensor: int = 1
+) -> str:
     """The predicted peak per rank, as the plan and the training log print it."""
     layout = SHARDED[shard if width > 1 else "none"].format(w=width)
     layout += ", gathered parameters held through the step" if shard == "full" and width > 1 and reshard == "step" else ""
+    layout += f", layers' weights split over {tensor} tensor-parallel ranks" if tensor > 1 else ""
     return (
         "predicted peak memory per rank (by stage): " + ", ".join(f"{b / 2**30:.2f}" for b in per_stage) + " GiB (weights x "
         f"{adam_weight_copies(shard, width, reshard):g} for parameters, gradients and Adam's moments, {layout}; stashed activations; "
