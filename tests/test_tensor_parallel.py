@@ -51,7 +51,7 @@ class RecordSplit(Callback):
         torch.save(out, os.path.join(self.folder, f"split-rank{trainer.global_rank}.pt"))
 
 
-@pytest.mark.parametrize("schedule,options", [("1f1b", {}), ("interleaved", {"chunks": 2})])
+@pytest.mark.parametrize("schedule,options", [("1f1b", {}), ("interleaved", {"chunks": 2}), ("zb-h1", {})])
 def test_pipeline_by_tensor_parallel_equals_one_process(tmp_path, schedule, options):
     ref = make()
     L.Trainer(devices=1, **trainer_kwargs(gradient_clip_val=0.5)).fit(ref, gpt_data())

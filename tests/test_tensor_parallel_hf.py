@@ -9,7 +9,7 @@ import os
 import lightning as L
 import pytest
 import torch
-from hf_models import Tokens, UserLM, close, loader, pair, train_single, trainer_kwargs
+from hf_models import Tokens, UserLM, close, loader, pair, reference_2bw, train_single, trainer_kwargs
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.utils.data import DataLoader
@@ -58,6 +58,14 @@ def test_llama_split_by_its_own_plan_equals_one_process(tmp_path, schedule):
         for part in plan:
             assert any(n.endswith(f"model.layers.{layer}.{part}.weight") for n in split), (layer, part)
     assert not any("norm" in n or "embed" in n or "lm_head" in n for n in split), "what the plan does not name stays whole"
+
+
+def test_2bw_over_split_blocks_follows_its_rule():
+    # PipeDream-2BW's two weight versions of every split weight (each rank's shards double-buffered), 1-stale updates
+    ref, model = pair("llama")
+    reference_2bw(ref, STEPS)
+    fit(model, 4, schedule="2bw", microbatches=2)
+    assert close(ref.state_dict(), model.state_dict()) <= 1e-10
 
 
 def test_llama_in_three_dimensions_equals_one_process():

@@ -50,8 +50,8 @@ def test_tensor_must_divide_the_world():
 @pytest.mark.parametrize(
     "settings,words",
     [
-        (dict(schedule="2bw"), "schedule='2bw'"),
-        (dict(schedule="zb-h1"), "schedule='zb-h1'"),
+        (dict(schedule="zb-v"), "schedule='zb-v'"),
+        (dict(schedule="zb-auto"), "schedule='zb-auto'"),
         (dict(schedule="auto"), "schedule='auto'"),
         (dict(width=2, shard="optimizer"), "shard='optimizer'"),
         (dict(compile=True), "compile=True"),

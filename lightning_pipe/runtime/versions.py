@@ -17,16 +17,32 @@ from typing import Iterator, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 Version = dict[int, nn.Parameter]  # id(live parameter) -> that parameter in this version
 
 
-def _alias(buffer: Tensor) -> nn.Parameter:
-    """A leaf parameter reading `buffer`'s storage, with an autograd version counter of its own."""
+def _view(buffer: Tensor) -> Tensor:
     view = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
     with torch.no_grad():
         view.set_(buffer.untyped_storage(), buffer.storage_offset(), buffer.size(), buffer.stride())
-    return nn.Parameter(view, requires_grad=True)
+    return view
+
+
+def _alias(buffer: Tensor) -> nn.Parameter:
+    """A leaf parameter reading `buffer`'s storage, with an autograd version counter of its own (a DTensor's:
+    its local shard's storage, laid out over the same mesh)."""
+    if isinstance(buffer, DTensor):
+        local = DTensor.from_local(
+            _view(buffer.to_local()), buffer.device_mesh, buffer.placements, run_check=False, shape=buffer.shape, stride=buffer.stride()
+        )
+        return nn.Parameter(local, requires_grad=True)
+    return nn.Parameter(_view(buffer), requires_grad=True)
+
+
+def storage(t: Tensor) -> int:
+    """Where `t`'s values live (a DTensor's: its local shard's buffer)."""
+    return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
 
 
 class WeightVersions:
@@ -43,7 +59,7 @@ class WeightVersions:
 
     def aliases_live(self, version: Version) -> bool:
         p = self.live[0] if self.live else None
-        return p is not None and version[id(p)].untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+        return p is not None and storage(version[id(p)]) == storage(p)
 
     def snapshot(self) -> dict[int, Tensor]:
         """A copy of the live weights (the version the next batch reads after a drain)."""
@@ -54,7 +70,13 @@ class WeightVersions:
         a version aliasing the old ones keeps its weights. The live parameters are in no graph."""
         with torch.no_grad():
             for p in self.live:
-                p.data = p.data.clone()
+                if isinstance(p, DTensor):  # `.data =` keeps a DTensor's local buffer: swap in a parameter holding a copy
+                    fresh = DTensor.from_local(p.to_local().clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                    fresh = nn.Parameter(fresh, requires_grad=p.requires_grad)
+                    fresh.grad = p.grad  # the swap moves everything the object holds: the gradient stays
+                    torch.utils.swap_tensors(p, fresh)
+                else:
+                    p.data = p.data.clone()
 
     @contextmanager
     def use(self, version: Version) -> Iterator[None]:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from ...runtime.executor import Carry, Executor, StageHost
 from ...runtime.p2p import Activation, Transport
-from ...runtime.versions import Version, WeightVersions
+from ...runtime.versions import Version, WeightVersions, storage
 from ...schedules import ScheduleSpec
 from ...schedules.two_bw import drain_actions, leads, step_actions
 from ..engine import Versions
@@ -170,10 +170,10 @@ class DoubleBuffer(Versions):
         if not self.versions.live:
             return 0
         first = self.versions.live[0]
-        buffers = {first.untyped_storage().data_ptr()}
+        buffers = {storage(first)}
         if self.stashed is not None:
-            buffers.add(self.stashed[id(first)].untyped_storage().data_ptr())
-        buffers.update(b.version[id(first)].untyped_storage().data_ptr() for b in self.in_flight)
+            buffers.add(storage(self.stashed[id(first)]))
+        buffers.update(storage(b.version[id(first)]) for b in self.in_flight)
         return len(buffers)
 
     # ---- checkpoints ----------------------------------------------------------------------------------
