@@ -97,6 +97,23 @@ def test_a_switch_by_hand_is_not_the_arbiters():
     assert d.switch_samples == [] and d.proposal["cost_s"] is None
 
 
+def test_selected_from_the_command_line():
+    from hydra import compose, initialize_config_dir
+
+    from lightning_pipe.cli.paths import CONFIG_DIR
+    from lightning_pipe.cli.train import pipeline_config
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["recipe=gpt-tiny-cpu", "pipeline.adaptive=paper"])
+        refused = compose("config", overrides=["recipe=gpt-tiny-cpu", "pipeline.adaptive=paper", "schedule=interleaved"])
+    config = pipeline_config(cfg)
+    assert config.adaptive == "paper"
+    config.check_world(cfg.trainer.devices)
+    with pytest.raises(SettingError, match="adaptive=paper with schedule='interleaved'") as error:
+        pipeline_config(refused)
+    assert error.value.setting == "adaptive"
+
+
 def test_refusals_outside_the_shipped_networks():
     assert PipelineConfig(adaptive="paper").adaptive == "paper"
     PipelineConfig(adaptive="paper").check_model(2, 24)
