@@ -102,6 +102,7 @@ class SharedCluster(Callback):
             report["decision_total_s"] = adaptive.decision_seconds
             if adaptive.decider is not None:
                 report["adapted_steps"] = adaptive.decider.online_steps
+                report["rewards"] = getattr(adaptive.decider, "rewards", None)  # adaptive=paper: the arbiter's measured rewards
             if adaptive.monitor is not None:
                 report["monitor_s"] = adaptive.monitor.seconds / max(1, adaptive.monitor.iterations)
                 report["decision_s"] = adaptive.decision_seconds / max(1, adaptive.monitor.iterations)
