@@ -91,6 +91,28 @@ def test_the_arbiter_learns_from_the_measured_reward_of_its_switch(after_s, up):
     assert (after > before + 1e-4) if up else (after < before - 1e-4), (before, after)
 
 
+def test_online_state_round_trips_through_a_checkpoint():
+    # what the run learned (recent samples, measured switches, the arbiter as updated, a switch
+    # awaiting its reward) comes back from a checkpoint read as Lightning reads it, and decides alike
+    import io
+
+    first, verdict = _switching_decider(soften=0.01)
+    first.switched(8e6, 1e8, 1, 0.02, old=EVEN, new=verdict.best)
+    first.observe(window(verdict.best, 3.0, 0.2))  # rewarded: the arbiter and its optimizer changed
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    again = decider()
+    again.load_state_dict(torch.load(buffer, weights_only=True))
+    for d in (first, again):
+        d.observe(window(verdict.best, 2.0, 0.25, start=9))
+    a, b = (d.decide(window(verdict.best, 2.0, 0.25, start=9), None, 10, 1e8) for d in (first, again))
+    assert a.scores == b.scores and a.probability == b.probability and a.cost_s == b.cost_s
+    assert first.rewards == again.rewards and again.online_steps == first.online_steps
+    fresh = decider()
+    assert fresh.decide(window(verdict.best, 2.0, 0.25, start=9), None, 10, 1e8).scores != a.scores
+
+
 def test_a_switch_by_hand_is_not_the_arbiters():
     d, verdict = _switching_decider()
     d.switched(8e6, 1e8, 1, 0.02, old=EVEN, new=((0, 2), (2, 8)))  # another switch (by hand)
