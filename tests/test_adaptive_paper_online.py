@@ -149,8 +149,16 @@ def test_refusals_outside_the_shipped_networks():
     for kw, later, message in cases:
         with pytest.raises(SettingError, match=message) as error:
             config = PipelineConfig(adaptive="paper", **kw)
-            later(config)
+            if later is not None:
+                later(config)
         assert error.value.setting == "adaptive" and "\n" not in str(error.value)
+
+
+def test_a_depth_without_networks_is_refused_before_any_process_starts():
+    # the Trainer's launcher checks the world as it is made, before fit could spawn anything
+    strategy = AutoPipeStrategy(microbatches=4, adaptive="paper", start_method=START)
+    with pytest.raises(SettingError, match="adaptive=paper at depth 3"):
+        L.Trainer(devices=3, strategy=strategy, **trainer_kwargs(max_steps=1))
 
 
 class SlowFromStart(SlowRankOne):
