@@ -15,7 +15,7 @@ setup(
     package_dir={"lightning_pipe.conf": "conf"},
     package_data={
         **{name: ["*.yaml"] for name in CONF},
-        # adaptive=learned's trained networks (python -m lightning_pipe.adaptive.offline regenerates them)
+        # adaptive=learned's and adaptive=paper's trained networks (lightning_pipe.adaptive.offline and .paper_offline regenerate them)
         "lightning_pipe.adaptive": ["weights/*.pt", "weights/*.json"],
     },
 )

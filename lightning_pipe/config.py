@@ -163,8 +163,10 @@ class PipelineConfig:
     adaptive: Any = False
     """AutoPipe-RL: monitor every rank each iteration and move blocks between two neighbouring workers while
     training. rule (or true): when the simulator on the measured speeds predicts at least adaptive_gain over
-    the rest of the run; learned: the learned speed predictor, adapted online, and the RL arbiter decide;
-    false: off."""
+    the rest of the run; learned (ours, after the paper): our speed predictor, adapted online, and RL arbiter
+    decide; paper: the paper's own networks (per-layer inputs, meta-learned predictor adapted online, arbiter
+    updated by measured rewards, switch-cost meta-network; depths 2 and 4, at most 24 blocks, gpipe, 1f1b,
+    advance or 2bw); false: off."""
     adaptive_gain: float = 0.05
     """Adaptive: the predicted fraction of the remaining run's time a switch must save, after its cost (x)."""
     adaptive_hysteresis: float = 0.0
@@ -183,7 +185,8 @@ class PipelineConfig:
     blocks move)."""
     adaptive_weights: Optional[str] = None
     """adaptive=learned: a folder with predictor_d<depth>.pt, arbiter.pt and switch_cost.pt (None: the package's,
-    made by python -m lightning_pipe.adaptive.offline)."""
+    made by python -m lightning_pipe.adaptive.offline); adaptive=paper: one with paper_predictor_d<depth>.pt,
+    paper_switch_cost_d<depth>.pt and paper_arbiter_d<depth>.pt (python -m lightning_pipe.adaptive.paper_offline)."""
 
     # ---- runtime -----------------------------------------------------------------------------
     prefetch: bool = True
@@ -347,6 +350,7 @@ class PipelineConfig:
             return
         spec = self.schedule_spec
         spec.check(topology.depth, num_blocks)
+        partition_control.check_model(self, num_blocks)
         try:
             partition_blocks(self.fixed_partition, num_blocks, spec.chunk_count(topology.depth))
         except ValueError as err:
@@ -536,6 +540,14 @@ LEGALITY: tuple[Legality, ...] = (
         lambda c: (
             "adaptive=learned with schedule='auto': the learned predictor reads the schedule it scores; name one "
             "(gpipe, 1f1b, interleaved, wave, hanayo, advance or 2bw), or use adaptive=rule"
+        ),
+    ),
+    Legality(
+        "adaptive",
+        lambda c: c.adaptive == "paper" and c.auto,
+        lambda c: (
+            "adaptive=paper with schedule='auto': the paper's networks take one model chunk per worker; name one "
+            "(gpipe, 1f1b, advance or 2bw), or use adaptive=rule"
         ),
     ),
 )

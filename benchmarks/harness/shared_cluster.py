@@ -101,7 +101,8 @@ class SharedCluster(Callback):
             report["evaluations"] = adaptive.evaluations
             report["decision_total_s"] = adaptive.decision_seconds
             if adaptive.decider is not None:
-                report["adapted_steps"] = adaptive.decider.scorer.adapted
+                report["adapted_steps"] = adaptive.decider.online_steps
+                report["rewards"] = getattr(adaptive.decider, "rewards", None)  # adaptive=paper: the arbiter's measured rewards
             if adaptive.monitor is not None:
                 report["monitor_s"] = adaptive.monitor.seconds / max(1, adaptive.monitor.iterations)
                 report["decision_s"] = adaptive.decision_seconds / max(1, adaptive.monitor.iterations)

@@ -92,6 +92,10 @@ class LearnedDecider:
         scores = [(latest.bounds, now), *zip(candidates, rest)]
         return Verdict(switch and rest[k] < now, best, now, rest[k], p, cost, time.perf_counter() - started, adapted, scores)
 
+    @property
+    def online_steps(self) -> int:
+        return self.scorer.adapted
+
     def state_dict(self) -> dict[str, Any]:
         """The online state (the adapted predictor and switch-cost network); the arbiter does not learn online."""
         return {"scorer": self.scorer.state_dict(), "switch_cost": self.learned.switch_cost.online_state()}
@@ -100,6 +104,7 @@ class LearnedDecider:
         self.scorer.load_state_dict(state["scorer"])
         self.learned.switch_cost.load_online_state(state["switch_cost"])
 
-    def switched(self, moved_bytes: float, bandwidth: float, blocks: int, seconds: float) -> None:
+    def switched(self, moved_bytes: float, bandwidth: float, blocks: int, seconds: float, old: Any = None, new: Any = None) -> None:
+        """A measured switch (`old`, `new`: its partitions, which this network does not read)."""
         if math.isfinite(bandwidth) and bandwidth > 0:
             self.learned.switch_cost.adapt(moved_bytes, bandwidth, blocks, seconds)

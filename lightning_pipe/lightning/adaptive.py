@@ -4,7 +4,8 @@
   every rank's numbers (one all_gather); the metrics are logged and kept in
   ``trainer.strategy.adaptive.monitor.latest`` for callbacks. Once a window of steps is measured,
   the candidates (one boundary between neighbouring workers moved) are scored and the `SwitchRule`
-  may decide to switch; every rank decides alike from the same numbers.
+  may decide to switch; every rank decides alike from the same numbers. ``adaptive=learned`` (ours)
+  and ``adaptive=paper`` (the paper's networks) decide on one rank instead and broadcast the verdict.
 - ``strategy.repartition(bounds)``: a switch requested by the user (or a test), checked at once.
 - A decided or requested switch starts at the next batch's start, before its training_step
   (`on_train_batch_start`). Fine-grained (AutoPipe-RL §4.4, `adaptive_switch`, `fine_switch.py`):
@@ -33,6 +34,7 @@ from ..adaptive.candidates import Scorer, SimulatorScorer, neighbour_candidates
 from ..adaptive.fine_grained import early_microbatches
 from ..adaptive.learned import LearnedDecider, load_learned
 from ..adaptive.monitor import IterationMetrics, Monitor, StaticMetrics
+from ..adaptive.paper_decider import PaperDecider, load_paper
 from ..adaptive.policy import SwitchRule
 from ..adaptive.switch import Bounds, check_bounds, plan_moves
 from .context import RankContext
@@ -55,7 +57,7 @@ class SwitchRecord:
     predicted_new_s: Optional[float]
     seconds: float = 0.0  # measured, the slowest rank's time with the pipeline stopped (its stall)
     moved_bytes: int = 0
-    by: str = "rule"  # "requested" (repartition), "rule" or "learned" (the arbiter)
+    by: str = "rule"  # "requested" (repartition), "rule", "learned" or "paper" (an arbiter)
     early: Optional[int] = None  # fine-grained: micro-batches left on the old worker (None: the pipeline stopped)
     waited: float = 0.0  # fine-grained: seconds the new worker's compute waited for the transfers
     stopped_because: str = ""  # why a switch under adaptive_switch=fine-grained stopped the pipeline
@@ -63,9 +65,10 @@ class SwitchRecord:
     def line(self) -> str:
         if self.predicted_gain is None:
             why = "requested"
-        elif self.by == "learned":
+        elif self.by in ("learned", "paper"):
             why = (
-                f"learned: predictor {self.predicted_now_s * 1e3:.1f} -> {self.predicted_new_s * 1e3:.1f} ms per iteration, arbiter: switch"
+                f"{self.by}: predictor {self.predicted_now_s * 1e3:.1f} -> {self.predicted_new_s * 1e3:.1f} ms per iteration, "
+                "arbiter: switch"
             )
         else:
             why = f"predicted gain {self.predicted_gain:.1%} over the rest of the run"
@@ -100,9 +103,10 @@ class Adaptive:
         self._stream: Optional[Any] = None  # the switch transfers' process group, made at the first fine-grained switch
         self.early: Optional[int] = None  # requested: micro-batches a fine-grained switch leaves on the old worker
         self._transition_step = -1  # the last fine-grained switch's transition iteration
-        self.kind = config.adaptive  # False, "rule" or "learned"
+        self.kind = config.adaptive  # False, "rule", "learned" or "paper"
         self.enabled = bool(self.kind)
-        self.decider: Optional[LearnedDecider] = None  # adaptive=learned: predictor + arbiter (decides on pipeline rank 0)
+        # adaptive=learned / paper: predictor + arbiter (decides on pipeline rank 0)
+        self.decider: Optional[LearnedDecider | PaperDecider] = None
         self.evaluations: list[
             dict[str, Any]
         ] = []  # learned, rank 0, with LIGHTNING_PIPE_ADAPTIVE_EVALUATE=1: every decision's predictions
@@ -140,6 +144,9 @@ class Adaptive:
                 self.decider = LearnedDecider(load_learned(folder, topo.depth), static, config.schedule_spec, config.microbatches)
                 self.offline = copy.deepcopy(self.decider.learned.predictor)  # before online adaptation, for evaluation
                 self.scorer = self.decider.scorer
+            if self.kind == "paper":  # the paper's networks for this depth (checked before any process started)
+                folder = Path(config.adaptive_weights) if config.adaptive_weights else None
+                self.decider = PaperDecider(load_paper(folder, topo.depth), static, config.microbatches, config.adaptive_window)
             # the learned decision is taken on one rank (pipeline rank 0; with replicas, the first
             # replica's) and sent to every rank that switches: the pipeline, or the whole job
             self.root = ctx.pipeline_rank(0) if topo.width == 1 else 0
@@ -213,7 +220,7 @@ class Adaptive:
             if verdict is not None:
                 box[0] = {"switch": verdict.switch, "best": verdict.best, "now": verdict.now_s, "best_s": verdict.best_s}
                 self._log_value("adaptive/decision_ms", verdict.seconds * 1e3)
-            if verdict is not None and os.environ.get(EVALUATE) == "1":
+            if verdict is not None and self.kind == "learned" and os.environ.get(EVALUATE) == "1":
                 offline = self.decider.scorer.predictor
                 self.decider.scorer.predictor = self.offline  # the same candidates before online adaptation
                 before = self.decider.scorer.score_many(window, [b for b, _ in verdict.scores], window[-1].chunk_rank)
@@ -338,7 +345,7 @@ class Adaptive:
             numbers[:2] = slowest[:2]
         iteration = self._iteration()
         gain, now, best = why if why is not None else (None, None, None)
-        by = "requested" if why is None else ("learned" if self.decider is not None else "rule")
+        by = "requested" if why is None else str(self.kind)
         record = SwitchRecord(
             iteration, old, new, gain, now, best, float(numbers[0]), int(numbers[2]), by, early, float(numbers[1]), stopped_because
         )
@@ -353,7 +360,7 @@ class Adaptive:
             if self.decider is not None:
                 moved = [b for m in plan_moves(old, new, ctx.cut.placement) for b in m.blocks]
                 params = sum(self.monitor.static.param_bytes[b] for b in moved)
-                self.decider.switched(params, bandwidth, len(moved), record.seconds)
+                self.decider.switched(params, bandwidth, len(moved), record.seconds, old=old, new=new)
         rank_zero_info(record.line())
         return record
 
@@ -365,11 +372,11 @@ class Adaptive:
     # ---- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         out = {"rule": self.rule.state_dict(), "switches": len(self.switches)}
-        if self.decider is not None and self.ctx.global_rank == self.root:  # learned: adapted online on this rank
-            out["learned"] = self.decider.state_dict()
+        if self.decider is not None and self.ctx.global_rank == self.root:  # learned / paper: adapted online on this rank
+            out[str(self.kind)] = self.decider.state_dict()  # "learned" or "paper": a resumed run of the other mode starts afresh
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rule.load_state_dict(state["rule"])
-        if self.decider is not None and "learned" in state:  # a checkpoint of a rule run has none: shipped weights
-            self.decider.load_state_dict(state["learned"])
+        if self.decider is not None and self.kind in state:  # a checkpoint of a rule run has none: shipped weights
+            self.decider.load_state_dict(state[str(self.kind)])

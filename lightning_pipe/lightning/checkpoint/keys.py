@@ -22,7 +22,7 @@ RUN = {
     "sliced": "autopipe_sliced",  # the slicer's halved warm-up micro-batches
     "schedule": "autopipe_schedule",  # [name, options] that ran (schedule="auto": the one chosen)
     "switched": "autopipe_switched",  # the partition changed while training (resume keeps it)
-    "adaptive": "autopipe_adaptive",  # the switch rule's (and the learned decider's) state
+    "adaptive": "autopipe_adaptive",  # the switch rule's (and the learned or paper decider's) state
     "plan_2bw": "autopipe_2bw_plan",  # planner=2bw: the chosen shape (a resume keeps it)
     "applied": "autopipe_2bw_applied",  # PipeDream-2BW: updates the weights hold
     "advance": "autopipe_advance",  # AvgPipe's advance rule: where Algorithm 1 stands
