@@ -36,6 +36,7 @@ from lightning_pipe.runtime.sequential import SequentialHost
 from lightning_pipe.schedules import build_schedule
 from lightning_pipe.schedules.two_bw import pipedream_2bw
 from lightning_pipe.simulation import CostModel, simulate
+from lightning_pipe.topology import Topology
 
 SCHEDULES = ["gpipe", "1f1b", "2bw"]
 KiB, GiB = 1024.0, 2.0**30
@@ -332,6 +333,12 @@ def cli_step(model: str, ranks: int, precision: str, init: str, checkpoint: str,
     }
 
 
+def _setting(pipeline: str, name: str, default: object) -> object:
+    """A pipeline setting of a run's spec ("width=2+tensor=2+data.batch_size=4"), else `default`."""
+    found = dict(s.split("=", 1) for s in pipeline.split("+") if s)
+    return found.get(name, default)
+
+
 def rank_peaks(bench: Bench, args) -> None:
     _, idle, _ = run_sampled([sys.executable, "-c", "import time, lightning_pipe.cli.train; time.sleep(1)"])
     runtime = idle[0].anon
@@ -351,9 +358,10 @@ def rank_peaks(bench: Bench, args) -> None:
                     continue
                 bench.keep(f"{spec}:{init}:{checkpoint}", result)
                 own = result["predicted"]["runtime_bytes"]  # what the run measured and planned with
+                per_stage = result["predicted"]["per_rank"]  # one entry per stage
+                grid = Topology(ranks, int(_setting(pipeline, "width", 1)), tensor=int(_setting(pipeline, "tensor", 1)))
                 for rank, (rss, anon) in result["ranks"].items():
-                    per_stage = result["predicted"]["per_rank"]  # one entry per stage; rank r runs stage r % depth
-                    pred = per_stage[rank % len(per_stage)]
+                    pred = per_stage[grid.stage_of(rank)]
                     figures, ratios = (pred / GiB, own / GiB, anon / GiB, rss / GiB), (anon / pred,)
                     table.add(
                         model,

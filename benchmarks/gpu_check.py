@@ -17,7 +17,10 @@ One command, one JSON + markdown report, on one accelerator (under 8 minutes on 
    PipeDream-2BW's planner (from a sized profile at micro-batch sizes 1, 2, 4), with their tables;
 6. peak memory of each stage of the 2BW planner's 8-GPU choice for GPT-2 345M, run on the GPU one
    stage at a time (its in-flight micro-batches, gradients, Adam state, 2BW's second version),
-   against the planner's memory model.
+   against the planner's memory model;
+7. on a machine with 4 or 8 GPUs, NCCL's paths of the mesh's dimensions: pp2 x dp2 with each `shard`
+   against whole replicas, pp2 x tp2 against pp4 and pp2 x dp2 x tp2 against pp4 x dp2 (a section
+   says "not run" on fewer GPUs).
 
 `--smoke` runs the same sections small on the CPU (GPT-tiny; planners for 2 and 4 stages): what CI
 runs, so the check cannot rot between runs on a GPU.
@@ -325,6 +328,31 @@ def sharded(args: argparse.Namespace, report: dict) -> dict:
         return {"not run": f"needs 4 GPUs (pp2 x dp2), this machine has {torch.cuda.device_count()}"}
     whole = _sharded("gpu", "none", str(args.out))
     out = {f"shard={s}: max rel error vs shard=none": _max_rel(_sharded("gpu", s, str(args.out)), whole) for s in ("optimizer", "full")}
+    assert all(v <= 1e-10 for v in out.values()), out
+    return out
+
+
+def _tensor(accelerator: str, devices: int, out: str, **settings: Any) -> dict[str, torch.Tensor]:
+    """GPT-tiny on `devices` devices, 4 steps, float64; the model back."""
+    strategy = AutoPipeStrategy(microbatches=4, partition="uniform", start_method="spawn", **settings)
+    return _fresh_fit(strategy, accelerator, devices, 4, out)
+
+
+@section("pipeline x tensor parallel on 4 and 8 GPUs")
+def tensor(args: argparse.Namespace, report: dict) -> dict:
+    # NCCL's paths of tensor=2 (the row-parallel all-reduces, the fused q, k, v's strided shards, the
+    # pipeline's messages between tensor ranks) against pp4 on the same GPUs (both equal one process on CPU:
+    # tests/test_tensor_parallel.py); on 8 GPUs pp2 x dp2 x tp2, the replicas' all-reduce beside tp's
+    if args.smoke:
+        return {"not run on CPU": "4 and 8 processes; tests/test_tensor_parallel*.py run them on CPU processes"}
+    gpus = torch.cuda.device_count()
+    if gpus < 4:
+        return {"not run": f"needs 4 GPUs (pp2 x tp2), this machine has {gpus}"}
+    pipeline = _tensor("gpu", 4, str(args.out))
+    out = {"pp2 x tp2: max rel error vs pp4": _max_rel(_tensor("gpu", 4, str(args.out), tensor=2), pipeline)}
+    if gpus >= 8:
+        wide = _tensor("gpu", 8, str(args.out), width=2)
+        out["pp2 x dp2 x tp2: max rel error vs pp4 x dp2"] = _max_rel(_tensor("gpu", 8, str(args.out), width=2, tensor=2), wide)
     assert all(v <= 1e-10 for v in out.values()), out
     return out
 

@@ -36,6 +36,7 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
         "planners on the measured profiles",
         "peak memory per stage",
         "pipeline x sharded data parallel on 4 GPUs",
+        "pipeline x tensor parallel on 4 and 8 GPUs",
     }
     assert all(s["status"] == "ok" for s in sections.values()), {k: s["result"] for k, s in sections.items() if s["status"] != "ok"}
     exact = sections["strategy on one GPU"]["result"]

@@ -47,7 +47,8 @@ class RecordSplit(Callback):
             for n, p in pl_module.named_parameters()
         }
         mesh = trainer.strategy.device_mesh
-        out = dict(shapes=shapes, names=mesh.mesh_dim_names, tp=mesh["tp"].mesh.tolist())
+        sent = trainer.strategy.layers.runner.transport.moved_bytes  # what this rank sent and received over the cut
+        out = dict(shapes=shapes, names=mesh.mesh_dim_names, tp=mesh["tp"].mesh.tolist(), moved=sent)
         torch.save(out, os.path.join(self.folder, f"split-rank{trainer.global_rank}.pt"))
 
 
@@ -56,7 +57,7 @@ def test_pipeline_by_tensor_parallel_equals_one_process(tmp_path, schedule, opti
     ref = make()
     L.Trainer(devices=1, **trainer_kwargs(gradient_clip_val=0.5)).fit(ref, gpt_data())
     model = make()
-    strategy = AutoPipeStrategy(schedule=schedule, microbatches=4, tensor=2, start_method=START, **options)
+    strategy = AutoPipeStrategy(schedule=schedule, microbatches=4, tensor=2, partition="uniform", start_method=START, **options)
     trainer = L.Trainer(devices=4, strategy=strategy, callbacks=[RecordSplit(tmp_path)], **trainer_kwargs(gradient_clip_val=0.5))
     trainer.fit(model, gpt_data())
     assert model.model[-1].weight is model.model[0].token.weight, "the trained model comes back tied"
@@ -73,6 +74,8 @@ def test_pipeline_by_tensor_parallel_equals_one_process(tmp_path, schedule, opti
         for name, (mine, full) in split.items():
             assert mine[0] * 2 == full[0] or mine[-1] * 2 == full[-1], name
         held |= set(split)
+        if rank % 2:  # one message per tensor group crosses the cut: the group's first rank's, broadcast inside it
+            assert r["moved"] == 0 and torch.load(os.path.join(tmp_path, f"split-rank{rank - 1}.pt"))["moved"] > 0
     layers = range(1, 1 + 2 * CFG["n_layer"])  # blocks: embedding, (attention, MLP) per layer, head
     want = {f"model.{i}.attn.{k}" for i in layers[::2] for k in ("qkv.weight", "qkv.bias", "proj.weight")}
     want |= {f"model.{i}.mlp.{k}" for i in layers[1::2] for k in ("fc.weight", "fc.bias", "proj.weight")}

@@ -27,7 +27,7 @@ from ..modes.lightning import ControllerLayer, Layer, PartitionLayer, ReplicasLa
 from ..modes.partition.lightning import AdaptivePartition, StaticPartition
 from ..modes.two_bw.lightning import DoubleBufferLayer
 from ..modes.width.lightning import AllReduce, FullyShardedReplicas, NoReplicas, ShardedOptimizer
-from ..runtime.p2p import Transport
+from ..runtime.p2p import GroupTransport, Transport
 from ..runtime.tied import tied_from_groups
 from .autoplan import AutoPlanner
 from .checkpoint import full as full_checkpoint
@@ -134,7 +134,7 @@ class Training:
             stages=ctx.depth,
             microbatches=config.microbatches,
             rank=ctx.stage_index,
-            transport=Transport(ctx.pipeline_rank, ctx.device),
+            transport=self._transport(),
             prefetch=config.prefetch,
             trace=config.trace,
             sliced=ctx.cut.sliced,
@@ -149,6 +149,14 @@ class Training:
             self.steps.recording = previous.recording
         for layer in self.layers:
             layer.on_runtime(runner)
+
+    def _transport(self) -> Transport:
+        """tensor > 1: one message per tensor group crosses a cut (its first rank's), broadcast inside the group."""
+        ctx = self.ctx
+        if ctx.topology.tensor == 1:
+            return Transport(ctx.pipeline_rank, ctx.device)
+        root = ctx.topology.global_rank(ctx.replica_index, ctx.stage_index, 0)
+        return GroupTransport(ctx.pipeline_rank, ctx.device, ctx.groups.tensor, root)
 
     def start(self, fitting: bool) -> None:
         """Optimizers exist: the runtime over the cut, every layer started; the tuner's profile run records."""

@@ -171,3 +171,69 @@ class Transport:
 
     def release_headers(self) -> None:
         self._pinned.clear()
+
+
+class GroupRecv(PendingRecv):
+    """A receive of a tensor-parallel group: its first rank receives the message, then every rank of the group
+    takes it from there in one broadcast (when the value is first needed: the group's ranks run the same
+    actions in the same order, so their broadcasts pair up)."""
+
+    def __init__(self, buffers: list[Tensor], spec: Optional[ActivationSpec], group: Any, root: int):
+        super().__init__(buffers, spec)
+        self.group, self.root, self.shared = group, root, False
+
+    def value(self) -> list[Tensor]:
+        buffers = super().value()
+        if not self.shared:
+            for b in buffers:
+                dist.broadcast(b, self.root, group=self.group)
+            self.shared = True
+        return buffers
+
+
+class GroupTransport(Transport):
+    """tensor > 1: a stage's input and output are whole on every rank of its tensor group, so one message per
+    group crosses a cut. Its first rank (`root`, a global rank) sends and receives for the group, the others
+    send nothing and take what it received by a broadcast inside the group (on GPUs: within the node)."""
+
+    def __init__(self, to_global: Callable[[int], int], device: torch.device, group: Any, root: int, batch_ops: Optional[bool] = None):
+        super().__init__(to_global, device, batch_ops)
+        self.group, self.root = group, root
+        self.is_root = dist.get_rank() == root
+        self._shared: set[Hashable] = set()  # keys whose header the group has had
+
+    def send_activation(self, peer: int, chunk: int, key: Hashable, value: Activation) -> list[dist.P2POp]:
+        return super().send_activation(peer, chunk, key, value) if self.is_root else []
+
+    def send_gradients(self, peer: int, grads: Sequence[Tensor]) -> list[dist.P2POp]:
+        return super().send_gradients(peer, grads) if self.is_root else []
+
+    def recv_activation(self, peer: int, chunk: int, key: Hashable) -> tuple[PendingRecv, list[dist.P2POp]]:
+        if self.is_root:
+            pending, ops = super().recv_activation(peer, chunk, key)  # reads the header first if not yet negotiated
+            if (peer, chunk, key) not in self._shared:
+                self._share_spec(pending.spec)
+                self._shared.add((peer, chunk, key))
+            return GroupRecv(pending.buffers, pending.spec, self.group, self.root), ops
+        spec = self._specs.get((peer, chunk, key))
+        if spec is None:
+            spec = self._specs[(peer, chunk, key)] = self._share_spec(None)
+        buffers = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in spec.tensors]
+        return GroupRecv(buffers, spec, self.group, self.root), []
+
+    def recv_gradients(self, peer: int, like: Sequence[Tensor]) -> tuple[PendingRecv, list[dist.P2POp]]:
+        if self.is_root:
+            pending, ops = super().recv_gradients(peer, like)
+            return GroupRecv(pending.buffers, None, self.group, self.root), ops
+        buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in like]
+        return GroupRecv(buffers, None, self.group, self.root), []
+
+    def _share_spec(self, spec: Optional[ActivationSpec]) -> ActivationSpec:
+        """The first receive of a key: the root's negotiated header to the group (the others allocate from it)."""
+        header = spec.encode(self.device) if spec is not None else None
+        length = torch.tensor([header.numel() if header is not None else 0], dtype=torch.int64, device=self.device)
+        dist.broadcast(length, self.root, group=self.group)
+        if header is None:
+            header = torch.empty(int(length.item()), dtype=torch.int64, device=self.device)
+        dist.broadcast(header, self.root, group=self.group)
+        return spec if spec is not None else ActivationSpec.decode(header)
