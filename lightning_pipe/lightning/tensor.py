@@ -16,6 +16,7 @@ from torch import nn
 from ..errors import SettingError
 from ..frontend.tensor_plan import hf_plan_of, hf_tensor_plan
 from ..models.tensor_plan import tensor_plan
+from ..runtime.host_memory import return_large_buffers
 from ..runtime.tensor_parallel import Plan, parallelize_blocks
 from .context import RankContext
 
@@ -51,6 +52,13 @@ def parallelize_stage(ctx: RankContext) -> None:
         return plan
 
     parallelize_blocks(cut.stage.blocks(), mesh, plan_for)
+
+
+def keep_host_memory_returnable(ctx: RankContext) -> None:
+    """tensor > 1 on CPU, before the model is profiled and cut: freed large buffers (a stage's whole weights once
+    split, the blocks' all-reduce buffers) go back to the system (as FSDP2's layer does for its own buffers)."""
+    if ctx.config.tensor > 1 and ctx.device.type == "cpu":
+        return_large_buffers()
 
 
 def _traced_root(stage: Any) -> Any:
