@@ -1,5 +1,6 @@
 """Step time of pp2 x dp2 with whole replicas, ZeRO-1 and FSDP2 (pipeline.shard none | optimizer | full; full:step is
-shard=full with reshard=step: a block's weights gathered once a step, not for every micro-batch).
+shard=full with reshard=step: a block's weights gathered once a step, not for every micro-batch), and of the same
+4 processes as pp4 (`pp4`) or pp2 x tp2 (`tp2`: tensor=2), on the same global batch.
 
 GPT-tiny (lightning_pipe.models.CausalLM), fp32, 1F1B, 4 gloo processes x 1 thread through the Trainer,
 synthetic tokens; each run trains `--warmup` untimed steps, then `--steps` timed ones (rank 0's wall time
@@ -27,6 +28,7 @@ from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.models import CausalLM
 
 SHARDS = ["none", "optimizer", "full", "full:step"]  # full:step is shard="full" with reshard="step"
+MESHES = {"pp4": dict(width=1), "tp2": dict(width=1, tensor=2)}  # the other layouts of the 4 processes
 
 
 class StepClock(L.Callback):
@@ -45,32 +47,32 @@ class StepClock(L.Callback):
             torch.save(seconds, f"{trainer.default_root_dir}/step_seconds.pt")
 
 
-def tokens(rows: int, seq: int) -> DataLoader:
+def tokens(rows: int, seq: int, batch: int) -> DataLoader:
     ids = torch.randint(0, 260, (rows, seq + 1), generator=torch.Generator().manual_seed(0))
-    return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=8)
+    return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=batch)
 
 
 def step_seconds(setting: str, args: Any) -> float:
     shard, _, reshard = setting.partition(":")
+    mesh = MESHES.get(setting, dict(width=2, shard=shard, reshard=reshard or "microbatch"))
     with tempfile.TemporaryDirectory() as out:
         torch.manual_seed(0)
         strategy = AutoPipeStrategy(
-            width=2, shard=shard, reshard=reshard or "microbatch", microbatches=4, partition="uniform", start_method="fork",
-            message_costs=False, timeout=args.timeout,
-        )  # fmt: skip
+            **mesh, microbatches=4, partition="uniform", start_method="fork", message_costs=False, timeout=args.timeout
+        )
         trainer = L.Trainer(
             accelerator="cpu", devices=4, strategy=strategy, max_steps=args.warmup + args.steps, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
             limit_val_batches=0, callbacks=[StepClock(args.warmup)], default_root_dir=out,
         )  # fmt: skip
-        rows = 2 * 8 * (args.warmup + args.steps)  # every step a new batch of 8 per replica
-        trainer.fit(CausalLM("gpt-tiny", lr=1e-3, weight_decay=0.0), tokens(rows, args.seq))
+        rows = 2 * 8 * (args.warmup + args.steps)  # every step a new global batch of 16: 8 per replica at width 2
+        trainer.fit(CausalLM("gpt-tiny", lr=1e-3, weight_decay=0.0), tokens(rows, args.seq, 16 // mesh["width"]))
         return float(torch.load(f"{out}/step_seconds.pt"))
 
 
 def main() -> None:
     bench = Bench(__doc__, {}, threads=1, rounds=3, steps=8, warmup=2, timeout=300.0)
-    bench.options(seq=(64, "tokens per sequence"), shards=(SHARDS, "the shard settings to time"))
+    bench.options(seq=(64, "tokens per sequence"), shards=(SHARDS, "the settings to time: shard[:reshard] at pp2 x dp2, pp4 or tp2"))
     args = bench.parse()
     results = interleave(args.shards, args.rounds, lambda shard, r: step_seconds(shard, args))
     bench.keep("step_seconds", dict(zip(args.shards, results)))
@@ -78,7 +80,7 @@ def main() -> None:
     table = Table("shard", "step ms: median (min..max)", f"median vs {args.shards[0]}")
     for shard, seconds in zip(args.shards, results):
         table.add(shard, spread(seconds).fmt(1e3), f"{statistics.median(seconds) / base:.2f}x")
-    bench.table(table, f"pp2 x dp2, GPT-tiny fp32, 1F1B, 4 micro-batches of 2 x {args.seq} tokens, {args.rounds} rounds interleaved")
+    bench.table(table, f"4 processes, GPT-tiny fp32, 1F1B, 16 x {args.seq} tokens a step in 4 micro-batches per pipeline, {args.rounds} rounds interleaved")
     bench.finish()
 
 
