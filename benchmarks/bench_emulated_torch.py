@@ -14,6 +14,7 @@ is a ``Trainer.fit`` whose rounds alternate with the others' inside it. Results:
 docs/results/emulated_torch.md.
 
     python -m benchmarks.bench_emulated_torch --rounds 7 --json <file> --markdown <file>
+    python -m benchmarks.bench_emulated_torch --ranks 8 --trace 1f1b --rounds 5     # where the time goes
     python -m benchmarks.bench_emulated_torch --quick     # smoke: P = 2, 1F1B, 1 round
 """
 
@@ -277,6 +278,78 @@ def trainer_job(rank: int, world: int, cfg: dict) -> dict:
     x, y = make_data(cfg)
     trainer.fit(Module(), torch.utils.data.DataLoader([(x, y)] * total, batch_size=None))
     return {"times": clock.times, "foreign": clock.foreign}
+
+
+# ---- where our runtime's time goes (--trace) -----------------------------------------------------
+def trace_job(rank: int, world: int, cfg: dict) -> dict:
+    """Our raw runtime's `cfg["trace"]` schedule, traced (the executor's records) and cProfiled on the
+    thread's CPU clock (rank world // 2): per step, its start and end, the records, the CPU seconds."""
+    import cProfile
+    import io
+    import pstats
+
+    from benchmarks.harness.launch import own_seconds
+
+    fine_timer_slack()
+    pipe, opt = ours(make_model(cfg, world), cfg["trace"], rank, world, cfg)
+    x, y = make_data(cfg)
+    for _ in range(cfg["warmup"]):
+        opt.zero_grad(set_to_none=True), pipe.step(x, y), opt.step()
+    ex, steps = pipe.executor, []
+    ex.trace = True
+    prof = cProfile.Profile(time.thread_time) if rank == world // 2 else None
+    for _ in range(cfg["rounds"] * cfg["steps"]):
+        opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        t, cpu = time.perf_counter(), own_seconds()
+        prof and prof.enable()
+        pipe.step(x, y)
+        prof and prof.disable()
+        steps.append(dict(t0=t, t1=time.perf_counter(), cpu=own_seconds() - cpu,
+                          computes={(ex.actions[j].op.value, ex.actions[j].microbatch): (s, e) for j, s, e in ex.records
+                                    if ex.actions[j].op.is_compute}))  # fmt: skip
+        opt.step()
+    out = {"steps": steps}
+    if prof is not None:
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(15)
+        out["profile"] = text.getvalue()
+    return out
+
+
+def trace_report(bench: Bench, world: int, ranks: list[dict], cfg: dict) -> dict:
+    """Per rank: CPU per step, each compute's time beyond its blocks' emulated time; over the pipeline:
+    each message's hop (sender's compute end to receiver's compute start, where the receiver was idle)."""
+    f, b = 2 * cfg["f_ms"] / 1e3, 2 * (cfg["bi_ms"] + cfg["w_ms"]) / 1e3
+    emulated = {"F": f, "B": b}
+    n = len(ranks[0]["steps"])
+    steps = [max(r["steps"][i]["t1"] for r in ranks) - ranks[0]["steps"][i]["t0"] for i in range(n)]
+    cpu = [statistics.median(s["cpu"] for s in r["steps"]) for r in ranks]
+    extra = [e - s - emulated[op] for r in ranks for st in r["steps"] for (op, _), (s, e) in st["computes"].items()]
+    hops = []
+    for i in range(n):
+        for r in range(world):
+            mine = ranks[r]["steps"][i]["computes"]
+            order = sorted(mine.items(), key=lambda kv: kv[1][0])
+            for j, ((op, mb), (s, _)) in enumerate(order):
+                src = r - 1 if op == "F" else r + 1
+                if not 0 <= src < world or (op == "B" and r == world - 1):
+                    continue
+                sent = ranks[src]["steps"][i]["computes"][(op, mb)][1]
+                if j == 0 or order[j - 1][1][1] < sent:  # the receiver was idle when the data left
+                    hops.append(s - sent)
+    q = lambda xs, k: sorted(xs)[min(len(xs) - 1, int(k * len(xs)))] * 1e6  # noqa: E731
+    bench.say(f"\n#### Trace: our raw runtime, {cfg['trace']}, P = {world} (EMULATED), {n} steps")
+    bench.say(f"step ms: median {statistics.median(steps) * 1e3:.1f}; CPU per step and rank (ms, all threads): "
+              + ", ".join(f"{c * 1e3:.1f}" for c in cpu))  # fmt: skip
+    bench.say(
+        f"a compute's time beyond its emulated time (us): median {q(extra, 0.5):.0f}, p10 {q(extra, 0.1):.0f}, p90 {q(extra, 0.9):.0f}"
+    )
+    bench.say(f"a message's hop, sender's compute end to receiver's compute start (us, receiver idle): median {q(hops, 0.5):.0f}, "
+              f"p10 {q(hops, 0.1):.0f}, p90 {q(hops, 0.9):.0f} ({len(hops)} hops)")  # fmt: skip
+    profile = next(r["profile"] for r in ranks if "profile" in r)
+    bench.log(f"rank {world // 2}'s heaviest functions (thread CPU clock, cProfile on):\n{profile}")
+    return dict(steps=steps, cpu=cpu, extra_median=q(extra, 0.5) / 1e6, hops=hops, profile=profile)
 
 
 # ---- the table ----------------------------------------------------------------------------------
