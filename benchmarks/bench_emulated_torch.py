@@ -420,11 +420,19 @@ def main() -> None:
         f_ms=(2.0, "forward ms per block"), bi_ms=(2.0, "input-gradient ms per block"), w_ms=(2.0, "weight-gradient ms per block")
     )
     bench.options(width=16, rows=(4, "rows per micro-batch"), no_torch=(False, "our runtime only"))
+    bench.options(trace=(None, "instead of the table: trace our raw runtime's schedule TRACE (gpipe or 1f1b) at each P"))
     args = bench.parse()
     cfg = {
         k: getattr(args, k) for k in ("m", "f_ms", "bi_ms", "w_ms", "width", "rows", "rounds", "steps", "warmup", "schedules", "no_torch")
     }
-    cfg.update(lr=0.01, seed=3)
+    cfg.update(lr=0.01, seed=3, trace=args.trace)
+    if args.trace:
+        if args.trace not in FLUSH:
+            bench.error(f"--trace: one chunk per rank, one of {FLUSH}")
+        for p in args.ranks:
+            bench.keep(f"trace P={p}", trace_report(bench, p, run_distributed(trace_job, p, cfg, timeout=args.timeout, threads=1), cfg))
+        bench.finish()
+        return
     f, b = 2 * args.f_ms, 2 * (args.bi_ms + args.w_ms)  # a rank's stage: 2 blocks
     bench.say(f"EMULATED: 2 blocks per rank, a block {args.f_ms:g} ms forward, {args.bi_ms:g} + {args.w_ms:g} ms backward (BI + W); "
               f"a stage F = {f:g} ms, B = {b:g} ms; M = {args.m}; {args.rounds} interleaved rounds of {args.steps} steps")  # fmt: skip
