@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .launch import timed_steps
+from .pipes import TORCH_SCHEDULES  # noqa: F401  (where bench scripts found it)
 
 
 class Block(nn.Module):
@@ -68,28 +69,13 @@ class MSEBlock(nn.Module):
         return loss_fn(out, self.target)
 
 
-TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")  # torch.distributed.pipelining's: one stage per rank, then two
-
-
 def torch_pipeline(model: nn.Sequential, cfg: dict, rank: int, name: str) -> tuple:
     """torch.distributed.pipelining's schedule `name` over ``model`` cut into equal stages on 2 ranks
-    (interleaved: stages r and r + 2, zbv: the V, r and 3 - r): ``run(x, y)`` and this rank's blocks."""
-    from torch.distributed import pipelining as tp
+    (`pipes.torch_stages`): ``run(x, y)`` and this rank's blocks."""
+    from .pipes import torch_stages
 
-    from .pipes import equal_bounds
-
-    kinds = {"gpipe": tp.ScheduleGPipe, "1f1b": tp.Schedule1F1B, "interleaved": tp.ScheduleInterleaved1F1B, "zbv": tp.ScheduleZBVZeroBubble}
-    n = 2 if name in ("gpipe", "1f1b") else 4
-    m, bounds = cfg["microbatches"], equal_bounds(len(model), n)
-    mine = [rank] if n == 2 else sorted([rank, rank + 2] if name == "interleaved" else [rank, n - 1 - rank])
-    shapes = lambda grad: (torch.empty(cfg["batch"] // m, cfg["hidden"], requires_grad=grad),)  # noqa: E731  (static: no inference)
-    stages = [
-        tp.PipelineStage(model[slice(*bounds[s])], s, n, torch.device("cpu"), input_args=shapes(s > 0), output_args=shapes(True))
-        for s in mine
-    ]
-    schedule = kinds[name](stages[0] if n == 2 else stages, m, loss_fn=loss_fn)  # scale_grads: as ours
-    run = lambda x, y: schedule.step(*((x,) if 0 in mine else ()), return_outputs=False, **({"target": y} if n - 1 in mine else {}))  # noqa: E731
-    return run, {i for s in mine for i in range(*bounds[s])}
+    example = torch.empty(cfg["batch"] // cfg["microbatches"], cfg["hidden"])
+    return torch_stages(model, name, 2, rank, cfg["microbatches"], example, loss_fn)
 
 
 def stage_job(rank: int, cfg: dict, mode: str, prof=None) -> dict:

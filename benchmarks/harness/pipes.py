@@ -89,6 +89,30 @@ def chunk_pipeline(model: nn.Sequential, schedule: Any, bounds: Sequence[tuple[i
     return chunks, pipe, torch.optim.SGD([p for c in chunks.values() for p in c.parameters()], lr=lr)
 
 
+TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")  # torch.distributed.pipelining's: one stage per rank, then two
+
+
+def torch_stages(model: nn.Sequential, name: str, world: int, rank: int, m: int, example: torch.Tensor, loss: Callable) -> tuple:
+    """torch.distributed.pipelining's schedule `name` (`TORCH_SCHEDULES`) over ``model`` cut into equal
+    stages on `world` ranks: one per rank (gpipe, 1f1b), else two, interleaved (r and r + world) or a V
+    (zbv: r and 2 world - 1 - r); ``example``: one micro-batch, the static shape and dtype of every
+    stage boundary (no shape inference). Returns ``run(x, y)`` (one step of m micro-batches) and the
+    indices of this rank's blocks."""
+    from torch.distributed import pipelining as tp
+
+    kinds = {"gpipe": tp.ScheduleGPipe, "1f1b": tp.Schedule1F1B, "interleaved": tp.ScheduleInterleaved1F1B, "zbv": tp.ScheduleZBVZeroBubble}
+    n = world if name in ("gpipe", "1f1b") else 2 * world
+    bounds = equal_bounds(len(model), n)
+    mine = [rank] if n == world else sorted([rank, rank + world] if name == "interleaved" else [rank, n - 1 - rank])
+    shape = lambda grad: (torch.empty_like(example).requires_grad_(grad),)  # noqa: E731
+    stages = [
+        tp.PipelineStage(model[slice(*bounds[s])], s, n, example.device, input_args=shape(s > 0), output_args=shape(True)) for s in mine
+    ]
+    schedule = kinds[name](stages[0] if n == world else stages, m, loss_fn=loss)  # scale_grads: as ours
+    run = lambda x, y: schedule.step(*((x,) if 0 in mine else ()), return_outputs=False, **({"target": y} if n - 1 in mine else {}))  # noqa: E731
+    return run, {i for s in mine for i in range(*bounds[s])}
+
+
 def median_costs(parts: list[dict], link: dict, name: str = "bench", fold_loss: bool = False, messages: dict | None = None):
     """A CostModel from per-rank block profiles: each block's median over the ranks; with
     ``fold_loss`` the last profiled block is the loss, added to the block before it. Returns the
