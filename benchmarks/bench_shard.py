@@ -80,7 +80,10 @@ def main() -> None:
     table = Table("shard", "step ms: median (min..max)", f"median vs {args.shards[0]}")
     for shard, seconds in zip(args.shards, results):
         table.add(shard, spread(seconds).fmt(1e3), f"{statistics.median(seconds) / base:.2f}x")
-    bench.table(table, f"4 processes, GPT-tiny fp32, 1F1B, 16 x {args.seq} tokens a step in 4 micro-batches per pipeline, {args.rounds} rounds interleaved")
+    bench.table(
+        table,
+        f"4 processes, GPT-tiny fp32, 1F1B, 16 x {args.seq} tokens a step in 4 micro-batches per pipeline, {args.rounds} rounds interleaved",
+    )
     bench.finish()
 
 
