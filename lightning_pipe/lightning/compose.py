@@ -37,7 +37,7 @@ from .context import RankContext
 from .gradients import StageGradients
 from .precision import PipelinePrecisionMixin
 from .steps import PipelineSteps
-from .tensor import parallelize_stage
+from .tensor import keep_host_memory_returnable, parallelize_stage
 from .tune_record import TuneRecording
 
 
@@ -80,6 +80,7 @@ class Training:
 
     def __init__(self, ctx: RankContext, planner: AutoPlanner, precision: PipelinePrecisionMixin):
         self.ctx, self.planner = ctx, planner
+        keep_host_memory_returnable(ctx)  # before the model is profiled and cut
         self.precision = precision  # the Trainer's pipeline-aware precision plugin: clips over this stage's gradients
         choice = choose_layers(ctx.config)
         self.versions = choice.versions(ctx, self.update)

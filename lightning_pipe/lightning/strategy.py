@@ -36,7 +36,6 @@ from .precision import pipeline_precision
 from .preflight import STRATEGY_SETTINGS, strategy_config
 from .processes import ProcessGroupStrategy
 from .shape import Where, choose_shape, rebatched
-from .tensor import keep_host_memory_returnable
 
 
 class AutoPipeStrategy(EmptyInitMixin, ProcessGroupStrategy):
@@ -170,7 +169,6 @@ class AutoPipeStrategy(EmptyInitMixin, ProcessGroupStrategy):
             env.main_address, env.main_port, self.resume_path, self.checkpoint_io, self.shape, cut,
         )  # fmt: skip
         self.layers = Training(ctx, self.planner, self.precision_plugin)
-        keep_host_memory_returnable(ctx)
         if ctx.cut is None:
             ctx.cut = cut_module(ctx, self.planner, module)
         self.layers.build_gradients()
