@@ -237,12 +237,21 @@ def test_plan_command_prints_the_mesh_and_the_sharded_memory(tmp_path):
         runs[shard] = json.loads((tmp_path / shard / "plan.json").read_text())
         assert "mesh: pp 4 x dp 2" in proc.stdout and "predicted peak memory per rank (by stage)" in proc.stdout
     sharded, whole = runs["optimizer"], runs["none"]
-    assert sharded["mesh"] == {"pp": 4, "dp": 2, "shard": "optimizer"} and "Adam's moments sharded over 2 replicas" in proc.stdout
+    assert sharded["mesh"] == {"pp": 4, "dp": 2, "tp": 1, "shard": "optimizer"} and "Adam's moments sharded over 2 replicas" in proc.stdout
     assert sharded["predicted_memory_bytes"]["weight_copies"] == 3.0 and whole["predicted_memory_bytes"]["weight_copies"] == 4.0
     # the same partition: each stage's prediction drops by one weight copy (Adam's two moments, halved)
     assert sharded["plan"]["sizes"] == whole["plan"]["sizes"]
     for a, b in zip(sharded["predicted_memory_bytes"]["per_rank"], whole["predicted_memory_bytes"]["per_rank"]):
         assert a < b
+    # tensor=2 on the same 8 devices: pp 2 x dp 2 x tp 2, each rank holding half of its layers' weights
+    args = ["recipe=gpt2-345m", "trainer.devices=8", "pipeline.width=2", "pipeline.tensor=2", f"hydra.run.dir={tmp_path / 'tp'}"]
+    proc = plan_cli(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    split = json.loads((tmp_path / "tp" / "plan.json").read_text())
+    assert "mesh: pp 2 x dp 2 x tp 2" in proc.stdout and "layers' weights split over 2 tensor-parallel ranks" in proc.stdout
+    assert split["mesh"] == {"pp": 2, "dp": 2, "tp": 2, "shard": "none"}
+    # the stages' weights summed: the whole model's at pp4, less at pp2 x tp2 (a tensor rank's share of the layers)
+    assert sum(split["plan"]["stage_param_bytes"]) < 0.75 * sum(whole["plan"]["stage_param_bytes"])
 
 
 @pytest.mark.multiprocess
