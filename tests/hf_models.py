@@ -232,3 +232,19 @@ def reference_avgpipe(ref: "UserLM", steps: int, pipelines: int, alpha: float) -
             deltas.append(delta)
         w_ref = {k: w_ref[k] + sum(d[k] for d in deltas) / pipelines for k in w_ref}
     return w_ref
+
+
+def two_replica_data(steps: int) -> "DataLoader":
+    """One process's batches for a run of 2 replicas reading 8 rows each: Lightning's DistributedSampler (shuffle,
+    the run's seed) deals replica r the rows perm[r::2] of each epoch; a step is the union of both replicas' k-th
+    batches."""
+    import os
+
+    seed, rows = int(os.environ.get("PL_GLOBAL_SEED", 0)), len(Tokens())
+    out, epoch = [], 0
+    while len(out) < steps:
+        perm = torch.randperm(rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        shards = [perm[r::2] for r in range(2)]
+        out += [shards[0][k : k + 8] + shards[1][k : k + 8] for k in range(0, rows // 2, 8)]
+        epoch += 1
+    return DataLoader(Tokens(), batch_sampler=out[:steps])

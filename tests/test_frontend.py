@@ -5,8 +5,6 @@ float64, dropout 0, weights after 4 AdamW steps; every run is a real multi-proce
 
 from __future__ import annotations
 
-import os
-
 import lightning as L
 import pytest
 import torch
@@ -20,6 +18,7 @@ from hf_models import (
     reference_avgpipe,
     train_single,
     trainer_kwargs,
+    two_replica_data,
 )
 from torch.utils.data import DataLoader
 
@@ -69,14 +68,7 @@ def test_sharded_replicas_train_a_hugging_face_model_as_one_process(shard):
     # pp2 x dp2 (Llama, untied head). Lightning's DistributedSampler (shuffle, the run's seed) deals replica r
     # the rows perm[r::2] of each epoch; one process trains on the union of both replicas' k-th batches
     ref, model = pair("llama")
-    seed, rows = int(os.environ.get("PL_GLOBAL_SEED", 0)), len(Tokens())
-    steps, epoch = [], 0
-    while len(steps) < STEPS:
-        perm = torch.randperm(rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        shards = [perm[r::2] for r in range(2)]
-        steps += [shards[0][k : k + 8] + shards[1][k : k + 8] for k in range(0, rows // 2, 8)]
-        epoch += 1
-    train_single(ref, STEPS, data=DataLoader(Tokens(), batch_sampler=steps[:STEPS]))
+    train_single(ref, STEPS, data=two_replica_data(STEPS))
     pipelined(model, 4, width=2, shard=shard, microbatches=2)
     assert close(ref.state_dict(), model.state_dict()) <= 1e-10
 
@@ -111,9 +103,7 @@ def test_every_mode_equals_one_process(kind, devices, settings):
 def test_replicas_equal_one_process_on_the_global_batch():
     # 2 replicas of a 2-stage pipeline: replica r reads perm[r::2] of the epoch's shuffle, 4 rows a step,
     # together one process's batch of 8 (EpochPerm deals that permutation in one process)
-    from hf_models import Tokens
     from models import EpochPerm
-    from torch.utils.data import DataLoader
 
     ref, model = pair("gpt2")
     train_single(ref, STEPS, DataLoader(Tokens(), batch_size=8, sampler=EpochPerm(len(Tokens()))))

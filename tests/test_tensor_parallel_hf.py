@@ -9,10 +9,9 @@ import os
 import lightning as L
 import pytest
 import torch
-from hf_models import Tokens, UserLM, close, loader, pair, reference_2bw, train_single, trainer_kwargs
+from hf_models import UserLM, close, loader, pair, reference_2bw, train_single, trainer_kwargs, two_replica_data
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-from torch.utils.data import DataLoader
 
 from lightning_pipe import AutoPipeStrategy
 
@@ -72,14 +71,7 @@ def test_llama_in_three_dimensions_equals_one_process():
     # pp2 x dp2 x tp2 with FSDP2 over the replicas: Lightning's DistributedSampler (shuffle, the run's seed) deals
     # replica r the rows perm[r::2] of each epoch; one process trains on the union of both replicas' k-th batches
     ref, model = pair("llama")
-    seed, rows = int(os.environ.get("PL_GLOBAL_SEED", 0)), len(Tokens())
-    steps, epoch = [], 0
-    while len(steps) < STEPS:
-        perm = torch.randperm(rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        shards = [perm[r::2] for r in range(2)]
-        steps += [shards[0][k : k + 8] + shards[1][k : k + 8] for k in range(0, rows // 2, 8)]
-        epoch += 1
-    train_single(ref, STEPS, data=DataLoader(Tokens(), batch_sampler=steps[:STEPS]))
+    train_single(ref, STEPS, data=two_replica_data(STEPS))
     fit(model, 8, width=2, shard="full", microbatches=2)
     assert close(ref.state_dict(), model.state_dict()) <= 1e-10
 
