@@ -1,20 +1,21 @@
-"""The rank grid: `width` pipeline replicas x `depth` stages.
+"""The rank grid: `width` pipeline replicas x `depth` stages x `tensor` ranks, pipeline outermost.
 
-Global rank ``r`` is stage ``r % depth`` of replica ``r // depth``: the stages of one pipeline
-are consecutive ranks, so on a multi-GPU node a pipeline's point-to-point traffic stays inside
-the node where it can, and the gradient all-reduce of a stage runs across replicas.
+Global rank ``r`` is stage ``r // (width * tensor)``, replica ``r // tensor % width``, tensor rank
+``r % tensor``: the mesh ("pp", "dp", "tp") laid out in row-major order, as torchtitan and Megatron-LM
+place it. Tensor parallelism's T ranks are consecutive (one node, the fastest links: two all-reduces a
+block), then a stage's replicas (the data-parallel group: FSDP2's gathers every block, or the gradient
+all-reduce, stay inside a node while width x tensor fits one, as PipeDream-2BW's planner assumes), and
+the pipeline's hops, one activation per micro-batch, are what crosses nodes.
 
 AvgPipe's shared devices (`node_stages`, the paper's layout): each node holds `node_stages`
 consecutive stages of *every* pipeline, N processes per device. Lightning numbers a node's processes
 after the node's (``node * processes + local``), so there the ranks go node by node, pipeline by
 pipeline within a node: local rank ``n * node_stages + k`` is stage ``node * node_stages + k`` of
-pipeline n, on the node's device k. With one node both orders are the same.
+pipeline n, on the node's device k. The pipeline-outermost grid is the same rule with one stage per
+block (``node_stages`` 0 means 1).
 
-Tensor parallelism (`tensor` T > 1) is the innermost dimension, as torchtitan and Megatron place it:
-the T ranks of a tensor-parallel group are consecutive (one node, the fastest links), and the grid above
-is laid over the groups: rank ``r`` is tensor rank ``r % T`` of grid position ``r // T``. Each tensor
-rank runs its own copy of the pipeline's messages and its own data-parallel group (the ranks with its
-stage and its tensor rank), so the stages' runtime and the replicas' reductions are unchanged.
+Each tensor rank runs its own copy of the pipeline's messages and its own data-parallel group (the ranks
+with its stage and its tensor rank), so the stages' runtime and the replicas' reductions are unchanged.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch.distributed as dist
 class Topology:
     world_size: int
     width: int
-    node_stages: int = 0  # stages per node when the pipelines share the nodes' devices; 0: the whole depth
+    node_stages: int = 0  # stages per node when the pipelines share the nodes' devices; 0: pipeline outermost
     tensor: int = 1  # tensor-parallel ranks per stage (innermost)
 
     def __post_init__(self) -> None:
@@ -57,7 +58,7 @@ class Topology:
 
     @property
     def _per_node(self) -> int:
-        return self.node_stages or self.depth
+        return self.node_stages or 1
 
     def stage_of(self, rank: int) -> int:
         k, q = self._per_node, rank // self.tensor

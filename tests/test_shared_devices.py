@@ -40,8 +40,12 @@ def test_shared_layout_puts_each_pipeline_once_on_every_device(nodes, devices, p
     assert len(seen) == nodes * processes  # a bijection ranks <-> (pipeline, stage)
 
 
-def test_one_node_orders_ranks_as_the_replica_major_grid():
-    assert [Topology(6, 2, 3).stage_of(r) for r in range(6)] == [Topology(6, 2).stage_of(r) for r in range(6)] == [0, 1, 2] * 2
+def test_one_node_orders_shared_devices_pipeline_by_pipeline_and_the_default_grid_stage_by_stage():
+    # shared devices: Lightning's local ranks fill every device once per pipeline; a device per process:
+    # a stage's replicas are consecutive (pipeline outermost)
+    assert [Topology(6, 2, 3).stage_of(r) for r in range(6)] == [0, 1, 2] * 2
+    assert [Topology(6, 2).stage_of(r) for r in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert [Topology(6, 2).replica_of(r) for r in range(6)] == [0, 1] * 3
 
 
 def test_local_ranks_fill_every_device_before_any_doubles_up(monkeypatch):

@@ -27,6 +27,8 @@ from lightning_pipe.topology import Topology
 def test_every_rank_has_one_place_in_the_grid_with_tensor_innermost(tensor, width, depth):
     topo = Topology(tensor * width * depth, width, tensor=tensor)
     assert topo.depth == depth
+    grid = torch.arange(topo.world_size).reshape(depth, width, tensor)  # ("pp", "dp", "tp"), pipeline outermost
+    assert all(topo.global_rank(w, s, t) == grid[s, w, t] for s in range(depth) for w in range(width) for t in range(tensor))
     places = {(topo.replica_of(r), topo.stage_of(r), topo.tensor_of(r)) for r in range(topo.world_size)}
     assert len(places) == topo.world_size, "no two ranks share a place"
     for r in range(topo.world_size):

@@ -138,7 +138,7 @@ def test_the_chosen_configuration_is_simulated_exactly():
     result = plan_2bw(p, hw, 256, schedules=("2bw", "1f1b"))
     c = result.chosen
     assert c.exact and c.verdict == "chosen"
-    exact = step_time(p.at(c.microbatch_size), c.bounds, c.stage_recompute, c.schedule, c.microbatches, hw)
+    exact = step_time(p.at(c.microbatch_size), c.bounds, c.stage_recompute, c.schedule, c.microbatches, hw, width=c.width)
     assert c.step_time == pytest.approx(exact, rel=1e-12)
     assert "chosen:" in result.table() and "over memory_limit" not in result.table()
 

@@ -104,14 +104,14 @@ def test_sharded_optimizer_equals_one_process_and_holds_each_state_once(tmp_path
     unclipped, _ = single(5)
     assert max_rel_diff(unclipped.state_dict(), model.state_dict()) > 1e-6  # the clip took effect
     ranks = [torch.load(os.path.join(tmp_path, f"state-rank{r}.pt")) for r in range(4)]
-    for stage in range(2):  # ranks 2w + s: stage s of replica w (topology.py)
-        a, b = ranks[stage], ranks[2 + stage]
+    for stage in range(2):  # ranks 2s + w: stage s of replica w (pipeline outermost, topology.py)
+        a, b = ranks[2 * stage], ranks[2 * stage + 1]
         assert a["stage"] == b["stage"]
         assert a["held"] and b["held"] and not a["held"] & b["held"], "each parameter's state on one replica"
         assert a["held"] | b["held"] == set(a["stage"]), "every parameter's state on some replica"
         assert a["moments"] + b["moments"] == sum(a["stage"].values())
-    for rank, r in enumerate(ranks):  # mesh[s][w] is stage s of replica w (rank 2w + s); "dp" is the stage's replicas
-        assert r["mesh"] == dict(ranks=[[0, 2], [1, 3]], names=("pp", "dp"), dp=[rank % 2, rank % 2 + 2], same=True)
+    for rank, r in enumerate(ranks):  # mesh[s][w] is stage s of replica w (rank 2s + w); "dp" is the stage's replicas
+        assert r["mesh"] == dict(ranks=[[0, 1], [2, 3]], names=("pp", "dp"), dp=[rank - rank % 2, rank - rank % 2 + 1], same=True)
 
 
 # FSDP2 per block: every parameter, gradient and moment split over the two replicas of its stage; its weights
@@ -147,8 +147,8 @@ def test_fully_sharded_replicas_equal_one_process_and_hold_half_of_everything(tm
         per_block = 1 if reshard == "step" else 2 * 2  # once a step, or for each of the 2 forwards and 2 backwards
         assert gathers["per_step"] == [per_block * gathers["blocks"]] * 5, gathers
     ranks = [torch.load(os.path.join(tmp_path, f"state-rank{r}.pt")) for r in range(4)]
-    for stage in range(2):
-        a, b = ranks[stage], ranks[2 + stage]
+    for stage in range(2):  # the stage's two replicas: ranks 2s, 2s + 1
+        a, b = ranks[2 * stage], ranks[2 * stage + 1]
         total = sum(a["stage"].values())
         assert a["held"] == b["held"] == set(a["stage"]), "each rank holds a shard of every parameter's state"
         assert a["weights"] + b["weights"] == total and a["moments"] + b["moments"] == total

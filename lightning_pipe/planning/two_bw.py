@@ -61,13 +61,15 @@ class Hardware:
     runtime_bytes: float = 0.0  # ours: a process's own memory besides the model (profiling/runtime.py), on every stage
     shard_optimizer: bool = False  # ours, beside Algorithm 1: ZeRO-1 (shard="optimizer"), the optimizer state / width
 
-    def pipeline_bandwidth(self, depth: int) -> float:
-        """Ranks of a pipeline are consecutive (topology.py): within a node unless it is deeper than one."""
-        return self.intra_bandwidth if depth <= self.devices_per_node else self.inter_bandwidth
-
-    def replica_bandwidth(self, width: int, depth: int) -> float:
-        """A stage's replicas are `depth` ranks apart: on one node only if the whole grid is."""
+    def pipeline_bandwidth(self, depth: int, width: int = 1) -> float:
+        """The pipeline is the outermost dimension (topology.py): a stage's `width` replicas fill a node
+        before the next stage, so a pipeline stays inside one node only if the whole grid does."""
         return self.intra_bandwidth if width * depth <= self.devices_per_node else self.inter_bandwidth
+
+    def replica_bandwidth(self, width: int) -> float:
+        """The paper's bwth_width(w): a stage's replicas are consecutive ranks, inside one server when
+        w fits it (the paper writes w < the server's GPUs; w equal to them fits too)."""
+        return self.intra_bandwidth if width <= self.devices_per_node else self.inter_bandwidth
 
 
 # (intra-node, inter-node) bytes/s when none are given: NVLink-class within a node and 100 Gb/s
@@ -277,7 +279,7 @@ def allreduce_time(costs: BlockCosts, bounds: Sequence[tuple[int, int]], width: 
     a sharded optimizer adds the owners' broadcast of the new weights, (w - 1) / w more (ZeRO-1)."""
     if width <= 1:
         return 0.0
-    bandwidth = hw.replica_bandwidth(width, len(bounds))
+    bandwidth = hw.replica_bandwidth(width)
     largest = max(sum(costs.param_bytes[a:b]) for a, b in bounds)
     passes = 3 if hw.shard_optimizer else 2
     return passes * (width - 1) / width * largest / bandwidth + passes * (width - 1) * hw.latency
@@ -291,14 +293,14 @@ def _replay(schedule: str, depth: int, m: int, batches: int = 0) -> Replay:
 
 
 def step_time(
-    costs: BlockCosts, bounds: tuple, recompute: Sequence[bool], schedule: str, m: int, hw: Hardware, exact: bool = True
+    costs: BlockCosts, bounds: tuple, recompute: Sequence[bool], schedule: str, m: int, hw: Hardware, exact: bool = True, width: int = 1
 ) -> float:
     """Simulated seconds per optimizer step of one pipeline (no all-reduce). 2BW has no flush: a step
     costs what one more batch adds to the unrolled run. `exact=False` (ours, to screen hundreds of
     candidates quickly): past max(16, 2d) micro-batches the line through max(8, d) and max(16, 2d)
     (within 0.5% on most GPT-2 1.3B cases, up to 10% at d = 32 on slow links, where the pipeline
     settles slowly; the finalists are then simulated exactly)."""
-    model = costs.cost_model(bounds, recompute, hw.pipeline_bandwidth(len(bounds)), hw.latency)
+    model = costs.cost_model(bounds, recompute, hw.pipeline_bandwidth(len(bounds), width), hw.latency)
     depth = len(bounds)
 
     def simulated(n: int) -> float:
@@ -423,7 +425,7 @@ def _plan(
         raise NoConfiguration(candidates, hw, global_batch)
     for c in sorted(feasible, key=lambda c: -c.throughput)[:finalists]:  # screened -> exact
         if not c.exact:
-            c.step_time = step_time(at[c.microbatch_size], c.bounds, c.stage_recompute, c.schedule, c.microbatches, hw)
+            c.step_time = step_time(at[c.microbatch_size], c.bounds, c.stage_recompute, c.schedule, c.microbatches, hw, width=c.width)
             c.throughput, c.exact = throughput(c.step_time, c.allreduce_time, c.width, c.microbatch_size, c.microbatches), True
     ranked = sorted((c for c in feasible if c.exact), key=lambda c: (-c.throughput, c.memory))
     notes: list[str] = []
@@ -472,7 +474,7 @@ def _search(costs: BlockCosts, w: int, d: int, b: int, m: int, schedule: str, op
         if c.memory > limit:
             c.verdict = "over memory_limit"
         else:
-            c.step_time = step_time(costs, bounds, flags, schedule, m, hw, exact=False)
+            c.step_time = step_time(costs, bounds, flags, schedule, m, hw, exact=False, width=w)
             c.exact = m <= max(16, 2 * d)
             c.allreduce_time = allreduce_time(costs, bounds, w, hw)
             c.throughput = throughput(c.step_time, c.allreduce_time, w, b, m)
@@ -514,10 +516,10 @@ def _min_max(costs: BlockCosts, depth: int, recomputed: bool) -> tuple:
 
 def _refined(best: Candidate, costs: BlockCosts, hw: Hardware, refine: callable) -> Candidate:
     d, flags = best.depth, best.stage_recompute
-    model = costs.cost_model(best.bounds, flags, hw.pipeline_bandwidth(d), hw.latency)
+    model = costs.cost_model(best.bounds, flags, hw.pipeline_bandwidth(d, best.width), hw.latency)
     bounds = tuple(tuple(x) for x in refine(model, d, min(best.microbatches, d + min(d, 8)), best.schedule))
     stage_memory = memory(costs, bounds, flags, best.schedule, best.microbatches, hw, best.width)
-    step = step_time(costs, bounds, flags, best.schedule, best.microbatches, hw)
+    step = step_time(costs, bounds, flags, best.schedule, best.microbatches, hw, width=best.width)
     ar = allreduce_time(costs, bounds, best.width, hw)
     return replace(
         best,

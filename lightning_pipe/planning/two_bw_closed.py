@@ -36,8 +36,8 @@ def closed_step(costs: BlockCosts, depth: int, width: int, g: int, recompute: bo
     """t: seconds per micro-batch, the paper's pipelined expression (the steady state) or, with
     `pipelined=False`, its expression without pipelining (stages add up, communication after compute)."""
     bounds = even_bounds(len(costs.forward), depth)
-    link = hw.pipeline_bandwidth(depth)
-    replica = hw.replica_bandwidth(width, depth)
+    link = hw.pipeline_bandwidth(depth, width)
+    replica = hw.replica_bandwidth(width)
     worst = total = 0.0
     for i, (a, b) in enumerate(bounds):
         compute = sum(costs.forward[a:b]) + sum(costs.backward[a:b])
