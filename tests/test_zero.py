@@ -155,6 +155,31 @@ def test_fully_sharded_replicas_equal_one_process_and_hold_half_of_everything(tm
         assert a["weights"] < total and b["weights"] < total
 
 
+# zero bubble over FSDP2: BI runs before W has accumulated any weight gradient, so each block's gradients are
+# reduce-scattered by hand after the step's last W of its chunk (once a step), never by FSDP2's own post-backward
+# after BI (weights then off by a step's missing gradients), and the clipped norm spans every rank's shards
+@pytest.mark.parametrize(
+    "schedule,reshard", [("zb-h1", "microbatch"), ("zb-v", "microbatch"), ("zb-h1", "step"), ("zb-auto", "microbatch")]
+)
+def test_fully_sharded_replicas_under_zero_bubble_equal_one_process(tmp_path, schedule, reshard):
+    steps = 3
+    ref, _ = single(steps, gradient_clip_val=0.05)
+    model = LitSeq()
+    callbacks = [CountCollective(tmp_path, "reduce_scatter_single", "rs"), CountCollective(tmp_path, "all_gather_single", "ag")]
+    pipelined(model, steps, callbacks=callbacks, schedule=schedule, shard="full", gradient_clip_val=0.05, reshard=reshard)
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    unclipped, _ = single(steps)
+    assert max_rel_diff(unclipped.state_dict(), model.state_dict()) > 1e-6  # the clip took effect
+    for rank in range(4):
+        counts = torch.load(os.path.join(tmp_path, f"rs-rank{rank}.pt"))
+        assert counts["blocks"] > 0 and counts["per_step"] == [counts["blocks"]] * steps, counts
+        gathers = torch.load(os.path.join(tmp_path, f"ag-rank{rank}.pt"))
+        if reshard == "step":  # gathered once a step, kept through every BI and W
+            assert gathers["per_step"] == [gathers["blocks"]] * steps, gathers
+        else:  # each of the 2 micro-batches' forward and BI, and its W again where a forward freed them between
+            assert all(2 * 2 * gathers["blocks"] <= n <= 3 * 2 * gathers["blocks"] for n in gathers["per_step"]), gathers
+
+
 # the embedding on stage 0 and the head on stage 1 share one weight: its gradient is summed across the stages
 # (shard-wise under FSDP2) and counts once in the clipped norm
 @pytest.mark.parametrize("shard", ["optimizer", "full"])
