@@ -4,6 +4,7 @@
 stage's replicas (the run's mesh's "dp" dimension): parameters, gradients and optimizer state are each
 1/width on a rank; a block's weights are gathered for its forward and backward and freed after each
 (reshard="microbatch"), or kept from the step's first forward to its last backward (reshard="step");
+under precision="bf16-mixed" gathered in bf16, the shards and optimizer state fp32 (`mixed_precision`);
 its gradients accumulate unsharded over the step and are reduce-scattered once. REDUCE has nothing
 left to average. Under a split backward (zero bubble) FSDP2's own post-backward would run after BI, before
 W has accumulated the weight gradients, and would free the weights W still reads: every BI and W runs with
@@ -27,7 +28,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ...config import PipelineConfig
 from ...errors import SettingError
@@ -141,13 +142,14 @@ class FullyShardedReplicas(ReplicasLayer):
         if ctx.device.type == "cpu":  # ours: FSDP2's per-block buffers go back to the system once freed
             return_large_buffers()
         mesh = ctx.groups.mesh(ctx.device.type)["dp"]  # the run's mesh: this stage across its replicas
+        policy = mixed_precision(ctx.trainer)
         for index, block in cut.stage.blocks().items():
             if isinstance(block, FSDPModule) or not any(True for _ in block.parameters()):
                 continue  # sharded by an earlier fit, or nothing to shard
             if cut.pipeline is not None:  # global rank 0 hands the trained model back in these modules: shard a copy
                 block = copy.deepcopy(block)
                 cut.stage._modules[str(index)] = block
-            fully_shard(block, mesh=mesh, reshard_after_forward=ctx.config.reshard == "microbatch")
+            fully_shard(block, mesh=mesh, reshard_after_forward=ctx.config.reshard == "microbatch", mp_policy=policy)
             if ctx.config.reshard == "step":
                 block.register_forward_pre_hook(_reshard_unless_training)
         if cut.spec.kind.split_backward:
@@ -201,6 +203,18 @@ class FullyShardedReplicas(ReplicasLayer):
     def switch_extras(self) -> None:
         """Refused, as `ShardedOptimizer`'s: the legality table refuses adaptive."""
         raise SettingError("repartition() with shard='full' is not built: train with shard='none' to move blocks", "shard")
+
+
+def mixed_precision(trainer: Any) -> MixedPrecisionPolicy:
+    """FSDP2's precision for the Trainer's. bf16-mixed: each block's weights gathered in bf16 (its forward and
+    backward run in bf16) while the shards, the optimizer's master weights and state stay fp32 and gradients are
+    reduce-scattered in fp32 (torchtitan's default for FSDP2). Anything else: FSDP2's default, no cast. Under
+    bf16-true / 16-true the model already is in that dtype: its gradients are reduced in it too, as shard='none'
+    and 'optimizer' reduce theirs, so the three settings keep one update (an fp32 reduction would upcast every
+    gradient, double the reduce-scatter's bytes and leave the result to be rounded back to the parameter's dtype)."""
+    if getattr(getattr(trainer, "precision_plugin", None), "precision", None) == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def _accumulate_only(block: FSDPModule) -> None:
