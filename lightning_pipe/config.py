@@ -74,6 +74,11 @@ class PipelineConfig:
     backward (FSDP2's default: least memory, two all-gathers per block and micro-batch); step: kept from a
     step's first forward to its last backward (one all-gather per block and step, as torchtitan runs FSDP
     under a pipeline; the stage's whole parameters held during the step)."""
+    shard_mixed_precision: bool = True
+    """shard=full under precision="bf16-mixed": FSDP2 gathers each block's weights in bf16 and reduce-scatters the
+    gradients in fp32, the shards (the optimizer's master weights) and optimizer state fp32, as torchtitan runs FSDP2
+    (FSDP2's MixedPrecisionPolicy); False: gathered in fp32, autocast casting per op, as in one process. Other
+    precisions gather and reduce in the model's own dtype either way."""
     tensor: int = 1
     """Tensor-parallel ranks per stage (T): each block's weights split over T consecutive ranks (the mesh's
     innermost "tp" dimension) by the model's plan (`parallelize_block`, or our GPT / BERT / Hugging Face plans);
@@ -421,6 +426,14 @@ LEGALITY: tuple[Legality, ...] = (
         "reshard",
         lambda c: c.reshard != "microbatch" and c.shard != "full",
         lambda c: f"reshard={c.reshard!r} is a setting of shard='full' (when FSDP2 frees gathered weights), not shard={c.shard!r}",
+    ),
+    Legality(
+        "shard_mixed_precision",
+        lambda c: c.shard_mixed_precision is not True and c.shard != "full",
+        lambda c: (
+            f"shard_mixed_precision={c.shard_mixed_precision!r} is a setting of shard='full' (the dtype FSDP2 gathers "
+            f"weights in under bf16-mixed), not shard={c.shard!r}"
+        ),
     ),
     Legality(
         "shard",

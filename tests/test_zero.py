@@ -221,8 +221,10 @@ class RecordDtypes(Callback):
 
 # precision="bf16-mixed": FSDP2 gathers each block's weights in bf16 (its forward and backward compute in bf16),
 # keeps the shards and Adam's moments fp32 and reduce-scatters in fp32; the weights stay near one process's run in
-# the same precision (autocast over fp32 weights), within bf16's rounding
-def test_fully_sharded_bf16_mixed_gathers_in_bf16_and_keeps_fp32_master_weights(tmp_path):
+# the same precision (autocast over fp32 weights), within bf16's rounding. shard_mixed_precision=False: gathered in
+# fp32, autocast alone casting, as in that one process
+@pytest.mark.parametrize("policy", [True, False])
+def test_fully_sharded_bf16_mixed_gathers_in_bf16_and_keeps_fp32_master_weights(tmp_path, policy):
     steps = 3
     ref, _ = single(steps, dtype="float32", precision="bf16-mixed")
     fp32, _ = single(steps, dtype="float32")
@@ -233,7 +235,7 @@ def test_fully_sharded_bf16_mixed_gathers_in_bf16_and_keeps_fp32_master_weights(
         CountCollective(tmp_path, "reduce_scatter_single", "rs"),
         CountCollective(tmp_path, "all_gather_single", "ag"),
     ]
-    pipelined(model, steps, train=train, callbacks=callbacks, shard="full", precision="bf16-mixed")
+    pipelined(model, steps, train=train, callbacks=callbacks, shard="full", precision="bf16-mixed", shard_mixed_precision=policy)
     start = LitSeq(dtype="float32").state_dict()
     # bf16's tolerance: the pipelined run's weights off one process's by 3% of how far training moved them; fp32
     # training lands 10% off, so the bound tells the precisions apart (Adam's sign-like first steps amplify rounding)
@@ -241,10 +243,11 @@ def test_fully_sharded_bf16_mixed_gathers_in_bf16_and_keeps_fp32_master_weights(
     assert moved_apart(fp32.state_dict(), ref.state_dict(), start) > 0.05
     for rank in range(4):
         dtypes = torch.load(os.path.join(tmp_path, f"dtypes-rank{rank}.pt"))
-        assert dtypes["forward"] == {torch.bfloat16}, "weights gathered in bf16 for the forward"
+        gathered = torch.bfloat16 if policy else torch.float32
+        assert dtypes["forward"] == {gathered}, "the weights a forward sees"
         assert dtypes["sharded"] and dtypes["params"] == {torch.float32}, "fp32 shards: the master weights"
         assert dtypes["state"] == {torch.float32}
-        assert torch.load(os.path.join(tmp_path, f"ag-rank{rank}.pt"))["dtypes"] == {torch.bfloat16}, "gathered in bf16"
+        assert torch.load(os.path.join(tmp_path, f"ag-rank{rank}.pt"))["dtypes"] == {gathered}
         assert torch.load(os.path.join(tmp_path, f"rs-rank{rank}.pt"))["dtypes"] == {torch.float32}, "reduced in fp32"
     assert all(p.dtype == torch.float32 for p in model.parameters())
 

@@ -32,6 +32,14 @@ def test_settings_refused_before_any_process():
             PipelineConfig(**settings)
         assert words in str(err.value) and err.value.setting == "shard"
     assert PipelineConfig(shard="full", width=2, recompute=True).recompute is True  # recomputed sharded blocks run
+    for settings, words in [
+        (dict(shard="full", width=2, shard_mixed_precision="yes"), "shard_mixed_precision='yes': true"),
+        (dict(shard="optimizer", width=2, shard_mixed_precision=False), "a setting of shard='full'"),
+    ]:
+        with pytest.raises(SettingError, match="shard_mixed_precision") as err:
+            PipelineConfig(**settings)
+        assert words in str(err.value) and err.value.setting == "shard_mixed_precision" and "\n" not in str(err.value)
+    assert PipelineConfig(shard="full", width=2, shard_mixed_precision=False).shard_mixed_precision is False
     for schedule in ("zb-h1", "zb-v", "zb-auto"):  # zero bubble's split backward over FSDP2 runs (test_zero)
         assert PipelineConfig(shard="full", width=2, schedule=schedule).schedule == schedule
     with pytest.raises(SettingError, match="tensor") as err:  # ... with tensor=1

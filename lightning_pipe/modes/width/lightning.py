@@ -142,7 +142,7 @@ class FullyShardedReplicas(ReplicasLayer):
         if ctx.device.type == "cpu":  # ours: FSDP2's per-block buffers go back to the system once freed
             return_large_buffers()
         mesh = ctx.groups.mesh(ctx.device.type)["dp"]  # the run's mesh: this stage across its replicas
-        policy = mixed_precision(ctx.trainer)
+        policy = mixed_precision(ctx.trainer, ctx.config.shard_mixed_precision)
         for index, block in cut.stage.blocks().items():
             if isinstance(block, FSDPModule) or not any(True for _ in block.parameters()):
                 continue  # sharded by an earlier fit, or nothing to shard
@@ -205,14 +205,14 @@ class FullyShardedReplicas(ReplicasLayer):
         raise SettingError("repartition() with shard='full' is not built: train with shard='none' to move blocks", "shard")
 
 
-def mixed_precision(trainer: Any) -> MixedPrecisionPolicy:
-    """FSDP2's precision for the Trainer's. bf16-mixed: each block's weights gathered in bf16 (its forward and
+def mixed_precision(trainer: Any, enabled: bool = True) -> MixedPrecisionPolicy:
+    """FSDP2's precision for the Trainer's (`enabled`: the config's shard_mixed_precision). bf16-mixed: each block's weights gathered in bf16 (its forward and
     backward run in bf16) while the shards, the optimizer's master weights and state stay fp32 and gradients are
     reduce-scattered in fp32 (torchtitan's default for FSDP2). Anything else: FSDP2's default, no cast. Under
     bf16-true / 16-true the model already is in that dtype: its gradients are reduced in it too, as shard='none'
     and 'optimizer' reduce theirs, so the three settings keep one update (an fp32 reduction would upcast every
     gradient, double the reduce-scatter's bytes and leave the result to be rounded back to the parameter's dtype)."""
-    if getattr(getattr(trainer, "precision_plugin", None), "precision", None) == "bf16-mixed":
+    if enabled and getattr(getattr(trainer, "precision_plugin", None), "precision", None) == "bf16-mixed":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
