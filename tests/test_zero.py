@@ -172,7 +172,8 @@ def test_fully_sharded_replicas_under_zero_bubble_equal_one_process(tmp_path, sc
     ref, _ = single(steps, gradient_clip_val=0.05)
     model = LitSeq()
     callbacks = [CountCollective(tmp_path, "reduce_scatter_single", "rs"), CountCollective(tmp_path, "all_gather_single", "ag")]
-    pipelined(model, steps, callbacks=callbacks, schedule=schedule, shard="full", gradient_clip_val=0.05, reshard=reshard)
+    val = DataLoader(dataset(n=N), batch_size=PER_REPLICA) if reshard == "step" else None  # an evaluation between steps
+    pipelined(model, steps, callbacks=callbacks, schedule=schedule, shard="full", gradient_clip_val=0.05, reshard=reshard, val=val)
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
     unclipped, _ = single(steps)
     assert max_rel_diff(unclipped.state_dict(), model.state_dict()) > 1e-6  # the clip took effect
@@ -253,13 +254,13 @@ def test_fully_sharded_bf16_mixed_gathers_in_bf16_and_keeps_fp32_master_weights(
 
 
 # the embedding on stage 0 and the head on stage 1 share one weight: its gradient is summed across the stages
-# (shard-wise under FSDP2) and counts once in the clipped norm
-@pytest.mark.parametrize("shard", ["optimizer", "full"])
-def test_a_weight_tied_across_stages_with_sharded_replicas(shard):
+# (shard-wise under FSDP2, after zero bubble's reduce-scatter by hand) and counts once in the clipped norm
+@pytest.mark.parametrize("shard,schedule", [("optimizer", "1f1b"), ("full", "1f1b"), ("full", "zb-h1")])
+def test_a_weight_tied_across_stages_with_sharded_replicas(shard, schedule):
     ref, _ = single(5, tied=True, gradient_clip_val=0.05)
     model = LitSeq(tied=True)
     train = DataLoader(dataset(n=N, tied=True), batch_size=PER_REPLICA)
-    pipelined(model, 5, train=train, shard=shard, partition=[2, 3], gradient_clip_val=0.05)
+    pipelined(model, 5, train=train, shard=shard, schedule=schedule, partition=[2, 3], gradient_clip_val=0.05)
     assert model.seq[0].emb.weight is model.seq[-1].weight
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
 
