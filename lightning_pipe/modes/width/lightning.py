@@ -6,11 +6,12 @@ stage's replicas (the run's mesh's "dp" dimension): parameters, gradients and op
 (reshard="microbatch"), or kept from the step's first forward to its last backward (reshard="step");
 under precision="bf16-mixed" gathered in bf16, the shards and optimizer state fp32 (`mixed_precision`);
 its gradients accumulate unsharded over the step and are reduce-scattered once. REDUCE has nothing
-left to average. Under a split backward (zero bubble) FSDP2's own post-backward would run after BI, before
-W has accumulated the weight gradients, and would free the weights W still reads: every BI and W runs with
-FSDP2's reduction and resharding off, W gathers the weights again where a forward since freed them, and the
-chunk's REDUCE (after its last W) runs FSDP2's end of backward by hand (`_finish_backward`), as
-torch.distributed.pipelining does. Checkpoints are whole tensors in shard="none"'s layout (lightning/checkpoint/dtensors.py).
+left to average. Under a split backward (zero bubble) FSDP2's own post-backward would run after BI,
+before W has accumulated the weight gradients, and would free the weights W still reads: every BI and
+W runs with FSDP2's reduction and resharding off, W gathers the weights again where a forward freed
+them since, and the chunk's REDUCE (after its last W) runs FSDP2's end of backward by hand
+(`_finish_backward`), as torch.distributed.pipelining does. Checkpoints are whole tensors in
+shard="none"'s layout (lightning/checkpoint/dtensors.py).
 
 `ShardedOptimizer` (shard="optimizer"): ZeRO-1 over the replicas of each stage (engine.py). The
 user's optimizers keep their objects (LR schedulers and Lightning hold them) but each param group
@@ -206,12 +207,14 @@ class FullyShardedReplicas(ReplicasLayer):
 
 
 def mixed_precision(trainer: Any, enabled: bool = True) -> MixedPrecisionPolicy:
-    """FSDP2's precision for the Trainer's (`enabled`: the config's shard_mixed_precision). bf16-mixed: each block's weights gathered in bf16 (its forward and
-    backward run in bf16) while the shards, the optimizer's master weights and state stay fp32 and gradients are
-    reduce-scattered in fp32 (torchtitan's default for FSDP2). Anything else: FSDP2's default, no cast. Under
-    bf16-true / 16-true the model already is in that dtype: its gradients are reduced in it too, as shard='none'
-    and 'optimizer' reduce theirs, so the three settings keep one update (an fp32 reduction would upcast every
-    gradient, double the reduce-scatter's bytes and leave the result to be rounded back to the parameter's dtype)."""
+    """FSDP2's precision for the Trainer's (`enabled`: the config's shard_mixed_precision).
+
+    bf16-mixed: each block's weights gathered in bf16 (its forward and backward run in bf16) while the shards, the
+    optimizer's master weights and state stay fp32 and gradients are reduce-scattered in fp32 (torchtitan's FSDP2
+    default). Anything else: FSDP2's default, no cast. Under bf16-true / 16-true the model already is in that dtype:
+    its gradients are reduced in it too, as shard='none' and 'optimizer' reduce theirs, so the three settings keep
+    one update (an fp32 reduction would upcast every gradient, double the reduce-scatter's bytes and round the
+    result back to the parameter's dtype anyway). 16-mixed (a GradScaler) is refused before spawning."""
     if enabled and getattr(getattr(trainer, "precision_plugin", None), "precision", None) == "bf16-mixed":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()

@@ -1,6 +1,5 @@
 """The replicas' settings: `width` (checked with the world in `topology.py`), `shard`, `reshard` and
-`shard_mixed_precision`, each
-on its own; which modes they combine with is the legality table's (`config.py`)."""
+`shard_mixed_precision`, each on its own; which modes they combine with is the legality table's (`config.py`)."""
 
 from __future__ import annotations
 
