@@ -223,9 +223,10 @@ class RecordDtypes(Callback):
 # precision="bf16-mixed": FSDP2 gathers each block's weights in bf16 (its forward and backward compute in bf16),
 # keeps the shards and Adam's moments fp32 and reduce-scatters in fp32; the weights stay near one process's run in
 # the same precision (autocast over fp32 weights), within bf16's rounding. shard_mixed_precision=False: gathered in
-# fp32, autocast alone casting, as in that one process
-@pytest.mark.parametrize("policy", [True, False])
-def test_fully_sharded_bf16_mixed_gathers_in_bf16_and_keeps_fp32_master_weights(tmp_path, policy):
+# fp32, autocast alone casting, as in that one process. Under zero bubble too (bf16 weight gradients of each W added
+# into fp32 ones before the reduce-scatter by hand)
+@pytest.mark.parametrize("policy,schedule", [(True, "1f1b"), (False, "1f1b"), (True, "zb-h1")])
+def test_fully_sharded_bf16_mixed_gathers_in_bf16_and_keeps_fp32_master_weights(tmp_path, policy, schedule):
     steps = 3
     ref, _ = single(steps, dtype="float32", precision="bf16-mixed")
     fp32, _ = single(steps, dtype="float32")
@@ -236,7 +237,8 @@ def test_fully_sharded_bf16_mixed_gathers_in_bf16_and_keeps_fp32_master_weights(
         CountCollective(tmp_path, "reduce_scatter_single", "rs"),
         CountCollective(tmp_path, "all_gather_single", "ag"),
     ]
-    pipelined(model, steps, train=train, callbacks=callbacks, shard="full", precision="bf16-mixed", shard_mixed_precision=policy)
+    settings = dict(shard="full", schedule=schedule, shard_mixed_precision=policy)
+    pipelined(model, steps, train=train, callbacks=callbacks, precision="bf16-mixed", **settings)
     start = LitSeq(dtype="float32").state_dict()
     # bf16's tolerance: the pipelined run's weights off one process's by 3% of how far training moved them; fp32
     # training lands 10% off, so the bound tells the precisions apart (Adam's sign-like first steps amplify rounding)
