@@ -67,12 +67,18 @@ class PipelineConfig:
     """none: every replica holds its stage's whole optimizer state; optimizer: ZeRO-1, each parameter's
     optimizer state (Adam's moments) on one replica of its stage only, which steps it and broadcasts the new
     values; full: FSDP2's fully_shard on every block over the replicas (parameters, gradients and optimizer
-    state 1/width each; flush schedules). Needs width >= 2; the update is the unsharded one."""
+    state 1/width each; every synchronous schedule you name, zero bubble's included, not 2bw). Needs width >= 2; the
+    update is the unsharded one."""
     reshard: str = "microbatch"
     """shard=full: when a block's gathered weights are freed. microbatch: after each micro-batch's forward and
     backward (FSDP2's default: least memory, two all-gathers per block and micro-batch); step: kept from a
     step's first forward to its last backward (one all-gather per block and step, as torchtitan runs FSDP
     under a pipeline; the stage's whole parameters held during the step)."""
+    shard_mixed_precision: bool = True
+    """shard=full under precision="bf16-mixed": FSDP2 gathers each block's weights in bf16 and reduce-scatters the
+    gradients in fp32, the shards (the optimizer's master weights) and optimizer state fp32, as torchtitan runs FSDP2
+    (FSDP2's MixedPrecisionPolicy); False: gathered in fp32, autocast casting per op, as in one process. Other
+    precisions gather and reduce in the model's own dtype either way."""
     tensor: int = 1
     """Tensor-parallel ranks per stage (T): each block's weights split over T consecutive ranks (the mesh's
     innermost "tp" dimension) by the model's plan (`parallelize_block`, or our GPT / BERT / Hugging Face plans);
@@ -383,7 +389,8 @@ SLICED = tuple(name for name in REGISTRY if name not in MULTI_CHUNK + COSTED + (
 ALGORITHM2_SCHEDULES = ("1f1b",)  # AutoPipe's Algorithm 2 slices 1F1B
 ADVANCE_NUM_SCHEDULES = ("advance", "2bw")  # the schedules with AvgPipe(2BW)'s advance forward order
 COMPILE_EXCLUDED = ("zb-h1", "zb-v", "zb-auto")  # a split backward (autograd.grad on a block's inputs, then its weights)
-FULL_SHARD_EXCLUDED = ("2bw", "zb-h1", "zb-v", "zb-auto")  # a weight stash, a split backward: not over FSDP2's sharded blocks
+FULL_SHARD_EXCLUDED = ("2bw",)  # a weight stash over FSDP2's sharded blocks
+SPLIT_BACKWARD = tuple(name for name, kind in REGISTRY.items() if kind.split_backward)  # zero bubble's BI and W
 TENSOR_EXCLUDED = ("zb-v", "zb-auto")  # over split blocks: ZB-V's order is not exact yet, zb-auto's not tested
 
 
@@ -421,6 +428,14 @@ LEGALITY: tuple[Legality, ...] = (
         lambda c: f"reshard={c.reshard!r} is a setting of shard='full' (when FSDP2 frees gathered weights), not shard={c.shard!r}",
     ),
     Legality(
+        "shard_mixed_precision",
+        lambda c: c.shard_mixed_precision is not True and c.shard != "full",
+        lambda c: (
+            f"shard_mixed_precision={c.shard_mixed_precision!r} is a setting of shard='full' (the dtype FSDP2 gathers "
+            f"weights in under bf16-mixed), not shard={c.shard!r}"
+        ),
+    ),
+    Legality(
         "shard",
         lambda c: c.shard != "none" and c.pipelines is not None,
         lambda c: (
@@ -438,9 +453,10 @@ LEGALITY: tuple[Legality, ...] = (
         "shard",
         lambda c: c.shard == "full" and (c.auto or c.planner is not None or c.schedule in FULL_SHARD_EXCLUDED),
         lambda c: (
-            "shard='full' (FSDP2) runs the flush schedules you name (gpipe, 1f1b, interleaved, wave, hanayo, advance), not "
+            "shard='full' (FSDP2) runs the synchronous schedules you name (gpipe, 1f1b, interleaved, wave, hanayo, advance, "
+            "zb-h1, zb-v, zb-auto), not "
             + _full_shard_conflict(c)
-            + ": a weight stash or a split backward over sharded blocks is not built; use shard='optimizer'"
+            + ": 2BW's weight stash over sharded blocks, and a planner's choice, are not built; use shard='optimizer'"
         ),
     ),
     Legality(
@@ -459,6 +475,14 @@ LEGALITY: tuple[Legality, ...] = (
             + ("shard='optimizer'" if c.shard == "optimizer" else "compile=True" if c.compile is True else f"schedule={c.schedule!r}")
             + " is not built: tensor parallelism runs the schedules you name among gpipe, 1f1b, interleaved, wave, hanayo, "
             "advance, zb-h1 and 2bw, with shard='none' or 'full', compile=False"
+        ),
+    ),
+    Legality(
+        "tensor",
+        lambda c: c.tensor > 1 and c.shard == "full" and c.schedule in SPLIT_BACKWARD,
+        lambda c: (
+            f"tensor={c.tensor} with shard='full' and schedule={c.schedule!r} is not built: FSDP2 under a split backward "
+            "runs with tensor=1; with tensor > 1 name a flush schedule (gpipe, 1f1b, interleaved, wave, hanayo, advance)"
         ),
     ),
     Legality(

@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from models import START, EpochPerm, LitSeq, dataset, max_rel_diff, trainer_kwargs
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -50,17 +51,18 @@ class RecordState(Callback):
 class CountCollective(Callback):
     """Each rank counts one of FSDP2's collectives (`name` in torch.distributed: reduce_scatter_single,
     all_gather_single) in every training step (the real collective, counted on its way through) against
-    its sharded blocks; written as `<tag>-rank<r>.pt`."""
+    its sharded blocks, with the dtypes of the tensors it sends; written as `<tag>-rank<r>.pt`."""
 
     def __init__(self, folder, name, tag):
-        self.folder, self.name, self.tag, self.per_step = folder, name, tag, []
+        self.folder, self.name, self.tag, self.per_step, self.dtypes = folder, name, tag, [], set()
 
     def on_train_start(self, trainer, pl_module):
         real = getattr(torch.distributed, self.name)
 
-        def counted(*args, **kwargs):
+        def counted(output, input, *args, **kwargs):
             self.calls += 1
-            return real(*args, **kwargs)
+            self.dtypes.add(input.dtype)
+            return real(output, input, *args, **kwargs)
 
         setattr(torch.distributed, self.name, counted)  # this worker process only
 
@@ -72,19 +74,23 @@ class CountCollective(Callback):
 
     def on_train_end(self, trainer, pl_module):
         blocks = sum(isinstance(m, FSDPModule) for m in pl_module.modules())
-        torch.save(dict(per_step=self.per_step, blocks=blocks), os.path.join(self.folder, f"{self.tag}-rank{trainer.global_rank}.pt"))
+        out = dict(per_step=self.per_step, blocks=blocks, dtypes=self.dtypes)
+        torch.save(out, os.path.join(self.folder, f"{self.tag}-rank{trainer.global_rank}.pt"))
 
 
-def single(steps, tied=False, **kw):
-    ref = LitSeq(tied=tied)
+def single(steps, tied=False, dtype="float64", **kw):
+    ref = LitSeq(tied=tied, dtype=dtype)
     trainer = L.Trainer(devices=1, **trainer_kwargs(max_steps=steps, **kw))
-    trainer.fit(ref, DataLoader(dataset(n=N, tied=tied), batch_size=2 * PER_REPLICA, sampler=EpochPerm(N)))
+    data = dataset(n=N, tied=tied, dtype=getattr(torch, dtype))
+    trainer.fit(ref, DataLoader(data, batch_size=2 * PER_REPLICA, sampler=EpochPerm(N)))
     return ref, trainer
 
 
-def pipelined(model, steps, train=None, callbacks=(), ckpt_path=None, gradient_clip_val=None, val=None, **settings):
+def pipelined(model, steps, train=None, callbacks=(), ckpt_path=None, gradient_clip_val=None, val=None, precision=None, **settings):
     settings = dict(dict(schedule="1f1b", microbatches=2, width=2, shard="optimizer", start_method=START), **settings)
     kw = dict(enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), gradient_clip_val=gradient_clip_val)
+    if precision is not None:
+        kw.update(precision=precision)
     if val is not None:
         kw.update(val_check_interval=2, limit_val_batches=2)
     trainer = L.Trainer(
@@ -155,14 +161,108 @@ def test_fully_sharded_replicas_equal_one_process_and_hold_half_of_everything(tm
         assert a["weights"] < total and b["weights"] < total
 
 
+# zero bubble over FSDP2: BI runs before W has accumulated any weight gradient, so each block's gradients are
+# reduce-scattered by hand after the step's last W of its chunk (once a step), never by FSDP2's own post-backward
+# after BI (weights then off by a step's missing gradients), and the clipped norm spans every rank's shards
+@pytest.mark.parametrize(
+    "schedule,reshard", [("zb-h1", "microbatch"), ("zb-v", "microbatch"), ("zb-h1", "step"), ("zb-auto", "microbatch")]
+)
+def test_fully_sharded_replicas_under_zero_bubble_equal_one_process(tmp_path, schedule, reshard):
+    steps = 3
+    ref, _ = single(steps, gradient_clip_val=0.05)
+    model = LitSeq()
+    callbacks = [CountCollective(tmp_path, "reduce_scatter_single", "rs"), CountCollective(tmp_path, "all_gather_single", "ag")]
+    val = DataLoader(dataset(n=N), batch_size=PER_REPLICA) if reshard == "step" else None  # an evaluation between steps
+    pipelined(model, steps, callbacks=callbacks, schedule=schedule, shard="full", gradient_clip_val=0.05, reshard=reshard, val=val)
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    unclipped, _ = single(steps)
+    assert max_rel_diff(unclipped.state_dict(), model.state_dict()) > 1e-6  # the clip took effect
+    for rank in range(4):
+        counts = torch.load(os.path.join(tmp_path, f"rs-rank{rank}.pt"))
+        assert counts["blocks"] > 0 and counts["per_step"] == [counts["blocks"]] * steps, counts
+        gathers = torch.load(os.path.join(tmp_path, f"ag-rank{rank}.pt"))
+        if reshard == "step":  # gathered once a step, kept through every BI and W
+            assert gathers["per_step"] == [gathers["blocks"]] * steps, gathers
+        else:  # each of the 2 micro-batches' forward and BI, and its W again where a forward freed them between
+            assert all(2 * 2 * gathers["blocks"] <= n <= 3 * 2 * gathers["blocks"] for n in gathers["per_step"]), gathers
+
+
+def moved_apart(got, want, start):
+    """How far `got` is from `want`, relative to how far training moved `want` from `start` (L2 over all tensors)."""
+    apart = sum(((got[k].double() - want[k].double()) ** 2).sum() for k in want) ** 0.5
+    moved = sum(((want[k].double() - start[k].double()) ** 2).sum() for k in want) ** 0.5
+    return float(apart / moved)
+
+
+class RecordDtypes(Callback):
+    """Each rank writes the dtypes of its sharded blocks' weights as their training forwards see them (a forward
+    pre-hook, after FSDP2's own has gathered them), and of its parameters and optimizer state at the end."""
+
+    def __init__(self, folder):
+        self.folder, self.seen = folder, set()
+
+    def on_train_start(self, trainer, pl_module):
+        for block in [m for m in pl_module.modules() if isinstance(m, FSDPModule)]:
+            block.register_forward_pre_hook(self.record)
+
+    def record(self, block, args):
+        if block.training and torch.is_grad_enabled():
+            self.seen |= {p.dtype for p in block.parameters()}
+
+    def on_train_end(self, trainer, pl_module):
+        state = trainer.optimizers[0].state.values()
+        out = dict(
+            forward=self.seen,
+            params={p.dtype for p in pl_module.parameters()},
+            sharded=all(isinstance(p, DTensor) for p in pl_module.parameters()),
+            state={s[k].dtype for s in state for k in ("exp_avg", "exp_avg_sq")},
+        )
+        torch.save(out, os.path.join(self.folder, f"dtypes-rank{trainer.global_rank}.pt"))
+
+
+# precision="bf16-mixed": FSDP2 gathers each block's weights in bf16 (its forward and backward compute in bf16),
+# keeps the shards and Adam's moments fp32 and reduce-scatters in fp32; the weights stay near one process's run in
+# the same precision (autocast over fp32 weights), within bf16's rounding. shard_mixed_precision=False: gathered in
+# fp32, autocast alone casting, as in that one process. Under zero bubble too (bf16 weight gradients of each W added
+# into fp32 ones before the reduce-scatter by hand)
+@pytest.mark.parametrize("policy,schedule", [(True, "1f1b"), (False, "1f1b"), (True, "zb-h1")])
+def test_fully_sharded_bf16_mixed_gathers_in_bf16_and_keeps_fp32_master_weights(tmp_path, policy, schedule):
+    steps = 3
+    ref, _ = single(steps, dtype="float32", precision="bf16-mixed")
+    fp32, _ = single(steps, dtype="float32")
+    model = LitSeq(dtype="float32")
+    train = DataLoader(dataset(n=N, dtype=torch.float32), batch_size=PER_REPLICA)
+    callbacks = [
+        RecordDtypes(tmp_path),
+        CountCollective(tmp_path, "reduce_scatter_single", "rs"),
+        CountCollective(tmp_path, "all_gather_single", "ag"),
+    ]
+    settings = dict(shard="full", schedule=schedule, shard_mixed_precision=policy)
+    pipelined(model, steps, train=train, callbacks=callbacks, precision="bf16-mixed", **settings)
+    start = LitSeq(dtype="float32").state_dict()
+    # bf16's tolerance: the pipelined run's weights off one process's by 3% of how far training moved them; fp32
+    # training lands 10% off, so the bound tells the precisions apart (Adam's sign-like first steps amplify rounding)
+    assert moved_apart(model.state_dict(), ref.state_dict(), start) <= 0.05
+    assert moved_apart(fp32.state_dict(), ref.state_dict(), start) > 0.05
+    for rank in range(4):
+        dtypes = torch.load(os.path.join(tmp_path, f"dtypes-rank{rank}.pt"))
+        gathered = torch.bfloat16 if policy else torch.float32
+        assert dtypes["forward"] == {gathered}, "the weights a forward sees"
+        assert dtypes["sharded"] and dtypes["params"] == {torch.float32}, "fp32 shards: the master weights"
+        assert dtypes["state"] == {torch.float32}
+        assert torch.load(os.path.join(tmp_path, f"ag-rank{rank}.pt"))["dtypes"] == {gathered}
+        assert torch.load(os.path.join(tmp_path, f"rs-rank{rank}.pt"))["dtypes"] == {torch.float32}, "reduced in fp32"
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
 # the embedding on stage 0 and the head on stage 1 share one weight: its gradient is summed across the stages
-# (shard-wise under FSDP2) and counts once in the clipped norm
-@pytest.mark.parametrize("shard", ["optimizer", "full"])
-def test_a_weight_tied_across_stages_with_sharded_replicas(shard):
+# (shard-wise under FSDP2, after zero bubble's reduce-scatter by hand) and counts once in the clipped norm
+@pytest.mark.parametrize("shard,schedule", [("optimizer", "1f1b"), ("full", "1f1b"), ("full", "zb-h1")])
+def test_a_weight_tied_across_stages_with_sharded_replicas(shard, schedule):
     ref, _ = single(5, tied=True, gradient_clip_val=0.05)
     model = LitSeq(tied=True)
     train = DataLoader(dataset(n=N, tied=True), batch_size=PER_REPLICA)
-    pipelined(model, 5, train=train, shard=shard, partition=[2, 3], gradient_clip_val=0.05)
+    pipelined(model, 5, train=train, shard=shard, schedule=schedule, partition=[2, 3], gradient_clip_val=0.05)
     assert model.seq[0].emb.weight is model.seq[-1].weight
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
 

@@ -109,6 +109,8 @@ class LightningHost:
             self.on_idle()
 
     def reduce_gradients(self, chunk: int) -> None:
+        if self.stage.gradients_final is not None:
+            self.stage.gradients_final(chunk)
         self._reduce(chunk)
 
     def before_backward(self, chunk: int, last: bool) -> None:
@@ -116,5 +118,7 @@ class LightningHost:
             self.stage.backward_sync(chunk, last)
 
     def weight_gradients_done(self, chunk: int, microbatch: int) -> None:
+        if self.stage.backward_end is not None:
+            self.stage.backward_end(chunk)
         if self.stage.backward_done is not None:
             self.stage.backward_done(microbatch, len(self.microbatches))

@@ -118,6 +118,10 @@ class PipelineStage(nn.Module):
         self.arrival: Optional[Callable[[int], None]] = None
         self.backward_done: Optional[Callable[[int, int], None]] = None  # (micro-batch, count): the old worker's partial gradients
         self.backward_sync: Optional[Callable[[int, bool], None]] = None  # (chunk, last): before a backward (shard="full")
+        # shard="full" under a split backward (zero bubble): (chunk) after each backward (whole or W) of the chunk,
+        # and once its gradients are final for the step (the schedule's REDUCE, after its last W)
+        self.backward_end: Optional[Callable[[int], None]] = None
+        self.gradients_final: Optional[Callable[[int], None]] = None
         attach_user_names(self)  # a traced model's blocks: state dicts in the model's own names
 
     def blocks(self) -> dict[int, nn.Module]:

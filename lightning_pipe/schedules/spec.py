@@ -39,6 +39,7 @@ class ScheduleKind:
     # built from the run's measured costs (planning/zero_bubble.py) where there are costs; the
     # generator is its form without them
     costed: bool = False
+    split_backward: bool = False  # its backward runs as BI and a later W (zero bubble): a sharded stage reduces after the W
 
 
 REGISTRY: dict[str, ScheduleKind] = {
@@ -54,10 +55,10 @@ REGISTRY: dict[str, ScheduleKind] = {
     # PipeDream-2BW: no flush, one update per batch from the previous version (its own weight-versions layer)
     "2bw": ScheduleKind(pipedream_2bw, {"advance_num": 0}, versions="2bw", zero_means_default=frozenset({"advance_num"})),
     # zero bubble (Qi et al., ICLR 2024): backward split in BI (input gradient) and W (weight gradients)
-    "zb-h1": ScheduleKind(zb_h1),  # 1F1B's memory, W's deferred into its bubbles
-    "zb-v": ScheduleKind(zb_v, chunks=zb_v_chunks, misfit=zb_v_misfit),  # two chunks per rank in a V
+    "zb-h1": ScheduleKind(zb_h1, split_backward=True),  # 1F1B's memory, W's deferred into its bubbles
+    "zb-v": ScheduleKind(zb_v, chunks=zb_v_chunks, misfit=zb_v_misfit, split_backward=True),  # two chunks per rank in a V
     # the paper's automatic scheduler (§3.1): its heuristic on the profile's F / BI / W times
-    "zb-auto": ScheduleKind(zb_auto, costed=True),
+    "zb-auto": ScheduleKind(zb_auto, costed=True, split_backward=True),
 }
 ALIASES = {"flush": "1f1b"}  # PipeDream-Flush is our 1F1B (PipeDream-2BW paper, §3.2)
 AUTO = "auto"  # not a schedule: the strategy and the plan command choose one of REGISTRY

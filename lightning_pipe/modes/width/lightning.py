@@ -4,8 +4,14 @@
 stage's replicas (the run's mesh's "dp" dimension): parameters, gradients and optimizer state are each
 1/width on a rank; a block's weights are gathered for its forward and backward and freed after each
 (reshard="microbatch"), or kept from the step's first forward to its last backward (reshard="step");
+under precision="bf16-mixed" gathered in bf16, the shards and optimizer state fp32 (`mixed_precision`);
 its gradients accumulate unsharded over the step and are reduce-scattered once. REDUCE has nothing
-left to average. Checkpoints are whole tensors in shard="none"'s layout (lightning/checkpoint/dtensors.py).
+left to average. Under a split backward (zero bubble) FSDP2's own post-backward would run after BI,
+before W has accumulated the weight gradients, and would free the weights W still reads: every BI and
+W runs with FSDP2's reduction and resharding off, W gathers the weights again where a forward freed
+them since, and the chunk's REDUCE (after its last W) runs FSDP2's end of backward by hand
+(`_finish_backward`), as torch.distributed.pipelining does. Checkpoints are whole tensors in
+shard="none"'s layout (lightning/checkpoint/dtensors.py).
 
 `ShardedOptimizer` (shard="optimizer"): ZeRO-1 over the replicas of each stage (engine.py). The
 user's optimizers keep their objects (LR schedulers and Lightning hold them) but each param group
@@ -19,11 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ...config import PipelineConfig
 from ...errors import SettingError
@@ -137,16 +143,33 @@ class FullyShardedReplicas(ReplicasLayer):
         if ctx.device.type == "cpu":  # ours: FSDP2's per-block buffers go back to the system once freed
             return_large_buffers()
         mesh = ctx.groups.mesh(ctx.device.type)["dp"]  # the run's mesh: this stage across its replicas
+        policy = mixed_precision(ctx.trainer, ctx.config.shard_mixed_precision)
         for index, block in cut.stage.blocks().items():
             if isinstance(block, FSDPModule) or not any(True for _ in block.parameters()):
                 continue  # sharded by an earlier fit, or nothing to shard
             if cut.pipeline is not None:  # global rank 0 hands the trained model back in these modules: shard a copy
                 block = copy.deepcopy(block)
                 cut.stage._modules[str(index)] = block
-            fully_shard(block, mesh=mesh, reshard_after_forward=ctx.config.reshard == "microbatch")
+            fully_shard(block, mesh=mesh, reshard_after_forward=ctx.config.reshard == "microbatch", mp_policy=policy)
             if ctx.config.reshard == "step":
                 block.register_forward_pre_hook(_reshard_unless_training)
-        cut.stage.backward_sync = self._gradient_sync
+        if cut.spec.kind.split_backward:
+            for block in self._sharded(None):
+                _accumulate_only(block)
+            cut.stage.backward_sync = self._before_split_backward
+            cut.stage.backward_end = self._after_split_backward
+            cut.stage.gradients_final = self._reduce_split
+        else:
+            for block in self._sharded(None):  # FSDP2's default, whatever an earlier fit under zero bubble left
+                block.set_is_last_backward(True)
+            cut.stage.backward_sync = self._gradient_sync
+            cut.stage.backward_end = cut.stage.gradients_final = None
+
+    def _sharded(self, chunk: Optional[int]) -> list[FSDPModule]:
+        """The sharded blocks of `chunk` (None: of the stage)."""
+        stage = self.ctx.cut.stage
+        indices = range(*stage.chunk_bounds[chunk]) if chunk is not None else stage.blocks()
+        return [b for b in (stage._modules[str(i)] for i in indices) if isinstance(b, FSDPModule)]
 
     def _gradient_sync(self, chunk: int, last: bool) -> None:
         """Gradients accumulate unsharded over a step's micro-batches and are reduce-scattered once, in the
@@ -161,9 +184,67 @@ class FullyShardedReplicas(ReplicasLayer):
                 if per_step:
                     block.set_reshard_after_backward(last, recurse=False)
 
+    def _before_split_backward(self, chunk: int, last: bool) -> None:
+        """Before a W: the chunk's weights gathered again where a forward since freed them (reshard="microbatch"),
+        as W's saved graph reads them; a no-op where they are still gathered."""
+        for block in self._sharded(chunk):
+            block.unshard()
+
+    def _after_split_backward(self, chunk: int) -> None:
+        """After a W: reshard="microbatch" frees the gathered weights (its gradients stay, unsharded, until REDUCE)."""
+        if self.ctx.config.reshard == "microbatch":
+            for block in self._sharded(chunk):
+                block.reshard()
+
+    def _reduce_split(self, chunk: int) -> None:
+        """The chunk's last W has run: its accumulated gradients are reduce-scattered, its weights freed."""
+        for block in self._sharded(chunk):
+            _finish_backward(block)
+
     def switch_extras(self) -> None:
         """Refused, as `ShardedOptimizer`'s: the legality table refuses adaptive."""
         raise SettingError("repartition() with shard='full' is not built: train with shard='none' to move blocks", "shard")
+
+
+def mixed_precision(trainer: Any, enabled: bool = True) -> MixedPrecisionPolicy:
+    """FSDP2's precision for the Trainer's (`enabled`: the config's shard_mixed_precision).
+
+    bf16-mixed: each block's weights gathered in bf16 (its forward and backward run in bf16) while the shards, the
+    optimizer's master weights and state stay fp32 and gradients are reduce-scattered in fp32 (torchtitan's FSDP2
+    default). Anything else: FSDP2's default, no cast. Under bf16-true / 16-true the model already is in that dtype:
+    its gradients are reduced in it too, as shard='none' and 'optimizer' reduce theirs, so the three settings keep
+    one update (an fp32 reduction would upcast every gradient, double the reduce-scatter's bytes and round the
+    result back to the parameter's dtype anyway). 16-mixed (a GradScaler) is refused before spawning."""
+    if enabled and getattr(getattr(trainer, "precision_plugin", None), "precision", None) == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def _accumulate_only(block: FSDPModule) -> None:
+    """A split backward's BI and W: FSDP2's post-backward (which fires after BI) keeps the gradients unsharded
+    and unreduced and the weights gathered; `_finish_backward` reduces and frees them once W is done."""
+    block.set_is_last_backward(False)
+    block.set_requires_gradient_sync(False, recurse=False)
+    block.set_reshard_after_backward(False, recurse=False)
+
+
+def _finish_backward(block: FSDPModule) -> None:
+    """FSDP2's end of a backward, run by hand after the step's last W of `block`: reduce-scatter the accumulated
+    gradients, free the gathered weights, finalize the backward; then back to `_accumulate_only` for the next step.
+
+    Private API (torch 2.x's `FSDPParamGroup.post_backward`, `FSDPState._root_post_backward_final_callback`), as
+    torch.distributed.pipelining's stage calls them (`perform_reduce_grad`): FSDP2 has no public call for it, and its
+    hooks run post-backward when a block's input gradient is done, i.e. after BI, before W has accumulated anything.
+    Each block is its own FSDP2 root (sharded alone), so its state's context holds its own state only."""
+    block.set_is_last_backward(True)
+    block.set_requires_gradient_sync(True, recurse=False)
+    block.set_reshard_after_backward(True, recurse=False)
+    state = fully_shard.state(block)  # type: ignore[attr-defined]
+    for each in state._state_ctx.all_states:
+        for group in each._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+    _accumulate_only(block)
 
 
 def _reshard_unless_training(block: Any, args: Any) -> None:

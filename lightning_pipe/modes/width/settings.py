@@ -1,5 +1,5 @@
-"""The replicas' settings: `width` (checked with the world in `topology.py`), `shard` and `reshard`, each
-on its own; which modes they combine with is the legality table's (`config.py`)."""
+"""The replicas' settings: `width` (checked with the world in `topology.py`), `shard`, `reshard` and
+`shard_mixed_precision`, each on its own; which modes they combine with is the legality table's (`config.py`)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ def check_config(config: Any) -> None:
         )
     config.shard = value.lower()
     config.reshard = check_choice("reshard", config.reshard, list(RESHARD))
+    if not isinstance(config.shard_mixed_precision, bool):
+        raise SettingError(
+            f"shard_mixed_precision={config.shard_mixed_precision!r}: true (shard=full under bf16-mixed: weights gathered "
+            "in bf16, gradients reduced in fp32) or false (gathered in fp32)",
+            "shard_mixed_precision",
+        )
 
 
 def check_trainer_full(trainer: Any) -> None:
