@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional
 
+from .config_values import check_partition, check_recompute, parse_bytes
 from .errors import SettingError, check_choice, check_count
 from .modes.advance import settings as advance
 from .modes.avgpipe import settings as avgpipe
@@ -224,7 +225,7 @@ class PipelineConfig:
             check_count(name, getattr(self, name))
         if self.stages is not None:
             check_count("stages", self.stages)
-        self.partition = _partition(self.partition)
+        self.partition = check_partition(self.partition)
         try:
             check_expansions(self.autopipe_expansions)
         except ValueError as err:
@@ -236,7 +237,7 @@ class PipelineConfig:
         if self.slicer_method not in SLICER_METHODS:
             raise SettingError(f"slicer_method={self.slicer_method!r}: 'algorithm2' (the paper's), 'sweep' (ours) or None", "slicer_method")
         self.memory_limit = parse_bytes(self.memory_limit)
-        self.recompute = _recompute(self.recompute)
+        self.recompute = check_recompute(self.recompute)
         if not isinstance(self.compile, bool):
             raise SettingError(f"compile={self.compile!r}: True (torch.compile each block) or False", "compile")
         for name in ("bandwidth", "latency", "intra_bandwidth", "inter_bandwidth"):
@@ -575,57 +576,3 @@ LEGALITY: tuple[Legality, ...] = (
         ),
     ),
 )
-
-
-def _recompute(value: Any) -> Any:
-    if not isinstance(value, (bool, str)) and hasattr(value, "__iter__"):  # a list (Hydra: a ListConfig)
-        stages = list(value)
-        if not stages or any(not isinstance(r, bool) for r in stages):
-            raise SettingError(f"recompute={stages!r}: true, false, or a list of true/false, one per stage", "recompute")
-        return stages
-    if not isinstance(value, bool):
-        raise SettingError(f"recompute={value!r}: true, false, or a list of true/false, one per stage", "recompute")
-    return value
-
-
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def parse_bytes(value: Any, setting: str = "memory_limit") -> Optional[float]:
-    """A byte count from a number or a size such as "16GB", "80 GiB", "512MB" (powers of 1024); None stays None."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        text = value.strip().lower().replace(" ", "").removesuffix("ib").removesuffix("b")
-        unit = text[-1] if text and text[-1] in _UNITS else ""
-        try:
-            number = float(text[: len(text) - len(unit)])
-        except ValueError:
-            number = -1.0
-        if number > 0:
-            return number * _UNITS[unit]
-    elif not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0:
-        return float(value)
-    raise SettingError(
-        f"{setting}={value!r}: bytes per device, a number > 0 or a size such as 16GB, 80GiB, 512MB (powers of 1024), "
-        "or None (the device's memory)",
-        setting,
-    )
-
-
-def _partition(value: Any) -> PartitionSpec:
-    if isinstance(value, str):
-        if value not in PARTITIONERS:
-            raise SettingError(
-                f"partition={value!r} is not a known method; allowed: {sorted(PARTITIONERS)} or a list of blocks per stage", "partition"
-            )
-        return value
-    try:
-        sizes = list(value)
-    except TypeError:
-        raise SettingError(
-            f"partition={value!r}: a method name ({sorted(PARTITIONERS)}) or a list of blocks per stage", "partition"
-        ) from None
-    if not sizes or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
-        raise SettingError(f"partition={sizes}: a list of blocks per stage must hold integers >= 1, one per stage", "partition")
-    return sizes

@@ -106,7 +106,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("adaptive", "tuning"),
     ("modes", "modes.engine", "modes.*.engine", "modes.*.settings"),  # each mode's engine part and its settings' checks
     ("frontend",),
-    ("config",),
+    ("config", "config_values"),
     (
         "lightning",
         "modes.lightning",
