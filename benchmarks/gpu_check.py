@@ -311,23 +311,25 @@ def shared(args: argparse.Namespace, report: dict) -> dict:
     return out
 
 
-def _sharded(accelerator: str, shard: str, out: str) -> dict[str, torch.Tensor]:
+def _sharded(accelerator: str, shard: str, out: str, schedule: str = "1f1b") -> dict[str, torch.Tensor]:
     """pp2 x dp2 on 4 devices (NCCL on GPUs), 4 steps, `shard` over the 2 replicas; the model back."""
-    strategy = AutoPipeStrategy(width=2, shard=shard, microbatches=4, partition="uniform", start_method="spawn")
+    strategy = AutoPipeStrategy(width=2, shard=shard, schedule=schedule, microbatches=4, partition="uniform", start_method="spawn")
     return _fresh_fit(strategy, accelerator, 4, 4, out)
 
 
 @section("pipeline x sharded data parallel on 4 GPUs")
 def sharded(args: argparse.Namespace, report: dict) -> dict:
     # NCCL's paths of shard="optimizer" (the owners' broadcast) and shard="full" (FSDP2's all-gather and
-    # reduce-scatter on a mesh of the stage's replicas) against whole replicas on the same 4 GPUs (those
-    # equal one process on CPU: tests/test_strategy.py, tests/test_zero.py run all three there)
+    # reduce-scatter on a mesh of the stage's replicas; under zero bubble, the reduce-scatter after the last W)
+    # against whole replicas on the same 4 GPUs (those equal one process on CPU: tests/test_strategy.py,
+    # tests/test_zero.py run all of them there)
     if args.smoke:
         return {"not run on CPU": "4 processes; tests/test_zero.py runs every shard setting on CPU processes"}
     if torch.cuda.device_count() < 4:
         return {"not run": f"needs 4 GPUs (pp2 x dp2), this machine has {torch.cuda.device_count()}"}
     whole = _sharded("gpu", "none", str(args.out))
     out = {f"shard={s}: max rel error vs shard=none": _max_rel(_sharded("gpu", s, str(args.out)), whole) for s in ("optimizer", "full")}
+    out["shard=full, zb-h1: max rel error vs shard=none"] = _max_rel(_sharded("gpu", "full", str(args.out), "zb-h1"), whole)
     assert all(v <= 1e-10 for v in out.values()), out
     return out
 
