@@ -79,7 +79,12 @@ def test_pipeline_by_tensor_parallel_equals_one_process(tmp_path, schedule, opti
     layers = range(1, 1 + 2 * CFG["n_layer"])  # blocks: embedding, (attention, MLP) per layer, head
     want = {f"model.{i}.attn.{k}" for i in layers[::2] for k in ("qkv.weight", "qkv.bias", "proj.weight")}
     want |= {f"model.{i}.mlp.{k}" for i in layers[1::2] for k in ("fc.weight", "fc.bias", "proj.weight")}
-    assert held == want, "every attention and MLP matrix split, row-parallel biases and the rest whole"
+    vocab = {"model.0.token.weight", f"model.{layers[-1] + 1}.weight"}  # the tied embedding and head: split over the vocabulary
+    assert held == want | vocab, "every attention, MLP and vocabulary matrix split, row-parallel biases and the rest whole"
+    for rank in range(4):
+        shapes = torch.load(os.path.join(tmp_path, f"split-rank{rank}.pt"))["shapes"]
+        for name in vocab & set(shapes):
+            assert shapes[name] == ((CFG["vocab_size"] // 2, CFG["d_model"]), (CFG["vocab_size"], CFG["d_model"])), name
 
 
 def test_replicas_of_tensor_parallel_stages_equal_one_process():

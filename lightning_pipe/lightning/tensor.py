@@ -29,8 +29,9 @@ def parallelize_stage(ctx: RankContext) -> None:
     hook = getattr(ctx.module, "parallelize_block", None)
     hf = hf_plan_of(_traced_root(cut.stage))
     if cut.pipeline is not None:  # global rank 0 hands the trained model back in these modules: split copies
+        memo: dict = {}  # one memo: a weight two of the stage's blocks share (a tied embedding and head) stays shared
         for index, block in cut.stage.blocks().items():
-            cut.stage._modules[str(index)] = copy.deepcopy(block)
+            cut.stage._modules[str(index)] = copy.deepcopy(block, memo)
 
     def plan_for(index: int, block: nn.Module) -> Optional[Plan]:
         if callable(hook):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime.recompute import recomputed
+from ..runtime.tensor_parallel import vocab_logits
 
 
 def split(x):
@@ -158,7 +159,7 @@ class LMHead(nn.Module):
 
     def forward(self, x) -> torch.Tensor:
         h, _ = split(x)
-        return F.linear(self.ln(h), self.weight)
+        return vocab_logits(self.ln(h), self.weight)  # F.linear, or split over the vocabulary (tensor parallel)
 
 
 class MLMHead(nn.Module):
@@ -177,4 +178,4 @@ class MLMHead(nn.Module):
     def forward(self, x) -> torch.Tensor:
         h, _ = split(x)
         h = self.ln(self.act(self.dense(self.ln_f(h))))
-        return F.linear(h, self.weight, self.bias)
+        return vocab_logits(h, self.weight, self.bias)

@@ -2,19 +2,22 @@
 (torch's `parallelize_module` and its styles), plus the one style our fused attention needs. No Lightning.
 
 Activations between blocks stay whole on every rank of a tensor group (a plan's row-parallel halves end in
-an all-reduce), so a stage's input and output, and the pipeline's messages, are what one process has.
+an all-reduce, a vocabulary-parallel head gathers its logits), so a stage's input and output, and the pipeline's
+messages, are what one process has.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Union
 
-from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
-Plan = Mapping[str, ParallelStyle]  # submodule name -> style, as `parallelize_module` takes it
+# submodule name -> style, as `parallelize_module` takes it; or one style for the whole block
+Plan = Union[Mapping[str, ParallelStyle], ParallelStyle]
 
 
 class FusedColwise(ParallelStyle):
@@ -56,6 +59,36 @@ def _local_output(module: nn.Module, args: tuple, output):
     return output.to_local() if isinstance(output, DTensor) else output
 
 
+class VocabParallel(ParallelStyle):
+    """A head whose `weight` (vocabulary x features, and its `bias` if it has one) is split over the vocabulary,
+    dim 0, as torch's `RowwiseParallel` splits a token embedding's: a tied embedding and head hold the same rows
+    on each rank, so the tie's gradients are summed shard by shard. The head computes its logits with
+    `vocab_logits`. Parameters already split (the tied embedding's, split first on the same stage) are kept."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for name in ("weight", "bias"):
+            param = getattr(module, name, None)
+            if not isinstance(param, nn.Parameter) or isinstance(param, DTensor):
+                continue
+            if param.shape[0] % device_mesh.size():
+                raise ValueError(f"a vocabulary of {param.shape[0]} does not split over {device_mesh.size()} tensor-parallel ranks")
+            sharded = distribute_tensor(param.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        return module
+
+
+def vocab_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """`F.linear(h, weight, bias)`; with `weight` split over the vocabulary (`VocabParallel`) each rank computes
+    its vocabulary's columns and the logits are gathered whole. Gathered, not kept split for a parallel
+    cross-entropy (torch's loss_parallel): the loss and the metrics are the LightningModule's own code on what
+    the model returns, which must be the logits one process has. Backward: each rank keeps its columns of the
+    logits' gradient (no message), and the input's gradient is summed over the ranks (one all-reduce)."""
+    if not isinstance(weight, DTensor):
+        return F.linear(h, weight, bias)
+    x = DTensor.from_local(h, weight.device_mesh, [Replicate()], run_check=False)
+    return F.linear(x, weight, bias).full_tensor()
+
+
 def is_strided(t) -> bool:
     """A DTensor split as a strided shard (a `FusedColwise` weight): stores that take contiguous chunks
     (torch.distributed.checkpoint, FSDP2 on top) cannot take it as it is."""
@@ -64,10 +97,39 @@ def is_strided(t) -> bool:
 
 def parallelize_blocks(blocks: Mapping[int, nn.Module], mesh, plan_for: Callable[[int, nn.Module], Optional[Plan]]) -> None:
     """Each block's weights split over `mesh` (1-D, the "tp" dimension) by `plan_for(index, block)`; an empty
-    plan leaves the block whole on every rank. A block already split (an earlier fit's) is left as it is."""
+    plan leaves the block whole on every rank. A block already split (an earlier fit's) is left as it is.
+    A weight two blocks of the stage share (a tied embedding and head) stays one parameter: the later block
+    takes the one the earlier block's plan made."""
+    made: dict[int, nn.Parameter] = {}  # id of a whole parameter -> what it is after its first block's plan
     for index, block in blocks.items():
         if any(isinstance(p, DTensor) for p in block.parameters()):
             continue
+        before = [(name, id(p)) for name, p in block.named_parameters(remove_duplicate=False)]
+        for name, pid in before:
+            if pid in made:  # split already by an earlier block's plan: styles keep a parameter already split
+                owner, _, leaf = name.rpartition(".")
+                (block.get_submodule(owner) if owner else block).register_parameter(leaf, made[pid])
         plan = plan_for(index, block)
-        if plan:
+        if isinstance(plan, ParallelStyle):
+            parallelize_module(block, mesh, plan)
+        elif plan:
             parallelize_module(block, mesh, dict(plan))
+        for name, pid in before:
+            if pid not in made:
+                made[pid] = block.get_parameter(name)
+                if isinstance(made[pid], DTensor):
+                    made[pid].register_hook(_placed_like(made[pid]))
+
+
+def _placed_like(param: DTensor) -> Callable:
+    """A gradient hook: the gradient split as its parameter is. torch's embedding backward gives a vocabulary-split
+    weight a replicated gradient (every rank the whole table's); its own rows are this rank's (a slice, no
+    message), so optimizers, the tie's sum and the replicas' all-reduce see one layout, shard by shard."""
+    mesh, placements = param.device_mesh, tuple(param.placements)
+
+    def hook(grad: Tensor) -> Tensor:
+        if isinstance(grad, DTensor) and tuple(grad.placements) != placements:
+            return grad.redistribute(mesh, placements)
+        return grad
+
+    return hook
