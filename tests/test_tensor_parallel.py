@@ -1,6 +1,7 @@
 """tensor=T: each stage's blocks split over T ranks (the mesh's innermost "tp" dimension) on real gloo processes,
-against one process: our GPT with its tied embedding (pp2 x tp2, 4 ranks), with FSDP2 over replicas (pp2 x dp2 x tp2,
-8 ranks), and the weights really split (each rank holds its half of every split matrix)."""
+against one process: our GPT with its tied embedding (pp2 x tp2, 4 ranks; the tie across stages, and on one stage
+in a wave's V), our BERT, with FSDP2 over replicas (pp2 x dp2 x tp2, 8 ranks), and the weights really split (each rank
+holds its half of every split matrix, the tied embedding and head split over the vocabulary)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.errors import SettingError
-from lightning_pipe.models import CausalLM, ModelConfig
+from lightning_pipe.models import CausalLM, MaskedLM, ModelConfig
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.multiprocess]
 CFG = dict(vocab_size=260, n_layer=2, n_head=2, d_model=16, max_seq_len=16)
@@ -52,7 +53,7 @@ class RecordSplit(Callback):
         torch.save(out, os.path.join(self.folder, f"split-rank{trainer.global_rank}.pt"))
 
 
-@pytest.mark.parametrize("schedule,options", [("1f1b", {}), ("interleaved", {"chunks": 2}), ("zb-h1", {})])
+@pytest.mark.parametrize("schedule,options", [("1f1b", {}), ("interleaved", {"chunks": 2}), ("zb-h1", {}), ("wave", {"waves": 1})])
 def test_pipeline_by_tensor_parallel_equals_one_process(tmp_path, schedule, options):
     ref = make()
     L.Trainer(devices=1, **trainer_kwargs(gradient_clip_val=0.5)).fit(ref, gpt_data())
@@ -79,12 +80,55 @@ def test_pipeline_by_tensor_parallel_equals_one_process(tmp_path, schedule, opti
     layers = range(1, 1 + 2 * CFG["n_layer"])  # blocks: embedding, (attention, MLP) per layer, head
     want = {f"model.{i}.attn.{k}" for i in layers[::2] for k in ("qkv.weight", "qkv.bias", "proj.weight")}
     want |= {f"model.{i}.mlp.{k}" for i in layers[1::2] for k in ("fc.weight", "fc.bias", "proj.weight")}
-    vocab = {"model.0.token.weight", f"model.{layers[-1] + 1}.weight"}  # the tied embedding and head: split over the vocabulary
-    assert held == want | vocab, "every attention, MLP and vocabulary matrix split, row-parallel biases and the rest whole"
+    # the tied embedding and head, split over the vocabulary (a wave's V holds both on the first stage: one parameter)
+    vocab = {"model.0.token.weight", f"model.{layers[-1] + 1}.weight"}
+    assert "model.0.token.weight" in held and held - vocab == want, "attention, MLP and vocabulary matrices split, the rest whole"
     for rank in range(4):
         shapes = torch.load(os.path.join(tmp_path, f"split-rank{rank}.pt"))["shapes"]
         for name in vocab & set(shapes):
             assert shapes[name] == ((CFG["vocab_size"] // 2, CFG["d_model"]), (CFG["vocab_size"], CFG["d_model"])), name
+
+
+def bert_data():
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 256, (8, 12), generator=g)
+    labels = torch.full_like(ids, -100)
+    for i in range(ids.shape[0]):  # the same number of predicted positions in every sample
+        pos = torch.randperm(12, generator=g)[:3]
+        labels[i, pos] = ids[i, pos]
+        ids[i, pos] = 257
+    mask = torch.ones_like(ids)
+    mask[::3, -2:] = 0
+    return DataLoader(TensorDataset(ids, mask, labels), batch_size=4)
+
+
+def test_bert_by_tensor_parallel_equals_one_process(tmp_path):
+    # the masked-LM head's decoder weight (tied) and its per-token bias split over the vocabulary
+    def bert():
+        torch.manual_seed(0)
+        return MaskedLM(model=ModelConfig(**CFG), lr=1e-2, warmup_steps=1, max_steps=3).double()
+
+    ref = bert()
+    L.Trainer(devices=1, **trainer_kwargs(max_steps=2)).fit(ref, bert_data())
+    model = bert()
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, tensor=2, partition="uniform", start_method=START)
+    L.Trainer(devices=4, strategy=strategy, callbacks=[RecordSplit(tmp_path)], **trainer_kwargs(max_steps=2)).fit(model, bert_data())
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    head = f"model.{1 + 2 * CFG['n_layer']}"
+    for rank in (2, 3):
+        shapes = torch.load(os.path.join(tmp_path, f"split-rank{rank}.pt"))["shapes"]
+        assert shapes[f"{head}.weight"][0] == (CFG["vocab_size"] // 2, CFG["d_model"])
+        assert shapes[f"{head}.bias"][0] == (CFG["vocab_size"] // 2,)
+
+
+def test_a_vocabulary_that_does_not_split_is_refused(tmp_path):
+    torch.manual_seed(0)
+    model = CausalLM(model=ModelConfig(**dict(CFG, vocab_size=259)), lr=1e-2).double()
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, tensor=2, partition="uniform", start_method=START)
+    trainer = L.Trainer(devices=4, strategy=strategy, **trainer_kwargs(max_steps=1))
+    with pytest.raises(SettingError, match=r"tensor=2: a vocabulary of 259 tokens does not split over tensor=2 ranks") as err:
+        trainer.fit(model, gpt_data())
+    assert err.value.setting == "tensor"
 
 
 def test_replicas_of_tensor_parallel_stages_equal_one_process():

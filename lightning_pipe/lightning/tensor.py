@@ -55,6 +55,18 @@ def parallelize_stage(ctx: RankContext) -> None:
     parallelize_blocks(cut.stage.blocks(), mesh, plan_for)
 
 
+def check_tensor_plans(config: Any, model: Any, pipeline: nn.Sequential) -> None:
+    """Before spawning: our blocks split over tensor=T (heads, hidden features, the vocabulary), in one line."""
+    size = config.tensor
+    if size == 1 or callable(getattr(model, "parallelize_block", None)):
+        return
+    for block in pipeline:
+        try:
+            tensor_plan(block, size)
+        except ValueError as err:
+            raise SettingError(f"tensor={size}: {err}", "tensor") from None
+
+
 def keep_host_memory_returnable(ctx: RankContext) -> None:
     """tensor > 1 on CPU, before the model is profiled and cut: freed large buffers (a stage's whole weights once
     split, the blocks' all-reduce buffers) go back to the system (as FSDP2's layer does for its own buffers)."""
