@@ -74,7 +74,9 @@ def test_tensor_counts_like_the_other_sizes():
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.sampled_from(["embedding", "attention", "ffn", "layer", "head"]), min_size=1, max_size=12), st.integers(1, 8), st.booleans())
+@given(
+    st.lists(st.sampled_from(["embedding", "attention", "ffn", "layer", "head"]), min_size=1, max_size=12), st.integers(1, 8), st.booleans()
+)
 def test_split_costs_divide_what_a_plan_splits_and_keep_the_rest(kinds, tensor, vocab):
     n = len(kinds)
     costs = CostModel(
