@@ -121,12 +121,31 @@ def test_bert_by_tensor_parallel_equals_one_process(tmp_path):
         assert shapes[f"{head}.bias"][0] == (CFG["vocab_size"] // 2,)
 
 
-def test_a_vocabulary_that_does_not_split_is_refused(tmp_path):
+def test_a_vocabulary_that_does_not_divide_splits_unevenly(tmp_path):
+    # 259 tokens over 2 ranks: 130 rows on the first tensor rank, 129 on the second, as torch.chunk splits them
+    def odd():
+        torch.manual_seed(0)
+        return CausalLM(model=ModelConfig(**dict(CFG, vocab_size=259)), lr=1e-2, warmup_steps=1, max_steps=3).double()
+
+    ref = odd()
+    L.Trainer(devices=1, **trainer_kwargs(max_steps=2, gradient_clip_val=0.5)).fit(ref, gpt_data())
+    model = odd()
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, tensor=2, partition="uniform", start_method=START)
+    trainer = L.Trainer(devices=4, strategy=strategy, callbacks=[RecordSplit(tmp_path)], **trainer_kwargs(max_steps=2, gradient_clip_val=0.5))
+    trainer.fit(model, gpt_data())
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    head = f"model.{1 + 2 * CFG['n_layer']}.weight"
+    rows = {rank: torch.load(os.path.join(tmp_path, f"split-rank{rank}.pt"))["shapes"] for rank in range(4)}
+    assert [rows[r]["model.0.token.weight"][0][0] for r in (0, 1)] == [130, 129]
+    assert [rows[r][head][0][0] for r in (2, 3)] == [130, 129]
+
+
+def test_heads_that_do_not_split_are_refused_before_spawning():
     torch.manual_seed(0)
-    model = CausalLM(model=ModelConfig(**dict(CFG, vocab_size=259)), lr=1e-2).double()
+    model = CausalLM(model=ModelConfig(**dict(CFG, n_head=1)), lr=1e-2).double()
     strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, tensor=2, partition="uniform", start_method=START)
     trainer = L.Trainer(devices=4, strategy=strategy, **trainer_kwargs(max_steps=1))
-    with pytest.raises(SettingError, match=r"tensor=2: a vocabulary of 259 tokens does not split over tensor=2 ranks") as err:
+    with pytest.raises(SettingError, match=r"^tensor=2: 1 attention heads do not split over tensor=2 ranks") as err:
         trainer.fit(model, gpt_data())
     assert err.value.setting == "tensor"
 
@@ -204,4 +223,21 @@ def test_a_checkpoint_resumes_between_tensor_parallel_and_pipeline_meshes(tmp_pa
     torch.manual_seed(5)
     resumed = CausalLM(model=ModelConfig(**CFG), lr=1e-2, warmup_steps=1, max_steps=4).double()
     fit_pipelined(resumed, 5, ckpt_path=path, **then)
+    assert max_rel_diff(want.state_dict(), resumed.state_dict()) <= 1e-10
+
+
+@pytest.mark.parametrize("layout", ["full", "sharded"])
+def test_a_checkpoint_of_an_uneven_vocabulary_split_resumes_on_another_mesh(tmp_path, layout):
+    # 259 tokens split 130 / 129 over pp2 x tp2, written at step 2, resumed on pp4 (whole tensors by name)
+    def odd(seed=0):
+        torch.manual_seed(seed)
+        return CausalLM(model=ModelConfig(**dict(CFG, vocab_size=259)), lr=1e-2, warmup_steps=1, max_steps=4).double()
+
+    want = odd()
+    L.Trainer(devices=1, **trainer_kwargs(max_steps=4)).fit(want, resumable())
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    fit_pipelined(odd(), 2, callbacks=[saver], checkpoint=layout, tensor=2)
+    (path,) = glob.glob(os.path.join(tmp_path, "*step=2.ckpt"))
+    resumed = odd(seed=5)  # other initial weights
+    fit_pipelined(resumed, 4, ckpt_path=path, checkpoint=layout, tensor=1)
     assert max_rel_diff(want.state_dict(), resumed.state_dict()) <= 1e-10

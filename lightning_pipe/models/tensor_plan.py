@@ -3,7 +3,8 @@ column-parallel, the output projection row-parallel) and the MLP's halves column
 each sub-layer block needs one all-reduce forward and one backward. The token embedding and the head are
 split over the vocabulary (Megatron's vocabulary-parallel embedding): each rank holds vocabulary / T rows of the
 (tied) weight; the embedding's lookups are summed over the ranks (one all-reduce), the head's logits gathered
-whole (runtime/tensor_parallel.py `vocab_logits`). Position embeddings and norms stay whole (small)."""
+whole (runtime/tensor_parallel.py `vocab_logits`). Position embeddings and norms stay whole (small).
+Raises ValueError (`tensor_plan`) where heads or hidden features do not split; a vocabulary splits unevenly."""
 
 from __future__ import annotations
 
@@ -31,11 +32,9 @@ def tensor_plan(block: nn.Module, size: int) -> Optional[Plan]:
             raise ValueError(f"an MLP of {hidden} hidden features does not split over tensor={size} ranks")
         return {"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
     if isinstance(block, (Embedding, LMHead, MLMHead)):
-        vocab = block.token.num_embeddings if isinstance(block, Embedding) else block.weight.shape[0]
-        if vocab % size:
-            # refused rather than padded: padding would change the weight's shape in checkpoints and in the
-            # model handed back, and every rank's logits would need the padding masked out
-            raise ValueError(f"a vocabulary of {vocab} tokens does not split over tensor={size} ranks (vocab_size must be a multiple)")
+        # a vocabulary that T does not divide splits unevenly, as torch.chunk splits rows (ceil(V / T) on each rank,
+        # the last the rest), rather than padded: the weight keeps its one-process shape in checkpoints and in the
+        # model handed back, and no padded logit needs masking
         if isinstance(block, Embedding):  # token ids whole on every rank; each rank looks up its rows, summed
             return {"token": RowwiseParallel(input_layouts=Replicate())}
         return VocabParallel()

@@ -63,15 +63,14 @@ class VocabParallel(ParallelStyle):
     """A head whose `weight` (vocabulary x features, and its `bias` if it has one) is split over the vocabulary,
     dim 0, as torch's `RowwiseParallel` splits a token embedding's: a tied embedding and head hold the same rows
     on each rank, so the tie's gradients are summed shard by shard. The head computes its logits with
-    `vocab_logits`. Parameters already split (the tied embedding's, split first on the same stage) are kept."""
+    `vocab_logits`. Parameters already split (the tied embedding's, split first on the same stage) are kept. A
+    vocabulary that the ranks do not divide splits unevenly (torch.chunk's rows), as the embedding's does."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         for name in ("weight", "bias"):
             param = getattr(module, name, None)
             if not isinstance(param, nn.Parameter) or isinstance(param, DTensor):
                 continue
-            if param.shape[0] % device_mesh.size():
-                raise ValueError(f"a vocabulary of {param.shape[0]} does not split over {device_mesh.size()} tensor-parallel ranks")
             sharded = distribute_tensor(param.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         return module
