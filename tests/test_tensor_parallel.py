@@ -241,3 +241,15 @@ def test_a_checkpoint_of_an_uneven_vocabulary_split_resumes_on_another_mesh(tmp_
     resumed = odd(seed=5)  # other initial weights
     fit_pipelined(resumed, 4, ckpt_path=path, checkpoint=layout, tensor=1)
     assert max_rel_diff(want.state_dict(), resumed.state_dict()) <= 1e-10
+
+
+def test_2bw_over_a_split_vocabulary_equals_its_pipeline_alone():
+    # PipeDream-2BW on pp2 x tp2 (each rank's vocabulary rows double-buffered, the tie summed shard by shard) trains to
+    # the weights of the same pipeline on pp2 alone
+    runs = []
+    for devices, tensor in ((2, 1), (4, 2)):
+        model = make()
+        strategy = AutoPipeStrategy(schedule="2bw", microbatches=2, tensor=tensor, partition="uniform", start_method=START)
+        L.Trainer(devices=devices, strategy=strategy, **trainer_kwargs(max_steps=3)).fit(model, gpt_data())
+        runs.append(model.state_dict())
+    assert max_rel_diff(*runs) <= 1e-10

@@ -104,7 +104,7 @@ def test_our_plan_splits_attention_by_heads_the_mlp_in_halves_and_the_vocabulary
     assert isinstance(plan["mlp.fc"], ColwiseParallel) and isinstance(plan["mlp.proj"], RowwiseParallel)
     embedding = Embedding(10, 16, 8)  # the token embedding and the (tied) head split over the vocabulary
     plan = tensor_plan(embedding, 2)
-    assert set(plan) == {"token"} and isinstance(plan["token"], RowwiseParallel)
+    assert set(plan) == {"token"} and isinstance(plan["token"], VocabParallel)
     assert isinstance(tensor_plan(LMHead(16, embedding.token.weight), 2), VocabParallel)
     assert isinstance(tensor_plan(MLMHead(16, embedding.token.weight), 2), VocabParallel)
     assert set(tensor_plan(embedding, 4)) == {"token"}  # 10 tokens over 4 ranks: split unevenly, not refused

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime.recompute import recomputed
-from ..runtime.tensor_parallel import vocab_logits
+from ..runtime.tensor_parallel import vocab_logits, vocab_lookup
 
 
 def split(x):
@@ -49,7 +49,8 @@ class Embedding(nn.Module):
         T = ids.shape[1]
         if T > self.position.num_embeddings:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.position.num_embeddings}")
-        h = self.token(ids) + self.position(torch.arange(T, device=ids.device))
+        # self.token(ids), or its rows split over the vocabulary (tensor parallel)
+        h = vocab_lookup(ids, self.token.weight) + self.position(torch.arange(T, device=ids.device))
         if self.norm is not None:
             h = self.norm(h)
         return join(self.drop(h), mask)

@@ -3,7 +3,7 @@ column-parallel, the output projection row-parallel) and the MLP's halves column
 each sub-layer block needs one all-reduce forward and one backward. The token embedding and the head are
 split over the vocabulary (Megatron's vocabulary-parallel embedding): each rank holds vocabulary / T rows of the
 (tied) weight; the embedding's lookups are summed over the ranks (one all-reduce), the head's logits gathered
-whole (runtime/tensor_parallel.py `vocab_logits`). Position embeddings and norms stay whole (small).
+whole (runtime/tensor_parallel.py `vocab_lookup`, `vocab_logits`). Position embeddings and norms stay whole (small).
 Raises ValueError (`tensor_plan`) where heads or hidden features do not split; a vocabulary splits unevenly."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Optional
 
 from torch import nn
-from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from ..runtime.tensor_parallel import FusedColwise, Plan, VocabParallel
@@ -36,6 +35,6 @@ def tensor_plan(block: nn.Module, size: int) -> Optional[Plan]:
         # the last the rest), rather than padded: the weight keeps its one-process shape in checkpoints and in the
         # model handed back, and no padded logit needs masking
         if isinstance(block, Embedding):  # token ids whole on every rank; each rank looks up its rows, summed
-            return {"token": RowwiseParallel(input_layouts=Replicate())}
+            return {"token": VocabParallel()}
         return VocabParallel()
     return None

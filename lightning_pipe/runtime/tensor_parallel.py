@@ -12,7 +12,7 @@ from typing import Callable, Mapping, Optional, Union
 
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -60,11 +60,12 @@ def _local_output(module: nn.Module, args: tuple, output):
 
 
 class VocabParallel(ParallelStyle):
-    """A head whose `weight` (vocabulary x features, and its `bias` if it has one) is split over the vocabulary,
-    dim 0, as torch's `RowwiseParallel` splits a token embedding's: a tied embedding and head hold the same rows
-    on each rank, so the tie's gradients are summed shard by shard. The head computes its logits with
-    `vocab_logits`. Parameters already split (the tied embedding's, split first on the same stage) are kept. A
-    vocabulary that the ranks do not divide splits unevenly (torch.chunk's rows), as the embedding's does."""
+    """A token embedding (`nn.Embedding`) or a head whose `weight` (vocabulary x features, and its `bias` if it has
+    one) is split over the vocabulary, dim 0, Megatron's vocabulary-parallel embedding: a tied embedding and head
+    hold the same rows on each rank, so the tie's gradients are summed shard by shard. The blocks look tokens up
+    with `vocab_lookup` and compute logits with `vocab_logits`. A vocabulary that the ranks do not divide splits
+    unevenly (torch.chunk's rows). Parameters already split (the tied embedding's, split first on the same
+    stage) are kept."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         for name in ("weight", "bias"):
@@ -74,6 +75,24 @@ class VocabParallel(ParallelStyle):
             sharded = distribute_tensor(param.detach(), device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         return module
+
+
+def vocab_lookup(ids: Tensor, weight: Tensor) -> Tensor:
+    """`F.embedding(ids, weight)`; with `weight` split over the vocabulary (`VocabParallel`) each rank looks up
+    the ids among its rows (zeros for the others) and the ranks' lookups are summed (one all-reduce; backward:
+    none, each rank's gradient lands in its own rows). Not torch's RowwiseParallel on the embedding: its backward
+    gives the split weight a gradient of the whole table on every rank."""
+    if not isinstance(weight, DTensor):
+        return F.embedding(ids, weight)
+    mesh, local = weight.device_mesh, weight.to_local()
+    rows = -(-weight.shape[0] // mesh.size())  # torch.chunk's rows per rank; the last ranks may hold fewer
+    start = min(mesh.get_local_rank() * rows, weight.shape[0])
+    outside = (ids < start) | (ids >= start + local.shape[0])
+    if local.shape[0] == 0:  # a rank past the vocabulary's end: nothing of its own (still in the graph)
+        h = local.sum() * ids.new_zeros((*ids.shape, local.shape[1]), dtype=local.dtype)
+    else:
+        h = F.embedding((ids - start).masked_fill(outside, 0), local).masked_fill(outside.unsqueeze(-1), 0.0)
+    return DTensor.from_local(h, mesh, [Partial()], run_check=False).full_tensor()
 
 
 def vocab_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -114,21 +133,4 @@ def parallelize_blocks(blocks: Mapping[int, nn.Module], mesh, plan_for: Callable
         elif plan:
             parallelize_module(block, mesh, dict(plan))
         for name, pid in before:
-            if pid not in made:
-                made[pid] = block.get_parameter(name)
-                if isinstance(made[pid], DTensor):
-                    made[pid].register_hook(_placed_like(made[pid]))
-
-
-def _placed_like(param: DTensor) -> Callable:
-    """A gradient hook: the gradient split as its parameter is. torch's embedding backward gives a vocabulary-split
-    weight a replicated gradient (every rank the whole table's); its own rows are this rank's (a slice, no
-    message), so optimizers, the tie's sum and the replicas' all-reduce see one layout, shard by shard."""
-    mesh, placements = param.device_mesh, tuple(param.placements)
-
-    def hook(grad: Tensor) -> Tensor:
-        if isinstance(grad, DTensor) and tuple(grad.placements) != placements:
-            return grad.redistribute(mesh, placements)
-        return grad
-
-    return hook
+            made.setdefault(pid, block.get_parameter(name))
