@@ -253,3 +253,50 @@ def test_2bw_over_a_split_vocabulary_equals_its_pipeline_alone():
         L.Trainer(devices=devices, strategy=strategy, **trainer_kwargs(max_steps=3)).fit(model, gpt_data())
         runs.append(model.state_dict())
     assert max_rel_diff(*runs) <= 1e-10
+
+
+def _lookup_and_logits(rank, world, port, vocab, folder):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import Shard as S
+
+    from lightning_pipe.runtime.tensor_parallel import vocab_logits, vocab_lookup
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        g = torch.Generator().manual_seed(0)
+        table = torch.randn(vocab, 3, generator=g, dtype=torch.float64)
+        ids = torch.randint(0, vocab, (2, 7), generator=g)
+        weight = torch.nn.Parameter(distribute_tensor(table, mesh, [S(0)]))
+        out = vocab_logits(vocab_lookup(ids, weight), weight)
+        (out**2).sum().backward()
+        torch.save(dict(out=out, grad=weight.grad.full_tensor(), local=tuple(weight.to_local().shape)), os.path.join(folder, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("vocab", [12, 5])
+def test_a_lookup_and_logits_over_vocabulary_rows_equal_whole_ones(tmp_path, vocab):
+    # 4 ranks: 12 rows split 3 each; 5 rows as torch.chunk splits them, 2, 2, 1 and none on the last rank
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_lookup_and_logits, args=(4, port, vocab, str(tmp_path)), nprocs=4, start_method=START)
+    g = torch.Generator().manual_seed(0)
+    table = torch.nn.Parameter(torch.randn(vocab, 3, generator=g, dtype=torch.float64))
+    ids = torch.randint(0, vocab, (2, 7), generator=g)
+    out = torch.nn.functional.linear(torch.nn.functional.embedding(ids, table), table)
+    (out**2).sum().backward()
+    rows = [-(-vocab // 4)] * 4
+    rows = [max(0, min(r, vocab - sum(rows[:i]))) for i, r in enumerate(rows)]
+    for rank in range(4):
+        got = torch.load(os.path.join(tmp_path, f"{rank}.pt"))
+        assert got["local"] == (rows[rank], 3)
+        assert torch.allclose(got["out"], out, rtol=1e-12, atol=0) and torch.allclose(got["grad"], table.grad, rtol=1e-12, atol=1e-14)
