@@ -258,8 +258,8 @@ def test_2bw_over_a_split_vocabulary_equals_its_pipeline_alone():
 def _lookup_and_logits(rank, world, port, vocab, folder):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor import Shard as S
+    from torch.distributed.tensor import distribute_tensor
 
     from lightning_pipe.runtime.tensor_parallel import vocab_logits, vocab_lookup
 
