@@ -131,7 +131,9 @@ def test_a_vocabulary_that_does_not_divide_splits_unevenly(tmp_path):
     L.Trainer(devices=1, **trainer_kwargs(max_steps=2, gradient_clip_val=0.5)).fit(ref, gpt_data())
     model = odd()
     strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, tensor=2, partition="uniform", start_method=START)
-    trainer = L.Trainer(devices=4, strategy=strategy, callbacks=[RecordSplit(tmp_path)], **trainer_kwargs(max_steps=2, gradient_clip_val=0.5))
+    trainer = L.Trainer(
+        devices=4, strategy=strategy, callbacks=[RecordSplit(tmp_path)], **trainer_kwargs(max_steps=2, gradient_clip_val=0.5)
+    )
     trainer.fit(model, gpt_data())
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
     head = f"model.{1 + 2 * CFG['n_layer']}.weight"
