@@ -302,3 +302,37 @@ def test_a_lookup_and_logits_over_vocabulary_rows_equal_whole_ones(tmp_path, voc
         got = torch.load(os.path.join(tmp_path, f"{rank}.pt"))
         assert got["local"] == (rows[rank], 3)
         assert torch.allclose(got["out"], out, rtol=1e-12, atol=0) and torch.allclose(got["grad"], table.grad, rtol=1e-12, atol=1e-14)
+
+
+class RecordSequence(Callback):
+    """Each rank writes the sequence lengths its attention and MLP blocks' norms saw."""
+
+    def __init__(self, folder):
+        self.folder, self.seen = folder, set()
+
+    def on_train_start(self, trainer, pl_module):
+        for block in pl_module.model.blocks().values():
+            if type(block).__name__ in ("ResidualAttentionBlock", "ResidualFFNBlock"):
+                block.ln.register_forward_hook(lambda m, args, out: self.seen.add(args[0].shape[1]))
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(self.seen, os.path.join(self.folder, f"seq-rank{trainer.global_rank}.pt"))
+
+
+@pytest.mark.parametrize("schedule,options", [("1f1b", {}), ("interleaved", {"chunks": 2}), ("zb-h1", {})])
+def test_sequence_parallel_equals_one_process(tmp_path, schedule, options):
+    # the norms, dropout and residual adds between a stage's attention and MLP blocks on each rank's half of the
+    # sequence; what crosses a cut (and a chunk's ends) whole
+    ref = make()
+    L.Trainer(devices=1, **trainer_kwargs(max_steps=3, gradient_clip_val=0.5)).fit(ref, gpt_data())
+    model = make()
+    strategy = AutoPipeStrategy(
+        schedule=schedule, microbatches=4, tensor=2, sequence_parallel=True, partition="uniform", start_method=START, **options
+    )
+    callbacks = [RecordSequence(tmp_path)]
+    L.Trainer(devices=4, strategy=strategy, callbacks=callbacks, **trainer_kwargs(max_steps=3, gradient_clip_val=0.5)).fit(
+        model, gpt_data()
+    )
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    for rank in range(4):  # sequences of 8 tokens: 4 on each rank
+        assert torch.load(os.path.join(tmp_path, f"seq-rank{rank}.pt")) == {4}

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..errors import SettingError
 from ..frontend.tensor_plan import hf_plan_of, hf_tensor_plan
-from ..models.tensor_plan import tensor_plan
+from ..models.tensor_plan import OUR_BLOCKS, SEQUENCE_BLOCKS, tensor_plan
 from ..runtime.host_memory import return_large_buffers
 from ..runtime.tensor_parallel import Plan, parallelize_blocks
 from .context import RankContext
@@ -33,12 +33,18 @@ def parallelize_stage(ctx: RankContext) -> None:
         for index, block in cut.stage.blocks().items():
             cut.stage._modules[str(index)] = copy.deepcopy(block, memo)
 
+    sequence = ctx.config.sequence_parallel
+
     def plan_for(index: int, block: nn.Module) -> Optional[Plan]:
-        if callable(hook):
+        if callable(hook) and not sequence:
             hook(block, mesh)
             return None
+        if sequence:
+            check_sequence_plan(block, index, hook)
         try:
-            plan = tensor_plan(block, size)
+            plan = tensor_plan(block, size, sequence)
+            if sequence and isinstance(block, SEQUENCE_BLOCKS):
+                block.sequence_parallel = mesh  # the stage splits its input over the sequence (lightning/stage.py)
             if plan is None and hf is not None:
                 plan = hf_tensor_plan(block, hf)
         except ValueError as err:
@@ -55,9 +61,24 @@ def parallelize_stage(ctx: RankContext) -> None:
     parallelize_blocks(cut.stage.blocks(), mesh, plan_for)
 
 
+def check_sequence_plan(block: nn.Module, index: int, hook: Any) -> None:
+    """sequence_parallel=True: only our blocks' plan knows where the sequence is split."""
+    if callable(hook) or not isinstance(block, OUR_BLOCKS):
+        raise SettingError(
+            f"sequence_parallel=True runs our GPT / BERT blocks' plan; block {index} ({type(block).__name__}) is split by "
+            + ("your parallelize_block" if callable(hook) else "another plan")
+            + ": set sequence_parallel=False",
+            "sequence_parallel",
+        )
+
+
 def check_tensor_plans(config: Any, model: Any, pipeline: nn.Sequential) -> None:
-    """Before spawning: our blocks split over tensor=T (heads, hidden features, the vocabulary), in one line."""
+    """Before spawning: our blocks split over tensor=T (heads, hidden features, the vocabulary), in one line; only
+    ours under sequence_parallel=True."""
     size = config.tensor
+    if size > 1 and config.sequence_parallel:
+        for index, block in enumerate(pipeline):
+            check_sequence_plan(block, index, getattr(model, "parallelize_block", None))
     if size == 1 or callable(getattr(model, "parallelize_block", None)):
         return
     for block in pipeline:

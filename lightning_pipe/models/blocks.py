@@ -67,10 +67,11 @@ class SelfAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, h: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        B, T, d = h.shape
-        # chunk(3) and -1 heads: under tensor parallelism this rank's qkv holds its heads' q, k and v (models/tensor_plan.py)
+        # chunk(3) and -1 heads: under tensor parallelism this rank's qkv holds its heads' q, k and v (models/tensor_plan.py);
+        # B and T from its output: under sequence parallelism `h` is this rank's part of the sequence, qkv gathers it
         q, k, v = self.qkv(h).chunk(3, dim=-1)
-        q, k, v = (t.view(B, T, -1, d // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
+        B, T = q.shape[:2]
+        q, k, v = (t.view(B, T, -1, h.shape[-1] // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
         bias = None
         if mask is not None:
             # additive bias rather than a boolean mask: an all-padding row then attends uniformly

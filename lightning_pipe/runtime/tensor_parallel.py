@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 # submodule name -> style, as `parallelize_module` takes it; or one style for the whole block
 Plan = Union[Mapping[str, ParallelStyle], ParallelStyle]
@@ -26,9 +26,11 @@ class FusedColwise(ParallelStyle):
     shard (split into `parts`, then each part over the ranks): `full_tensor()` and checkpoints give back the
     single-process layout. Its input is whole on every rank (its gradient all-reduced in backward)."""
 
-    def __init__(self, parts: int):
+    def __init__(self, parts: int, input_layout: Optional[Placement] = None):
         super().__init__()
         self.parts = parts
+        # Shard(1): the input split over the sequence (sequence parallelism), gathered; default: whole
+        self.input_layout = input_layout if input_layout is not None else Replicate()
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
@@ -42,17 +44,34 @@ class FusedColwise(ParallelStyle):
         for name, param in list(module.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.detach(), device_mesh, placement, src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        module.register_forward_pre_hook(_whole_input(device_mesh))
+        module.register_forward_pre_hook(_whole_input(device_mesh, self.input_layout))
         module.register_forward_hook(_local_output)
         return module
 
 
-def _whole_input(mesh) -> Callable:
+def _whole_input(mesh, layout: Placement) -> Callable:
     def hook(module: nn.Module, args: tuple) -> tuple:
         x, *rest = args
-        return (DTensor.from_local(x, mesh, [Replicate()], run_check=False), *rest) if not isinstance(x, DTensor) else args
+        if isinstance(x, DTensor):
+            return args
+        whole = DTensor.from_local(x, mesh, [layout], run_check=False)
+        return (whole if layout.is_replicate() else whole.redistribute(mesh, [Replicate()]), *rest)
 
     return hook
+
+
+def sequence_scatter(x: Tensor, mesh) -> Tensor:
+    """This rank's part of `x` (batch, sequence, ...) split over the sequence (sequence parallelism: where the
+    activations between a stage's blocks are split); backward: the parts' gradients gathered whole."""
+    if x.shape[1] % mesh.size():
+        raise ValueError(f"a sequence of {x.shape[1]} tokens does not split over tensor={mesh.size()} ranks")
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+
+
+def sequence_gather(x: Tensor, mesh) -> Tensor:
+    """The whole of `x` from every rank's part of its sequence (one all-gather); backward: this rank's part of the
+    gradient (every rank's is the same whole one)."""
+    return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).full_tensor()
 
 
 def _local_output(module: nn.Module, args: tuple, output):
