@@ -102,16 +102,20 @@ def bert_data():
     return DataLoader(TensorDataset(ids, mask, labels), batch_size=4)
 
 
-def test_bert_by_tensor_parallel_equals_one_process(tmp_path):
-    # the masked-LM head's decoder weight (tied) and its per-token bias split over the vocabulary
+@pytest.mark.parametrize("sequence", [False, True])
+def test_bert_by_tensor_parallel_equals_one_process(tmp_path, sequence):
+    # the masked-LM head's decoder weight (tied) and its per-token bias split over the vocabulary; with sequence
+    # parallelism (the attention mask whole beside the split hidden state) and recomputation (its rerun gathers again)
     def bert():
         torch.manual_seed(0)
-        return MaskedLM(model=ModelConfig(**CFG), lr=1e-2, warmup_steps=1, max_steps=3).double()
+        return MaskedLM(model=ModelConfig(**CFG, recompute=sequence), lr=1e-2, warmup_steps=1, max_steps=3).double()
 
     ref = bert()
     L.Trainer(devices=1, **trainer_kwargs(max_steps=2)).fit(ref, bert_data())
     model = bert()
-    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, tensor=2, partition="uniform", start_method=START)
+    strategy = AutoPipeStrategy(
+        schedule="1f1b", microbatches=2, tensor=2, sequence_parallel=sequence, partition="uniform", start_method=START
+    )
     L.Trainer(devices=4, strategy=strategy, callbacks=[RecordSplit(tmp_path)], **trainer_kwargs(max_steps=2)).fit(model, bert_data())
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
     head = f"model.{1 + 2 * CFG['n_layer']}"
@@ -150,6 +154,16 @@ def test_heads_that_do_not_split_are_refused_before_spawning():
     with pytest.raises(SettingError, match=r"^tensor=2: 1 attention heads do not split over tensor=2 ranks") as err:
         trainer.fit(model, gpt_data())
     assert err.value.setting == "tensor"
+
+
+def test_sequence_parallelism_refuses_a_plan_not_ours_before_spawning():
+    from hf_models import UserLM, loader
+
+    strategy = AutoPipeStrategy(microbatches=2, tensor=2, sequence_parallel=True, start_method=START)
+    trainer = L.Trainer(devices=4, strategy=strategy, **trainer_kwargs())
+    with pytest.raises(SettingError, match=r"^sequence_parallel=True runs our GPT / BERT blocks' plan; block 0") as err:
+        trainer.fit(UserLM("looped", 4), loader())
+    assert err.value.setting == "sequence_parallel"
 
 
 def test_replicas_of_tensor_parallel_stages_equal_one_process():
@@ -336,3 +350,11 @@ def test_sequence_parallel_equals_one_process(tmp_path, schedule, options):
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
     for rank in range(4):  # sequences of 8 tokens: 4 on each rank
         assert torch.load(os.path.join(tmp_path, f"seq-rank{rank}.pt")) == {4}
+
+
+def test_sequence_parallelism_refuses_a_sequence_that_does_not_split():
+    model = make()
+    data = DataLoader(TensorDataset(*[t[:, :7] for t in gpt_data().dataset.tensors]), batch_size=4)  # 7 tokens over 2 ranks
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, tensor=2, sequence_parallel=True, partition="uniform", start_method=START)
+    with pytest.raises(Exception, match=r"sequence_parallel=True: a sequence of 7 tokens does not split over tensor=2 ranks"):
+        L.Trainer(devices=4, strategy=strategy, **trainer_kwargs(max_steps=1)).fit(model, data)

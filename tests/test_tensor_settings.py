@@ -67,6 +67,13 @@ def test_what_tensor_parallelism_does_not_run_is_refused_in_one_line(settings, w
     assert err.value.setting == "tensor" and "\n" not in message and words in message and "tensor=2" in message
 
 
+def test_sequence_parallelism_needs_tensor_ranks():
+    with pytest.raises(SettingError, match="sequence_parallel=True splits the sequence over the tensor ranks: it needs tensor > 1") as err:
+        PipelineConfig(sequence_parallel=True)
+    assert err.value.setting == "sequence_parallel"
+    assert PipelineConfig(tensor=2, sequence_parallel=True).sequence_parallel
+
+
 def test_tensor_counts_like_the_other_sizes():
     with pytest.raises(SettingError) as err:
         PipelineConfig(tensor=0)

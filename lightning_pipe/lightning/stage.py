@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
+from ..errors import SettingError
 from ..frontend import FrontendError, TracedPipeline, attach_user_names, convert
 from ..profiling import check_activation
 from ..runtime.call import as_call, as_input
@@ -151,7 +152,10 @@ class PipelineStage(nn.Module):
             block = self._modules[str(index)]
             mesh = getattr(block, "sequence_parallel", None)  # set on the blocks that run on a part of the sequence
             if mesh is not split:  # whole into such a block, whole out of a run of them: a chunk's ends stay whole
-                x = _on_hidden(x, partial(sequence_scatter, mesh=mesh) if split is None else partial(sequence_gather, mesh=split))
+                try:
+                    x = _on_hidden(x, partial(sequence_scatter, mesh=mesh) if split is None else partial(sequence_gather, mesh=split))
+                except ValueError as err:
+                    raise SettingError(f"sequence_parallel=True: {err}", "sequence_parallel") from None
                 split = mesh
             x = run_block(block, x, self.recompute)
             if index < self.num_blocks - 1:
