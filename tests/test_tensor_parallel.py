@@ -262,13 +262,16 @@ def test_a_checkpoint_of_an_uneven_vocabulary_split_resumes_on_another_mesh(tmp_
 def test_2bw_over_a_split_vocabulary_equals_its_pipeline_alone():
     # PipeDream-2BW on pp2 x tp2 (each rank's vocabulary rows double-buffered, the tie summed shard by shard) trains to
     # the weights of the same pipeline on pp2 alone
+    # alone, and with sequence parallelism too
     runs = []
-    for devices, tensor in ((2, 1), (4, 2)):
+    for devices, tensor, sequence in ((2, 1, False), (4, 2, False), (4, 2, True)):
         model = make()
-        strategy = AutoPipeStrategy(schedule="2bw", microbatches=2, tensor=tensor, partition="uniform", start_method=START)
+        strategy = AutoPipeStrategy(
+            schedule="2bw", microbatches=2, tensor=tensor, sequence_parallel=sequence, partition="uniform", start_method=START
+        )
         L.Trainer(devices=devices, strategy=strategy, **trainer_kwargs(max_steps=3)).fit(model, gpt_data())
         runs.append(model.state_dict())
-    assert max_rel_diff(*runs) <= 1e-10
+    assert max_rel_diff(runs[0], runs[1]) <= 1e-10 and max_rel_diff(runs[0], runs[2]) <= 1e-10
 
 
 def _lookup_and_logits(rank, world, port, vocab, folder):
