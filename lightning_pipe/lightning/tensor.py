@@ -4,6 +4,9 @@
 Whose plan: the LightningModule's `parallelize_block(block, tp_mesh)` when it has one (as Lightning's
 ModelParallelStrategy hands `configure_model` its mesh); else our GPT / BERT blocks' plan; else a Hugging Face
 model's own `config.base_model_tp_plan`; a block with none of them is refused, naming the hook.
+sequence_parallel=True: our plan only; its attention and MLP blocks are marked (`sequence_parallel`, the tensor
+mesh) so the stage passes them the hidden state split over the sequence (lightning/stage.py) and the gradients
+sum their norms' over the group (lightning/gradients.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """Tensor parallelism inside a stage: each block's weights split over the mesh's "tp" dimension by its plan
-(torch's `parallelize_module` and its styles), plus the one style our fused attention needs. No Lightning.
+(torch's `parallelize_module` and its styles), plus the styles our fused attention and our vocabulary need. No
+Lightning.
 
 Activations between blocks stay whole on every rank of a tensor group (a plan's row-parallel halves end in
 an all-reduce, a vocabulary-parallel head gathers its logits), so a stage's input and output, and the pipeline's
-messages, are what one process has.
+messages, are what one process has. Under sequence parallelism a run of blocks passes the hidden state split over
+the sequence (`sequence_scatter` before it, `sequence_gather` after it): a stage's ends stay whole.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ class FusedColwise(ParallelStyle):
     """A Linear whose output is `parts` equal projections side by side (a fused q, k, v): each rank holds
     its columns of every part, so its output is its heads' q, k and v side by side. The weight is a strided
     shard (split into `parts`, then each part over the ranks): `full_tensor()` and checkpoints give back the
-    single-process layout. Its input is whole on every rank (its gradient all-reduced in backward)."""
+    single-process layout. Its input is whole on every rank (its gradient all-reduced in backward), or, with
+    `input_layout=Shard(1)`, this rank's part of the sequence, gathered (its gradient reduce-scattered)."""
 
     def __init__(self, parts: int, input_layout: Optional[Placement] = None):
         super().__init__()
