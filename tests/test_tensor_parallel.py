@@ -166,14 +166,16 @@ def test_sequence_parallelism_refuses_a_plan_not_ours_before_spawning():
     assert err.value.setting == "sequence_parallel"
 
 
-def test_replicas_of_tensor_parallel_stages_equal_one_process():
+@pytest.mark.parametrize("sequence", [False, True])
+def test_replicas_of_tensor_parallel_stages_equal_one_process(sequence):
     # pp2 x dp2 x tp2 (8 ranks), whole replicas: each tensor rank all-reduces its shards with its stage's other replica
+    # (with sequence parallelism: after its norms' gradients are summed over its tensor group)
     rows = 16
     ref = make()
     one = DataLoader(gpt_data(rows).dataset, batch_size=8, sampler=EpochPerm(rows))
     L.Trainer(devices=1, **trainer_kwargs(gradient_clip_val=0.5)).fit(ref, one)
     model = make()
-    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, width=2, tensor=2, start_method=START)
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, width=2, tensor=2, sequence_parallel=sequence, start_method=START)
     L.Trainer(devices=8, strategy=strategy, **trainer_kwargs(gradient_clip_val=0.5)).fit(model, gpt_data(rows))
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
 
@@ -336,7 +338,7 @@ class RecordSequence(Callback):
         torch.save(self.seen, os.path.join(self.folder, f"seq-rank{trainer.global_rank}.pt"))
 
 
-@pytest.mark.parametrize("schedule,options", [("1f1b", {}), ("interleaved", {"chunks": 2}), ("zb-h1", {})])
+@pytest.mark.parametrize("schedule,options", [("1f1b", {}), ("interleaved", {"chunks": 2}), ("zb-h1", {}), ("wave", {"waves": 1})])
 def test_sequence_parallel_equals_one_process(tmp_path, schedule, options):
     # the norms, dropout and residual adds between a stage's attention and MLP blocks on each rank's half of the
     # sequence; what crosses a cut (and a chunk's ends) whole
