@@ -84,6 +84,10 @@ class PipelineConfig:
     """Tensor-parallel ranks per stage (T): each block's weights split over T consecutive ranks (the mesh's
     innermost "tp" dimension) by the model's plan (`parallelize_block`, or our GPT / BERT / Hugging Face plans);
     stages = devices x nodes / (width x tensor)."""
+    sequence_parallel: bool = False
+    """tensor > 1, our GPT / BERT plan: sequence parallelism (Megatron-SP), the norms, dropout and residual adds
+    between a stage's attention and MLP blocks run on each tensor rank's part of the sequence (activations there
+    1/T; the sequence a multiple of T); what crosses a cut stays whole."""
     pipelines: Optional[int] = None
     """AvgPipe: N parallel pipelines, each training its own model on its own data, joined by elastic
     averaging with reference processes (None: off); stages = devices x nodes / N."""
@@ -477,6 +481,11 @@ LEGALITY: tuple[Legality, ...] = (
             + " is not built: tensor parallelism runs the schedules you name among gpipe, 1f1b, interleaved, wave, hanayo, "
             "advance, zb-h1 and 2bw, with shard='none' or 'full', compile=False"
         ),
+    ),
+    Legality(
+        "sequence_parallel",
+        lambda c: c.sequence_parallel is True and c.tensor == 1,
+        lambda c: "sequence_parallel=True splits the sequence over the tensor ranks: it needs tensor > 1",
     ),
     Legality(
         "tensor",

@@ -1,6 +1,7 @@
 """tensor=T: each stage's blocks split over T ranks (the mesh's innermost "tp" dimension) on real gloo processes,
-against one process: our GPT with its tied embedding (pp2 x tp2, 4 ranks), with FSDP2 over replicas (pp2 x dp2 x tp2,
-8 ranks), and the weights really split (each rank holds its half of every split matrix)."""
+against one process: our GPT with its tied embedding (pp2 x tp2, 4 ranks; the tie across stages, and on one stage
+in a wave's V), our BERT, with FSDP2 over replicas (pp2 x dp2 x tp2, 8 ranks), and the weights really split (each rank
+holds its half of every split matrix, the tied embedding and head split over the vocabulary)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.errors import SettingError
-from lightning_pipe.models import CausalLM, ModelConfig
+from lightning_pipe.models import CausalLM, MaskedLM, ModelConfig
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.multiprocess]
 CFG = dict(vocab_size=260, n_layer=2, n_head=2, d_model=16, max_seq_len=16)
@@ -52,7 +53,7 @@ class RecordSplit(Callback):
         torch.save(out, os.path.join(self.folder, f"split-rank{trainer.global_rank}.pt"))
 
 
-@pytest.mark.parametrize("schedule,options", [("1f1b", {}), ("interleaved", {"chunks": 2}), ("zb-h1", {})])
+@pytest.mark.parametrize("schedule,options", [("1f1b", {}), ("interleaved", {"chunks": 2}), ("zb-h1", {}), ("wave", {"waves": 1})])
 def test_pipeline_by_tensor_parallel_equals_one_process(tmp_path, schedule, options):
     ref = make()
     L.Trainer(devices=1, **trainer_kwargs(gradient_clip_val=0.5)).fit(ref, gpt_data())
@@ -79,17 +80,102 @@ def test_pipeline_by_tensor_parallel_equals_one_process(tmp_path, schedule, opti
     layers = range(1, 1 + 2 * CFG["n_layer"])  # blocks: embedding, (attention, MLP) per layer, head
     want = {f"model.{i}.attn.{k}" for i in layers[::2] for k in ("qkv.weight", "qkv.bias", "proj.weight")}
     want |= {f"model.{i}.mlp.{k}" for i in layers[1::2] for k in ("fc.weight", "fc.bias", "proj.weight")}
-    assert held == want, "every attention and MLP matrix split, row-parallel biases and the rest whole"
+    # the tied embedding and head, split over the vocabulary (a wave's V holds both on the first stage: one parameter)
+    vocab = {"model.0.token.weight", f"model.{layers[-1] + 1}.weight"}
+    assert "model.0.token.weight" in held and held - vocab == want, "attention, MLP and vocabulary matrices split, the rest whole"
+    for rank in range(4):
+        shapes = torch.load(os.path.join(tmp_path, f"split-rank{rank}.pt"))["shapes"]
+        for name in vocab & set(shapes):
+            assert shapes[name] == ((CFG["vocab_size"] // 2, CFG["d_model"]), (CFG["vocab_size"], CFG["d_model"])), name
 
 
-def test_replicas_of_tensor_parallel_stages_equal_one_process():
+def bert_data():
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 256, (8, 12), generator=g)
+    labels = torch.full_like(ids, -100)
+    for i in range(ids.shape[0]):  # the same number of predicted positions in every sample
+        pos = torch.randperm(12, generator=g)[:3]
+        labels[i, pos] = ids[i, pos]
+        ids[i, pos] = 257
+    mask = torch.ones_like(ids)
+    mask[::3, -2:] = 0
+    return DataLoader(TensorDataset(ids, mask, labels), batch_size=4)
+
+
+@pytest.mark.parametrize("sequence", [False, True])
+def test_bert_by_tensor_parallel_equals_one_process(tmp_path, sequence):
+    # the masked-LM head's decoder weight (tied) and its per-token bias split over the vocabulary; with sequence
+    # parallelism (the attention mask whole beside the split hidden state) and recomputation (its rerun gathers again)
+    def bert():
+        torch.manual_seed(0)
+        return MaskedLM(model=ModelConfig(**CFG, recompute=sequence), lr=1e-2, warmup_steps=1, max_steps=3).double()
+
+    ref = bert()
+    L.Trainer(devices=1, **trainer_kwargs(max_steps=2)).fit(ref, bert_data())
+    model = bert()
+    strategy = AutoPipeStrategy(
+        schedule="1f1b", microbatches=2, tensor=2, sequence_parallel=sequence, partition="uniform", start_method=START
+    )
+    L.Trainer(devices=4, strategy=strategy, callbacks=[RecordSplit(tmp_path)], **trainer_kwargs(max_steps=2)).fit(model, bert_data())
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    head = f"model.{1 + 2 * CFG['n_layer']}"
+    for rank in (2, 3):
+        shapes = torch.load(os.path.join(tmp_path, f"split-rank{rank}.pt"))["shapes"]
+        assert shapes[f"{head}.weight"][0] == (CFG["vocab_size"] // 2, CFG["d_model"])
+        assert shapes[f"{head}.bias"][0] == (CFG["vocab_size"] // 2,)
+
+
+def test_a_vocabulary_that_does_not_divide_splits_unevenly(tmp_path):
+    # 259 tokens over 2 ranks: 130 rows on the first tensor rank, 129 on the second, as torch.chunk splits them
+    def odd():
+        torch.manual_seed(0)
+        return CausalLM(model=ModelConfig(**dict(CFG, vocab_size=259)), lr=1e-2, warmup_steps=1, max_steps=3).double()
+
+    ref = odd()
+    L.Trainer(devices=1, **trainer_kwargs(max_steps=2, gradient_clip_val=0.5)).fit(ref, gpt_data())
+    model = odd()
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, tensor=2, partition="uniform", start_method=START)
+    trainer = L.Trainer(
+        devices=4, strategy=strategy, callbacks=[RecordSplit(tmp_path)], **trainer_kwargs(max_steps=2, gradient_clip_val=0.5)
+    )
+    trainer.fit(model, gpt_data())
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    head = f"model.{1 + 2 * CFG['n_layer']}.weight"
+    rows = {rank: torch.load(os.path.join(tmp_path, f"split-rank{rank}.pt"))["shapes"] for rank in range(4)}
+    assert [rows[r]["model.0.token.weight"][0][0] for r in (0, 1)] == [130, 129]
+    assert [rows[r][head][0][0] for r in (2, 3)] == [130, 129]
+
+
+def test_heads_that_do_not_split_are_refused_before_spawning():
+    torch.manual_seed(0)
+    model = CausalLM(model=ModelConfig(**dict(CFG, n_head=1)), lr=1e-2).double()
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, tensor=2, partition="uniform", start_method=START)
+    trainer = L.Trainer(devices=4, strategy=strategy, **trainer_kwargs(max_steps=1))
+    with pytest.raises(SettingError, match=r"^tensor=2: 1 attention heads do not split over tensor=2 ranks") as err:
+        trainer.fit(model, gpt_data())
+    assert err.value.setting == "tensor"
+
+
+def test_sequence_parallelism_refuses_a_plan_not_ours_before_spawning():
+    from hf_models import UserLM, loader
+
+    strategy = AutoPipeStrategy(microbatches=2, tensor=2, sequence_parallel=True, start_method=START)
+    trainer = L.Trainer(devices=4, strategy=strategy, **trainer_kwargs())
+    with pytest.raises(SettingError, match=r"^sequence_parallel=True runs our GPT / BERT blocks' plan; block 0") as err:
+        trainer.fit(UserLM("looped", 4), loader())
+    assert err.value.setting == "sequence_parallel"
+
+
+@pytest.mark.parametrize("sequence", [False, True])
+def test_replicas_of_tensor_parallel_stages_equal_one_process(sequence):
     # pp2 x dp2 x tp2 (8 ranks), whole replicas: each tensor rank all-reduces its shards with its stage's other replica
+    # (with sequence parallelism: after its norms' gradients are summed over its tensor group)
     rows = 16
     ref = make()
     one = DataLoader(gpt_data(rows).dataset, batch_size=8, sampler=EpochPerm(rows))
     L.Trainer(devices=1, **trainer_kwargs(gradient_clip_val=0.5)).fit(ref, one)
     model = make()
-    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, width=2, tensor=2, start_method=START)
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, width=2, tensor=2, sequence_parallel=sequence, start_method=START)
     L.Trainer(devices=8, strategy=strategy, **trainer_kwargs(gradient_clip_val=0.5)).fit(model, gpt_data(rows))
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
 
@@ -156,3 +242,124 @@ def test_a_checkpoint_resumes_between_tensor_parallel_and_pipeline_meshes(tmp_pa
     resumed = CausalLM(model=ModelConfig(**CFG), lr=1e-2, warmup_steps=1, max_steps=4).double()
     fit_pipelined(resumed, 5, ckpt_path=path, **then)
     assert max_rel_diff(want.state_dict(), resumed.state_dict()) <= 1e-10
+
+
+@pytest.mark.parametrize("layout", ["full", "sharded"])
+def test_a_checkpoint_of_an_uneven_vocabulary_split_resumes_on_another_mesh(tmp_path, layout):
+    # 259 tokens split 130 / 129 over pp2 x tp2, written at step 2, resumed on pp4 (whole tensors by name)
+    def odd(seed=0):
+        torch.manual_seed(seed)
+        return CausalLM(model=ModelConfig(**dict(CFG, vocab_size=259)), lr=1e-2, warmup_steps=1, max_steps=4).double()
+
+    want = odd()
+    L.Trainer(devices=1, **trainer_kwargs(max_steps=4)).fit(want, resumable())
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    fit_pipelined(odd(), 2, callbacks=[saver], checkpoint=layout, tensor=2)
+    (path,) = glob.glob(os.path.join(tmp_path, "*step=2.ckpt"))
+    resumed = odd(seed=5)  # other initial weights
+    fit_pipelined(resumed, 4, ckpt_path=path, checkpoint=layout, tensor=1)
+    assert max_rel_diff(want.state_dict(), resumed.state_dict()) <= 1e-10
+
+
+def test_2bw_over_a_split_vocabulary_equals_its_pipeline_alone():
+    # PipeDream-2BW on pp2 x tp2 (each rank's vocabulary rows double-buffered, the tie summed shard by shard) trains to
+    # the weights of the same pipeline on pp2 alone
+    # alone, and with sequence parallelism too
+    runs = []
+    for devices, tensor, sequence in ((2, 1, False), (4, 2, False), (4, 2, True)):
+        model = make()
+        strategy = AutoPipeStrategy(
+            schedule="2bw", microbatches=2, tensor=tensor, sequence_parallel=sequence, partition="uniform", start_method=START
+        )
+        L.Trainer(devices=devices, strategy=strategy, **trainer_kwargs(max_steps=3)).fit(model, gpt_data())
+        runs.append(model.state_dict())
+    assert max_rel_diff(runs[0], runs[1]) <= 1e-10 and max_rel_diff(runs[0], runs[2]) <= 1e-10
+
+
+def _lookup_and_logits(rank, world, port, vocab, folder):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard as S
+    from torch.distributed.tensor import distribute_tensor
+
+    from lightning_pipe.runtime.tensor_parallel import vocab_logits, vocab_lookup
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        g = torch.Generator().manual_seed(0)
+        table = torch.randn(vocab, 3, generator=g, dtype=torch.float64)
+        ids = torch.randint(0, vocab, (2, 7), generator=g)
+        weight = torch.nn.Parameter(distribute_tensor(table, mesh, [S(0)]))
+        out = vocab_logits(vocab_lookup(ids, weight), weight)
+        (out**2).sum().backward()
+        torch.save(dict(out=out, grad=weight.grad.full_tensor(), local=tuple(weight.to_local().shape)), os.path.join(folder, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("vocab", [12, 5])
+def test_a_lookup_and_logits_over_vocabulary_rows_equal_whole_ones(tmp_path, vocab):
+    # 4 ranks: 12 rows split 3 each; 5 rows as torch.chunk splits them, 2, 2, 1 and none on the last rank
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_lookup_and_logits, args=(4, port, vocab, str(tmp_path)), nprocs=4, start_method=START)
+    g = torch.Generator().manual_seed(0)
+    table = torch.nn.Parameter(torch.randn(vocab, 3, generator=g, dtype=torch.float64))
+    ids = torch.randint(0, vocab, (2, 7), generator=g)
+    out = torch.nn.functional.linear(torch.nn.functional.embedding(ids, table), table)
+    (out**2).sum().backward()
+    rows = [-(-vocab // 4)] * 4
+    rows = [max(0, min(r, vocab - sum(rows[:i]))) for i, r in enumerate(rows)]
+    for rank in range(4):
+        got = torch.load(os.path.join(tmp_path, f"{rank}.pt"))
+        assert got["local"] == (rows[rank], 3)
+        assert torch.allclose(got["out"], out, rtol=1e-12, atol=0) and torch.allclose(got["grad"], table.grad, rtol=1e-12, atol=1e-14)
+
+
+class RecordSequence(Callback):
+    """Each rank writes the sequence lengths its attention and MLP blocks' norms saw."""
+
+    def __init__(self, folder):
+        self.folder, self.seen = folder, set()
+
+    def on_train_start(self, trainer, pl_module):
+        for block in pl_module.model.blocks().values():
+            if type(block).__name__ in ("ResidualAttentionBlock", "ResidualFFNBlock"):
+                block.ln.register_forward_hook(lambda m, args, out: self.seen.add(args[0].shape[1]))
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(self.seen, os.path.join(self.folder, f"seq-rank{trainer.global_rank}.pt"))
+
+
+@pytest.mark.parametrize("schedule,options", [("1f1b", {}), ("interleaved", {"chunks": 2}), ("zb-h1", {}), ("wave", {"waves": 1})])
+def test_sequence_parallel_equals_one_process(tmp_path, schedule, options):
+    # the norms, dropout and residual adds between a stage's attention and MLP blocks on each rank's half of the
+    # sequence; what crosses a cut (and a chunk's ends) whole
+    ref = make()
+    L.Trainer(devices=1, **trainer_kwargs(max_steps=3, gradient_clip_val=0.5)).fit(ref, gpt_data())
+    model = make()
+    strategy = AutoPipeStrategy(
+        schedule=schedule, microbatches=4, tensor=2, sequence_parallel=True, partition="uniform", start_method=START, **options
+    )
+    callbacks = [RecordSequence(tmp_path)]
+    L.Trainer(devices=4, strategy=strategy, callbacks=callbacks, **trainer_kwargs(max_steps=3, gradient_clip_val=0.5)).fit(
+        model, gpt_data()
+    )
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    for rank in range(4):  # sequences of 8 tokens: 4 on each rank
+        assert torch.load(os.path.join(tmp_path, f"seq-rank{rank}.pt")) == {4}
+
+
+def test_sequence_parallelism_refuses_a_sequence_that_does_not_split():
+    model = make()
+    data = DataLoader(TensorDataset(*[t[:, :7] for t in gpt_data().dataset.tensors]), batch_size=4)  # 7 tokens over 2 ranks
+    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, tensor=2, sequence_parallel=True, partition="uniform", start_method=START)
+    with pytest.raises(Exception, match=r"sequence_parallel=True: a sequence of 7 tokens does not split over tensor=2 ranks"):
+        L.Trainer(devices=4, strategy=strategy, **trainer_kwargs(max_steps=1)).fit(model, data)

@@ -14,10 +14,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.errors import SettingError
 from lightning_pipe.frontend.tensor_plan import hf_plan_of, hf_tensor_plan
-from lightning_pipe.models.blocks import Embedding, ResidualAttentionBlock, ResidualFFNBlock
+from lightning_pipe.models.blocks import Embedding, LMHead, MLMHead, ResidualAttentionBlock, ResidualFFNBlock
 from lightning_pipe.models.tensor_plan import tensor_plan
 from lightning_pipe.planning.tensor import split_by_tensor
-from lightning_pipe.runtime.tensor_parallel import FusedColwise
+from lightning_pipe.runtime.tensor_parallel import FusedColwise, VocabParallel
 from lightning_pipe.simulation.costs import CostModel
 from lightning_pipe.topology import Topology
 
@@ -69,6 +69,13 @@ def test_what_tensor_parallelism_does_not_run_is_refused_in_one_line(settings, w
     assert err.value.setting == "tensor" and "\n" not in message and words in message and "tensor=2" in message
 
 
+def test_sequence_parallelism_needs_tensor_ranks():
+    with pytest.raises(SettingError, match="sequence_parallel=True splits the sequence over the tensor ranks: it needs tensor > 1") as err:
+        PipelineConfig(sequence_parallel=True)
+    assert err.value.setting == "sequence_parallel"
+    assert PipelineConfig(tensor=2, sequence_parallel=True).sequence_parallel
+
+
 def test_tensor_counts_like_the_other_sizes():
     with pytest.raises(SettingError) as err:
         PipelineConfig(tensor=0)
@@ -76,8 +83,10 @@ def test_tensor_counts_like_the_other_sizes():
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.sampled_from(["embedding", "attention", "ffn", "layer", "head"]), min_size=1, max_size=12), st.integers(1, 8))
-def test_split_costs_divide_what_a_plan_splits_and_keep_the_rest(kinds, tensor):
+@given(
+    st.lists(st.sampled_from(["embedding", "attention", "ffn", "layer", "head"]), min_size=1, max_size=12), st.integers(1, 8), st.booleans()
+)
+def test_split_costs_divide_what_a_plan_splits_and_keep_the_rest(kinds, tensor, vocab):
     n = len(kinds)
     costs = CostModel(
         forward=tuple(1.0 + i for i in range(n)),
@@ -85,24 +94,30 @@ def test_split_costs_divide_what_a_plan_splits_and_keep_the_rest(kinds, tensor):
         param_bytes=tuple(10.0 * (i + 1) for i in range(n)),
         activation_bytes=tuple(5.0 for _ in range(n)),
     )
-    split = split_by_tensor(costs, kinds, tensor)
+    split = split_by_tensor(costs, kinds, tensor, vocab)  # vocab: our plan, the embedding and head split over the vocabulary
     for i, kind in enumerate(kinds):
-        share = 1 / tensor if kind in ("attention", "ffn", "layer") else 1.0
+        share = 1 / tensor if kind in ("attention", "ffn", "layer") or (vocab and kind in ("embedding", "head")) else 1.0
         for name in ("forward", "backward", "param_bytes"):
             assert getattr(split, name)[i] == pytest.approx(getattr(costs, name)[i] * share)
     assert split.activation_bytes == costs.activation_bytes, "the residual stream crosses a cut whole"
-    assert split_by_tensor(costs, kinds, 1) is costs
+    assert split_by_tensor(costs, kinds, 1, vocab) is costs
     assert dataclasses.replace(split, forward=costs.forward, backward=costs.backward, param_bytes=costs.param_bytes) == costs
 
 
-def test_our_plan_splits_attention_by_heads_and_the_mlp_in_halves():
+def test_our_plan_splits_attention_by_heads_the_mlp_in_halves_and_the_vocabulary():
     attention, ffn = ResidualAttentionBlock(16, 4), ResidualFFNBlock(16)
     plan = tensor_plan(attention, 2)
     assert set(plan) == {"attn.qkv", "attn.proj"} and isinstance(plan["attn.qkv"], FusedColwise)
     assert isinstance(plan["attn.proj"], RowwiseParallel)
     plan = tensor_plan(ffn, 4)
     assert isinstance(plan["mlp.fc"], ColwiseParallel) and isinstance(plan["mlp.proj"], RowwiseParallel)
-    assert tensor_plan(Embedding(10, 16, 8), 2) == {}
+    embedding = Embedding(10, 16, 8)  # the token embedding and the (tied) head split over the vocabulary
+    plan = tensor_plan(embedding, 2)
+    assert set(plan) == {"token"} and isinstance(plan["token"], VocabParallel)
+    assert isinstance(tensor_plan(LMHead(16, embedding.token.weight), 2), VocabParallel)
+    assert isinstance(tensor_plan(MLMHead(16, embedding.token.weight), 2), VocabParallel)
+    assert set(tensor_plan(embedding, 4)) == {"token"}  # 10 tokens over 4 ranks: split unevenly, not refused
+    assert isinstance(tensor_plan(LMHead(16, embedding.token.weight), 3), VocabParallel)
     with pytest.raises(ValueError, match="4 attention heads do not split over tensor=3"):
         tensor_plan(attention, 3)
 

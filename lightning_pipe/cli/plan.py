@@ -103,7 +103,7 @@ def _main(cfg: DictConfig) -> None:
                     else ")"
                 )
             )
-        costs = split_by_tensor(costs, kinds, config.tensor)
+        costs = split_by_tensor(costs, kinds, config.tensor, vocab="name" in cfg.model.get("model", {}))  # ours: vocabulary split
         result = plan_run(costs, stages, config, kinds, config.memory_limit)
     except (ValueError, FileNotFoundError) as err:
         if isinstance(err, SettingError) and err.setting:

@@ -31,7 +31,7 @@ from ..planning.auto import adam_weight_copies, memory_line, stage_memory
 from ..planning.entry import BLOCK_KINDS as KINDS  # noqa: F401  (benchmarks read it here)
 from ..planning.entry import DEFAULT_LINKS, RunPlan, block_kinds, link_model, plan_run  # noqa: F401
 from ..planning.partition import partition_blocks
-from ..planning.tensor import split_by_tensor
+from ..planning.tensor import split_by_tensor, splits_vocabulary
 from ..profiling import Profile, profile_blocks
 from ..profiling.messages import MessageCosts, measure_messages
 from ..profiling.runtime import runtime_bytes
@@ -245,8 +245,10 @@ class AutoPlanner:
             return RunPlan(tuple(map(tuple, bounds)), spec, depth, m)
         start = time.perf_counter()
         profile, costs = self._profile(ctx, module, pipeline, sample, mbs)
-        kinds = block_kinds([type(b).__name__ for b in pipeline])
-        costs = self.costs = split_by_tensor(costs, kinds, self.config.tensor)  # profiled whole, run split over tp
+        names = [type(b).__name__ for b in pipeline]
+        kinds = block_kinds(names)
+        vocab = splits_vocabulary(names) and not callable(getattr(module, "parallelize_block", None))  # our plan's split
+        costs = self.costs = split_by_tensor(costs, kinds, self.config.tensor, vocab)  # profiled whole, run split over tp
         result = plan_run(costs, depth, self.config, kinds, self.memory_limit(ctx.device))
         box = [(result.bounds, result.spec, result.sliced, result.costed)]
         if ctx.topology.world_size > 1:  # the same numbers everywhere already; rank 0's word is final

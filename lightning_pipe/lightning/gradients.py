@@ -88,6 +88,7 @@ class StageGradients:
         """The schedule's REDUCE(chunk)."""
         if self.before_reduce is not None:
             self.before_reduce()
+        self._sum_sequence_parts(chunk)
         if self.average_replicas:
             params = {id(p): p for i in self.chunk_blocks[chunk] for p in self.stage._modules[str(i)].parameters()}
             allreduce_mean(params.values(), self.groups.stage, self.topology.width)
@@ -95,6 +96,20 @@ class StageGradients:
         if self._reduced >= set(self.chunk_blocks):
             allreduce_tied(self.tied, self._tied_groups, self.stage_index)
             self._reduced = set()
+
+    def _sum_sequence_parts(self, chunk: int) -> None:
+        """Sequence parallelism: the whole weights of a block run on a part of the sequence (its norm) hold that
+        part's gradient on each tensor rank: summed over the tensor group, they are one process's."""
+        for i in self.chunk_blocks[chunk]:
+            block = self.stage._modules[str(i)]
+            if getattr(block, "sequence_parallel", None) is None:
+                continue
+            for p in block.parameters():
+                if isinstance(p, DTensor) or not p.requires_grad:
+                    continue
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=self.groups.tensor)
 
     def clip_grad_norm(self, params: Iterable[Tensor], max_norm: float) -> Tensor:
         """`clip_grad_norm_` over the whole pipeline; a tied weight's (equal) gradient counts once,

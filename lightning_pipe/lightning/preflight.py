@@ -21,6 +21,7 @@ from .compose import choose_layers
 from .front import trace_before_spawn
 from .metric_state import check_metrics
 from .stage import PipelineSetupError, check_no_outside_parameters, find_pipeline
+from .tensor import check_tensor_plans
 
 _LIGHTNING_CKPT_ALIASES = ("last", "best", "hpc", "registry")  # fit resolves these itself
 STRATEGY_SETTINGS = {f.name for f in fields(PipelineConfig)} - {"stages"}  # the strategy's keywords besides Lightning's
@@ -63,6 +64,7 @@ def validate_inputs(config: PipelineConfig, world: int, args: tuple, trainer: Op
         except ValueError as err:
             raise SettingError(str(err)) from None
         config.check_model(world, len(pipeline))
+        check_tensor_plans(config, model, pipeline)
         if resume_path is not None:
             check_checkpoint(resume_path, model)
     if fitting and len(args) > 1:

@@ -9,14 +9,22 @@ of the full model (``seq.3.weight``) and a gathered checkpoint loads in a plain 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Optional
 
 from torch import nn
 
+from ..errors import SettingError
 from ..frontend import FrontendError, TracedPipeline, attach_user_names, convert
 from ..profiling import check_activation
 from ..runtime.call import as_call, as_input
 from ..runtime.recompute import run_block
+from ..runtime.tensor_parallel import sequence_gather, sequence_scatter
+
+
+def _on_hidden(x: Any, change: Callable[[Any], Any]) -> Any:
+    """`change` applied to an activation's hidden state: the tensor, or a (hidden, mask) tuple's first item."""
+    return (change(x[0]), *x[1:]) if isinstance(x, tuple) else change(x)
 
 
 class PipelineSetupError(ValueError):
@@ -141,13 +149,23 @@ class PipelineStage(nn.Module):
 
     def run_chunk(self, chunk: int, x: Any, microbatch: int = -1) -> Any:
         start, stop = (self.before if 0 <= microbatch < self.early else self.chunk_bounds)[chunk]
+        split = None  # sequence parallelism: the tensor mesh the hidden state is split over (by sequence), else None
         for index in range(start, stop):
             if self.arrival is not None:
                 self.arrival(index)
             block = self._modules[str(index)]
+            mesh = getattr(block, "sequence_parallel", None)  # set on the blocks that run on a part of the sequence
+            if mesh is not split:  # whole into such a block, whole out of a run of them: a chunk's ends stay whole
+                try:
+                    x = _on_hidden(x, partial(sequence_scatter, mesh=mesh) if split is None else partial(sequence_gather, mesh=split))
+                except ValueError as err:
+                    raise SettingError(f"sequence_parallel=True: {err}", "sequence_parallel") from None
+                split = mesh
             x = run_block(block, x, self.recompute)
             if index < self.num_blocks - 1:
                 check_activation(x, index, block)
+        if split is not None:
+            x = _on_hidden(x, partial(sequence_gather, mesh=split))
         return x
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

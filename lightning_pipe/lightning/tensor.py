@@ -4,6 +4,9 @@
 Whose plan: the LightningModule's `parallelize_block(block, tp_mesh)` when it has one (as Lightning's
 ModelParallelStrategy hands `configure_model` its mesh); else our GPT / BERT blocks' plan; else a Hugging Face
 model's own `config.base_model_tp_plan`; a block with none of them is refused, naming the hook.
+sequence_parallel=True: our plan only; its attention and MLP blocks are marked (`sequence_parallel`, the tensor
+mesh) so the stage passes them the hidden state split over the sequence (lightning/stage.py) and the gradients
+sum their norms' over the group (lightning/gradients.py).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from torch import nn
 
 from ..errors import SettingError
 from ..frontend.tensor_plan import hf_plan_of, hf_tensor_plan
-from ..models.tensor_plan import tensor_plan
+from ..models.tensor_plan import OUR_BLOCKS, SEQUENCE_BLOCKS, tensor_plan
 from ..runtime.host_memory import return_large_buffers
 from ..runtime.tensor_parallel import Plan, parallelize_blocks
 from .context import RankContext
@@ -29,15 +32,22 @@ def parallelize_stage(ctx: RankContext) -> None:
     hook = getattr(ctx.module, "parallelize_block", None)
     hf = hf_plan_of(_traced_root(cut.stage))
     if cut.pipeline is not None:  # global rank 0 hands the trained model back in these modules: split copies
+        memo: dict = {}  # one memo: a weight two of the stage's blocks share (a tied embedding and head) stays shared
         for index, block in cut.stage.blocks().items():
-            cut.stage._modules[str(index)] = copy.deepcopy(block)
+            cut.stage._modules[str(index)] = copy.deepcopy(block, memo)
+
+    sequence = ctx.config.sequence_parallel
 
     def plan_for(index: int, block: nn.Module) -> Optional[Plan]:
-        if callable(hook):
+        if callable(hook) and not sequence:
             hook(block, mesh)
             return None
+        if sequence:
+            check_sequence_plan(block, index, hook)
         try:
-            plan = tensor_plan(block, size)
+            plan = tensor_plan(block, size, sequence)
+            if sequence and isinstance(block, SEQUENCE_BLOCKS):
+                block.sequence_parallel = mesh  # the stage splits its input over the sequence (lightning/stage.py)
             if plan is None and hf is not None:
                 plan = hf_tensor_plan(block, hf)
         except ValueError as err:
@@ -52,6 +62,33 @@ def parallelize_stage(ctx: RankContext) -> None:
         return plan
 
     parallelize_blocks(cut.stage.blocks(), mesh, plan_for)
+
+
+def check_sequence_plan(block: nn.Module, index: int, hook: Any) -> None:
+    """sequence_parallel=True: only our blocks' plan knows where the sequence is split."""
+    if callable(hook) or not isinstance(block, OUR_BLOCKS):
+        raise SettingError(
+            f"sequence_parallel=True runs our GPT / BERT blocks' plan; block {index} ({type(block).__name__}) is split by "
+            + ("your parallelize_block" if callable(hook) else "another plan")
+            + ": set sequence_parallel=False",
+            "sequence_parallel",
+        )
+
+
+def check_tensor_plans(config: Any, model: Any, pipeline: nn.Sequential) -> None:
+    """Before spawning: our blocks split over tensor=T (heads, hidden features, the vocabulary), in one line; only
+    ours under sequence_parallel=True."""
+    size = config.tensor
+    if size > 1 and config.sequence_parallel:
+        for index, block in enumerate(pipeline):
+            check_sequence_plan(block, index, getattr(model, "parallelize_block", None))
+    if size == 1 or callable(getattr(model, "parallelize_block", None)):
+        return
+    for block in pipeline:
+        try:
+            tensor_plan(block, size)
+        except ValueError as err:
+            raise SettingError(f"tensor={size}: {err}", "tensor") from None
 
 
 def keep_host_memory_returnable(ctx: RankContext) -> None:

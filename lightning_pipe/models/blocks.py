@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runtime.recompute import recomputed
+from ..runtime.tensor_parallel import vocab_logits, vocab_lookup
 
 
 def split(x):
@@ -48,7 +49,8 @@ class Embedding(nn.Module):
         T = ids.shape[1]
         if T > self.position.num_embeddings:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.position.num_embeddings}")
-        h = self.token(ids) + self.position(torch.arange(T, device=ids.device))
+        # self.token(ids), or its rows split over the vocabulary (tensor parallel)
+        h = vocab_lookup(ids, self.token.weight) + self.position(torch.arange(T, device=ids.device))
         if self.norm is not None:
             h = self.norm(h)
         return join(self.drop(h), mask)
@@ -65,10 +67,11 @@ class SelfAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, h: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        B, T, d = h.shape
-        # chunk(3) and -1 heads: under tensor parallelism this rank's qkv holds its heads' q, k and v (models/tensor_plan.py)
+        # chunk(3) and -1 heads: under tensor parallelism this rank's qkv holds its heads' q, k and v (models/tensor_plan.py);
+        # B and T from its output: under sequence parallelism `h` is this rank's part of the sequence, qkv gathers it
         q, k, v = self.qkv(h).chunk(3, dim=-1)
-        q, k, v = (t.view(B, T, -1, d // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
+        B, T = q.shape[:2]
+        q, k, v = (t.view(B, T, -1, h.shape[-1] // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, H, T, hd)
         bias = None
         if mask is not None:
             # additive bias rather than a boolean mask: an all-padding row then attends uniformly
@@ -158,7 +161,7 @@ class LMHead(nn.Module):
 
     def forward(self, x) -> torch.Tensor:
         h, _ = split(x)
-        return F.linear(self.ln(h), self.weight)
+        return vocab_logits(self.ln(h), self.weight)  # F.linear, or split over the vocabulary (tensor parallel)
 
 
 class MLMHead(nn.Module):
@@ -177,4 +180,4 @@ class MLMHead(nn.Module):
     def forward(self, x) -> torch.Tensor:
         h, _ = split(x)
         h = self.ln(self.act(self.dense(self.ln_f(h))))
-        return F.linear(h, self.weight, self.bias)
+        return vocab_logits(h, self.weight, self.bias)
