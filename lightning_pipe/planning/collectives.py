@@ -46,14 +46,21 @@ def ring(bandwidth: float, latency: float) -> CollectiveCosts:
 
 
 def fit_samples(kind: str, ranks: int, samples: list[tuple[float, float]]) -> Fit:
-    """The fit of (bytes, seconds) samples of `kind` on `ranks` ranks: the smallest buffer's time is the
-    latency (per ring step), the larger ones' extra time per byte (least squares through the origin)
-    the bus bandwidth."""
+    """The fit of (bytes, seconds) samples of `kind` on `ranks` ranks: least squares of time = a + bytes x c;
+    a is the latency (per ring step), c the time per byte moved, from which the bus bandwidth. A noisy
+    measurement whose slope comes out <= 0 keeps the smallest buffer's time as latency and the largest's
+    rate as bandwidth (never a free collective)."""
     samples = sorted(samples)
     passes = 2 if kind == "all_reduce" else 1
     steps = passes * max(ranks - 1, 1)
-    base = samples[0][1]
-    rest = [(n, max(t - base, 0.0)) for n, t in samples[1:]]
-    per_byte = sum(n * t for n, t in rest) / sum(n * n for n, _ in rest) if rest else 0.0
     moved = passes * (ranks - 1) / ranks if ranks > 1 else 1.0
-    return Fit(base / steps, moved / per_byte if per_byte > 0 else float("inf"))
+    k = len(samples)
+    mean_n = sum(n for n, _ in samples) / k
+    mean_t = sum(t for _, t in samples) / k
+    spread = sum((n - mean_n) ** 2 for n, _ in samples)
+    per_byte = sum((n - mean_n) * (t - mean_t) for n, t in samples) / spread if spread > 0 else 0.0
+    if per_byte <= 0:
+        big_n, big_t = samples[-1]
+        return Fit(samples[0][1] / steps, moved * big_n / big_t)
+    base = max(mean_t - per_byte * mean_n, 0.0)
+    return Fit(base / steps, moved / per_byte)

@@ -487,6 +487,7 @@ def _plan(
     at: dict[int, BlockCosts] = {}
     meshed: dict[tuple, BlockCosts] = {}  # (b, tensor, shard, width) -> a rank's costs
     memo: dict[tuple, float] = {}  # screened step times: shard none and optimizer simulate the same pipeline
+    found: dict[tuple, list[Candidate]] = {}  # shard none's candidates per (tensor, w, d, b, schedule)
     default_shard = "optimizer" if hw.shard_optimizer else "none"
 
     def costs_of(b: int, tensor: int, shard: str, width: int) -> BlockCosts:
@@ -520,8 +521,15 @@ def _plan(
                         why = f"skipped: 2bw needs g >= d (g={m} micro-batches, d={d})"
                         candidates.append(Candidate(w, d, b, m, schedule, "-", verdict=why, tensor=tensor, shard=shard))
                         continue
-                    if cost_model == "simulated":
-                        candidates += _search(costs, w, d, b, m, schedule, recompute, hw, tensor, shard if mesh else None, memo)
+                    if cost_model == "simulated" and shard == "optimizer" and mesh:
+                        # ZeRO-1 simulates the same pipeline as shard none and adds the owners' broadcast: only where none is over the limit
+                        unsharded = {c.recompute for c in found.get((tensor, w, d, b, schedule), ()) if c.verdict == "runs"}
+                        options_left = tuple(r for r in recompute if r not in unsharded)
+                        candidates += _search(costs, w, d, b, m, schedule, options_left, hw, tensor, shard, memo)
+                    elif cost_model == "simulated":
+                        searched = _search(costs, w, d, b, m, schedule, recompute, hw, tensor, shard if mesh else None, memo)
+                        found[(tensor, w, d, b, schedule)] = searched
+                        candidates += searched
                     else:
                         candidates += _search_closed(costs, w, d, b, m, schedule, recompute, hw)
     feasible = [c for c in candidates if c.verdict == "runs"]
@@ -633,7 +641,7 @@ def _bounds(costs: BlockCosts, depth: int, flags: Sequence[bool]) -> tuple:
     return _min_max(costs, depth, bool(flags) and all(flags))
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=4096)
 def _min_max(costs: BlockCosts, depth: int, recomputed: bool) -> tuple:
     backward = costs.recompute_backward if recomputed else costs.backward
     weights = [f + bw for f, bw in zip(costs.forward, backward)]
