@@ -23,20 +23,19 @@ No torch, no Lightning.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .sized import BlockCosts
 from .tensor import SPLIT_KINDS
 
-if TYPE_CHECKING:
-    from .two_bw import Hardware
+Hardware = Any  # two_bw.Hardware (which imports this module): devices, devices_per_node, collectives(span)
 
 SHARDS = ("none", "optimizer", "full")
 FULL_SCHEDULES = ("1f1b", "gpipe")  # what shard='full' runs among the planner's schedules
 ALL_REDUCES = {"attention": 1, "ffn": 1, "layer": 2}  # Megatron: one per attention, one per MLP, per direction
 
 
-def tensor_degrees(hw: "Hardware", kinds: Optional[Sequence[str]]) -> list[int]:
+def tensor_degrees(hw: Hardware, kinds: Optional[Sequence[str]]) -> list[int]:
     """T among the divisors of the devices per node that divide the devices (1 alone if no block splits)."""
     if not kinds or not any(k in SPLIT_KINDS for k in kinds):
         return [1]
@@ -44,7 +43,7 @@ def tensor_degrees(hw: "Hardware", kinds: Optional[Sequence[str]]) -> list[int]:
     return [t for t in range(1, per_node + 1) if per_node % t == 0 and hw.devices % t == 0]
 
 
-def options(hw: "Hardware", kinds: Optional[Sequence[str]], schedules: Sequence[str]) -> list[tuple[int, str]]:
+def options(hw: Hardware, kinds: Optional[Sequence[str]], schedules: Sequence[str]) -> list[tuple[int, str]]:
     """The (tensor, shard) pairs the search tries."""
     found = []
     for t in tensor_degrees(hw, kinds):
@@ -57,7 +56,7 @@ def options(hw: "Hardware", kinds: Optional[Sequence[str]], schedules: Sequence[
     return found
 
 
-def mesh_costs(costs: BlockCosts, kinds: Optional[Sequence[str]], tensor: int, shard: str, width: int, hw: "Hardware") -> BlockCosts:
+def mesh_costs(costs: BlockCosts, kinds: Optional[Sequence[str]], tensor: int, shard: str, width: int, hw: Hardware) -> BlockCosts:
     """`costs` as one rank of a (width, tensor, shard) mesh sees its blocks: its tensor share plus the
     collectives each block's forward and backward wait for."""
     if tensor == 1 and (shard != "full" or width == 1):
