@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.errors import SettingError
+from lightning_pipe.modes.two_bw.settings import check_applied
 from lightning_pipe.planning.collectives import CollectiveCosts, Fit, fit_samples, ring
 from lightning_pipe.planning.sized import SizedProfile
 from lightning_pipe.planning.two_bw import Hardware, NoConfiguration, allreduce_time, memory, plan_2bw
@@ -157,6 +158,10 @@ def test_plan_mesh_settings():
         PipelineConfig(plan_mesh=True)
     with pytest.raises(SettingError, match="setting of planner=2bw"):
         PipelineConfig(planner="2bw", planner_2bw_cost="paper", plan_mesh=True)
+    # a training run (preflight, and the strategy's setup) refuses applying a planned tensor or shard
+    check_applied(PipelineConfig(planner="2bw"))
+    with pytest.raises(SettingError, match="a training run does not apply them"):
+        check_applied(PipelineConfig(planner="2bw", plan_mesh=True))
 
 
 # ---- the collectives measured on 2 processes ----------------------------------------------------------
