@@ -132,6 +132,10 @@ class PipelineConfig:
     """planner=2bw's cost functions: simulated (ours: each candidate's partition, schedule and optimizer state on
     the simulator) or paper (PipeDream-2BW's closed-form THROUGHPUT and MEMORY of §4.2: even split, no
     simulation, no optimizer state). The plan command prints the other's choice beside it."""
+    plan_mesh: bool = False
+    """planner=2bw, the plan command (ours, beside Algorithm 1): also search the tensor-parallel degree (divisors
+    of the devices per node) and shard (none, optimizer, full) with their collectives' costs, and print the
+    chosen mesh. A training run does not apply a planned tensor or shard: set them by hand."""
     global_batch: Optional[int] = None
     """planner=2bw: samples per optimizer step over all replicas, B = width x micro-batch size x
     microbatches (None: the training DataLoader's batch size)."""

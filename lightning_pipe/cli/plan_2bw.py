@@ -2,7 +2,9 @@
 
 Costs come from a saved sized profile (`plan.profile=.../sized_profile.json`, as a training run with
 planner=2bw writes one) or from the model's FLOPs (`planning.sized.analytic_profile`). Prints the
-table of candidates (the paper's Table 1 shape) and writes plan_2bw.json.
+table of candidates (the paper's Table 1 shape), the chosen mesh and its predicted memory per rank, and
+writes plan_2bw.json. `pipeline.plan_mesh=true` also searches tensor and shard (planning/two_bw_mesh.py)
+with the collectives priced on the bandwidth settings (no processes here to measure them on).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from omegaconf import DictConfig
 
 from ..errors import SettingError
 from ..modes.two_bw import settings as two_bw_settings
+from ..planning.entry import block_kinds
 from ..planning.sized import SizedProfile, analytic_profile
 from ..planning.two_bw import NoConfiguration, TwoBWPlan, hardware, optimizer_factor, plan_2bw, refiner
 
@@ -59,9 +62,13 @@ def plan_from_cli(cfg: DictConfig, config: Any, out: Path) -> tuple[TwoBWPlan, s
     batch = config.global_batch or int(cfg.data.batch_size)
     kinds = profile.block_names if profile.source.startswith("analytic") else None
     own = two_bw_settings.cost_model(config)
+    split = kinds or block_kinds(profile.block_names)  # which blocks tensor parallelism splits (plan_mesh)
 
     def planned(cost_model: str) -> TwoBWPlan:
-        return plan_2bw(profile, hw, batch, schedules_of(config), refine=refiner(config.partition, kinds), cost_model=cost_model)
+        mesh = config.plan_mesh and cost_model == own  # the search over tensor and shard is the simulator's
+        return plan_2bw(
+            profile, hw, batch, schedules_of(config), refine=refiner(config.partition, kinds), cost_model=cost_model, mesh=mesh, kinds=split
+        )
 
     try:
         result = planned(own)

@@ -64,6 +64,7 @@ class Where:
 def plan_in_setup(config: PipelineConfig, module: Any, where: Where, resumed: dict[str, Any]) -> tuple[TwoBWChoice, Optional[TwoBWPlan]]:
     """Plan on global rank 0, broadcast, return the choice on every rank (and the plan on rank 0).
     `resumed`: the run state of the checkpoint being resumed (`checkpoint.resumed_state`)."""
+    two_bw_settings.check_applied(config)
     world = where.world
     trainer = module.trainer
     loader = train_loader(trainer)

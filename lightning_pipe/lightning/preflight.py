@@ -17,6 +17,7 @@ from torch import nn
 
 from ..config import PipelineConfig
 from ..errors import SettingError
+from ..modes.two_bw.settings import check_applied
 from .compose import choose_layers
 from .front import trace_before_spawn
 from .metric_state import check_metrics
@@ -69,6 +70,8 @@ def validate_inputs(config: PipelineConfig, world: int, args: tuple, trainer: Op
             check_checkpoint(resume_path, model)
     if fitting and len(args) > 1:
         config.check_batch_size(getattr(args[1], "batch_size", None))
+        if config.planner is not None:
+            check_applied(config)
         if config.planner is not None and has_pipeline:
             config.check_plannable(world, len(find_pipeline(model, config.blocks)[1]), getattr(args[1], "batch_size", None))
     accumulate = getattr(trainer, "accumulate_grad_batches", 1)

@@ -35,10 +35,13 @@ from functools import lru_cache
 from typing import Callable, Iterable, Optional, Sequence
 
 from ..schedules import get_schedule
+from .collectives import CollectiveCosts, ring
 from .minmax import min_max_bounds
 from .replay import Replay, paused_gc
 from .sized import BlockCosts, SizedProfile
 from .two_bw_closed import closed_memory, closed_step, even_bounds
+from .two_bw_mesh import mesh_costs
+from .two_bw_mesh import options as mesh_options
 
 SCHEDULES = ("2bw", "1f1b", "gpipe")
 RECOMPUTE = ("off", "on", "stages")  # stages: ours, recompute only the stages that need it
@@ -60,6 +63,8 @@ class Hardware:
     optimizer_factor: float = 2.0  # optimizer state bytes per parameter byte (Adam, same dtype: 2; mixed precision with fp32 master: 6)
     runtime_bytes: float = 0.0  # ours: a process's own memory besides the model (profiling/runtime.py), on every stage
     shard_optimizer: bool = False  # ours, beside Algorithm 1: ZeRO-1 (shard="optimizer"), the optimizer state / width
+    intra_collectives: Optional[CollectiveCosts] = None  # ours: measured within a node (None: rings at intra_bandwidth)
+    inter_collectives: Optional[CollectiveCosts] = None  # ours: measured across nodes (None: rings at inter_bandwidth)
 
     def pipeline_bandwidth(self, depth: int, width: int = 1) -> float:
         """The pipeline is the outermost dimension (topology.py): a stage's `width` replicas fill a node
@@ -70,6 +75,13 @@ class Hardware:
         """The paper's bwth_width(w): a stage's replicas are consecutive ranks, inside one server when
         w fits it (the paper writes w < the server's GPUs; w equal to them fits too)."""
         return self.intra_bandwidth if width <= self.devices_per_node else self.inter_bandwidth
+
+    def collectives(self, span: int) -> CollectiveCosts:
+        """What collectives cost a group of ranks among `span` consecutive ones (a tp group: T; a
+        replica group: width x T): measured if given, else rings at the node's or the nodes' bandwidth."""
+        if span <= self.devices_per_node:
+            return self.intra_collectives or ring(self.intra_bandwidth, self.latency)
+        return self.inter_collectives or ring(self.inter_bandwidth, self.latency)
 
 
 # (intra-node, inter-node) bytes/s when none are given: NVLink-class within a node and 100 Gb/s
@@ -88,6 +100,8 @@ def hardware(
     optimizer_factor: float = 2.0,
     runtime_bytes: float = 0.0,
     shard_optimizer: bool = False,
+    intra_collectives: Optional[CollectiveCosts] = None,
+    inter_collectives: Optional[CollectiveCosts] = None,
 ) -> Hardware:
     intra, inter = DEFAULT_BANDWIDTH.get(device_type, DEFAULT_BANDWIDTH["cuda"])
     return Hardware(
@@ -100,6 +114,8 @@ def hardware(
         optimizer_factor,
         runtime_bytes,
         shard_optimizer,
+        intra_collectives,
+        inter_collectives,
     )
 
 
@@ -139,6 +155,12 @@ class Candidate:
     stage_memory: tuple[float, ...] = ()
     verdict: str = ""  # chosen | runs | over memory_limit | skipped: why
     exact: bool = False  # step_time simulated at its m (else screened: extrapolated past max(16, 2d))
+    tensor: int = 1  # ours (mesh search): tensor-parallel ranks per stage
+    shard: str = "none"  # ours (mesh search): none | optimizer | full over the width's replicas
+
+    @property
+    def mesh(self) -> str:
+        return f"pp {self.depth} x dp {self.width} x tp {self.tensor}, shard={self.shard}"
 
     @property
     def feasible(self) -> bool:
@@ -158,6 +180,7 @@ class TwoBWPlan:
     planning_seconds: float
     partitioner: str = "dp"
     notes: list[str] = field(default_factory=list)
+    mesh: bool = False  # tensor and shard searched (ours)
 
     def table(self, all_rows: bool = False) -> str:
         """The paper's Table 1 shape: per (w, d, schedule, r) the best b that fits, and why the rest did not."""
@@ -168,10 +191,25 @@ class TwoBWPlan:
             f"global batch {self.global_batch}; costs: {self.source}; {len(self.candidates)} candidates in {self.planning_seconds:.2f} s"
             + (f"; memory includes each process's runtime, {size_text(self.hardware.runtime_bytes)}" if self.hardware.runtime_bytes else "")
         )
-        cols = ("w", "d", "b", "g", "schedule", "r", "samples/s", "step ms", "all-reduce ms", "memory", "simulated", "verdict")
+        cols = (
+            "w",
+            "d",
+            *(("t", "shard") if self.mesh else ()),
+            "b",
+            "g",
+            "schedule",
+            "r",
+            "samples/s",
+            "step ms",
+            "all-reduce ms",
+            "memory",
+            "simulated",
+            "verdict",
+        )
         legend = (
             "w: pipeline replicas, d: stages, b: micro-batch size, g: micro-batches per replica per step, "
             "r: recomputation (off, on, or the stages that recompute)"
+            + ("; t: tensor-parallel ranks per stage, shard: over the w replicas (none, optimizer, full)" if self.mesh else "")
         )
         lines = [head, legend, " | ".join(cols), " | ".join("---" for _ in cols)]
         for c in rows:
@@ -181,6 +219,7 @@ class TwoBWPlan:
                     [
                         str(c.width),
                         str(c.depth),
+                        *((str(c.tensor), c.shard) if self.mesh else ()),
                         str(c.microbatch_size),
                         str(c.microbatches),
                         c.schedule,
@@ -200,7 +239,14 @@ class TwoBWPlan:
             f"recompute per stage={list(c.stage_recompute)}, blocks per stage={[b - a for a, b in c.bounds]} "
             f"({self.partitioner} partition): {c.throughput:.1f} samples/s predicted, {size_text(c.memory)}"
         )
+        lines.append(self.mesh_line())
         return "\n".join(lines + self.notes)
+
+    def mesh_line(self) -> str:
+        """The chosen mesh and the predicted memory of a rank of each stage."""
+        c = self.chosen
+        per_stage = ", ".join(size_text(m) for m in c.stage_memory)
+        return f"mesh: {c.mesh}; predicted memory per rank: {size_text(c.memory)} at most (per stage: {per_stage})"
 
     def to_dict(self) -> dict:
         return {
@@ -210,6 +256,13 @@ class TwoBWPlan:
             "source": self.source,
             "planning_seconds": self.planning_seconds,
             "partitioner": self.partitioner,
+            "mesh": {
+                "pp": self.chosen.depth,
+                "dp": self.chosen.width,
+                "tp": self.chosen.tensor,
+                "shard": self.chosen.shard,
+                "searched": self.mesh,
+            },
             "candidates": [c.to_dict() for c in self.candidates],
         }
 
@@ -232,7 +285,7 @@ def _best_rows(candidates: Sequence[Candidate]) -> list[Candidate]:
     """Per (w, d, schedule, r): the fastest feasible b, else the smallest b tried (with why)."""
     groups: dict[tuple, list[Candidate]] = {}
     for c in candidates:
-        groups.setdefault((c.width, c.depth, c.schedule, c.recompute), []).append(c)
+        groups.setdefault((c.width, c.depth, c.tensor, c.shard, c.schedule, c.recompute), []).append(c)
     rows = []
     for group in groups.values():
         feasible = [c for c in group if c.feasible]
@@ -258,14 +311,21 @@ def memory(
     microbatches: int,
     hw: Hardware,
     width: int = 1,
+    shard: Optional[str] = None,
 ) -> tuple[float, ...]:
-    """MEMORY(.): predicted peak bytes per stage (`width`: the replicas a sharded optimizer divides over)."""
+    """MEMORY(.): predicted peak bytes per stage (`width`: the replicas a sharded optimizer divides over).
+    `shard` (ours, the mesh search): none | optimizer | full over the replicas (None: as `hw.shard_optimizer`);
+    full holds parameters, gradients and optimizer state / width plus one gathered block."""
     held = in_flight(schedule, len(bounds), microbatches)
-    optimizer = hw.optimizer_factor / (width if hw.shard_optimizer else 1)
+    sharded = shard or ("optimizer" if hw.shard_optimizer else "none")
+    optimizer = hw.optimizer_factor / (width if sharded == "optimizer" else 1)
     per_stage = []
     for (a, b), on, n in zip(bounds, recompute, held):
         params = sum(costs.param_bytes[a:b])
-        states = (WEIGHT_VERSIONS[schedule] + 1 + optimizer) * params  # versions + gradients + optimizer
+        if sharded == "full":
+            states = (WEIGHT_VERSIONS[schedule] + 1 + hw.optimizer_factor) * params / width + max(costs.param_bytes[a:b], default=0.0)
+        else:
+            states = (WEIGHT_VERSIONS[schedule] + 1 + optimizer) * params  # versions + gradients + optimizer
         if on:
             acts = n * sum(costs.input_bytes[a:b]) + max(costs.saved_bytes[a:b], default=0.0)
         else:
@@ -274,11 +334,23 @@ def memory(
     return tuple(per_stage)
 
 
-def allreduce_time(costs: BlockCosts, bounds: Sequence[tuple[int, int]], width: int, hw: Hardware) -> float:
+def allreduce_time(
+    costs: BlockCosts, bounds: Sequence[tuple[int, int]], width: int, hw: Hardware, shard: Optional[str] = None, tensor: int = 1
+) -> float:
     """Ring all-reduce of the largest stage's gradients over `width` replicas: 2 (w - 1) / w of the bytes;
-    a sharded optimizer adds the owners' broadcast of the new weights, (w - 1) / w more (ZeRO-1)."""
+    a sharded optimizer adds the owners' broadcast of the new weights, (w - 1) / w more (ZeRO-1).
+    Ours, the mesh search (`shard` given) or measured collectives: `hw.collectives` prices it, over the
+    width x tensor ranks the replica group spans; shard full reduce-scatters instead (FSDP2)."""
     if width <= 1:
         return 0.0
+    if shard is not None or hw.intra_collectives is not None or hw.inter_collectives is not None:
+        sharded = shard or ("optimizer" if hw.shard_optimizer else "none")
+        group = hw.collectives(width * tensor)
+        largest = max(sum(costs.param_bytes[a:b]) for a, b in bounds)
+        if sharded == "full":
+            return group.time("reduce_scatter", largest, width)
+        broadcast = group.time("all_gather", largest, width) if sharded == "optimizer" else 0.0
+        return group.time("all_reduce", largest, width) + broadcast
     bandwidth = hw.replica_bandwidth(width)
     largest = max(sum(costs.param_bytes[a:b]) for a, b in bounds)
     passes = 3 if hw.shard_optimizer else 2
@@ -357,6 +429,8 @@ def plan_2bw(
     finalists: int = 6,
     cost_model: str = "simulated",
     every_device: bool = False,
+    mesh: bool = False,
+    kinds: Optional[Sequence[str]] = None,
 ) -> TwoBWPlan:
     """Algorithm 1 over every (w, d), schedule, r and b dividing B / w; the fastest that fits wins.
     (w, d) runs as Algorithm 1's loop does, w = 1..N, d = 1..N/w, so a grid on fewer than N devices
@@ -368,14 +442,20 @@ def plan_2bw(
     the AutoPipe planner); None keeps the min-max partition.
 
     `cost_model="closed"`: the paper's closed forms instead (`two_bw_closed.py`: even split of
-    blocks, r off / on only, no simulation, no optimizer state), the baseline ours is measured against."""
+    blocks, r off / on only, no simulation, no optimizer state), the baseline ours is measured against.
+
+    `mesh=True` (ours, beside Algorithm 1): each candidate also gets a tensor-parallel degree T and a shard
+    mode (`two_bw_mesh.py`); `kinds` (each block's kind, `entry.block_kinds`) says which blocks T splits.
+    Off, Algorithm 1 runs as above: T = 1, the shard of `hw.shard_optimizer`."""
     if cost_model not in COST_MODELS:
         raise ValueError(f"cost_model={cost_model!r}: one of {list(COST_MODELS)}")
+    if mesh and cost_model != "simulated":
+        raise ValueError("mesh=True searches tensor and shard on the simulated cost functions, not the paper's closed forms")
     if cost_model == "closed":
         recompute, refine = tuple(r for r in recompute if r != "stages"), None
     with paused_gc():  # one collection after planning instead of hundreds during it
         found = tuple(schedules), tuple(recompute), max_microbatch_size, refine, finalists, cost_model, every_device
-        return _plan(profile, hw, global_batch, *found)
+        return _plan(profile, hw, global_batch, *found, mesh, tuple(kinds) if kinds else None)
 
 
 def _plan(
@@ -389,9 +469,10 @@ def _plan(
     finalists: int,
     cost_model: str,
     every_device: bool,
+    mesh: bool = False,
+    kinds: Optional[tuple] = None,
 ) -> TwoBWPlan:
     started = time.perf_counter()
-    search = _search if cost_model == "simulated" else _search_closed
     for s in schedules:
         if s not in SCHEDULES:
             raise ValueError(f"schedule={s!r}: planner=2bw plans one of {list(SCHEDULES)}")
@@ -404,42 +485,75 @@ def _plan(
         raise ValueError(f"devices={hw.devices}: no (width, depth) with {shape} and depth <= {profile.num_blocks} blocks")
     candidates: list[Candidate] = []
     at: dict[int, BlockCosts] = {}
-    for w, d in pairs:
-        if global_batch % w:
-            candidates.append(Candidate(w, d, 0, 0, "-", "-", verdict=f"skipped: global batch {global_batch} is not a multiple of w={w}"))
-            continue
-        per_replica = global_batch // w
-        sizes = [b for b in range(1, per_replica + 1) if per_replica % b == 0 and (max_microbatch_size is None or b <= max_microbatch_size)]
-        for b in sizes:
-            costs = at.setdefault(b, profile.at(b))
-            m = per_replica // b
-            for schedule in schedules:
-                if schedule == "2bw" and m < d:
-                    candidates.append(
-                        Candidate(w, d, b, m, schedule, "-", verdict=f"skipped: 2bw needs g >= d (g={m} micro-batches, d={d})")
-                    )
-                    continue
-                candidates += search(costs, w, d, b, m, schedule, recompute, hw)
+    meshed: dict[tuple, BlockCosts] = {}  # (b, tensor, shard, width) -> a rank's costs
+    memo: dict[tuple, float] = {}  # screened step times: shard none and optimizer simulate the same pipeline
+    found: dict[tuple, list[Candidate]] = {}  # shard none's candidates per (tensor, w, d, b, schedule)
+    default_shard = "optimizer" if hw.shard_optimizer else "none"
+
+    def costs_of(b: int, tensor: int, shard: str, width: int) -> BlockCosts:
+        base = at.setdefault(b, profile.at(b))
+        if not mesh:
+            return base
+        key = (b, tensor, "full" if shard == "full" else "none", width)
+        if key not in meshed:
+            meshed[key] = mesh_costs(base, kinds, tensor, shard, width, hw)
+        return meshed[key]
+
+    for tensor, shard in mesh_options(hw, kinds, schedules) if mesh else [(1, default_shard)]:
+        for w, d in grids(hw.devices // tensor, profile.num_blocks, every_device):
+            if mesh and shard != "none" and w < 2:
+                continue  # nothing to shard over: the same as shard none
+            if global_batch % w:
+                why = f"skipped: global batch {global_batch} is not a multiple of w={w}"
+                candidates.append(Candidate(w, d, 0, 0, "-", "-", verdict=why, tensor=tensor, shard=shard))
+                continue
+            per_replica = global_batch // w
+            sizes = [
+                b for b in range(1, per_replica + 1) if per_replica % b == 0 and (max_microbatch_size is None or b <= max_microbatch_size)
+            ]
+            for b in sizes:
+                costs = costs_of(b, tensor, shard, w)
+                m = per_replica // b
+                for schedule in schedules:
+                    if mesh and shard == "full" and schedule not in ("1f1b", "gpipe"):
+                        continue  # 2bw's weight stash over FSDP2 is not built
+                    if schedule == "2bw" and m < d:
+                        why = f"skipped: 2bw needs g >= d (g={m} micro-batches, d={d})"
+                        candidates.append(Candidate(w, d, b, m, schedule, "-", verdict=why, tensor=tensor, shard=shard))
+                        continue
+                    if cost_model == "simulated" and shard == "optimizer" and mesh:
+                        # ZeRO-1 simulates the same pipeline as shard none and adds the owners' broadcast: only where none is over the limit
+                        unsharded = {c.recompute for c in found.get((tensor, w, d, b, schedule), ()) if c.verdict == "runs"}
+                        options_left = tuple(r for r in recompute if r not in unsharded)
+                        candidates += _search(costs, w, d, b, m, schedule, options_left, hw, tensor, shard, memo)
+                    elif cost_model == "simulated":
+                        searched = _search(costs, w, d, b, m, schedule, recompute, hw, tensor, shard if mesh else None, memo)
+                        found[(tensor, w, d, b, schedule)] = searched
+                        candidates += searched
+                    else:
+                        candidates += _search_closed(costs, w, d, b, m, schedule, recompute, hw)
     feasible = [c for c in candidates if c.verdict == "runs"]
     if not feasible:
         raise NoConfiguration(candidates, hw, global_batch)
     for c in sorted(feasible, key=lambda c: -c.throughput)[:finalists]:  # screened -> exact
         if not c.exact:
-            c.step_time = step_time(at[c.microbatch_size], c.bounds, c.stage_recompute, c.schedule, c.microbatches, hw, width=c.width)
+            costs = costs_of(c.microbatch_size, c.tensor, c.shard, c.width)
+            c.step_time = step_time(costs, c.bounds, c.stage_recompute, c.schedule, c.microbatches, hw, width=c.width * c.tensor)
             c.throughput, c.exact = throughput(c.step_time, c.allreduce_time, c.width, c.microbatch_size, c.microbatches), True
     ranked = sorted((c for c in feasible if c.exact), key=lambda c: (-c.throughput, c.memory))
     notes: list[str] = []
     pick = {id(c): c for c in ranked}
     if refine is not None:  # the partitioner re-plans the best few, so its gain can change their order
         for c in ranked[:REFINED]:
-            again = _refined(c, at[c.microbatch_size], hw, refine)
+            again = _refined(c, costs_of(c.microbatch_size, c.tensor, c.shard, c.width), hw, refine, c.shard if mesh else None)
             if again.memory <= (hw.memory_limit or math.inf) and again.throughput > c.throughput:
                 pick[id(c)] = again
     best = max(ranked, key=lambda c: (pick[id(c)].throughput, -pick[id(c)].memory))
     chosen = pick[id(best)]
-    if best.width * best.depth < hw.devices:
+    if best.width * best.depth * best.tensor < hw.devices:
         notes.append(
-            f"the chosen grid w x d = {best.width * best.depth} leaves {hw.devices - best.width * best.depth} of the "
+            f"the chosen grid w x d{' x t' if mesh else ''} = {best.width * best.depth * best.tensor} leaves "
+            f"{hw.devices - best.width * best.depth * best.tensor} of the "
             f"{hw.devices} devices unused (Algorithm 1 allows it); a run on all {hw.devices} plans with every_device=True"
         )
     if refine is not None and chosen is best:
@@ -449,11 +563,26 @@ def _plan(
     source = f"{profile.source} profile of {profile.model} at micro-batch sizes {profile.sizes}, {cost_model} cost functions"
     kept = refine is not None and chosen.bounds == best.bounds  # the partitioner's plan was not taken
     partitioner = "even (the paper's B/d)" if cost_model == "closed" else "min-max (dp)" if refine is None or kept else "refined"
-    return TwoBWPlan(chosen, candidates, hw, global_batch, source, time.perf_counter() - started, partitioner, notes)
+    return TwoBWPlan(chosen, candidates, hw, global_batch, source, time.perf_counter() - started, partitioner, notes, mesh)
 
 
-def _search(costs: BlockCosts, w: int, d: int, b: int, m: int, schedule: str, options: tuple, hw: Hardware) -> list[Candidate]:
-    """SEARCH for one (w, d, b, schedule): each recomputation option, its memory and, if it fits, its throughput."""
+def _search(
+    costs: BlockCosts,
+    w: int,
+    d: int,
+    b: int,
+    m: int,
+    schedule: str,
+    options: tuple,
+    hw: Hardware,
+    tensor: int = 1,
+    shard: Optional[str] = None,
+    memo: Optional[dict] = None,
+) -> list[Candidate]:
+    """SEARCH for one (w, d, b, schedule): each recomputation option, its memory and, if it fits, its throughput.
+    `tensor`, `shard` (ours, the mesh search; `costs` are then a rank's, `two_bw_mesh.mesh_costs`); None: Algorithm 1's."""
+    memo = {} if memo is None else memo
+    named = shard or ("optimizer" if hw.shard_optimizer else "none")
     limit = hw.memory_limit if hw.memory_limit is not None else math.inf
     found: list[Candidate] = []
     plans: dict[tuple[bool, ...], tuple] = {}
@@ -465,18 +594,23 @@ def _search(costs: BlockCosts, w: int, d: int, b: int, m: int, schedule: str, op
             flags = (True,) * d
         else:  # ours: only the stages over the limit without recomputation
             bounds0 = _bounds(costs, d, off)
-            flags = tuple(s > limit for s in memory(costs, bounds0, off, schedule, m, hw, w))
+            flags = tuple(s > limit for s in memory(costs, bounds0, off, schedule, m, hw, w, shard))
             if not any(flags) or all(flags):
                 continue  # the same as off or on
         bounds = plans.setdefault(flags, _bounds(costs, d, flags))
-        stage_memory = memory(costs, bounds, flags, schedule, m, hw, w)
-        c = Candidate(w, d, b, m, schedule, option, flags, bounds, memory=max(stage_memory), stage_memory=stage_memory)
+        stage_memory = memory(costs, bounds, flags, schedule, m, hw, w, shard)
+        c = Candidate(
+            w, d, b, m, schedule, option, flags, bounds, memory=max(stage_memory), stage_memory=stage_memory, tensor=tensor, shard=named
+        )
         if c.memory > limit:
             c.verdict = "over memory_limit"
         else:
-            c.step_time = step_time(costs, bounds, flags, schedule, m, hw, exact=False, width=w)
+            key = (id(costs), bounds, flags, schedule, m, hw.pipeline_bandwidth(d, w * tensor))
+            if key not in memo:
+                memo[key] = step_time(costs, bounds, flags, schedule, m, hw, exact=False, width=w * tensor)
+            c.step_time = memo[key]
             c.exact = m <= max(16, 2 * d)
-            c.allreduce_time = allreduce_time(costs, bounds, w, hw)
+            c.allreduce_time = allreduce_time(costs, bounds, w, hw, shard, tensor)
             c.throughput = throughput(c.step_time, c.allreduce_time, w, b, m)
             c.verdict = "runs"
         found.append(c)
@@ -507,20 +641,20 @@ def _bounds(costs: BlockCosts, depth: int, flags: Sequence[bool]) -> tuple:
     return _min_max(costs, depth, bool(flags) and all(flags))
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=4096)
 def _min_max(costs: BlockCosts, depth: int, recomputed: bool) -> tuple:
     backward = costs.recompute_backward if recomputed else costs.backward
     weights = [f + bw for f, bw in zip(costs.forward, backward)]
     return tuple(tuple(x) for x in min_max_bounds(weights, depth))
 
 
-def _refined(best: Candidate, costs: BlockCosts, hw: Hardware, refine: callable) -> Candidate:
-    d, flags = best.depth, best.stage_recompute
-    model = costs.cost_model(best.bounds, flags, hw.pipeline_bandwidth(d, best.width), hw.latency)
+def _refined(best: Candidate, costs: BlockCosts, hw: Hardware, refine: callable, shard: Optional[str] = None) -> Candidate:
+    d, flags, span = best.depth, best.stage_recompute, best.width * best.tensor
+    model = costs.cost_model(best.bounds, flags, hw.pipeline_bandwidth(d, span), hw.latency)
     bounds = tuple(tuple(x) for x in refine(model, d, min(best.microbatches, d + min(d, 8)), best.schedule))
-    stage_memory = memory(costs, bounds, flags, best.schedule, best.microbatches, hw, best.width)
-    step = step_time(costs, bounds, flags, best.schedule, best.microbatches, hw, width=best.width)
-    ar = allreduce_time(costs, bounds, best.width, hw)
+    stage_memory = memory(costs, bounds, flags, best.schedule, best.microbatches, hw, best.width, shard)
+    step = step_time(costs, bounds, flags, best.schedule, best.microbatches, hw, width=span)
+    ar = allreduce_time(costs, bounds, best.width, hw, shard, best.tensor)
     return replace(
         best,
         bounds=bounds,

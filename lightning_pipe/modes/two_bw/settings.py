@@ -25,6 +25,14 @@ def check_config(config: Any) -> None:
             "(PipeDream-2BW's closed-form THROUGHPUT and MEMORY, §4.2)",
             "planner_2bw_cost",
         )
+    if not isinstance(config.plan_mesh, bool):
+        raise SettingError(f"plan_mesh={config.plan_mesh!r}: allowed values are True or False", "plan_mesh")
+    if config.plan_mesh and (config.planner is None or config.planner_2bw_cost != "simulated"):
+        raise SettingError(
+            "plan_mesh=True is a setting of planner=2bw with planner_2bw_cost='simulated' (the search over tensor and shard "
+            f"runs on the simulator), not planner={config.planner!r}, planner_2bw_cost={config.planner_2bw_cost!r}",
+            "plan_mesh",
+        )
     if config.global_batch is not None:
         if config.planner is None:
             raise SettingError(f"global_batch={config.global_batch!r} is a setting of planner=2bw: set planner=2bw too", "global_batch")
@@ -42,6 +50,16 @@ def check_plannable(config: Any, world_size: int, num_blocks: int, batch_size: O
         check_reachable(world_size, num_blocks, batch or 1, schedules)
     except ValueError as err:
         raise SettingError(str(err), "global_batch" if batch else "planner") from None
+
+
+def check_applied(config: Any) -> None:
+    """A training run applies the planner's width and depth, not a planned tensor or shard (plan_mesh)."""
+    if config.plan_mesh:
+        raise SettingError(
+            "plan_mesh=True: the plan command prints the mesh it chooses (tensor, shard); a training run does not apply them: "
+            "set width, tensor and shard by hand (planner unset), or plan_mesh=False",
+            "plan_mesh",
+        )
 
 
 def check_trainer(trainer: Any, model: Any) -> None:
