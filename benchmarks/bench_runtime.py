@@ -8,6 +8,11 @@ final weights checked against ``single``. Results: docs/results/benchmarks.md; t
     flock /tmp/bench.lock python -m benchmarks.bench_runtime --modes trainer-single,ours-1f1b,trainer-1f1b --steps 40 --repeats 4 --budget 300
     python -m benchmarks.bench_runtime --modes trainer-1f1b --steps 40 --repeats 2 --segments
     python -m benchmarks.bench_runtime --quick
+    flock /tmp/bench.lock python -m benchmarks.bench_runtime --compile --modes single,ours-1f1b,torch-1f1b,torch-interleaved,trainer-1f1b,trainer-interleaved
+
+--compile: every side compiles each block once in place (`nn.Module.compile`; through the Trainer the
+strategy's ``compile=True`` does it), before the untimed warm-up steps; zero-bubble modes are refused
+there (their split backward does not run compiled blocks).
 """
 
 from __future__ import annotations
@@ -101,15 +106,18 @@ def _trainer(rank: int, world: int, cfg: dict, schedule: str) -> dict:
             self.params = {k.split(".", 1)[1]: v.detach().clone() for k, v in pl_module.state_dict().items()}
 
     clock = Clock()
+    module = MLPModule(dict(cfg, compile=cfg["compile"] and world == 1))  # a pipeline: the strategy compiles
     kwargs = dict(accelerator="cpu", devices=world, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     kwargs.update(enable_model_summary=False, num_sanity_val_steps=0, max_steps=last + 1, callbacks=[clock])
     if world > 1:
         from lightning_pipe import AutoPipeStrategy
 
-        kwargs["strategy"] = AutoPipeStrategy(schedule=schedule, microbatches=cfg["microbatches"], partition="uniform")
+        kwargs["strategy"] = AutoPipeStrategy(
+            schedule=schedule, microbatches=cfg["microbatches"], partition="uniform", compile=cfg["compile"]
+        )
     stamps = stamp_segments() if cfg["segments"] and world > 1 else None
     # step i's batch is make_data's batch i mod 4, as the raw runs cycle them; batch_size=None: no collation
-    L.Trainer(**kwargs).fit(MLPModule(cfg), torch.utils.data.DataLoader([data[i % len(data)] for i in range(last + 1)], batch_size=None))
+    L.Trainer(**kwargs).fit(module, torch.utils.data.DataLoader([data[i % len(data)] for i in range(last + 1)], batch_size=None))
     out = {"timing": [clock.total] + clock.times, "params": clock.params, "profile": profile_report(clock.prof, f"trainer-{schedule}")}
     if stamps is not None:
         out["segments"] = segments(stamps[cfg["warmup"] :])
@@ -122,6 +130,7 @@ def main() -> None:
     bench.options(hidden=512, mlp_ratio=(1, "inner width of a block = hidden * mlp_ratio"), blocks=(8, "even: half per stage"), lr=1e-3)
     bench.options(batch=(256, "rows per step"), microbatches=4, modes=(MODES, f"a subset of {MODES + EXTRA}"))
     bench.options(segments=(False, "time the parts of trainer-1f1b's step on each rank (medians)"))
+    bench.options(compile=(False, "every side compiles each block (torch.compile, in place) before its warm-up"))
     bench.parser.add_argument("--profile", choices=["cpu", "wall"], default="", help="cProfile the pipelined modes' timed steps")
     args = bench.parse()
     modes = ["single"] + [m for m in args.modes if m != "single"]
@@ -129,7 +138,9 @@ def main() -> None:
         bench.error(f"unknown modes {sorted(set(modes) - set(MODES + EXTRA))}; allowed: {MODES + EXTRA}")
     if args.blocks % 2 or args.batch % args.microbatches:
         bench.error("--blocks must be even and --batch divisible by --microbatches (torch's schedules need equal micro-batches)")
-    keys = ("hidden", "mlp_ratio", "blocks", "batch", "microbatches", "steps", "warmup", "lr")
+    if args.compile and (zb := [m for m in modes if "zb" in m]):
+        bench.error(f"--compile with {zb}: a split backward over compiled blocks is not built; leave them out")
+    keys = ("hidden", "mlp_ratio", "blocks", "batch", "microbatches", "steps", "warmup", "lr", "compile")
     cfg = {k: getattr(args, k) for k in keys}
 
     def show(mode: str, results: list[dict]) -> None:  # --segments, --profile: what each rank measured in this run

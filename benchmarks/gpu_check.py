@@ -20,7 +20,10 @@ One command, one JSON + markdown report, on one accelerator (under 8 minutes on 
    against the planner's memory model;
 7. on a machine with 4 or 8 GPUs, NCCL's paths of the mesh's dimensions: pp2 x dp2 with each `shard`
    against whole replicas, pp2 x tp2 against pp4 and pp2 x dp2 x tp2 against pp4 x dp2 (a section
-   says "not run" on fewer GPUs).
+   says "not run" on fewer GPUs);
+8. torch.compile per block (`compile=True`'s in-place `nn.Module.compile`): GPT-2 345M's blocks in bf16,
+   eager against compiled forward + backward ms per block (CUDA-timed profiles), and the compiled
+   blocks' output against eager's.
 
 `--smoke` runs the same sections small on the CPU (GPT-tiny; planners for 2 and 4 stages): what CI
 runs, so the check cannot rot between runs on a GPU.
@@ -357,6 +360,37 @@ def tensor(args: argparse.Namespace, report: dict) -> dict:
         out["pp2 x dp2 x tp2: max rel error vs pp4 x dp2"] = _max_rel(_tensor("gpu", 8, str(args.out), width=2, tensor=2), wide)
     assert all(v <= 1e-10 for v in out.values()), out
     return out
+
+
+@section("torch.compile per block")
+def compiled(args: argparse.Namespace, report: dict) -> dict:
+    from lightning_pipe.lightning.compiling import compile_blocks
+
+    device, dtype, name = device_of(args), torch.float32 if args.smoke else torch.bfloat16, _models(args)[0]
+    blocks, ids = _blocks(name, dtype), _ids(args.mbs, args.seq, device)
+    timed = {}
+    for kind in ("eager", "compiled"):
+        if kind == "compiled":
+            compile_blocks(blocks)
+        # warm-up 2: the first pass compiles each block (Inductor), the second pays no compile
+        measured = profile_blocks(list(blocks), ids, device, model=name, repeats=5, warmup=2)
+        timed[kind] = [1e3 * (measured[i]["forward"] + measured[i]["backward"]) for i in sorted(measured)]
+        if kind == "eager":
+            with torch.no_grad():
+                reference = blocks.to(device)(ids).float()
+            blocks.to("cpu")
+    with torch.no_grad():
+        output = blocks.to(device)(ids).float()
+    blocks.to("cpu")
+    per_block = {
+        f"{i} {type(b).__name__}": {"eager ms": e, "compiled ms": c, "compiled / eager": c / e}
+        for i, (b, e, c) in enumerate(zip(blocks, timed["eager"], timed["compiled"]))
+    }
+    eager, comp = sum(timed["eager"]), sum(timed["compiled"])
+    error = float((output - reference).abs().max() / reference.abs().max())
+    assert math.isfinite(error) and error < (1e-4 if args.smoke else 5e-2), error  # bf16 kernels fuse differently
+    return {"model": name, "dtype": str(dtype), "whole model ms": {"eager": eager, "compiled": comp, "compiled / eager": comp / eager},
+            "max relative output difference": error, "per block": per_block}  # fmt: skip
 
 
 # ---- the report -----------------------------------------------------------------------------------

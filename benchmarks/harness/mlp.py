@@ -38,6 +38,9 @@ def make_model(cfg: dict) -> nn.Sequential:
     with torch.no_grad():  # keep the residual stream bounded over many blocks
         for block in model:
             block.fc2.weight.mul_(cfg["blocks"] ** -0.5)
+    if cfg.get("compile"):  # in place, per block, as compile=True does: the state dict keeps its names
+        for block in model:
+            block.compile()
     return model
 
 
