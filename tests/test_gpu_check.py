@@ -37,6 +37,7 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
         "peak memory per stage",
         "pipeline x sharded data parallel on 4 GPUs",
         "pipeline x tensor parallel on 4 and 8 GPUs",
+        "torch.compile per block",
     }
     assert all(s["status"] == "ok" for s in sections.values()), {k: s["result"] for k, s in sections.items() if s["status"] != "ok"}
     exact = sections["strategy on one GPU"]["result"]
@@ -46,4 +47,7 @@ def test_gpu_check_smoke_runs_every_section(tmp_path):
     assert "autopipe plan, 1f1b, 4 stages" in sections["planners on the measured profiles"]["result"]["gpt-tiny on 4"]["autopipe"]
     # 4 processes: its CPU twin is tests/test_zero.py, so the smoke run only names it
     assert "tests/test_zero.py" in sections["pipeline x sharded data parallel on 4 GPUs"]["result"]["not run on CPU"]
+    compiled = sections["torch.compile per block"]["result"]
+    assert len(compiled["per block"]) == 10 and compiled["max relative output difference"] < 1e-4
+    assert all(b["eager ms"] > 0 and b["compiled ms"] > 0 for b in compiled["per block"].values())
     assert "# GPU check: cpu (smoke)" in (tmp_path / "gpu_check.md").read_text()
