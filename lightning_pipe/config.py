@@ -142,10 +142,11 @@ class PipelineConfig:
     recompute: Any = False
     """Activation recomputation: true (every stage), false, or one true/false per stage: a recomputed
     stage keeps only each block's input for backward and runs the block's forward again there."""
-    compile: bool = False
+    compile: Any = False
     """torch.compile each pipeline block once (as torchtitan compiles per transformer block), before the
     profile, so the planners see compiled costs; graph breaks are reported at the end of fit. Flush
-    schedules and 2BW; not with zero bubble's split backward or shard='full'."""
+    schedules and 2BW; not with zero bubble's split backward or shard='full'. 'auto' (with
+    schedule='auto'): the blocks are profiled eager and compiled, and the faster simulated step runs."""
     intra_bandwidth: Optional[float] = None
     """planner=2bw: bytes/s between devices of one node (None: a default for the device type)."""
     inter_bandwidth: Optional[float] = None
@@ -246,8 +247,10 @@ class PipelineConfig:
             raise SettingError(f"slicer_method={self.slicer_method!r}: 'algorithm2' (the paper's), 'sweep' (ours) or None", "slicer_method")
         self.memory_limit = parse_bytes(self.memory_limit)
         self.recompute = check_recompute(self.recompute)
-        if not isinstance(self.compile, bool):
-            raise SettingError(f"compile={self.compile!r}: True (torch.compile each block) or False", "compile")
+        if not isinstance(self.compile, (bool, str)) or self.compile not in COMPILE_VALUES:
+            raise SettingError(
+                f"compile={self.compile!r}: True (torch.compile each block), False or 'auto' (with schedule='auto')", "compile"
+            )
         for name in ("bandwidth", "latency", "intra_bandwidth", "inter_bandwidth"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
@@ -397,6 +400,7 @@ COSTED = tuple(name for name, kind in REGISTRY.items() if kind.costed)  # built 
 SLICED = tuple(name for name in REGISTRY if name not in MULTI_CHUNK + COSTED + ("2bw", "advance"))  # whose warm-up the slicer halves
 ALGORITHM2_SCHEDULES = ("1f1b",)  # AutoPipe's Algorithm 2 slices 1F1B
 ADVANCE_NUM_SCHEDULES = ("advance", "2bw")  # the schedules with AvgPipe(2BW)'s advance forward order
+COMPILE_VALUES = (False, True, "auto")  # auto: schedule='auto' weighs eager against compiled blocks
 COMPILE_EXCLUDED = ("zb-h1", "zb-v", "zb-auto")  # a split backward (autograd.grad on a block's inputs, then its weights)
 FULL_SHARD_EXCLUDED = ("2bw",)  # a weight stash over FSDP2's sharded blocks
 SPLIT_BACKWARD = tuple(name for name, kind in REGISTRY.items() if kind.split_backward)  # zero bubble's BI and W
@@ -425,10 +429,18 @@ def _planner_excludes(c: "PipelineConfig") -> str:
 LEGALITY: tuple[Legality, ...] = (
     Legality(
         "compile",
-        lambda c: c.compile is True and (c.schedule in COMPILE_EXCLUDED or c.shard == "full"),
+        lambda c: (c.compile is True and c.schedule in COMPILE_EXCLUDED) or (c.compile is not False and c.shard == "full"),
         lambda c: (
-            f"compile=True with {'shard=' + repr(c.shard) if c.shard == 'full' else 'schedule=' + repr(c.schedule)}: "
+            f"compile={c.compile!r} with {'shard=' + repr(c.shard) if c.shard == 'full' else 'schedule=' + repr(c.schedule)}: "
             "a split backward (zero bubble) or FSDP2's hooks around a compiled block is not built; set compile=False"
+        ),
+    ),
+    Legality(
+        "compile",
+        lambda c: c.compile == "auto" and not c.auto,
+        lambda c: (
+            f"compile='auto' weighs eager against compiled blocks within schedule='auto', not schedule={c.schedule!r}: "
+            "set schedule='auto', or compile=True or False"
         ),
     ),
     Legality(

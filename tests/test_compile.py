@@ -4,6 +4,7 @@ the schedules it cannot run are refused before any process starts; graph breaks 
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -17,7 +18,7 @@ from torch import nn
 from lightning_pipe import AutoPipeStrategy
 from lightning_pipe.config import PipelineConfig
 from lightning_pipe.errors import SettingError
-from lightning_pipe.lightning.compiling import COMPILED, compile_blocks, graph_breaks
+from lightning_pipe.lightning.compiling import COMPILED, compile_blocks, graph_breaks, uncompile_blocks
 
 TOL = 1e-5  # float32: compiled kernels may fuse and reorder what eager computes op by op
 
@@ -82,8 +83,65 @@ def test_what_compile_cannot_run_is_refused_before_spawning():
         with pytest.raises(SettingError, match="compile=True") as err:
             PipelineConfig(compile=True, **settings)
         assert words in str(err.value) and err.value.setting == "compile"
-    with pytest.raises(SettingError, match="compile='yes'"):
-        PipelineConfig(compile="yes")
+    for bad in ("yes", 1):
+        with pytest.raises(SettingError, match=f"compile={bad!r}: True .*, False or 'auto'"):
+            PipelineConfig(compile=bad)
+    for settings in (dict(), dict(schedule="1f1b"), dict(schedule="zb-h1")):  # 'auto' weighs within schedule='auto' only
+        with pytest.raises(SettingError, match="compile='auto' .* set schedule='auto'") as err:
+            AutoPipeStrategy(compile="auto", **settings)
+        assert err.value.setting == "compile" and "\n" not in str(err.value)
+    with pytest.raises(SettingError, match="compile='auto' with shard='full'"):
+        PipelineConfig(compile="auto", schedule="auto", width=2, shard="full")
+    PipelineConfig(compile="auto", schedule="auto")  # legal
+
+
+class Probe(nn.Module):
+    """Says whether each call ran under torch.compile (True while Dynamo traces it, replayed on each call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(torch.compiler.is_compiling())
+        return x + 1
+
+
+def test_uncompiled_blocks_run_eager_again():
+    torch._dynamo.reset()
+    pipeline = nn.Sequential(nn.Linear(4, 4), Probe())
+    compile_blocks(pipeline)
+    pipeline(torch.ones(2, 4))
+    assert pipeline[1].seen[-1] is True
+    uncompile_blocks(pipeline)
+    assert not any(hasattr(block, COMPILED) for block in pipeline)
+    pipeline(torch.ones(2, 4))
+    assert pipeline[1].seen[-1] is False
+    assert compile_blocks(pipeline) == 2  # and can be compiled again
+    torch._dynamo.reset()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_compile_auto_plans_both_and_runs_the_faster_exactly(tmp_path):
+    # schedule='auto' with compile='auto': eager and compiled blocks each profiled and planned (the
+    # compiled plan without zero bubble), the faster simulated step kept on every rank
+    ref = LitSeq(dtype="float32")
+    single(ref, steps=5, train=loader(dtype=torch.float32))
+    model = LitSeq(dtype="float32")
+    strategy = AutoPipeStrategy(schedule="auto", microbatches=4, compile="auto", start_method=START)
+    pipelined(model, 2, steps=5, train=loader(dtype=torch.float32), strategy=strategy, callbacks=[RecordCompiled(tmp_path, False)],
+              default_root_dir=tmp_path)  # fmt: skip
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= TOL
+    weighed = json.loads((tmp_path / "plan.json").read_text())["compile"]
+    times = {k: weighed[k]["chosen"]["iteration_time"] for k in ("eager", "compiled")}
+    chosen = "compiled" if times["compiled"] < times["eager"] else "eager"
+    assert weighed["chosen"] == chosen, weighed
+    assert not any(c["schedule"].startswith("zb") for c in weighed["compiled"]["candidates"])  # what compiled blocks cannot run
+    assert any(c["schedule"].startswith("zb") for c in weighed["eager"]["candidates"])
+    for rank in range(2):  # every rank runs its blocks as rank 0 chose
+        seen = torch.load(os.path.join(tmp_path, f"compiled-rank{rank}.pt"))
+        assert seen["compiled"] == (seen["blocks"] if chosen == "compiled" else 0), (seen, chosen)
 
 
 class Breaks(nn.Module):

@@ -26,6 +26,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from ..config import COMPILE_EXCLUDED
 from ..models.init import is_meta, profiling_blocks
 from ..planning.auto import adam_weight_copies, memory_line, stage_memory
 from ..planning.entry import BLOCK_KINDS as KINDS  # noqa: F401  (benchmarks read it here)
@@ -38,6 +39,7 @@ from ..profiling.runtime import runtime_bytes
 from ..runtime.call import as_input
 from ..schedules import ScheduleSpec
 from ..simulation.timelines import chrome_trace, gantt, traced_timeline
+from .compiling import compile_blocks, uncompile_blocks
 from .context import RankContext
 from .metric_state import untouched
 from .profile_precision import run_precision
@@ -244,22 +246,40 @@ class AutoPlanner:
             bounds = partition_blocks(self.config.fixed_partition, len(pipeline), spec.chunk_count(depth)).bounds
             return RunPlan(tuple(map(tuple, bounds)), spec, depth, m)
         start = time.perf_counter()
+        compiled = self.config.compile is True
+        plans = {compiled: self._plan(ctx, module, pipeline, sample, mbs, compiled)}
+        if self.config.compile == "auto":  # the same blocks compiled, profiled and planned again; the faster kept
+            compile_blocks(pipeline)
+            plans[True] = self._plan(ctx, module, pipeline, sample, mbs, True)
+            times = {k: plan[2].choice.chosen.iteration_time for k, plan in plans.items()}
+            compiled = times[True] < times[False]  # a tie: no compile
+        result = plans[compiled][2]
+        box = [(result.bounds, result.spec, result.sliced, result.costed, compiled)]
+        if ctx.topology.world_size > 1:  # the same numbers everywhere already; rank 0's word is final
+            dist.broadcast_object_list(box, 0)
+        bounds, spec, sliced, costed, compiled = box[0]
+        if self.config.compile == "auto" and not compiled:
+            uncompile_blocks(pipeline)
+        profile, costs, result = plans[compiled]
+        self.profile, self.costs = profile, costs
+        if (bounds, spec, sliced) != (result.bounds, result.spec, result.sliced):
+            result = RunPlan(bounds, spec, depth, m, sliced)
+        result.costed = costed  # zb-auto: every rank builds its schedule from rank 0's costs
+        if ctx.global_rank == 0:
+            weighed = {("compiled" if k else "eager"): plan[2].choice for k, plan in plans.items()} if len(plans) > 1 else None
+            self._report(profile, costs, result, time.perf_counter() - start, weighed, compiled)
+        return result
+
+    def _plan(self, ctx: RankContext, module: Any, pipeline: nn.Sequential, sample: Any, mbs: int, compiled: bool) -> tuple:
+        """Profile the blocks as they are now and plan on them; compiled blocks: without the schedules
+        whose split backward they cannot run."""
         profile, costs = self._profile(ctx, module, pipeline, sample, mbs)
         names = [type(b).__name__ for b in pipeline]
         kinds = block_kinds(names)
         vocab = splits_vocabulary(names) and not callable(getattr(module, "parallelize_block", None))  # our plan's split
         costs = self.costs = split_by_tensor(costs, kinds, self.config.tensor, vocab)  # profiled whole, run split over tp
-        result = plan_run(costs, depth, self.config, kinds, self.memory_limit(ctx.device))
-        box = [(result.bounds, result.spec, result.sliced, result.costed)]
-        if ctx.topology.world_size > 1:  # the same numbers everywhere already; rank 0's word is final
-            dist.broadcast_object_list(box, 0)
-        bounds, spec, sliced, costed = box[0]
-        if (bounds, spec, sliced) != (result.bounds, result.spec, result.sliced):
-            result = RunPlan(bounds, spec, depth, m, sliced)
-        result.costed = costed  # zb-auto: every rank builds its schedule from rank 0's costs
-        if ctx.global_rank == 0:
-            self._report(profile, costs, result, time.perf_counter() - start)
-        return result
+        exclude = COMPILE_EXCLUDED if compiled else ()
+        return profile, costs, plan_run(costs, ctx.depth, self.config, kinds, self.memory_limit(ctx.device), exclude)
 
     def _profile(self, ctx: RankContext, module: Any, pipeline: nn.Sequential, sample: Any, mbs: int) -> tuple[Profile, Any]:
         topo = ctx.topology
@@ -285,7 +305,9 @@ class AutoPlanner:
             )
         self._profile(ctx, module, pipeline, sample, mbs)
 
-    def _report(self, profile: Profile, costs: Any, result: RunPlan, seconds: float) -> None:
+    def _report(
+        self, profile: Profile, costs: Any, result: RunPlan, seconds: float, weighed: Optional[dict] = None, compiled: bool = False
+    ) -> None:
         out = self._out()
         profile.save(out / "profile.json")
         timeline = result.timeline(costs)
@@ -293,6 +315,13 @@ class AutoPlanner:
         memory = stage_memory(timeline, copies, costs.runtime_bytes)  # what schedule="auto" holds to memory_limit
         summary = {"profile": profile.key, "profiled_and_planned_seconds": seconds, **result.summary(), "messages": profile.messages}
         summary["predicted_memory_bytes"] = {"per_rank": memory, "weight_copies": copies, "runtime_bytes": costs.runtime_bytes}
+        if weighed is not None:  # compile='auto': both plans, the one kept
+            summary["compile"] = {"chosen": "compiled" if compiled else "eager", **{k: c.to_dict() for k, c in weighed.items()}}
+            rank_zero_info(
+                "compile='auto': "
+                + ", ".join(f"{k} blocks {c.chosen.name} {c.chosen.iteration_time * 1e3:.3f} ms" for k, c in weighed.items())
+                + f" (simulated step): running them {'compiled' if compiled else 'eager'}"
+            )
         (out / "plan.json").write_text(json.dumps(summary, indent=1))
         gantt(timeline, out / "plan_timeline.png", title=f"predicted: {timeline.schedule.name}, chunks {[b - a for a, b in result.bounds]}")
         if profile.message_costs is not None:

@@ -2,7 +2,8 @@
 compiles per transformer block. Done before the profile, so the planners plan on compiled costs; the
 blocks stay compiled wherever the cut puts them (the state dict's names do not change). A micro-batch of
 another size (an uneven last batch) is left to Dynamo's automatic dynamic shapes (it recompiles with
-that dimension dynamic rather than once per size; not measured here). What Dynamo could not capture is said in one line at the end of fit (`graph_breaks`)."""
+that dimension dynamic rather than once per size; not measured here). What Dynamo could not capture is said in one line at the end of fit (`graph_breaks`).
+compile='auto' (autoplan.py) profiles the blocks eager and compiled and keeps the faster plan."""
 
 from __future__ import annotations
 
@@ -25,6 +26,15 @@ def compile_blocks(pipeline: nn.Module) -> int:
             setattr(block, COMPILED, True)
             count += 1
     return count
+
+
+def uncompile_blocks(pipeline: nn.Module) -> None:
+    """Back to eager (compile='auto' found the eager step faster): `nn.Module.compile` only set the
+    module's compiled call, so clearing it restores the plain one (Dynamo's cache is left as it is)."""
+    for block in pipeline:
+        if getattr(block, COMPILED, False):
+            block._compiled_call_impl = None
+            delattr(block, COMPILED)
 
 
 def graph_breaks() -> Optional[str]:

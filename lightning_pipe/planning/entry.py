@@ -14,7 +14,7 @@ from typing import Any, Optional, Protocol, Sequence
 
 from ..schedules import ScheduleSpec
 from ..simulation import CostModel, Timeline, simulate
-from .auto import ScheduleChoice, adam_weight_copies, choose_schedule
+from .auto import CANDIDATES, ScheduleChoice, adam_weight_copies, choose_schedule
 from .heuristic import expansion_bound
 from .partition import partition_blocks
 from .planner import Plan, plan
@@ -148,14 +148,18 @@ def plan_run(
     config: RunSettings,
     kinds: Optional[Sequence[str]] = None,
     memory_limit: Optional[float] = None,
+    exclude: Sequence[str] = (),
 ) -> RunPlan:
     """The run's schedule, partition and slicing on `stages` pipeline ranks. `kinds`: each block's
-    kind (embedding, attention, ...) for the partitioners that use it."""
+    kind (embedding, attention, ...) for the partitioners that use it; `exclude`: schedules
+    schedule="auto" must not weigh (what the blocks cannot run, e.g. a split backward of compiled blocks)."""
     with expansion_bound(config.autopipe_expansions):  # AutoPipe's heuristic reads the run's bound
-        return _plan_run(costs, stages, config, kinds, memory_limit)
+        return _plan_run(costs, stages, config, kinds, memory_limit, tuple(exclude))
 
 
-def _plan_run(costs: CostModel, stages: int, config: RunSettings, kinds: Optional[Sequence[str]], memory_limit: Optional[float]) -> RunPlan:
+def _plan_run(
+    costs: CostModel, stages: int, config: RunSettings, kinds: Optional[Sequence[str]], memory_limit: Optional[float], exclude: tuple
+) -> RunPlan:
     m, method, num_blocks = config.microbatches, config.partitioner, costs.num_blocks
     copies = adam_weight_copies(config.shard, config.width, config.reshard)
 
@@ -172,6 +176,7 @@ def _plan_run(costs: CostModel, stages: int, config: RunSettings, kinds: Optiona
             memory_limit=memory_limit,
             slicer=config.slicer,
             weight_copies=copies,
+            candidates=[c for c in CANDIDATES if c[0] not in exclude],
         )
         chosen = choice.chosen
         spec = ScheduleSpec.of(chosen.schedule, **chosen.schedule_options)
