@@ -24,9 +24,9 @@ def gpt_data():
     return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=6)
 
 
-def bert_data():
+def bert_data(samples: int = 24, batch_size: int = 6):
     g = torch.Generator().manual_seed(4)
-    ids = torch.randint(0, 256, (24, 12), generator=g)
+    ids = torch.randint(0, 256, (samples, 12), generator=g)
     labels = torch.full_like(ids, -100)
     for i in range(ids.shape[0]):  # the same number of predicted positions in every sample
         pos = torch.randperm(12, generator=g)[:3]
@@ -34,7 +34,7 @@ def bert_data():
         ids[i, pos] = 257
     mask = torch.ones_like(ids)
     mask[::3, -2:] = 0  # some padding: the mask travels between stages
-    return DataLoader(TensorDataset(ids, mask, labels), batch_size=6)
+    return DataLoader(TensorDataset(ids, mask, labels), batch_size=batch_size)
 
 
 def make(cls):

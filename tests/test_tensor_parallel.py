@@ -13,6 +13,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from models import START, EpochPerm, max_rel_diff, trainer_kwargs
+from test_lm_pipeline import bert_data
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -89,19 +90,6 @@ def test_pipeline_by_tensor_parallel_equals_one_process(tmp_path, schedule, opti
             assert shapes[name] == ((CFG["vocab_size"] // 2, CFG["d_model"]), (CFG["vocab_size"], CFG["d_model"])), name
 
 
-def bert_data():
-    g = torch.Generator().manual_seed(4)
-    ids = torch.randint(0, 256, (8, 12), generator=g)
-    labels = torch.full_like(ids, -100)
-    for i in range(ids.shape[0]):  # the same number of predicted positions in every sample
-        pos = torch.randperm(12, generator=g)[:3]
-        labels[i, pos] = ids[i, pos]
-        ids[i, pos] = 257
-    mask = torch.ones_like(ids)
-    mask[::3, -2:] = 0
-    return DataLoader(TensorDataset(ids, mask, labels), batch_size=4)
-
-
 @pytest.mark.parametrize("sequence", [False, True])
 def test_bert_by_tensor_parallel_equals_one_process(tmp_path, sequence):
     # the masked-LM head's decoder weight (tied) and its per-token bias split over the vocabulary; with sequence
@@ -111,12 +99,12 @@ def test_bert_by_tensor_parallel_equals_one_process(tmp_path, sequence):
         return MaskedLM(model=ModelConfig(**CFG, recompute=sequence), lr=1e-2, warmup_steps=1, max_steps=3).double()
 
     ref = bert()
-    L.Trainer(devices=1, **trainer_kwargs(max_steps=2)).fit(ref, bert_data())
+    L.Trainer(devices=1, **trainer_kwargs(max_steps=2)).fit(ref, bert_data(8, 4))
     model = bert()
     strategy = AutoPipeStrategy(
         schedule="1f1b", microbatches=2, tensor=2, sequence_parallel=sequence, partition="uniform", start_method=START
     )
-    L.Trainer(devices=4, strategy=strategy, callbacks=[RecordSplit(tmp_path)], **trainer_kwargs(max_steps=2)).fit(model, bert_data())
+    L.Trainer(devices=4, strategy=strategy, callbacks=[RecordSplit(tmp_path)], **trainer_kwargs(max_steps=2)).fit(model, bert_data(8, 4))
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
     head = f"model.{1 + 2 * CFG['n_layer']}"
     for rank in (2, 3):
