@@ -41,8 +41,9 @@ from lightning_pipe.models import CausalLM, MaskedLM, ModelConfig
 from lightning_pipe.planning.auto import choose_schedule
 from lightning_pipe.planning.entry import DEFAULT_LINKS, block_kinds
 from lightning_pipe.planning.sized import analytic_profile
-from lightning_pipe.planning.two_bw import Candidate, _best_rows, hardware, plan_2bw, refiner, size_text
+from lightning_pipe.planning.two_bw import Candidate, _best_rows, plan_2bw, refiner, size_text
 from lightning_pipe.planning.two_bw_closed import closed_step
+from lightning_pipe.planning.two_bw_costs import hardware
 from lightning_pipe.profiling import Profile
 from lightning_pipe.profiling.sized import profile_sizes
 from lightning_pipe.schedules import build_schedule

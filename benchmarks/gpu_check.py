@@ -53,7 +53,8 @@ from lightning_pipe.models import CausalLM, build_gpt, get_model_config
 from lightning_pipe.planning import plan
 from lightning_pipe.planning.auto import choose_schedule
 from lightning_pipe.planning.entry import block_kinds
-from lightning_pipe.planning.two_bw import hardware, plan_2bw
+from lightning_pipe.planning.two_bw import plan_2bw
+from lightning_pipe.planning.two_bw_costs import hardware
 from lightning_pipe.profiling import Profile, profile_blocks
 from lightning_pipe.profiling.sized import profile_sizes
 

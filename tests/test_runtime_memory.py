@@ -12,7 +12,7 @@ from torch import nn
 from lightning_pipe.planning import transformer_costs
 from lightning_pipe.planning.auto import choose_schedule
 from lightning_pipe.planning.sized import BlockCosts
-from lightning_pipe.planning.two_bw import Hardware, memory
+from lightning_pipe.planning.two_bw_costs import Hardware, memory
 from lightning_pipe.planning.zero_bubble import stage_limit
 from lightning_pipe.profiling import Profile
 from lightning_pipe.profiling.runtime import runtime_bytes

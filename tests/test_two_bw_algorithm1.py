@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from lightning_pipe.planning.sized import BlockCosts, SizedProfile
-from lightning_pipe.planning.two_bw import Hardware, plan_2bw
 from lightning_pipe.planning.two_bw import grids as algorithm1_grids
+from lightning_pipe.planning.two_bw import plan_2bw
 from lightning_pipe.planning.two_bw_closed import closed_step
+from lightning_pipe.planning.two_bw_costs import Hardware
 
 FAST = dict(intra_bandwidth=1e15, inter_bandwidth=1e15, latency=0.0)
 

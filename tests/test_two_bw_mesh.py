@@ -18,7 +18,8 @@ from lightning_pipe.errors import SettingError
 from lightning_pipe.modes.two_bw.settings import check_applied
 from lightning_pipe.planning.collectives import CollectiveCosts, Fit, fit_samples, ring
 from lightning_pipe.planning.sized import SizedProfile
-from lightning_pipe.planning.two_bw import Hardware, NoConfiguration, allreduce_time, memory, plan_2bw
+from lightning_pipe.planning.two_bw import NoConfiguration, plan_2bw
+from lightning_pipe.planning.two_bw_costs import Hardware, allreduce_time, memory
 from lightning_pipe.planning.two_bw_mesh import mesh_costs, options
 
 P = 1e6  # parameter bytes per block

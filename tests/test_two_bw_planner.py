@@ -24,15 +24,8 @@ from lightning_pipe.config import PipelineConfig
 from lightning_pipe.errors import SettingError
 from lightning_pipe.planning.replay import cached_schedule
 from lightning_pipe.planning.sized import BlockCosts, SizedProfile
-from lightning_pipe.planning.two_bw import (
-    Hardware,
-    NoConfiguration,
-    check_reachable,
-    in_flight,
-    memory,
-    plan_2bw,
-    step_time,
-)
+from lightning_pipe.planning.two_bw import NoConfiguration, check_reachable, plan_2bw
+from lightning_pipe.planning.two_bw_costs import Hardware, in_flight, memory, step_time
 from lightning_pipe.simulation import CostModel, simulate
 
 HW = Hardware(devices=2, devices_per_node=2, memory_limit=None, intra_bandwidth=1e12, inter_bandwidth=1e12, latency=0.0)

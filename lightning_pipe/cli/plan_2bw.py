@@ -19,7 +19,8 @@ from ..errors import SettingError
 from ..modes.two_bw import settings as two_bw_settings
 from ..planning.entry import block_kinds
 from ..planning.sized import SizedProfile, analytic_profile
-from ..planning.two_bw import NoConfiguration, TwoBWPlan, hardware, optimizer_factor, plan_2bw, refiner
+from ..planning.two_bw import NoConfiguration, TwoBWPlan, plan_2bw, refiner
+from ..planning.two_bw_costs import hardware, optimizer_factor
 
 ANALYTIC_SIZES = (1, 2, 4, 8, 16, 32)
 

@@ -30,7 +30,8 @@ from ..config import PipelineConfig
 from ..errors import SettingError
 from ..modes.two_bw import settings as two_bw_settings
 from ..planning.entry import block_kinds
-from ..planning.two_bw import NoConfiguration, TwoBWPlan, hardware, optimizer_factor, plan_2bw, refiner
+from ..planning.two_bw import NoConfiguration, TwoBWPlan, plan_2bw, refiner
+from ..planning.two_bw_costs import hardware, optimizer_factor
 from ..profiling.runtime import runtime_bytes
 from ..profiling.sized import profile_sizes
 from .autoplan import dataset_sample, pipeline_input, step_loss

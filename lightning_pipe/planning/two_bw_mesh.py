@@ -10,9 +10,9 @@ With `plan_2bw(..., mesh=True)` every candidate also has a tensor-parallel degre
   runs the forward's too). Saved activations stay whole (an upper bound, as `tensor.py`).
 - shard full: every block's weights are all-gathered over the replicas before its forward and again
   before its backward (FSDP2 frees them after each micro-batch); the step's gradient all-reduce becomes
-  a reduce-scatter (`two_bw.allreduce_time`). Memory: parameters, gradients and optimizer state / width,
-  plus one gathered block (`two_bw.memory`).
-- shard optimizer: costs as none; memory and the owners' broadcast are `two_bw`'s (`shard_optimizer`).
+  a reduce-scatter (`two_bw_costs.allreduce_time`). Memory: parameters, gradients and optimizer state / width,
+  plus one gathered block (`two_bw_costs.memory`).
+- shard optimizer: costs as none; memory and the owners' broadcast are `two_bw_costs`' (`shard_optimizer`).
 
 The collectives are priced by `Hardware.collectives` (measured, else the ring model on the link's
 bandwidth). Which combinations exist is `options`: tensor > 1 not with shard optimizer, and shard full
@@ -23,12 +23,11 @@ No torch, no Lightning.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from .sized import BlockCosts
 from .tensor import SPLIT_KINDS
-
-Hardware = Any  # two_bw.Hardware (which imports this module): devices, devices_per_node, collectives(span)
+from .two_bw_costs import Hardware
 
 SHARDS = ("none", "optimizer", "full")
 FULL_SCHEDULES = ("1f1b", "gpipe")  # what shard='full' runs among the planner's schedules
