@@ -26,7 +26,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from ..config import COMPILE_EXCLUDED
+from ..legality import COMPILE_EXCLUDED
 from ..models.init import is_meta, profiling_blocks
 from ..planning.auto import adam_weight_copies, memory_line, stage_memory
 from ..planning.entry import BLOCK_KINDS as KINDS  # noqa: F401  (benchmarks read it here)
