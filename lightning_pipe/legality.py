@@ -26,7 +26,6 @@ COMPILE_VALUES = (False, True, "auto")  # auto: schedule='auto' weighs eager aga
 COMPILE_EXCLUDED = ("zb-h1", "zb-v", "zb-auto")  # a split backward (autograd.grad on a block's inputs, then its weights)
 FULL_SHARD_EXCLUDED = ("2bw",)  # a weight stash over FSDP2's sharded blocks
 SPLIT_BACKWARD = tuple(name for name, kind in REGISTRY.items() if kind.split_backward)  # zero bubble's BI and W
-TENSOR_EXCLUDED = ("zb-v", "zb-auto")  # over split blocks: ZB-V's order is not exact yet, zb-auto's not tested
 
 
 @dataclass(frozen=True)
@@ -112,12 +111,12 @@ LEGALITY: tuple[Legality, ...] = (
     ),
     Legality(
         "tensor",
-        lambda c: c.tensor > 1 and (c.auto or c.schedule in TENSOR_EXCLUDED or c.shard == "optimizer" or c.compile is True),
+        lambda c: c.tensor > 1 and (c.auto or c.shard == "optimizer" or c.compile is True),
         lambda c: (
             f"tensor={c.tensor} with "
             + ("shard='optimizer'" if c.shard == "optimizer" else "compile=True" if c.compile is True else f"schedule={c.schedule!r}")
-            + " is not built: tensor parallelism runs the schedules you name among gpipe, 1f1b, interleaved, wave, hanayo, "
-            "advance, zb-h1 and 2bw, with shard='none' or 'full', compile=False"
+            + " is not built: tensor parallelism runs the schedules you name (gpipe, 1f1b, interleaved, wave, hanayo, "
+            "advance, zb-h1, zb-v, zb-auto, 2bw), with shard='none' or 'full', compile=False"
         ),
     ),
     Legality(

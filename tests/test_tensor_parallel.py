@@ -1,6 +1,6 @@
 """tensor=T: each stage's blocks split over T ranks (the mesh's innermost "tp" dimension) on real gloo processes,
 against one process: our GPT with its tied embedding (pp2 x tp2, 4 ranks; the tie across stages, and on one stage
-in a wave's V), our BERT, with FSDP2 over replicas (pp2 x dp2 x tp2, 8 ranks), and the weights really split (each rank
+in a wave's V and ZB-V's), our BERT, with FSDP2 over replicas (pp2 x dp2 x tp2, 8 ranks), and the weights really split (each rank
 holds its half of every split matrix, the tied embedding and head split over the vocabulary)."""
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ class RecordSplit(Callback):
         torch.save(out, os.path.join(self.folder, f"split-rank{trainer.global_rank}.pt"))
 
 
-@pytest.mark.parametrize("schedule,options", [("1f1b", {}), ("interleaved", {"chunks": 2}), ("zb-h1", {}), ("wave", {"waves": 1})])
+@pytest.mark.parametrize(
+    "schedule,options", [("1f1b", {}), ("interleaved", {"chunks": 2}), ("zb-h1", {}), ("zb-v", {}), ("zb-auto", {}), ("wave", {"waves": 1})]
+)
 def test_pipeline_by_tensor_parallel_equals_one_process(tmp_path, schedule, options):
     ref = make()
     L.Trainer(devices=1, **trainer_kwargs(gradient_clip_val=0.5)).fit(ref, gpt_data())
@@ -81,7 +83,7 @@ def test_pipeline_by_tensor_parallel_equals_one_process(tmp_path, schedule, opti
     layers = range(1, 1 + 2 * CFG["n_layer"])  # blocks: embedding, (attention, MLP) per layer, head
     want = {f"model.{i}.attn.{k}" for i in layers[::2] for k in ("qkv.weight", "qkv.bias", "proj.weight")}
     want |= {f"model.{i}.mlp.{k}" for i in layers[1::2] for k in ("fc.weight", "fc.bias", "proj.weight")}
-    # the tied embedding and head, split over the vocabulary (a wave's V holds both on the first stage: one parameter)
+    # the tied embedding and head, split over the vocabulary (a V, a wave's or ZB-V's, holds both on the first stage: one parameter)
     vocab = {"model.0.token.weight", f"model.{layers[-1] + 1}.weight"}
     assert "model.0.token.weight" in held and held - vocab == want, "attention, MLP and vocabulary matrices split, the rest whole"
     for rank in range(4):
@@ -326,7 +328,9 @@ class RecordSequence(Callback):
         torch.save(self.seen, os.path.join(self.folder, f"seq-rank{trainer.global_rank}.pt"))
 
 
-@pytest.mark.parametrize("schedule,options", [("1f1b", {}), ("interleaved", {"chunks": 2}), ("zb-h1", {}), ("wave", {"waves": 1})])
+@pytest.mark.parametrize(
+    "schedule,options", [("1f1b", {}), ("interleaved", {"chunks": 2}), ("zb-h1", {}), ("zb-v", {}), ("wave", {"waves": 1})]
+)
 def test_sequence_parallel_equals_one_process(tmp_path, schedule, options):
     # the norms, dropout and residual adds between a stage's attention and MLP blocks on each rank's half of the
     # sequence; what crosses a cut (and a chunk's ends) whole

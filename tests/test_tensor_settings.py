@@ -52,8 +52,6 @@ def test_tensor_must_divide_the_world():
 @pytest.mark.parametrize(
     "settings,words",
     [
-        (dict(schedule="zb-v"), "schedule='zb-v'"),
-        (dict(schedule="zb-auto"), "schedule='zb-auto'"),
         (dict(schedule="auto"), "schedule='auto'"),
         (dict(width=2, shard="optimizer"), "shard='optimizer'"),
         (dict(compile=True), "compile=True"),
