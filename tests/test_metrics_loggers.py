@@ -115,11 +115,12 @@ def group_loggers(choice, run):
         HydraConfig.instance().cfg = None
 
 
-def fit(run, microbatches, loggers):
+def fit(run, microbatches, loggers, start="spawn"):
     model = LitSeq(blocks=8, width=WIDTH, dtype="float32")
     train = DataLoader(dataset(n=BATCH * STEPS, width=WIDTH, dtype=torch.float32), batch_size=BATCH)
-    # spawn: wandb's run state must not be inherited by a forked rank 0 (its history then lacks the metrics)
-    strategy = AutoPipeStrategy(schedule="gpipe", microbatches=microbatches, partition="uniform", start_method="spawn", timeout=60)
+    # spawn: wandb's run state must not be inherited by a forked rank 0 (its history then lacks the metrics);
+    # a run without wandb forks its ranks from the tests' fork server (START): no fresh interpreters to start
+    strategy = AutoPipeStrategy(schedule="gpipe", microbatches=microbatches, partition="uniform", start_method=start, timeout=60)
     callbacks = [BatchEnds(run / "ends.json"), PipelineMetrics(window_size=WINDOW, peak_flops=PEAK)]
     kw = trainer_kwargs(max_steps=STEPS, log_every_n_steps=5, logger=loggers)
     L.Trainer(devices=2, strategy=strategy, callbacks=callbacks, **kw).fit(model, train)
@@ -161,7 +162,7 @@ def test_loggers_throughput_memory_and_bubble_on_a_2_stage_pipeline(tmp_path, mo
         results = {1: fit(run, 1, group)}
     finally:
         wandb.finish()  # the launching process holds the run the spawned rank 0 wrote to
-    results[4] = fit(tmp_path / "m4", 4, CSVLogger(tmp_path / "m4", name="logs"))
+    results[4] = fit(tmp_path / "m4", 4, CSVLogger(tmp_path / "m4", name="logs"), start=START)  # CSV only: no wandb
 
     # every logger has the metrics, logged once (by global rank 0, from the gathered per-rank numbers)
     rows = results[1][0]
