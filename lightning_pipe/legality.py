@@ -25,7 +25,6 @@ ADVANCE_NUM_SCHEDULES = ("advance", "2bw")  # the schedules with AvgPipe(2BW)'s 
 COMPILE_VALUES = (False, True, "auto")  # auto: schedule='auto' weighs eager against compiled blocks
 COMPILE_EXCLUDED = ("zb-h1", "zb-v", "zb-auto")  # a split backward (autograd.grad on a block's inputs, then its weights)
 FULL_SHARD_EXCLUDED = ("2bw",)  # a weight stash over FSDP2's sharded blocks
-SPLIT_BACKWARD = tuple(name for name, kind in REGISTRY.items() if kind.split_backward)  # zero bubble's BI and W
 
 
 @dataclass(frozen=True)
@@ -111,26 +110,16 @@ LEGALITY: tuple[Legality, ...] = (
     ),
     Legality(
         "tensor",
-        lambda c: c.tensor > 1 and (c.auto or c.shard == "optimizer" or c.compile is True),
+        lambda c: c.tensor > 1 and c.auto and c.compile is not False,
         lambda c: (
-            f"tensor={c.tensor} with "
-            + ("shard='optimizer'" if c.shard == "optimizer" else "compile=True" if c.compile is True else f"schedule={c.schedule!r}")
-            + " is not built: tensor parallelism runs the schedules you name (gpipe, 1f1b, interleaved, wave, hanayo, "
-            "advance, zb-h1, zb-v, zb-auto, 2bw), with shard='none' or 'full', compile=False"
+            f"tensor={c.tensor} with schedule='auto' and compile={c.compile!r} is not built (the profile of compiled split "
+            "blocks): name a schedule with compile=True, or set compile=False"
         ),
     ),
     Legality(
         "sequence_parallel",
         lambda c: c.sequence_parallel is True and c.tensor == 1,
         lambda c: "sequence_parallel=True splits the sequence over the tensor ranks: it needs tensor > 1",
-    ),
-    Legality(
-        "tensor",
-        lambda c: c.tensor > 1 and c.shard == "full" and c.schedule in SPLIT_BACKWARD,
-        lambda c: (
-            f"tensor={c.tensor} with shard='full' and schedule={c.schedule!r} is not built: FSDP2 under a split backward "
-            "runs with tensor=1; with tensor > 1 name a flush schedule (gpipe, 1f1b, interleaved, wave, hanayo, advance)"
-        ),
     ),
     Legality(
         "tensor",

@@ -55,7 +55,17 @@ class RecordSplit(Callback):
 
 
 @pytest.mark.parametrize(
-    "schedule,options", [("1f1b", {}), ("interleaved", {"chunks": 2}), ("zb-h1", {}), ("zb-v", {}), ("zb-auto", {}), ("wave", {"waves": 1})]
+    "schedule,options",
+    [
+        ("1f1b", {}),
+        ("interleaved", {"chunks": 2}),
+        ("zb-h1", {}),
+        ("zb-v", {}),
+        ("zb-auto", {}),
+        ("wave", {"waves": 1}),
+        ("auto", {}),  # the planners' pick over split blocks
+        ("1f1b", {"compile": True}),  # each split block compiled
+    ],
 )
 def test_pipeline_by_tensor_parallel_equals_one_process(tmp_path, schedule, options):
     ref = make()
@@ -156,16 +166,19 @@ def test_sequence_parallelism_refuses_a_plan_not_ours_before_spawning():
     assert err.value.setting == "sequence_parallel"
 
 
-@pytest.mark.parametrize("sequence", [False, True])
-def test_replicas_of_tensor_parallel_stages_equal_one_process(sequence):
+@pytest.mark.parametrize("sequence,shard", [(False, "none"), (True, "none"), (False, "optimizer")])
+def test_replicas_of_tensor_parallel_stages_equal_one_process(sequence, shard):
     # pp2 x dp2 x tp2 (8 ranks), whole replicas: each tensor rank all-reduces its shards with its stage's other replica
-    # (with sequence parallelism: after its norms' gradients are summed over its tensor group)
+    # (with sequence parallelism: after its norms' gradients are summed over its tensor group); shard="optimizer"
+    # (ZeRO-1): each replica steps its share of the stage's shards and broadcasts them to the same tensor rank of the other
     rows = 16
     ref = make()
     one = DataLoader(gpt_data(rows).dataset, batch_size=8, sampler=EpochPerm(rows))
     L.Trainer(devices=1, **trainer_kwargs(gradient_clip_val=0.5)).fit(ref, one)
     model = make()
-    strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, width=2, tensor=2, sequence_parallel=sequence, start_method=START)
+    strategy = AutoPipeStrategy(
+        schedule="1f1b", microbatches=2, width=2, tensor=2, sequence_parallel=sequence, shard=shard, start_method=START
+    )
     L.Trainer(devices=8, strategy=strategy, **trainer_kwargs(gradient_clip_val=0.5)).fit(model, gpt_data(rows))
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
 
@@ -182,16 +195,16 @@ def resumable(rows=16):
     return StatefulDataLoader(gpt_data(rows).dataset, batch_size=4)
 
 
-def fit_pipelined(model, steps, ckpt_path=None, callbacks=(), **settings):
+def fit_pipelined(model, steps, ckpt_path=None, callbacks=(), devices=4, rows=16, **settings):
     settings = dict(dict(schedule="1f1b", microbatches=4, start_method=START, partition="uniform"), **settings)
     checkpointing = any(isinstance(c, ModelCheckpoint) for c in callbacks)
     trainer = L.Trainer(
-        devices=4,
+        devices=devices,
         strategy=AutoPipeStrategy(**settings),
         callbacks=list(callbacks),
         **trainer_kwargs(max_steps=steps, enable_checkpointing=checkpointing),
     )
-    trainer.fit(model, resumable(), ckpt_path=ckpt_path)
+    trainer.fit(model, resumable(rows), ckpt_path=ckpt_path)
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +230,23 @@ def test_checkpoint_of_split_weights_resumes_bit_for_bit(tmp_path, layout, unint
     resumed = CausalLM(model=ModelConfig(**CFG), lr=1e-2, warmup_steps=1, max_steps=4).double()  # other initial weights
     fit_pipelined(resumed, 5, ckpt_path=path, checkpoint=layout, tensor=2)
     for k, v in uninterrupted.items():
+        assert torch.equal(v, resumed.state_dict()[k]), k
+
+
+@pytest.mark.parametrize("layout", ["full", "sharded"])
+def test_a_zero1_checkpoint_of_split_weights_resumes_bit_for_bit(tmp_path, layout):
+    # pp2 x dp2 x tp2 with shard="optimizer": for the full file replica 0 gathers the other replica's Adam state of its
+    # shards (a DTensor's local part travels and is made a DTensor again); resumed, it reaches what 5 steps in one go do
+    mesh = dict(devices=8, rows=64, width=2, tensor=2, shard="optimizer", microbatches=2)
+    whole = make()
+    fit_pipelined(whole, 5, **mesh)
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    fit_pipelined(make(), 2, callbacks=[saver], checkpoint=layout, **mesh)
+    (path,) = glob.glob(os.path.join(tmp_path, "*step=2.ckpt"))
+    torch.manual_seed(5)
+    resumed = CausalLM(model=ModelConfig(**CFG), lr=1e-2, warmup_steps=1, max_steps=4).double()  # other initial weights
+    fit_pipelined(resumed, 5, ckpt_path=path, checkpoint=layout, **mesh)
+    for k, v in whole.state_dict().items():
         assert torch.equal(v, resumed.state_dict()[k]), k
 
 

@@ -67,12 +67,14 @@ def test_2bw_over_split_blocks_follows_its_rule():
     assert close(ref.state_dict(), model.state_dict()) <= 1e-10
 
 
-def test_llama_in_three_dimensions_equals_one_process():
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v"])
+def test_llama_in_three_dimensions_equals_one_process(schedule):
     # pp2 x dp2 x tp2 with FSDP2 over the replicas: Lightning's DistributedSampler (shuffle, the run's seed) deals
-    # replica r the rows perm[r::2] of each epoch; one process trains on the union of both replicas' k-th batches
+    # replica r the rows perm[r::2] of each epoch; one process trains on the union of both replicas' k-th batches.
+    # Zero bubble: its input- and weight-gradient passes over FSDP2's 2-D (dp x tp) shards
     ref, model = pair("llama")
     train_single(ref, STEPS, data=two_replica_data(STEPS))
-    fit(model, 8, width=2, shard="full", microbatches=2)
+    fit(model, 8, width=2, shard="full", microbatches=2, schedule=schedule)
     assert close(ref.state_dict(), model.state_dict()) <= 1e-10
 
 

@@ -162,7 +162,8 @@ def _meta_copy(module: nn.Module) -> nn.Module:
     """A copy of `module` on the meta device (its structure, no storage), its own forward restored."""
     import copy
 
-    memo: dict[int, Any] = {id(t): torch.empty_like(t, device="meta") for t in [*module.parameters(), *module.buffers()]}
+    # a DTensor (FSDP2's or a tensor plan's shards) stands in whole: the copy computes shapes as one process would
+    memo: dict[int, Any] = {id(t): torch.empty(t.shape, dtype=t.dtype, device="meta") for t in [*module.parameters(), *module.buffers()]}
     for p in module.parameters():
         memo[id(p)] = nn.Parameter(memo[id(p)], requires_grad=p.requires_grad)
     made = copy.deepcopy(module, memo)

@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from ...runtime.reduce import collective_in_buckets
+from ...runtime.reduce import collective_in_buckets, local
 
 
 def owners(sizes: Sequence[int], shards: int) -> list[int]:
@@ -34,7 +34,8 @@ def owners(sizes: Sequence[int], shards: int) -> list[int]:
 
 def broadcast_from_owners(params: Sequence[Tensor], owner: Sequence[int], ranks: Sequence[int], group: Any) -> None:
     """After the owners' step: every replica gets each parameter's new value from its owner, in buckets
-    per owner (`ranks`: the global rank of each replica in `group`)."""
+    per owner (`ranks`: the global rank of each replica in `group`). With tensor parallelism a replica
+    broadcasts its tensor rank's shards (the group holds that shard's replicas)."""
     for w, src in enumerate(ranks):
-        mine = [p.data for p, o in zip(params, owner) if o == w]
+        mine = [local(p.data) for p, o in zip(params, owner) if o == w]
         collective_in_buckets(mine, lambda buffer, src=src: dist.broadcast(buffer, src=src, group=group))

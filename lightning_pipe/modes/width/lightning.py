@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from ...config import PipelineConfig
 from ...errors import SettingError
@@ -61,7 +62,7 @@ class ShardedOptimizer(AllReduce):
         self._params = list({id(p): p for groups in self._whole for group in groups for p in group}.values())
         self._owner = owners([p.numel() for p in self._params], ctx.topology.width)
         self._mine = {id(p) for p, o in zip(self._params, self._owner) if o == ctx.replica_index}
-        self._ranks = ctx.topology.stage_ranks(ctx.stage_index)
+        self._ranks = ctx.topology.stage_ranks(ctx.stage_index, ctx.tensor_index)  # this tensor rank's replicas
         self._restrict()
 
     def _restrict(self) -> None:
@@ -97,7 +98,8 @@ class ShardedOptimizer(AllReduce):
     def _gather_states(self) -> None:
         ctx = self.ctx
         index = {id(p): i for i, p in enumerate(self._params)}
-        mine = [{index[id(p)]: _to(s, torch.device("cpu")) for p, s in opt.state.items() if id(p) in self._mine} for opt in ctx.optimizers]
+        cpu = torch.device("cpu")
+        mine = [{index[id(p)]: _to(s, cpu, local=True) for p, s in opt.state.items() if id(p) in self._mine} for opt in ctx.optimizers]
         parts: Any = [None] * ctx.topology.width if ctx.replica_index == 0 else None
         dist.gather_object(mine, parts, dst=self._ranks[0], group=ctx.groups.stage)
         if parts is None:
@@ -105,7 +107,7 @@ class ShardedOptimizer(AllReduce):
         for part in parts[1:]:
             for opt, states in zip(ctx.optimizers, part):
                 for i, s in states.items():
-                    opt.state[self._params[i]] = _to(s, ctx.device)
+                    opt.state[self._params[i]] = _to(s, ctx.device, like=self._params[i])
 
     def switch_extras(self) -> None:
         """A live switch moves blocks with their optimizer state: refused (the legality table refuses adaptive)."""
@@ -253,5 +255,14 @@ def _reshard_unless_training(block: Any, args: Any) -> None:
     block.set_reshard_after_forward(not (block.training and torch.is_grad_enabled()), recurse=False)
 
 
-def _to(state: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in state.items()}
+def _to(state: dict[str, Any], device: torch.device, local: bool = False, like: Optional[torch.Tensor] = None) -> dict[str, Any]:
+    """An optimizer state's tensors on `device`. Tensor parallelism: `local` sends a DTensor's shard (a DTensor
+    does not travel between processes: its mesh is this process's), `like` (the parameter) makes it one again."""
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            v = (v.to_local() if local and isinstance(v, DTensor) else v).to(device)
+            if isinstance(like, DTensor) and not isinstance(v, DTensor):
+                v = DTensor.from_local(v, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+        out[k] = v
+    return out
