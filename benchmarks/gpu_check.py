@@ -305,7 +305,9 @@ def shared(args: argparse.Namespace, report: dict) -> dict:
     # the paper's layout on one device: both pipelines' processes on it, the world group gloo (NCCL holds
     # one rank per GPU), each pipeline one stage; the same job on CPU processes follows the AvgPipe rule
     # exactly (tests/test_shared_devices.py), so the GPU run must agree with it up to float64 rounding
-    start = "spawn"  # fork: not after CUDA is initialised, nor from this process's threads of earlier sections
+    # fork: not after CUDA is initialised, nor from this process's threads of earlier sections; the smoke (no CUDA)
+    # forks its ranks from a fresh server, one interpreter start instead of one per rank
+    start = "forkserver" if args.smoke else "spawn"
     on_cpu = _avgpipe_shared("cpu", start, str(args.out))
     if args.smoke:
         return {"ran on CPU processes (smoke)": sorted(on_cpu)[:3]}
