@@ -88,6 +88,11 @@ class PipelineConfig:
     """tensor > 1, our GPT / BERT plan: sequence parallelism (Megatron-SP), the norms, dropout and residual adds
     between a stage's attention and MLP blocks run on each tensor rank's part of the sequence (activations there
     1/T; the sequence a multiple of T); what crosses a cut stays whole."""
+    loss_parallel: bool = False
+    """tensor > 1, our GPT / BERT plan: in training steps the head's logits stay split over the vocabulary and
+    `F.cross_entropy` on them runs as a parallel cross-entropy (torch's loss_parallel: each tensor rank holds
+    vocabulary / T of the logits, never all of them); the step's loss must be `F.cross_entropy` on the logits.
+    Evaluation steps see whole logits."""
     pipelines: Optional[int] = None
     """AvgPipe: N parallel pipelines, each training its own model on its own data, joined by elastic
     averaging with reference processes (None: off); stages = devices x nodes / N."""
@@ -264,6 +269,9 @@ class PipelineConfig:
         self.timeout = float(self.timeout)
         for mode in MODE_SETTINGS:  # each mode's own settings, checked by the mode (modes/<mode>/settings.py)
             mode.check_config(self)
+        for f in fields(self):  # the other switches: True or False, not a truthy string from a config file
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise SettingError(f"{f.name}={getattr(self, f.name)!r}: allowed values are True or False", f.name)
         for rule in LEGALITY:  # then which settings combine
             if rule.illegal(self):
                 raise SettingError(rule.message(self), rule.setting)

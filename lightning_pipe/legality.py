@@ -122,6 +122,11 @@ LEGALITY: tuple[Legality, ...] = (
         lambda c: "sequence_parallel=True splits the sequence over the tensor ranks: it needs tensor > 1",
     ),
     Legality(
+        "loss_parallel",
+        lambda c: c.loss_parallel is True and c.tensor == 1,
+        lambda c: "loss_parallel=True splits the logits over the tensor ranks' vocabulary: it needs tensor > 1",
+    ),
+    Legality(
         "tensor",
         lambda c: c.tensor > 1 and (c.pipelines is not None or c.planner is not None or bool(c.adaptive) or c.tune is True),
         lambda c: (

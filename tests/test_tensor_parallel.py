@@ -102,10 +102,11 @@ def test_pipeline_by_tensor_parallel_equals_one_process(tmp_path, schedule, opti
             assert shapes[name] == ((CFG["vocab_size"] // 2, CFG["d_model"]), (CFG["vocab_size"], CFG["d_model"])), name
 
 
-@pytest.mark.parametrize("sequence", [False, True])
-def test_bert_by_tensor_parallel_equals_one_process(tmp_path, sequence):
+@pytest.mark.parametrize("sequence,loss", [(False, False), (True, False), (False, True)])
+def test_bert_by_tensor_parallel_equals_one_process(tmp_path, sequence, loss):
     # the masked-LM head's decoder weight (tied) and its per-token bias split over the vocabulary; with sequence
-    # parallelism (the attention mask whole beside the split hidden state) and recomputation (its rerun gathers again)
+    # parallelism (the attention mask whole beside the split hidden state) and recomputation (its rerun gathers again);
+    # with loss parallelism (the cross-entropy over split logits, its ignored positions included)
     def bert():
         torch.manual_seed(0)
         return MaskedLM(model=ModelConfig(**CFG, recompute=sequence), lr=1e-2, warmup_steps=1, max_steps=3).double()
@@ -114,7 +115,7 @@ def test_bert_by_tensor_parallel_equals_one_process(tmp_path, sequence):
     L.Trainer(devices=1, **trainer_kwargs(max_steps=2)).fit(ref, bert_data(8, 4))
     model = bert()
     strategy = AutoPipeStrategy(
-        schedule="1f1b", microbatches=2, tensor=2, sequence_parallel=sequence, partition="uniform", start_method=START
+        schedule="1f1b", microbatches=2, tensor=2, sequence_parallel=sequence, loss_parallel=loss, partition="uniform", start_method=START
     )
     L.Trainer(devices=4, strategy=strategy, callbacks=[RecordSplit(tmp_path)], **trainer_kwargs(max_steps=2)).fit(model, bert_data(8, 4))
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
@@ -123,6 +124,55 @@ def test_bert_by_tensor_parallel_equals_one_process(tmp_path, sequence):
         shapes = torch.load(os.path.join(tmp_path, f"split-rank{rank}.pt"))["shapes"]
         assert shapes[f"{head}.weight"][0] == (CFG["vocab_size"] // 2, CFG["d_model"])
         assert shapes[f"{head}.bias"][0] == (CFG["vocab_size"] // 2,)
+
+
+class LogitColumns(CausalLM):
+    """Our GPT whose training step notes how many vocabulary columns of the logits this rank held."""
+
+    def training_step(self, batch, batch_idx):
+        ids, targets = batch
+        logits = self.model(ids)
+        self.columns = logits.to_local().shape[-1] if isinstance(logits, DTensor) else logits.shape[-1]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+
+class RecordColumns(Callback):
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(getattr(pl_module, "columns", None), os.path.join(self.folder, f"columns-rank{trainer.global_rank}.pt"))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_loss_parallel_keeps_the_logits_split_and_equals_one_process(tmp_path, schedule):
+    # loss_parallel=True: the head's logits stay split over the vocabulary in training steps (each tensor rank of the
+    # last stage holds vocab / 2 columns, never all of them) and the user's own F.cross_entropy runs as a parallel
+    # cross-entropy, forward and backward (zero bubble: its input-gradient pass); the weights equal one process's
+    ref = make()
+    L.Trainer(devices=1, **trainer_kwargs(gradient_clip_val=0.5)).fit(ref, gpt_data())
+    torch.manual_seed(0)
+    model = LogitColumns(model=ModelConfig(**CFG), lr=1e-2, warmup_steps=1, max_steps=4).double()
+    strategy = AutoPipeStrategy(schedule=schedule, microbatches=4, tensor=2, loss_parallel=True, partition="uniform", start_method=START)
+    L.Trainer(devices=4, strategy=strategy, callbacks=[RecordColumns(tmp_path)], **trainer_kwargs(gradient_clip_val=0.5)).fit(
+        model, gpt_data()
+    )
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    columns = [torch.load(os.path.join(tmp_path, f"columns-rank{r}.pt")) for r in range(4)]
+    assert columns[2:] == [CFG["vocab_size"] // 2] * 2, columns  # the last stage's tensor ranks: half each
+    assert columns[:2] == [None, None], columns  # the first stage stops its step at the pipeline call
+
+
+def test_loss_parallel_refuses_a_plan_not_ours_before_spawning():
+    from hf_models import UserLM, loader
+
+    strategy = AutoPipeStrategy(microbatches=2, tensor=2, loss_parallel=True, start_method=START)
+    trainer = L.Trainer(devices=4, strategy=strategy, **trainer_kwargs())
+    with pytest.raises(SettingError, match=r"^loss_parallel=True runs our GPT / BERT blocks' plan; block 0") as err:
+        trainer.fit(UserLM("looped", 4), loader())
+    assert err.value.setting == "loss_parallel"
 
 
 def test_a_vocabulary_that_does_not_divide_splits_unevenly(tmp_path):

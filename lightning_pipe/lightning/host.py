@@ -15,10 +15,17 @@ from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from ..runtime.p2p import Activation
 from .logs import LogRecorder
 from .stage import PipelineStage, _Handoff
+
+
+def as_local(t: Tensor) -> Tensor:
+    """A loss or logged value as a plain tensor: under loss_parallel the loss is a DTensor, the same on every
+    tensor rank (replicated)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def loss_of(output: Any, step: str) -> Tensor:
@@ -98,7 +105,8 @@ class LightningHost:
             return None
         loss = loss_of(result, self.step_name)
         weighted = loss * self.weights[microbatch]
-        self.loss = weighted.detach() if self.loss is None else self.loss + weighted.detach()
+        value = as_local(weighted.detach())
+        self.loss = value if self.loss is None else self.loss + value
         self._last_forwards += 1
         if self._last_forwards == len(self.microbatches) and self.on_forwards_done is not None:
             self.on_forwards_done()

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 
 from .metric_state import Layout, MetricSteps, merge, metrics_of, unpack
@@ -67,6 +68,8 @@ class LogRecorder:
                 )
             self.options.setdefault(name, (kwargs, ("metric", path)))
             return
+        if isinstance(value, DTensor):
+            value = value.full_tensor()  # loss_parallel: the loss is a DTensor, replicated over the tensor ranks
         if isinstance(value, Tensor):
             if value.numel() != 1:
                 raise ValueError(f"self.log({name!r}, ...) got a tensor of {value.numel()} elements; log a scalar")

@@ -9,6 +9,7 @@ training step during the schedule's waits where the values have landed by then.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, ContextManager, Optional, Protocol
 
@@ -19,6 +20,7 @@ from torch import Tensor
 from ..modes.engine import Versions
 from ..modes.lightning import PartitionLayer
 from ..runtime.microbatch import batch_size, signature, split_microbatches
+from ..runtime.tensor_parallel import split_logits
 from .context import RankContext
 from .gradients import GradientStash, StageGradients
 from .host import LightningHost
@@ -90,7 +92,7 @@ class PipelineSteps:
             partition.begin_step()
         self.logs.post(kind)
         try:
-            with context():
+            with context(), split_logits() if kind == "train" and self.ctx.config.loss_parallel else contextlib.nullcontext():
                 if self.recording is not None and kind == "train":
                     executor = self.recording.around(lambda: runner.run(kind, host, keys), len(keys), args[0])
                 else:

@@ -6,7 +6,8 @@ ModelParallelStrategy hands `configure_model` its mesh); else our GPT / BERT blo
 model's own `config.base_model_tp_plan`; a block with none of them is refused, naming the hook.
 sequence_parallel=True: our plan only; its attention and MLP blocks are marked (`sequence_parallel`, the tensor
 mesh) so the stage passes them the hidden state split over the sequence (lightning/stage.py) and the gradients
-sum their norms' over the group (lightning/gradients.py).
+sum their norms' over the group (lightning/gradients.py). loss_parallel=True: our plan only (its head keeps the
+logits split, runtime/tensor_parallel.py; the step runner runs training steps under it, lightning/steps.py).
 """
 
 from __future__ import annotations
@@ -36,14 +37,14 @@ def parallelize_stage(ctx: RankContext) -> None:
         for index, block in cut.stage.blocks().items():
             cut.stage._modules[str(index)] = copy.deepcopy(block, memo)
 
-    sequence = ctx.config.sequence_parallel
+    sequence, ours_only = ctx.config.sequence_parallel, _ours_only(ctx.config)
 
     def plan_for(index: int, block: nn.Module) -> Optional[Plan]:
-        if callable(hook) and not sequence:
+        if callable(hook) and not ours_only:
             hook(block, mesh)
             return None
-        if sequence:
-            check_sequence_plan(block, index, hook)
+        if ours_only:
+            check_our_plan(block, index, hook, ours_only)
         try:
             plan = tensor_plan(block, size, sequence)
             if sequence and isinstance(block, SEQUENCE_BLOCKS):
@@ -64,24 +65,30 @@ def parallelize_stage(ctx: RankContext) -> None:
     parallelize_blocks(cut.stage.blocks(), mesh, plan_for)
 
 
-def check_sequence_plan(block: nn.Module, index: int, hook: Any) -> None:
-    """sequence_parallel=True: only our blocks' plan knows where the sequence is split."""
+def _ours_only(config: Any) -> Optional[str]:
+    """The setting that needs our GPT / BERT blocks' plan, if one is on."""
+    return "sequence_parallel" if config.sequence_parallel else "loss_parallel" if config.loss_parallel else None
+
+
+def check_our_plan(block: nn.Module, index: int, hook: Any, setting: str) -> None:
+    """sequence_parallel / loss_parallel: only our blocks' plan knows where the sequence is split and keeps the
+    head's logits split over the vocabulary."""
     if callable(hook) or not isinstance(block, OUR_BLOCKS):
         raise SettingError(
-            f"sequence_parallel=True runs our GPT / BERT blocks' plan; block {index} ({type(block).__name__}) is split by "
+            f"{setting}=True runs our GPT / BERT blocks' plan; block {index} ({type(block).__name__}) is split by "
             + ("your parallelize_block" if callable(hook) else "another plan")
-            + ": set sequence_parallel=False",
-            "sequence_parallel",
+            + f": set {setting}=False",
+            setting,
         )
 
 
 def check_tensor_plans(config: Any, model: Any, pipeline: nn.Sequential) -> None:
     """Before spawning: our blocks split over tensor=T (heads, hidden features, the vocabulary), in one line; only
-    ours under sequence_parallel=True."""
-    size = config.tensor
-    if size > 1 and config.sequence_parallel:
+    ours under sequence_parallel=True or loss_parallel=True."""
+    size, ours_only = config.tensor, _ours_only(config)
+    if size > 1 and ours_only:
         for index, block in enumerate(pipeline):
-            check_sequence_plan(block, index, getattr(model, "parallelize_block", None))
+            check_our_plan(block, index, getattr(model, "parallelize_block", None), ours_only)
     if size == 1 or callable(getattr(model, "parallelize_block", None)):
         return
     for block in pipeline:

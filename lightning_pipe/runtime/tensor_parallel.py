@@ -5,17 +5,20 @@ Lightning.
 Activations between blocks stay whole on every rank of a tensor group (a plan's row-parallel halves end in
 an all-reduce, a vocabulary-parallel head gathers its logits), so a stage's input and output, and the pipeline's
 messages, are what one process has. Under sequence parallelism a run of blocks passes the hidden state split over
-the sequence (`sequence_scatter` before it, `sequence_gather` after it): a stage's ends stay whole.
+the sequence (`sequence_scatter` before it, `sequence_gather` after it): a stage's ends stay whole. Under
+`split_logits()` (loss parallelism) a vocabulary-parallel head's logits stay split over the vocabulary.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional, Union
+import contextlib
+import contextvars
+from typing import Callable, Iterator, Mapping, Optional, Union
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 # submodule name -> style, as `parallelize_module` takes it; or one style for the whole block
@@ -117,16 +120,34 @@ def vocab_lookup(ids: Tensor, weight: Tensor) -> Tensor:
     return DTensor.from_local(h, mesh, [Partial()], run_check=False).full_tensor()
 
 
+_SPLIT_LOGITS = contextvars.ContextVar("split_logits", default=False)
+
+
+@contextlib.contextmanager
+def split_logits() -> Iterator[None]:
+    """Loss parallelism (Megatron's parallel cross-entropy, as torch's `loss_parallel` runs it): inside, a
+    vocabulary-parallel head returns its logits split over the vocabulary (a DTensor, `Shard(-1)`), and
+    `F.cross_entropy` on them, forward and backward, reduces over the tensor ranks instead of gathering the
+    logits whole. The backward must run inside too."""
+    token = _SPLIT_LOGITS.set(True)
+    try:
+        with loss_parallel():
+            yield
+    finally:
+        _SPLIT_LOGITS.reset(token)
+
+
 def vocab_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """`F.linear(h, weight, bias)`; with `weight` split over the vocabulary (`VocabParallel`) each rank computes
-    its vocabulary's columns and the logits are gathered whole. Gathered, not kept split for a parallel
-    cross-entropy (torch's loss_parallel): the loss and the metrics are the LightningModule's own code on what
-    the model returns, which must be the logits one process has. Backward: each rank keeps its columns of the
-    logits' gradient (no message), and the input's gradient is summed over the ranks (one all-reduce)."""
+    its vocabulary's columns and the logits are gathered whole: the loss and the metrics are the LightningModule's
+    own code on what the model returns, the logits one process has. Under `split_logits()` they stay split (each
+    rank's columns, a DTensor) for a parallel cross-entropy. Backward: each rank keeps its columns of the logits'
+    gradient (no message), and the input's gradient is summed over the ranks (one all-reduce)."""
     if not isinstance(weight, DTensor):
         return F.linear(h, weight, bias)
     x = DTensor.from_local(h, weight.device_mesh, [Replicate()], run_check=False)
-    return F.linear(x, weight, bias).full_tensor()
+    logits = F.linear(x, weight, bias)
+    return logits if _SPLIT_LOGITS.get() else logits.full_tensor()
 
 
 def is_strided(t) -> bool:
