@@ -64,7 +64,6 @@ class RecordSplit(Callback):
         ("zb-auto", {}),
         ("wave", {"waves": 1}),
         ("auto", {}),  # the planners' pick over split blocks
-        ("1f1b", {"compile": True}),  # each split block compiled
     ],
 )
 def test_pipeline_by_tensor_parallel_equals_one_process(tmp_path, schedule, options):
