@@ -112,8 +112,8 @@ LEGALITY: tuple[Legality, ...] = (
         "tensor",
         lambda c: c.tensor > 1 and c.compile is not False,
         lambda c: (
-            f"tensor={c.tensor} with compile={c.compile!r} is not built: compiled split blocks did not train exactly in every "
-            "run; set compile=False"
+            f"tensor={c.tensor} with compile={c.compile!r} is not built: compiled split blocks train wrong once torch "
+            "inductor's on-disk cache holds them; set compile=False"
         ),
     ),
     Legality(
