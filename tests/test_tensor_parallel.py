@@ -164,16 +164,6 @@ def test_loss_parallel_keeps_the_logits_split_and_equals_one_process(tmp_path, s
     assert columns[:2] == [None, None], columns  # the first stage stops its step at the pipeline call
 
 
-def test_loss_parallel_refuses_a_plan_not_ours_before_spawning():
-    from hf_models import UserLM, loader
-
-    strategy = AutoPipeStrategy(microbatches=2, tensor=2, loss_parallel=True, start_method=START)
-    trainer = L.Trainer(devices=4, strategy=strategy, **trainer_kwargs())
-    with pytest.raises(SettingError, match=r"^loss_parallel=True runs our GPT / BERT blocks' plan; block 0") as err:
-        trainer.fit(UserLM("looped", 4), loader())
-    assert err.value.setting == "loss_parallel"
-
-
 def test_a_vocabulary_that_does_not_divide_splits_unevenly(tmp_path):
     # 259 tokens over 2 ranks: 130 rows on the first tensor rank, 129 on the second, as torch.chunk splits them
     def odd():
@@ -205,14 +195,15 @@ def test_heads_that_do_not_split_are_refused_before_spawning():
     assert err.value.setting == "tensor"
 
 
-def test_sequence_parallelism_refuses_a_plan_not_ours_before_spawning():
+@pytest.mark.parametrize("setting", ["sequence_parallel", "loss_parallel"])
+def test_sequence_and_loss_parallelism_refuse_a_plan_not_ours_before_spawning(setting):
     from hf_models import UserLM, loader
 
-    strategy = AutoPipeStrategy(microbatches=2, tensor=2, sequence_parallel=True, start_method=START)
+    strategy = AutoPipeStrategy(microbatches=2, tensor=2, start_method=START, **{setting: True})
     trainer = L.Trainer(devices=4, strategy=strategy, **trainer_kwargs())
-    with pytest.raises(SettingError, match=r"^sequence_parallel=True runs our GPT / BERT blocks' plan; block 0") as err:
+    with pytest.raises(SettingError, match=rf"^{setting}=True runs our GPT / BERT blocks' plan; block 0") as err:
         trainer.fit(UserLM("looped", 4), loader())
-    assert err.value.setting == "sequence_parallel"
+    assert err.value.setting == setting
 
 
 @pytest.mark.parametrize("sequence,shard", [(False, "none"), (True, "none"), (False, "optimizer")])
