@@ -110,10 +110,10 @@ LEGALITY: tuple[Legality, ...] = (
     ),
     Legality(
         "tensor",
-        lambda c: c.tensor > 1 and c.compile is not False,
+        lambda c: c.tensor > 1 and c.compile is not False and c.auto,
         lambda c: (
-            f"tensor={c.tensor} with compile={c.compile!r} is not built: compiled split blocks train wrong once torch "
-            "inductor's on-disk cache holds them; set compile=False"
+            f"tensor={c.tensor} with compile={c.compile!r} and schedule='auto' is not built: the profiler's split "
+            "backward of compiled split blocks is not measured; set compile=False or a schedule"
         ),
     ),
     Legality(

@@ -425,3 +425,16 @@ def test_sequence_parallelism_refuses_a_sequence_that_does_not_split():
     strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, tensor=2, sequence_parallel=True, partition="uniform", start_method=START)
     with pytest.raises(Exception, match=r"sequence_parallel=True: a sequence of 7 tokens does not split over tensor=2 ranks"):
         L.Trainer(devices=4, strategy=strategy, **trainer_kwargs(max_steps=1)).fit(model, data)
+
+
+def test_compiled_split_blocks_equal_one_process_twice_on_one_inductor_cache(tmp_path, monkeypatch):
+    # the second run finds the first one's kernels in inductor's on-disk caches (FX graph, AOTAutograd); those
+    # caches hand split blocks a wrong artifact, so the workers turn them off: both runs must be exact
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    ref = make()
+    L.Trainer(devices=1, **trainer_kwargs(max_steps=2)).fit(ref, gpt_data(8))
+    for run in range(2):
+        model = make()
+        strategy = AutoPipeStrategy(schedule="1f1b", microbatches=2, tensor=2, partition="uniform", compile=True, start_method=START)
+        L.Trainer(devices=4, strategy=strategy, **trainer_kwargs(max_steps=2)).fit(model, gpt_data(8))
+        assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10, f"run {run + 1} of 2"

@@ -17,8 +17,17 @@ from torch import nn
 COMPILED = "_lightning_pipe_compiled"
 
 
-def compile_blocks(pipeline: nn.Module) -> int:
-    """Compile every block of `pipeline` not compiled yet (a second fit finds them compiled); how many now."""
+def compile_blocks(pipeline: nn.Module, split: bool = False) -> int:
+    """Compile every block of `pipeline` not compiled yet (a second fit finds them compiled); how many now.
+    `split` (tensor > 1): the blocks hold DTensor shards, and inductor's on-disk caches (FX graph, AOTAutograd)
+    handed them another run's wrong artifact (a warm cache trained wrong; a cold one was exact), so this
+    process compiles them afresh each run."""
+    if split:
+        import torch._functorch.config
+        import torch._inductor.config
+
+        torch._inductor.config.fx_graph_cache = False
+        torch._functorch.config.enable_autograd_cache = False
     count = 0
     for block in pipeline:
         if not getattr(block, COMPILED, False):

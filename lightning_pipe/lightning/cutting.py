@@ -78,7 +78,7 @@ def cut_module(ctx: RankContext, planner: AutoPlanner, module: Any) -> Cut:
     path, pipeline = find_pipeline(module, ctx.config.blocks)
     check_no_outside_parameters(module, path)
     if ctx.config.compile is True:  # before the profile: the planners plan on compiled costs ('auto': autoplan.py)
-        compile_blocks(pipeline)
+        compile_blocks(pipeline, split=ctx.config.tensor > 1)
     spec, bounds, sliced, plan, choice, costed = choose_layout(ctx, planner, module, pipeline)
     if ctx.config.adaptive and planner.costs is None:  # the monitor's ratios and the scorer's costs
         planner.profile_only(ctx, module, pipeline)
