@@ -109,14 +109,6 @@ LEGALITY: tuple[Legality, ...] = (
         ),
     ),
     Legality(
-        "tensor",
-        lambda c: c.tensor > 1 and c.compile is not False and c.auto,
-        lambda c: (
-            f"tensor={c.tensor} with compile={c.compile!r} and schedule='auto' is not built: the profiler's split "
-            "backward of compiled split blocks is not measured; set compile=False or a schedule"
-        ),
-    ),
-    Legality(
         "sequence_parallel",
         lambda c: c.sequence_parallel is True and c.tensor == 1,
         lambda c: "sequence_parallel=True splits the sequence over the tensor ranks: it needs tensor > 1",

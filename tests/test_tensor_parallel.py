@@ -64,6 +64,7 @@ class RecordSplit(Callback):
         ("zb-auto", {}),
         ("wave", {"waves": 1}),
         ("auto", {}),  # the planners' pick over split blocks
+        ("auto", {"compile": True}),  # the profiler times compiled split blocks, the pick runs them compiled
     ],
 )
 def test_pipeline_by_tensor_parallel_equals_one_process(tmp_path, schedule, options):

@@ -52,8 +52,6 @@ def test_tensor_must_divide_the_world():
 @pytest.mark.parametrize(
     "settings,words",
     [
-        (dict(schedule="auto", compile=True), "compile=True and schedule='auto'"),
-        (dict(schedule="auto", compile="auto"), "compile='auto'"),
         (dict(adaptive=True), "adaptive"),
         (dict(planner="2bw"), "planner='2bw'"),
         (dict(pipelines=2), "pipelines"),

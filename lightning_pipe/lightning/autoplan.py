@@ -249,7 +249,7 @@ class AutoPlanner:
         compiled = self.config.compile is True
         plans = {compiled: self._plan(ctx, module, pipeline, sample, mbs, compiled)}
         if self.config.compile == "auto":  # the same blocks compiled, profiled and planned again; the faster kept
-            compile_blocks(pipeline)
+            compile_blocks(pipeline, split=self.config.tensor > 1)
             plans[True] = self._plan(ctx, module, pipeline, sample, mbs, True)
             times = {k: plan[2].choice.chosen.iteration_time for k, plan in plans.items()}
             compiled = times[True] < times[False]  # a tie: no compile

@@ -21,13 +21,15 @@ def compile_blocks(pipeline: nn.Module, split: bool = False) -> int:
     """Compile every block of `pipeline` not compiled yet (a second fit finds them compiled); how many now.
     `split` (tensor > 1): the blocks hold DTensor shards, and inductor's on-disk caches (FX graph, AOTAutograd)
     handed them another run's wrong artifact (a warm cache trained wrong; a cold one was exact), so this
-    process compiles them afresh each run."""
+    process compiles them afresh each run. The profiler measures their split backward with the graph
+    retained, which AOTAutograd's donated buffers refuse: those are off too."""
     if split:
         import torch._functorch.config
         import torch._inductor.config
 
         torch._inductor.config.fx_graph_cache = False
         torch._functorch.config.enable_autograd_cache = False
+        torch._functorch.config.donated_buffer = False
     count = 0
     for block in pipeline:
         if not getattr(block, COMPILED, False):
