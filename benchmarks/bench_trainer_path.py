@@ -3,7 +3,8 @@
 On the first stage of a flush schedule everything between the end of one step's action list and the
 start of the next is on the critical path: the raw runtime spends it in its optimizer step; through the
 Trainer, Lightning's loop also runs its hooks, its optimizer closure, the logging of the step's loss
-and, in a distributed run, a broadcast of rank 0's SIGTERM flag over the world every step. Blocks are
+and, in a distributed run, a check for SIGTERM every step (Lightning's blocking broadcast of rank 0's
+flag, replaced by the strategy's non-blocking all-reduce: lightning/signals.py). Blocks are
 `bench_emulated_torch`'s with zero sleeps (a step is nothing but the runtime's and Lightning's own CPU),
 P processes, 1F1B, M micro-batches; the raw runtime's steps run first in the same processes. Per rank:
 the median gap between two executor runs, the thread CPU of a step, and what two of Lightning's
@@ -69,7 +70,6 @@ def job(rank: int, world: int, cfg: dict) -> dict:
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", GROUP_RANK="0")
     import lightning as L
     from lightning.pytorch.callbacks import Callback
-    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
     from benchmarks.harness.trainer_runs import quiet_lightning
     from lightning_pipe import AutoPipeStrategy
@@ -78,7 +78,9 @@ def job(rank: int, world: int, cfg: dict) -> dict:
     quiet_lightning()
     stamps, steps, warmup = _Stamps(), cfg["steps"], cfg["warmup"]
     stamps.wrap_run(Executor)
-    stamps.wrap(_TrainingEpochLoop, "_broadcast_sigterm_tensor", "sigterm broadcast")
+    from lightning_pipe.lightning.signals import StepSignals
+
+    stamps.wrap(StepSignals, "per_step", "sigterm check")
     stamps.wrap(L.LightningModule, "log", "self.log")
 
     class Module(L.LightningModule):
@@ -131,7 +133,7 @@ COLUMNS = (
     ("P", "P", ""), ("rank", "rank", ""),
     ("gap, raw ms", lambda r: f"{r['raw']['gap'] * 1e3:.2f}"), ("gap, Trainer ms", lambda r: f"{r['trainer']['gap'] * 1e3:.2f}"),
     ("step CPU, raw ms", lambda r: f"{r['raw']['cpu'] * 1e3:.2f}"), ("step CPU, Trainer ms", lambda r: f"{r['trainer']['cpu'] * 1e3:.2f}"),
-    ("SIGTERM broadcast ms / step", lambda r: f"{r['trainer'].get('sigterm broadcast', 0.0) * 1e3:.2f}"),
+    ("SIGTERM check ms / step", lambda r: f"{r['trainer'].get('sigterm check', 0.0) * 1e3:.2f}"),
     ("self.log ms / step", lambda r: f"{r['trainer'].get('self.log', 0.0) * 1e3:.2f}"),
 )  # fmt: skip
 

@@ -1,6 +1,6 @@
 """Where the Trainer path's step goes, per rank (bench_runtime.py --segments): the strategy's step,
-its log exchange, Lightning's log of the values, the optimizer step, Lightning's SIGTERM broadcast
-and the rest, timed by wrapping those methods."""
+its log exchange, Lightning's log of the values, the optimizer step, the per-step SIGTERM check
+(ours, in place of Lightning's broadcast: lightning/signals.py) and the rest, timed by wrapping those methods."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 def stamp_segments() -> list[dict]:
     """Wrap the strategy's step (PipelineSteps.train), its log exchange, the replay into
-    ``module.log``, the optimizer step and Lightning's SIGTERM broadcast: each step records when they
+    ``module.log``, the optimizer step and the per-step SIGTERM check: each step records when they
     start and end (perf_counter); one dict per step."""
     from lightning_pipe.lightning import steps as steps_module
     from lightning_pipe.lightning.logs import LogBroadcaster
@@ -21,7 +21,7 @@ def stamp_segments() -> list[dict]:
         def wrapper(*args, **kwargs):
             if before == "start":
                 stamps.append({})
-            if not stamps:  # the first step's sigterm broadcast
+            if not stamps:  # the first step's SIGTERM check
                 return fn(*args, **kwargs)
             stamps[-1].update({before: time.perf_counter()} if before else {})
             result = fn(*args, **kwargs)
@@ -30,12 +30,11 @@ def stamp_segments() -> list[dict]:
 
         return wrapper
 
-    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
-
+    from lightning_pipe.lightning.signals import StepSignals
     from lightning_pipe.lightning.strategy import AutoPipeStrategy
 
-    # step i's sigterm broadcast comes before its start: its stamps go to step i - 1's dict
-    _TrainingEpochLoop._broadcast_sigterm_tensor = stamped(_TrainingEpochLoop._broadcast_sigterm_tensor, "sigterm", "sigterm end")
+    # step i's SIGTERM check comes before its start: its stamps go to step i - 1's dict
+    StepSignals.per_step = stamped(StepSignals.per_step, "sigterm", "sigterm end")
     AutoPipeStrategy.optimizer_step = stamped(AutoPipeStrategy.optimizer_step, None, "stepped")
     steps_module.PipelineSteps.train = stamped(steps_module.PipelineSteps.train, "start", "end")
     LogBroadcaster.exchange = stamped(LogBroadcaster.exchange, "exchange", "exchanged")
@@ -53,8 +52,8 @@ def segments(timed: list[dict]) -> dict[str, float]:
         "log": med("log", "logged"),  # Lightning's log of the exchanged values, during or after the schedule
         "logged during the schedule (share of steps)": early,
         "optimizer": med("end", "stepped"),  # the closure's end, the gradients put back, the optimizer's step
-        "to the broadcast": med("stepped", "sigterm"),  # hooks, Lightning's logger connector
-        "sigterm broadcast": med("sigterm", "sigterm end"),  # Lightning's, before each step
+        "to the SIGTERM check": med("stepped", "sigterm"),  # hooks, Lightning's logger connector
+        "SIGTERM check": med("sigterm", "sigterm end"),  # ours (signals.py), before each step
         "to the step": 1e3 * statistics.median(b["start"] - a["sigterm end"] for a, b in zip(timed, timed[1:]) if "sigterm end" in a),
         "between steps": 1e3 * statistics.median(b["start"] - a["end"] for a, b in zip(timed, timed[1:])),
     }

@@ -18,6 +18,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import _set_num_thr
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 
 from .. import faults
@@ -86,6 +87,9 @@ def _validate(strategy: LaunchedStrategy, args: tuple, trainer: Optional[Any]) -
     strategy.resume_path = validate_inputs(strategy.config, strategy.num_nodes * strategy.num_processes, args, trainer)
 
 
+_STOPPED = "lightning-pipe: every rank stopped on SIGTERM"
+
+
 class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
     def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
         _validate(self._strategy, args, trainer)
@@ -99,6 +103,11 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
         finally:  # the trained weights are in; a model converted by the front end is the user's model again
             if args and isinstance(args[0], nn.Module):
                 restore_model(args[0])
+
+    def _recover_results_in_main_process(self, worker_output: Any, trainer: Any) -> None:
+        if isinstance(worker_output, str) and worker_output == _STOPPED:  # every rank stopped at one step (signals.py)
+            raise SIGTERMException()
+        super()._recover_results_in_main_process(worker_output, trainer)
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
         output = super()._collect_rank_zero_results(trainer, results)
@@ -114,7 +123,11 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
             self._forkserver_states.restore()
             if isinstance(self._strategy.accelerator, CPUAccelerator):
                 args, kwargs = _disable_module_memory_sharing((args, kwargs))
-        super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
+        try:
+            super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
+        except SIGTERMException:  # SIGTERM (a SystemExit) after the Trainer's own handling: the launching process
+            if process_idx == 0:  # raises it once every worker has left (each ran its on_exception in full)
+                rest[0].put(_STOPPED)
         # A worker is about to exit: leave together and close the process groups ourselves. Left to
         # interpreter shutdown, gloo's threads were seen to abort a worker ("terminate called
         # without an active exception") when its peer had already gone.
