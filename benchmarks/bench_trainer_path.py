@@ -10,7 +10,7 @@ P processes, 1F1B, M micro-batches; the raw runtime's steps run first in the sam
 the median gap between two executor runs, the thread CPU of a step, and what two of Lightning's
 per-step calls take (timed around them in these processes only). Results: docs/results/emulated_torch.md.
 
-    python -m benchmarks.bench_trainer_path --ranks 2,4 --steps 60
+    python -m benchmarks.bench_trainer_path --ranks 2,4 --steps 60 --sigterm lightning,ours
 """
 
 from __future__ import annotations
@@ -78,9 +78,15 @@ def job(rank: int, world: int, cfg: dict) -> dict:
     quiet_lightning()
     stamps, steps, warmup = _Stamps(), cfg["steps"], cfg["warmup"]
     stamps.wrap_run(Executor)
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
     from lightning_pipe.lightning.signals import StepSignals
 
-    stamps.wrap(StepSignals, "per_step", "sigterm check")
+    if cfg["sigterm"] == "lightning":  # Lightning's blocking broadcast of rank 0's flag, for comparison
+        StepSignals.install = classmethod(lambda cls, trainer, device: None)
+        stamps.wrap(_TrainingEpochLoop, "_broadcast_sigterm_tensor", "sigterm check")
+    else:
+        stamps.wrap(StepSignals, "per_step", "sigterm check")
     stamps.wrap(L.LightningModule, "log", "self.log")
 
     class Module(L.LightningModule):
@@ -130,7 +136,7 @@ def job(rank: int, world: int, cfg: dict) -> dict:
 
 
 COLUMNS = (
-    ("P", "P", ""), ("rank", "rank", ""),
+    ("P", "P", ""), ("SIGTERM check", "sigterm", ""), ("rank", "rank", ""),
     ("gap, raw ms", lambda r: f"{r['raw']['gap'] * 1e3:.2f}"), ("gap, Trainer ms", lambda r: f"{r['trainer']['gap'] * 1e3:.2f}"),
     ("step CPU, raw ms", lambda r: f"{r['raw']['cpu'] * 1e3:.2f}"), ("step CPU, Trainer ms", lambda r: f"{r['trainer']['cpu'] * 1e3:.2f}"),
     ("SIGTERM check ms / step", lambda r: f"{r['trainer'].get('sigterm check', 0.0) * 1e3:.2f}"),
@@ -141,15 +147,19 @@ COLUMNS = (
 def main() -> None:
     bench = Bench(__doc__, dict(ranks=[2], steps=10), threads=1, rounds=1, steps=60, warmup=10, timeout=900.0)
     bench.options(ranks=([2, 4], "processes (P)"), m=(8, "micro-batches (M)"), width=16, rows=(4, "rows per micro-batch"))
+    bench.options(sigterm=(["lightning", "ours"], "the per-step SIGTERM check: Lightning's broadcast, ours (signals.py)"))
     args = bench.parse()
+    if unknown := set(args.sigterm) - {"lightning", "ours"}:
+        bench.parser.error(f"--sigterm {','.join(sorted(unknown))}: allowed values are lightning, ours")
     cfg = dict(m=args.m, width=args.width, rows=args.rows, steps=args.steps, warmup=args.warmup, lr=0.01, seed=3)
     cfg.update(f_ms=0.0, bi_ms=0.0, w_ms=0.0, rounds=1, schedules=["1f1b"], no_torch=True, trace=None)
     rows = []
     for p in args.ranks:
-        for rank, out in enumerate(run_distributed(job, p, cfg, timeout=args.timeout, threads=1, backend=None)):
-            rows.append(dict(P=p, rank=rank, **out))
+        for check in args.sigterm:
+            outs = run_distributed(job, p, dict(cfg, sigterm=check), timeout=args.timeout, threads=1, backend=None)
+            rows.extend(dict(P=p, sigterm=check, rank=rank, **out) for rank, out in enumerate(outs))
     bench.table(
-        column_table(COLUMNS, rows, "ll" + "r" * 6), "The first stage's time between steps, raw runtime vs Trainer (zero-sleep blocks)"
+        column_table(COLUMNS, rows, "lll" + "r" * 6), "The first stage's time between steps, raw runtime vs Trainer (zero-sleep blocks)"
     )
     bench.say("gap: median from the end of one step's action list to the start of the next (rank 0's is on the critical path)")
     bench.keep("rows", rows)
