@@ -1,7 +1,7 @@
 """A 2-process training job with one fault injected, for tests/test_faults.py and the docs' fault
 matrix: `python tests/fault_job.py <fault> <rank> <phase> <out_dir>`.
 
-fault: raise (a block raises), kill (SIGKILL itself), stop (SIGSTOP itself), diskfull (the
+fault: raise (a block raises), kill (SIGKILL itself), stop (SIGSTOP itself), term (SIGTERM itself), diskfull (the
 checkpoint write fails with ENOSPC), slowexit (a finished rank that tears down slowly), none. phase: train, val, save. The job runs through the CLI's
 one-line error handling (`lightning_pipe.cli.errors.run`) with pipeline timeout 6 s.
 """
@@ -38,6 +38,8 @@ def hit(phase: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if FAULT == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    if FAULT == "term":
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Faulty(LitSeq):
@@ -45,6 +47,11 @@ class Faulty(LitSeq):
         if self.global_step == STEP:
             hit("train")
         return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if FAULT == "term":  # where each rank stopped
+            OUT.mkdir(parents=True, exist_ok=True)
+            (OUT / f"step-rank{self.global_rank}.txt").write_text(str(self.global_step))
 
     def validation_step(self, batch, batch_idx):
         hit("val")

@@ -49,6 +49,18 @@ def test_a_killed_worker_ends_the_job(tmp_path, phase):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sigterm_on_one_rank_stops_both_at_the_same_step(tmp_path, rank):
+    # SIGTERM in step 3 (STEP) on one rank: both ranks complete step 4 and stop before step 5, as Lightning's
+    # SIGTERMException (a clean exit, no error line); without the strategy's check a SIGTERM on rank 1 ended
+    # rank 1 alone and rank 0 failed on the lost connection
+    code, errors, _, proc = run_job(tmp_path, "term", rank, "train")
+    assert code == 0 and not errors and "finished" not in proc.stdout, proc.stderr[-3000:]
+    steps = [int((tmp_path / "out" / f"step-rank{r}.txt").read_text()) for r in range(2)]
+    assert steps == [5, 5], steps
+
+
+@pytest.mark.timeout(120)
 def test_a_stopped_worker_is_named_after_the_timeout(tmp_path):
     code, errors, seconds, _ = run_job(tmp_path, "stop", 1, "train")
     assert code == 1 and len(errors) == 1 and errors[0].startswith("error: rank 1 has not answered for")
