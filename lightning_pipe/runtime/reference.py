@@ -2,7 +2,8 @@
 
     python -m lightning_pipe.runtime.reference HOST PORT PREFIX PIPELINES NUMEL DTYPE TIMEOUT
 
-Started by pipeline 0's stage-k worker (`elastic.ReferenceLink`). It joins the stage's gloo group
+(the worker runs this module without the package's `__init__`, which would import Lightning: it needs
+torch only.) Started by pipeline 0's stage-k worker (`elastic.ReferenceLink`). It joins the stage's gloo group
 as its last member, receives its starting weights W_ref from pipeline 0, then per iteration
 receives the N local updates Δ_n, sums them in pipeline order (deterministic), normalises (÷ N),
 applies them, and sends the new W_ref to every pipeline. A stop message from the pipelines ends it;
