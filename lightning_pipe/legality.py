@@ -109,6 +109,14 @@ LEGALITY: tuple[Legality, ...] = (
         ),
     ),
     Legality(
+        "tensor",
+        lambda c: c.tensor > 1 and c.planner is not None and c.planner_2bw_cost != "simulated",
+        lambda c: (
+            f"tensor={c.tensor} with planner_2bw_cost={c.planner_2bw_cost!r}: the paper's closed forms price no tensor "
+            "parallelism; set planner_2bw_cost='simulated' (ours)"
+        ),
+    ),
+    Legality(
         "sequence_parallel",
         lambda c: c.sequence_parallel is True and c.tensor == 1,
         lambda c: "sequence_parallel=True splits the sequence over the tensor ranks: it needs tensor > 1",
@@ -120,9 +128,9 @@ LEGALITY: tuple[Legality, ...] = (
     ),
     Legality(
         "tensor",
-        lambda c: c.tensor > 1 and (c.pipelines is not None or c.planner is not None or bool(c.adaptive) or c.tune is True),
+        lambda c: c.tensor > 1 and (c.pipelines is not None or bool(c.adaptive) or c.tune is True),
         lambda c: (
-            f"tensor={c.tensor} with {'pipelines (AvgPipe)' if c.pipelines is not None else 'planner=' + repr(c.planner) if c.planner is not None else 'adaptive' if c.adaptive else 'tune'}"
+            f"tensor={c.tensor} with {'pipelines (AvgPipe)' if c.pipelines is not None else 'adaptive' if c.adaptive else 'tune'}"
             " is not built (their planners and live switches move or size whole blocks); set tensor=1"
         ),
     ),

@@ -6,6 +6,7 @@ holds its half of every split matrix, the tied embedding and head split over the
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 import lightning as L
@@ -440,3 +441,24 @@ def test_compiled_split_blocks_equal_one_process_twice_on_one_inductor_cache(tmp
         strategy = AutoPipeStrategy(schedule=schedule, microbatches=2, tensor=2, compile=True, start_method=START)
         L.Trainer(devices=4, strategy=strategy, **trainer_kwargs(max_steps=2)).fit(model, gpt_data(8))
         assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10, f"run {run + 1} of 2"
+
+
+def test_the_2bw_planner_plans_around_the_tensor_degree_and_runs_exactly(tmp_path):
+    # planner=2bw with tensor=2 on 4 processes: width x depth over the 2 tensor groups, the split blocks priced at
+    # half their work plus their all-reduces (the mesh search's costs, tensor and shard fixed); whatever shape it
+    # picks for 1F1B trains as one process on the global batch
+    strategy = AutoPipeStrategy(planner="2bw", schedule="1f1b", global_batch=8, tensor=2, start_method=START)
+    model = make()
+    data = lambda: DataLoader(TensorDataset(*gpt_data(16).dataset.tensors), batch_size=8)  # noqa: E731
+    L.Trainer(devices=4, strategy=strategy, default_root_dir=str(tmp_path), **trainer_kwargs(max_steps=2)).fit(model, data())
+    (path,) = glob.glob(os.path.join(tmp_path, "**", "plan_2bw.json"), recursive=True)
+    plan = json.load(open(path))
+    chosen = plan["chosen"]
+    assert chosen["tensor"] == 2 and chosen["width"] * chosen["depth"] == 2
+    assert {c["tensor"] for c in plan["candidates"]} == {2}, "the tensor degree is the user's, not searched"
+    ref = make()
+    order = {"sampler": EpochPerm(16)} if chosen["width"] > 1 else {}
+    L.Trainer(devices=1, **trainer_kwargs(max_steps=2)).fit(
+        ref, DataLoader(TensorDataset(*gpt_data(16).dataset.tensors), batch_size=8, **order)
+    )
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10

@@ -53,7 +53,7 @@ def test_tensor_must_divide_the_world():
     "settings,words",
     [
         (dict(adaptive=True), "adaptive"),
-        (dict(planner="2bw"), "planner='2bw'"),
+        (dict(planner="2bw", planner_2bw_cost="paper"), "planner_2bw_cost='paper'"),
         (dict(pipelines=2), "pipelines"),
     ],
 )

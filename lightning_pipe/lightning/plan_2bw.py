@@ -73,7 +73,7 @@ def plan_in_setup(config: PipelineConfig, module: Any, where: Where, resumed: di
     box: list[Any] = [None]
     result: Optional[TwoBWPlan] = None
     resumed = resumed.get("plan_2bw")
-    if resumed is not None and resumed["global_batch"] == batch and resumed["width"] * len(resumed["sizes"]) == world:
+    if resumed is not None and resumed["global_batch"] == batch and resumed["width"] * len(resumed["sizes"]) * config.tensor == world:
         # the resumed run's shape, not a new (noisy) plan: the same batches, partition and schedule
         saved = {**resumed, "recompute": tuple(resumed["recompute"]), "sizes": tuple(resumed["sizes"])}
         return TwoBWChoice(**saved), None
@@ -134,7 +134,10 @@ def _plan(config: PipelineConfig, where: Where, module: Any, trainer: Any, batch
     kinds = block_kinds([type(b).__name__ for b in blocks])
     schedules = ("2bw", "1f1b", "gpipe") if config.auto else (config.schedule,)
     refine = refiner(config.partition, kinds)
-    result = plan_2bw(profile, hw, batch, schedules, refine=refine, every_device=True, cost_model=two_bw_settings.cost_model(config))
+    # tensor > 1: the user's tensor degree and shard, priced as the mesh search prices them (ours)
+    fixed = (config.tensor, config.shard) if config.tensor > 1 else None
+    cost_model = two_bw_settings.cost_model(config)
+    result = plan_2bw(profile, hw, batch, schedules, refine=refine, every_device=True, cost_model=cost_model, kinds=kinds, fixed_mesh=fixed)
     result.notes.append(f"profiled {len(blocks)} blocks at micro-batch sizes {sizes} in {profiled:.1f} s on {device}")
     out = where.out_dir
     if out is not None:

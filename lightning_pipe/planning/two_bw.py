@@ -249,6 +249,7 @@ def plan_2bw(
     every_device: bool = False,
     mesh: bool = False,
     kinds: Optional[Sequence[str]] = None,
+    fixed_mesh: Optional[tuple[int, str]] = None,
 ) -> TwoBWPlan:
     """Algorithm 1 over every (w, d), schedule, r and b dividing B / w; the fastest that fits wins.
     (w, d) runs as Algorithm 1's loop does, w = 1..N, d = 1..N/w, so a grid on fewer than N devices
@@ -264,16 +265,17 @@ def plan_2bw(
 
     `mesh=True` (ours, beside Algorithm 1): each candidate also gets a tensor-parallel degree T and a shard
     mode (`two_bw_mesh.py`); `kinds` (each block's kind, `entry.block_kinds`) says which blocks T splits.
-    Off, Algorithm 1 runs as above: T = 1, the shard of `hw.shard_optimizer`."""
+    Off, Algorithm 1 runs as above: T = 1, the shard of `hw.shard_optimizer`. `fixed_mesh=(T, shard)`: the
+    strategy's run, whose tensor degree and shard the user set: priced as `mesh` prices them, not searched."""
     if cost_model not in COST_MODELS:
         raise ValueError(f"cost_model={cost_model!r}: one of {list(COST_MODELS)}")
-    if mesh and cost_model != "simulated":
+    if (mesh or fixed_mesh) and cost_model != "simulated":
         raise ValueError("mesh=True searches tensor and shard on the simulated cost functions, not the paper's closed forms")
     if cost_model == "closed":
         recompute, refine = tuple(r for r in recompute if r != "stages"), None
     with paused_gc():  # one collection after planning instead of hundreds during it
         found = tuple(schedules), tuple(recompute), max_microbatch_size, refine, finalists, cost_model, every_device
-        return _plan(profile, hw, global_batch, *found, mesh, tuple(kinds) if kinds else None)
+        return _plan(profile, hw, global_batch, *found, mesh, tuple(kinds) if kinds else None, fixed_mesh)
 
 
 def _plan(
@@ -289,8 +291,11 @@ def _plan(
     every_device: bool,
     mesh: bool = False,
     kinds: Optional[tuple] = None,
+    fixed_mesh: Optional[tuple[int, str]] = None,
 ) -> TwoBWPlan:
     started = time.perf_counter()
+    searched_mesh = mesh
+    mesh = mesh or fixed_mesh is not None
     for s in schedules:
         if s not in SCHEDULES:
             raise ValueError(f"schedule={s!r}: planner=2bw plans one of {list(SCHEDULES)}")
@@ -317,9 +322,10 @@ def _plan(
             meshed[key] = mesh_costs(base, kinds, tensor, shard, width, hw)
         return meshed[key]
 
-    for tensor, shard in mesh_options(hw, kinds, schedules) if mesh else [(1, default_shard)]:
+    meshes = [fixed_mesh] if fixed_mesh is not None else mesh_options(hw, kinds, schedules) if searched_mesh else [(1, default_shard)]
+    for tensor, shard in meshes:
         for w, d in grids(hw.devices // tensor, profile.num_blocks, every_device):
-            if mesh and shard != "none" and w < 2:
+            if searched_mesh and shard != "none" and w < 2:
                 continue  # nothing to shard over: the same as shard none
             if global_batch % w:
                 why = f"skipped: global batch {global_batch} is not a multiple of w={w}"
