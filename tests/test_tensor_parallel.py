@@ -455,7 +455,7 @@ def test_the_2bw_planner_plans_around_the_tensor_degree_and_runs_exactly(tmp_pat
     plan = json.load(open(path))
     chosen = plan["chosen"]
     assert chosen["tensor"] == 2 and chosen["width"] * chosen["depth"] == 2
-    assert {c["tensor"] for c in plan["candidates"]} == {2}, "the tensor degree is the user's, not searched"
+    assert {c["tensor"] for c in plan["candidates"]} == {2} and plan["mesh"]["searched"] is False, "the user's tensor degree"
     ref = make()
     order = {"sampler": EpochPerm(16)} if chosen["width"] > 1 else {}
     L.Trainer(devices=1, **trainer_kwargs(max_steps=2)).fit(

@@ -100,7 +100,8 @@ class TwoBWPlan:
     planning_seconds: float
     partitioner: str = "dp"
     notes: list[str] = field(default_factory=list)
-    mesh: bool = False  # tensor and shard searched (ours)
+    mesh: bool = False  # tensor and shard priced (ours): searched, or the run's (`fixed_mesh`)
+    mesh_searched: bool = False
 
     def table(self, all_rows: bool = False) -> str:
         """The paper's Table 1 shape: per (w, d, schedule, r) the best b that fits, and why the rest did not."""
@@ -181,7 +182,7 @@ class TwoBWPlan:
                 "dp": self.chosen.width,
                 "tp": self.chosen.tensor,
                 "shard": self.chosen.shard,
-                "searched": self.mesh,
+                "searched": self.mesh_searched,
             },
             "candidates": [c.to_dict() for c in self.candidates],
         }
@@ -387,7 +388,7 @@ def _plan(
     source = f"{profile.source} profile of {profile.model} at micro-batch sizes {profile.sizes}, {cost_model} cost functions"
     kept = refine is not None and chosen.bounds == best.bounds  # the partitioner's plan was not taken
     partitioner = "even (the paper's B/d)" if cost_model == "closed" else "min-max (dp)" if refine is None or kept else "refined"
-    return TwoBWPlan(chosen, candidates, hw, global_batch, source, time.perf_counter() - started, partitioner, notes, mesh)
+    return TwoBWPlan(chosen, candidates, hw, global_batch, source, time.perf_counter() - started, partitioner, notes, mesh, searched_mesh)
 
 
 def _search(
