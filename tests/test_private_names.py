@@ -39,6 +39,11 @@ ATTRIBUTES = [
     ("lightning.pytorch.strategies.ParallelStrategy", "_precision_plugin", ["lightning/strategy.py"]),
     ("lightning.pytorch.strategies.launchers._SubprocessScriptLauncher", "_call_children_scripts", ["lightning/launchers.py"]),
     ("lightning.pytorch.strategies.launchers._MultiProcessingLauncher", "_strategy", ["lightning/launchers.py"]),
+    ("lightning.pytorch.strategies.launchers._MultiProcessingLauncher", "_wrapping_function", ["lightning/launchers.py"]),
+    ("lightning.pytorch.strategies.launchers._MultiProcessingLauncher", "_recover_results_in_main_process", ["lightning/launchers.py"]),
+    ("lightning.pytorch.Trainer", "_signal_connector", ["lightning/signals.py"]),
+    ("lightning.pytorch.trainer.connectors.signal_connector._SignalConnector", "_sigterm_notifier_fn", ["lightning/signals.py"]),
+    ("lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop", "_broadcast_sigterm_tensor", ["lightning/signals.py"]),
     ("lightning.pytorch.callbacks.ModelCheckpoint", "_last_global_step_saved", ["cli/callbacks.py"]),
     *[
         ("lightning.pytorch.callbacks.ThroughputMonitor", name, ["lightning/metrics.py"])

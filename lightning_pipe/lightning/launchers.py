@@ -125,8 +125,8 @@ class CheckedMultiProcessingLauncher(_MultiProcessingLauncher):
                 args, kwargs = _disable_module_memory_sharing((args, kwargs))
         try:
             super()._wrapping_function(process_idx, trainer, function, args, kwargs, *rest)
-        except SIGTERMException:  # SIGTERM (a SystemExit) after the Trainer's own handling: the launching process
-            if process_idx == 0:  # raises it once every worker has left (each ran its on_exception in full)
+        except SIGTERMException:  # every rank stopped on SIGTERM (signals.py; a SystemExit, which spawn takes for
+            if process_idx == 0:  # a clean exit): the launching process raises it once every worker has left
                 rest[0].put(_STOPPED)
         # A worker is about to exit: leave together and close the process groups ourselves. Left to
         # interpreter shutdown, gloo's threads were seen to abort a worker ("terminate called
