@@ -56,6 +56,7 @@ def test_sigterm_on_one_rank_stops_both_at_the_same_step(tmp_path, rank):
     # rank 1 alone and rank 0 failed on the lost connection
     code, errors, _, proc = run_job(tmp_path, "term", rank, "train")
     assert code == 0 and not errors and "finished" not in proc.stdout, proc.stderr[-3000:]
+    assert (proc.stdout + proc.stderr).count("SIGTERM: every rank stops after step 5") == 1  # said once, by rank 0
     steps = [int((tmp_path / "out" / f"step-rank{r}.txt").read_text()) for r in range(2)]
     assert steps == [5, 5], steps
 

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 _LOOP_HOOK = "_broadcast_sigterm_tensor"
 _HANDLER = "_sigterm_notifier_fn"
@@ -57,6 +58,7 @@ class StepSignals:
             self.pending = None
             if self.flag.item():
                 self.trainer._signal_connector.received_sigterm = True  # the fit loop's handling, on every rank
+                rank_zero_info(f"SIGTERM: every rank stops after step {self.trainer.global_step}")
                 raise SIGTERMException()
         self.flag = torch.tensor([int(self.signalled)], dtype=torch.int32, device=self.device)
         self.pending = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
