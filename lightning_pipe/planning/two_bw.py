@@ -101,7 +101,7 @@ class TwoBWPlan:
     partitioner: str = "dp"
     notes: list[str] = field(default_factory=list)
     mesh: bool = False  # tensor and shard priced (ours): searched, or the run's (`fixed_mesh`)
-    mesh_searched: bool = False
+    mesh_searched: bool = False  # False with `fixed_mesh`: the run's tensor and shard, not the search's
 
     def table(self, all_rows: bool = False) -> str:
         """The paper's Table 1 shape: per (w, d, schedule, r) the best b that fits, and why the rest did not."""
@@ -271,7 +271,7 @@ def plan_2bw(
     if cost_model not in COST_MODELS:
         raise ValueError(f"cost_model={cost_model!r}: one of {list(COST_MODELS)}")
     if (mesh or fixed_mesh) and cost_model != "simulated":
-        raise ValueError("mesh=True searches tensor and shard on the simulated cost functions, not the paper's closed forms")
+        raise ValueError("mesh=True and fixed_mesh price tensor and shard on the simulated cost functions, not the paper's closed forms")
     if cost_model == "closed":
         recompute, refine = tuple(r for r in recompute if r != "stages"), None
     with paused_gc():  # one collection after planning instead of hundreds during it
