@@ -24,7 +24,6 @@ ALGORITHM2_SCHEDULES = ("1f1b",)  # AutoPipe's Algorithm 2 slices 1F1B
 ADVANCE_NUM_SCHEDULES = ("advance", "2bw")  # the schedules with AvgPipe(2BW)'s advance forward order
 COMPILE_VALUES = (False, True, "auto")  # auto: schedule='auto' weighs eager against compiled blocks
 COMPILE_EXCLUDED = ("zb-h1", "zb-v", "zb-auto")  # a split backward (autograd.grad on a block's inputs, then its weights)
-FULL_SHARD_EXCLUDED = ("2bw",)  # a weight stash over FSDP2's sharded blocks
 
 
 @dataclass(frozen=True)
@@ -37,9 +36,7 @@ class Legality:
 
 
 def _full_shard_conflict(c: PipelineConfig) -> str:
-    if c.auto or c.schedule in FULL_SHARD_EXCLUDED:
-        return f"schedule={c.schedule!r}"
-    return "planner=2bw"
+    return f"schedule={c.schedule!r}" if c.auto else "planner=2bw"
 
 
 def _planner_excludes(c: PipelineConfig) -> str:
@@ -92,12 +89,20 @@ LEGALITY: tuple[Legality, ...] = (
     ),
     Legality(
         "shard",
-        lambda c: c.shard == "full" and (c.auto or c.planner is not None or c.schedule in FULL_SHARD_EXCLUDED),
+        lambda c: c.shard == "full" and (c.auto or c.planner is not None),
         lambda c: (
-            "shard='full' (FSDP2) runs the synchronous schedules you name (gpipe, 1f1b, interleaved, wave, hanayo, advance, "
-            "zb-h1, zb-v, zb-auto), not "
+            "shard='full' (FSDP2) runs the schedules you name (gpipe, 1f1b, interleaved, wave, hanayo, advance, "
+            "zb-h1, zb-v, zb-auto, 2bw), not "
             + _full_shard_conflict(c)
-            + ": 2BW's weight stash over sharded blocks, and a planner's choice, are not built; use shard='optimizer'"
+            + ": a planner's choice over sharded blocks is not built; name a schedule or use shard='optimizer'"
+        ),
+    ),
+    Legality(
+        "reshard",
+        lambda c: c.reshard == "step" and c.shard == "full" and c.schedule == "2bw",
+        lambda c: (
+            "reshard='step' keeps one gathered copy of each block's weights over a step, and schedule='2bw' runs "
+            "consecutive micro-batches on two weight versions: set reshard='microbatch'"
         ),
     ),
     Legality(

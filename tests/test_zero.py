@@ -4,6 +4,7 @@ shard="none" that resume bit for bit."""
 
 from __future__ import annotations
 
+import copy
 import glob
 import os
 
@@ -13,6 +14,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from models import START, EpochPerm, LitSeq, dataset, max_rel_diff, trainer_kwargs
 from torch.distributed.fsdp import FSDPModule
+from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -253,6 +255,77 @@ def test_fully_sharded_bf16_mixed_gathers_in_bf16_and_keeps_fp32_master_weights(
         assert torch.load(os.path.join(tmp_path, f"ag-rank{rank}.pt"))["dtypes"] == {gathered}
         assert torch.load(os.path.join(tmp_path, f"rs-rank{rank}.pt"))["dtypes"] == {torch.float32}, "reduced in fp32"
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def single_2bw(steps, clip=None):
+    """PipeDream-2BW's rule on one process over the global batches: batch b's gradient taken at W(max(b - 1, 0)),
+    applied to W(b) (clipped by its global norm)."""
+    ref = LitSeq()
+    conf = ref.configure_optimizers()
+    opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+    data, batches = dataset(n=N), []
+    sampler = EpochPerm(N)
+    while len(batches) < steps:
+        batches += list(DataLoader(data, batch_size=2 * PER_REPLICA, sampler=sampler))
+    previous = copy.deepcopy(ref.seq)
+    for b, (x, y) in enumerate(batches[:steps]):
+        at = previous if b >= 1 else copy.deepcopy(ref.seq)
+        at.zero_grad()
+        nn.functional.cross_entropy(at(x), y).backward()
+        previous = copy.deepcopy(ref.seq)
+        for p, q in zip(ref.seq.parameters(), at.parameters()):
+            p.grad = q.grad.clone()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.seq.parameters(), clip)
+        opt.step()
+        sched.step()
+    return ref
+
+
+# PipeDream-2BW over FSDP2: each rank stashes its shard of the older version, and FSDP2 gathers a micro-batch's
+# version for its forward and again for its backward; a batch's gradients are reduce-scattered once, at its own
+# last backward (stage 0 keeps one forward ahead: batch t completes in step t + 1, the last batch in the drain at
+# the end; the last stage completes each batch in its own step), and kept apart from the batch before it until
+# that one's update
+def test_2bw_over_fully_sharded_replicas_follows_its_rule_and_reduces_once_a_batch(tmp_path):
+    steps = 5
+    ref = single_2bw(steps, clip=0.05)
+    model = LitSeq()
+    callbacks = [RecordState(tmp_path), CountCollective(tmp_path, "reduce_scatter_single", "rs")]
+    pipelined(model, steps, callbacks=callbacks, schedule="2bw", shard="full", gradient_clip_val=0.05)
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    assert max_rel_diff(single_2bw(steps).state_dict(), model.state_dict()) > 1e-6  # the clip took effect
+    flush, _ = single(steps, gradient_clip_val=0.05)
+    assert max_rel_diff(flush.state_dict(), model.state_dict()) > 1e-6  # 1-stale: not the flushing update
+    for rank in range(4):
+        counts = torch.load(os.path.join(tmp_path, f"rs-rank{rank}.pt"))
+        blocks, stage = counts["blocks"], rank // 2
+        first = [0] if stage == 0 else []  # stage 0's step 0 completes no batch
+        assert blocks > 0 and counts["per_step"] == first + [blocks] * (steps - len(first)), counts
+        state = torch.load(os.path.join(tmp_path, f"state-rank{rank}.pt"))
+        assert state["weights"] < sum(state["stage"].values())
+
+
+@pytest.mark.parametrize("layout", ["full", "sharded"])
+def test_2bw_over_fully_sharded_replicas_resumes_bit_for_bit(tmp_path, layout):
+    # the checkpoint holds the stashed W(2) that batch 3 reads, whole (every rank's shard gathered)
+    def resumable():
+        return StatefulDataLoader(dataset(n=N), batch_size=PER_REPLICA)
+
+    whole = LitSeq()
+    pipelined(whole, 5, train=resumable(), schedule="2bw", shard="full")
+    saver = ModelCheckpoint(dirpath=tmp_path / "first", every_n_train_steps=3, save_top_k=-1)
+    pipelined(LitSeq(), 3, train=resumable(), callbacks=[saver], checkpoint=layout, schedule="2bw", shard="full")
+    (path,) = glob.glob(os.path.join(tmp_path, "first", "*step=3.ckpt"))
+    full = torch.load(path, weights_only=False) if layout == "full" else consolidate(path, tmp_path / "full.ckpt")
+    stashes = {n: s["autopipe_2bw_previous"] for n, s in full["optimizer_states"][0]["state"].items()}
+    w2 = single_2bw(2).state_dict()
+    assert set(stashes) == set(w2) and max_rel_diff(w2, stashes) <= 1e-10
+    resumed = LitSeq(seed=5)
+    pipelined(resumed, 5, train=resumable(), ckpt_path=path, checkpoint=layout, schedule="2bw", shard="full")
+    for k, v in whole.state_dict().items():
+        assert torch.equal(v, resumed.state_dict()[k]), k
+    assert max_rel_diff(single_2bw(5).state_dict(), resumed.state_dict()) <= 1e-10
 
 
 # the embedding on stage 0 and the head on stage 1 share one weight: its gradient is summed across the stages

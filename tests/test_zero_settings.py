@@ -20,7 +20,6 @@ from lightning_pipe.runtime.reduce import buckets
 
 def test_settings_refused_before_any_process():
     for settings, words in [
-        (dict(shard="full", width=2, schedule="2bw"), "not schedule='2bw'"),
         (dict(shard="full", width=2, schedule="auto"), "not schedule='auto'"),
         (dict(shard="full", width=2, planner="2bw"), "not planner=2bw"),
         (dict(shard="zero3", width=2), "allowed values: 'none'"),

@@ -45,11 +45,13 @@ class StageHost(Protocol):
         """The gradients of `chunk` are final for this step."""
 
     # optional: before_backward(chunk, last), before a backward (whole or W) of `chunk` runs; `last`: the
-    # run's last one of the chunk (a sharded stage reduces its gradients once, in that one);
+    # chunk's gradients are complete after it (a sharded stage reduces them once, in that one);
     # weight_gradients_done(chunk, microbatch), after a micro-batch's weight gradients of
     # `chunk` are accumulated (a fine-grained switch sends the old worker's partial gradients then);
     # idle(), before a compute waits for a receive still in flight (not while a meter measures the
-    # waits): work of the host's own that would otherwise wait for the step's end
+    # waits): work of the host's own that would otherwise wait for the step's end;
+    # backward_scope(chunk, microbatch), a context the whole backward runs in (2BW over FSDP2: the
+    # micro-batch's weight version, which the backward gathers again)
 
 
 def _as_tuple(value: Activation) -> tuple[Tensor, ...]:
@@ -107,6 +109,7 @@ class _Run:
         self.trace, self.sync = trace, sync
         self.records: list[tuple[int, float, float]] = []
         self.idle: Optional[Callable[[], None]] = getattr(host, "idle", None)
+        self.backward_scope: Optional[Callable[[int, int], Any]] = getattr(host, "backward_scope", None)
 
 
 class Executor:
@@ -116,7 +119,9 @@ class Executor:
         self.last_chunk = schedule.num_chunks - 1
         self.crossing = _crossing_sends(schedule, rank)
         weights = (Op.BACKWARD, Op.BACKWARD_WEIGHT)  # the actions that accumulate a chunk's weight gradients
-        self.last_backward = {a.chunk: i for i, a in enumerate(self.actions) if a.op in weights}  # the run's last, by chunk
+        # the backwards after which a chunk's gradients are complete: the run's last of each chunk (a runner
+        # spanning runs marks its own, e.g. 2BW each batch's last)
+        self.gradients_complete = set({a.chunk: i for i, a in enumerate(self.actions) if a.op in weights}.values())
         # trace: (action index, start, end) of each compute and send of the last run, perf_counter
         # seconds. A compute starts once its input is taken (the wait for a receive is idle time,
         # not compute); on CUDA the device is synchronised around each compute, which costs overlap.
@@ -307,7 +312,7 @@ class Executor:
     def _before_backward(self, st: _Run, index: int, c: int) -> None:
         before = getattr(st.host, "before_backward", None)
         if before is not None:
-            before(c, index == self.last_backward[c])
+            before(c, index in self.gradients_complete)
 
     def _backward(self, st: _Run, index: int, a: Action) -> None:
         c, mb = a.chunk, a.microbatch
@@ -315,11 +320,11 @@ class Executor:
         self._before_backward(st, index, c)
         started = self._clock(st) if st.trace else 0.0
         timer = self.meter.start() if self.meter is not None else None
-        if c == self.last_chunk:
-            if out is not None and out.requires_grad:
-                torch.autograd.backward(out)
+        if st.backward_scope is None:
+            self._autograd(c, out, received)
         else:
-            torch.autograd.backward(_needs_grad(out), received)
+            with st.backward_scope(c, mb):
+                self._autograd(c, out, received)
         if timer is not None:
             self.meter.stop(timer, forward=False)
         self._weights_done(st, c, mb)
@@ -327,6 +332,13 @@ class Executor:
             self._hand_back(st, c, mb, [t.grad if t.grad is not None else torch.zeros_like(t) for t in _needs_grad(inputs)])
         if st.trace:
             self._record(st, index, started)
+
+    def _autograd(self, c: int, out: Any, received: Any) -> None:
+        if c == self.last_chunk:
+            if out is not None and out.requires_grad:
+                torch.autograd.backward(out)
+        else:
+            torch.autograd.backward(_needs_grad(out), received)
 
     def _hand_back(self, st: _Run, c: int, mb: int, grads: list) -> None:
         """Chunk c's input gradients go to chunk c - 1: locally, or by its SEND action."""

@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 Version = dict[int, nn.Parameter]  # id(live parameter) -> that parameter in this version
 
@@ -46,6 +46,8 @@ def storage(t: Tensor) -> int:
 
 
 class WeightVersions:
+    gathers = False  # a batch's backward reads the version its forward's graph holds: nothing to swap back in
+
     def __init__(self, module: nn.Module):
         # every place a trainable parameter is registered (a tied weight has several)
         self.slots = [
@@ -96,3 +98,16 @@ class WeightVersions:
             grad = version[id(p)].grad
             p.grad = grad
             version[id(p)].grad = None
+
+    # ---- checkpoints: whole tensors (a tensor-parallel weight's shards made whole) ----------------------
+    def whole(self, stashed: dict[int, Tensor]) -> dict[int, Tensor]:
+        """The stashed version as whole tensors (collective over each split weight's tensor ranks)."""
+        return {pid: t.full_tensor() if isinstance(t, DTensor) else t for pid, t in stashed.items()}
+
+    def from_whole(self, whole: dict[int, Tensor]) -> dict[int, Tensor]:
+        """Stash buffers laid out as the live parameters (this rank's shard of a split weight)."""
+        out = {}
+        for p in self.live:
+            t = whole[id(p)].to(p.device, p.dtype)
+            out[id(p)] = distribute_tensor(t, p.device_mesh, p.placements, src_data_rank=None) if isinstance(p, DTensor) else t
+        return out

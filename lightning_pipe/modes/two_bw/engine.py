@@ -21,17 +21,21 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
 from ...runtime.executor import Carry, Executor, StageHost
 from ...runtime.p2p import Activation, Transport
+from ...runtime.sharded_versions import ShardedVersions
 from ...runtime.versions import Version, WeightVersions, storage
 from ...schedules import ScheduleSpec
+from ...schedules.actions import Op
 from ...schedules.two_bw import drain_actions, leads, step_actions
 from ..engine import Versions
 from ..flush.engine import Flush
+
+AnyVersions = Union[WeightVersions, ShardedVersions]
 
 
 @dataclass
@@ -46,8 +50,15 @@ class _VersionedHost:
     """The host's forwards on a batch's version; REDUCE first moves the completed batch's gradients
     to the live parameters."""
 
-    def __init__(self, host: StageHost, versions: WeightVersions, batch: Optional[_Batch], completed: Optional[_Batch]):
+    def __init__(self, host: StageHost, versions: AnyVersions, batch: Optional[_Batch], completed: Optional[_Batch]):
         self.host, self.versions, self.batch, self.completed = host, versions, batch, completed
+        if versions.gathers:  # FSDP2 gathers the weights again for a backward: on the batch's version too
+            self.backward_scope = self._backward_scope
+
+    def _backward_scope(self, chunk: int, microbatch: int) -> ContextManager[None]:
+        batch = self.completed if microbatch < 0 else self.batch  # a slice numbers the previous batch's below 0
+        assert batch is not None
+        return self.versions.backward(batch.version)  # type: ignore[union-attr]
 
     def forward(self, chunk: int, microbatch: int, inputs: Optional[Activation]) -> Any:
         assert self.batch is not None, "a drain runs no forward"
@@ -76,6 +87,7 @@ class DoubleBuffer(Versions):
         prefetch: bool = True,
         trace: bool = False,
         sliced: int = 0,
+        sharded: bool = False,
     ):
         if sliced:
             raise ValueError("schedule='2bw' has no warm-up to slice: use slicer=False")
@@ -83,7 +95,8 @@ class DoubleBuffer(Versions):
         self.prefetch, self.trace = prefetch, trace
         # forwards each rank keeps ahead: fixed for the run from the configured M (advance_num: AvgPipe(2BW)'s order)
         self.ahead = leads(stages, microbatches, self.spec.kwargs.get("advance_num", 0))
-        self.versions = WeightVersions(module)
+        # sharded: the stage's blocks are FSDP2's (shard="full"), each rank stashes its shard of a version
+        self.versions: AnyVersions = ShardedVersions(module) if sharded else WeightVersions(module)
         self.apply = apply  # applies the live parameters' gradients (the caller's optimizer step)
         self.placement = tuple(range(stages))
         self.carry = Carry()
@@ -104,7 +117,12 @@ class DoubleBuffer(Versions):
                 if kind == "drain"
                 else step_actions(self.stages, microbatches, previous, ahead)
             )
-            self._executors[key] = Executor(schedule, self.rank, self.transport, self.prefetch, trace=self.trace)
+            executor = Executor(schedule, self.rank, self.transport, self.prefetch, trace=self.trace)
+            # a batch's gradients are complete at its own last backward: the previous batch's (micro-batch -1 of
+            # a slice) or, on a rank keeping no forward ahead, the step's own; not at the slice's last
+            ends = (-1, microbatches - 1) if kind == "step" else (-1,)
+            executor.gradients_complete = {i for i, a in enumerate(executor.actions) if a.op is Op.BACKWARD and a.microbatch in ends}
+            self._executors[key] = executor
         return self._executors[key]
 
     def executor(self, kind: str, microbatches: int) -> Executor:

@@ -67,7 +67,8 @@ class DoubleBufferLayer(VersionsLayer):
     def make_runner(self, settings: dict[str, Any]) -> Versions:
         # a drain's update is Lightning's optimizer step (clipping, the user's optimizer), then the deferred schedulers
         settings = {k: v for k, v in settings.items() if k != "costed"}  # 2BW builds its own schedule, never from costs
-        self.buffer = DoubleBuffer(**settings, module=self.ctx.cut.stage, apply=self._drain_update)
+        sharded = self.ctx.config.shard == "full"  # FSDP2's blocks: each rank stashes its shard
+        self.buffer = DoubleBuffer(**settings, module=self.ctx.cut.stage, apply=self._drain_update, sharded=sharded)
         return self.buffer
 
     def update_due(self) -> bool:
@@ -124,11 +125,13 @@ class DoubleBufferLayer(VersionsLayer):
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def parameter_state(self, stored: dict[int, str], state: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        """The stashed W(applied - 1), per parameter (it follows the parameter to any stage)."""
+        """The stashed W(applied - 1), per parameter (it follows the parameter to any stage), whole (collective
+        over a split or sharded weight's ranks, as the rest of the checkpoint)."""
         stashed = self.buffer.stashed
         if stashed is None:
             return {}
-        return {stored[pid]: {"stash": tensor.detach().cpu()} for pid, tensor in stashed.items() if pid in stored}
+        whole = self.buffer.versions.whole(stashed)
+        return {stored[pid]: {"stash": tensor.detach().cpu()} for pid, tensor in whole.items() if pid in stored}
 
     def run_state(self) -> dict[str, Any]:
         return {**super().run_state(), "applied": self.buffer.applied}
@@ -138,8 +141,8 @@ class DoubleBufferLayer(VersionsLayer):
         a flushing schedule (no 2BW state) starts 2BW afresh from its weights."""
         runner = self.buffer
         applied = int(run.get("applied", 0))
-        live = {id(p): p for p in runner.versions.live}
-        stashed = {pid: e["stash"].to(live[pid].device, live[pid].dtype) for pid, e in extras.items() if "stash" in e and pid in live}
-        if applied and len(stashed) != len(live):
-            raise ValueError(f"the checkpoint's 2BW state holds {len(stashed)} of this stage's {len(live)} stashed weights")
-        runner.load_state(applied, stashed if applied else None)
+        live = {id(p) for p in runner.versions.live}
+        whole = {pid: e["stash"] for pid, e in extras.items() if "stash" in e and pid in live}
+        if applied and len(whole) != len(live):
+            raise ValueError(f"the checkpoint's 2BW state holds {len(whole)} of this stage's {len(live)} stashed weights")
+        runner.load_state(applied, runner.versions.from_whole(whole) if applied else None)
