@@ -68,7 +68,11 @@ ATTRIBUTES = [
     ],
     ("torch.nn.Module", "_non_persistent_buffers_set", ["frontend/trace.py"]),
     # FSDP2's state (shard="full"): zero bubble's reduction by hand, 2BW's versions of the shards
-    ("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState", "_fsdp_param_groups", ["modes/width/lightning.py", "runtime/sharded_versions.py"]),
+    (
+        "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState",
+        "_fsdp_param_groups",
+        ["modes/width/lightning.py", "runtime/sharded_versions.py"],
+    ),
     ("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState", "_state_ctx", ["modes/width/lightning.py"]),
     ("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState", "_root_post_backward_final_callback", ["modes/width/lightning.py"]),
     ("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState", "_lazy_init", ["runtime/sharded_versions.py"]),

@@ -13,8 +13,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from models import START, EpochPerm, LitSeq, dataset, max_rel_diff, trainer_kwargs
-from torch.distributed.fsdp import FSDPModule
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader

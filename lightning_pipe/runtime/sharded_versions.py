@@ -30,7 +30,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from .versions import storage
 
 
-
 class Version(dict):
     """id(live sharded parameter) -> its padded shard buffer in this version; `grads`: the batch's reduced
     gradient shards so far."""
@@ -68,7 +67,9 @@ class ShardedVersions:
 
     def version(self, stashed: Optional[dict[int, Tensor]] = None) -> Version:
         """A new version reading the live shards, or the `stashed` buffers."""
-        return Version({id(fp.sharded_param): stashed[id(fp.sharded_param)] if stashed is not None else fp._sharded_param_data for fp in self.params})
+        return Version(
+            {id(fp.sharded_param): stashed[id(fp.sharded_param)] if stashed is not None else fp._sharded_param_data for fp in self.params}
+        )
 
     def aliases_live(self, version: Version) -> bool:
         fp = self.params[0] if self.params else None
@@ -135,7 +136,9 @@ class ShardedVersions:
         for fp in self.params:
             p, local = fp.sharded_param, fp.sharded_param._local_tensor
             shard = stashed[id(p)].view(fp.padded_sharded_param_size).narrow(0, 0, local.size(0))
-            out[id(p)] = DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()).full_tensor()
+            out[id(p)] = DTensor.from_local(
+                shard, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            ).full_tensor()
         return out
 
     def from_whole(self, whole: dict[int, Tensor]) -> dict[int, Tensor]:
