@@ -287,12 +287,13 @@ def single_2bw(steps, clip=None):
 # last backward (stage 0 keeps one forward ahead: batch t completes in step t + 1, the last batch in the drain at
 # the end; the last stage completes each batch in its own step), and kept apart from the batch before it until
 # that one's update
-def test_2bw_over_fully_sharded_replicas_follows_its_rule_and_reduces_once_a_batch(tmp_path):
+@pytest.mark.parametrize("recompute", [False, True])  # a recomputed block's replay gathers its batch's version too
+def test_2bw_over_fully_sharded_replicas_follows_its_rule_and_reduces_once_a_batch(tmp_path, recompute):
     steps = 5
     ref = single_2bw(steps, clip=0.05)
     model = LitSeq()
     callbacks = [RecordState(tmp_path), CountCollective(tmp_path, "reduce_scatter_single", "rs")]
-    pipelined(model, steps, callbacks=callbacks, schedule="2bw", shard="full", gradient_clip_val=0.05)
+    pipelined(model, steps, callbacks=callbacks, schedule="2bw", shard="full", gradient_clip_val=0.05, recompute=recompute)
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
     assert max_rel_diff(single_2bw(steps).state_dict(), model.state_dict()) > 1e-6  # the clip took effect
     flush, _ = single(steps, gradient_clip_val=0.05)

@@ -31,6 +31,10 @@ def test_settings_refused_before_any_process():
             PipelineConfig(**settings)
         assert words in str(err.value) and err.value.setting == "shard"
     assert PipelineConfig(shard="full", width=2, recompute=True).recompute is True  # recomputed sharded blocks run
+    with pytest.raises(SettingError, match="reshard='step' keeps one gathered copy") as err:
+        PipelineConfig(shard="full", width=2, schedule="2bw", reshard="step")
+    assert err.value.setting == "reshard" and "set reshard='microbatch'" in str(err.value)
+    assert PipelineConfig(shard="full", width=2, schedule="2bw").schedule == "2bw"  # 2BW over FSDP2 runs (test_zero)
     for settings, words in [
         (dict(shard="full", width=2, shard_mixed_precision="yes"), "shard_mixed_precision='yes': true"),
         (dict(shard="optimizer", width=2, shard_mixed_precision=False), "a setting of shard='full'"),

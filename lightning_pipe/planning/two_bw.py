@@ -39,7 +39,7 @@ from .replay import paused_gc
 from .sized import BlockCosts, SizedProfile
 from .two_bw_closed import closed_memory, closed_step, even_bounds
 from .two_bw_costs import Hardware, allreduce_time, memory, step_time, throughput
-from .two_bw_mesh import mesh_costs
+from .two_bw_mesh import FULL_SCHEDULES, mesh_costs
 from .two_bw_mesh import options as mesh_options
 
 SCHEDULES = ("2bw", "1f1b", "gpipe")
@@ -340,8 +340,8 @@ def _plan(
                 costs = costs_of(b, tensor, shard, w)
                 m = per_replica // b
                 for schedule in schedules:
-                    if mesh and shard == "full" and schedule not in ("1f1b", "gpipe"):
-                        continue  # 2bw's weight stash over FSDP2 is not built
+                    if mesh and shard == "full" and schedule not in FULL_SCHEDULES:
+                        continue
                     if schedule == "2bw" and m < d:
                         why = f"skipped: 2bw needs g >= d (g={m} micro-batches, d={d})"
                         candidates.append(Candidate(w, d, b, m, schedule, "-", verdict=why, tensor=tensor, shard=shard))

@@ -15,8 +15,8 @@ With `plan_2bw(..., mesh=True)` every candidate also has a tensor-parallel degre
 - shard optimizer: costs as none; memory and the owners' broadcast are `two_bw_costs`' (`shard_optimizer`).
 
 The collectives are priced by `Hardware.collectives` (measured, else the ring model on the link's
-bandwidth). Which combinations exist is `options`: tensor > 1 not with shard optimizer, and shard full
-only with the flush schedules (1f1b, gpipe): the weight stash of 2bw is not built over FSDP2.
+bandwidth). Which combinations exist is `options`: tensor > 1 not with shard optimizer; shard full with
+1f1b, gpipe and 2bw (whose second weight version is sharded too: `two_bw_costs.memory`).
 No torch, no Lightning.
 """
 
@@ -30,7 +30,7 @@ from .tensor import SPLIT_KINDS
 from .two_bw_costs import Hardware
 
 SHARDS = ("none", "optimizer", "full")
-FULL_SCHEDULES = ("1f1b", "gpipe")  # what shard='full' runs among the planner's schedules
+FULL_SCHEDULES = ("1f1b", "gpipe", "2bw")  # what shard='full' runs among the planner's schedules (2bw: each rank stashes its shard)
 ALL_REDUCES = {"attention": 1, "ffn": 1, "layer": 2}  # Megatron: one per attention, one per MLP, per direction
 
 
