@@ -46,10 +46,17 @@ def _planner_excludes(c: PipelineConfig) -> str:
 LEGALITY: tuple[Legality, ...] = (
     Legality(
         "compile",
-        lambda c: (c.compile is True and c.schedule in COMPILE_EXCLUDED) or (c.compile is not False and c.shard == "full"),
+        lambda c: c.compile is True and c.schedule in COMPILE_EXCLUDED,
         lambda c: (
-            f"compile={c.compile!r} with {'shard=' + repr(c.shard) if c.shard == 'full' else 'schedule=' + repr(c.schedule)}: "
-            "a split backward (zero bubble) or FSDP2's hooks around a compiled block is not built; set compile=False"
+            f"compile=True with schedule={c.schedule!r}: a split backward (zero bubble) of a compiled block is not built; set compile=False"
+        ),
+    ),
+    Legality(
+        "compile",
+        lambda c: c.compile == "auto" and c.shard == "full",
+        lambda c: (
+            "compile='auto' with shard='full': it weighs eager against compiled blocks within schedule='auto', which "
+            "shard='full' does not run; set compile=True or False"
         ),
     ),
     Legality(

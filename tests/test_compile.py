@@ -13,6 +13,9 @@ from lightning.pytorch.callbacks import Callback
 from models import START, LitSeq, loader, max_rel_diff
 from test_strategy import pipelined, single
 from test_two_bw_strategy import reference_2bw
+from test_zero import CountCollective, single_2bw
+from test_zero import pipelined as pipelined_dp
+from test_zero import single as single_global
 from torch import nn
 
 from lightning_pipe import AutoPipeStrategy
@@ -74,11 +77,30 @@ def test_compiled_blocks_follow_the_2bw_rule():
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= TOL
 
 
+# compiled blocks sharded by FSDP2 (torchtitan's order: compiled, then fully_shard): FSDP2's gathers around each
+# compiled forward and backward, 1F1B exact to one process and 2BW to its rule (fp64); on global rank 0, which
+# shards a copy of each block to hand the trained model back, the copy is compiled too
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_compiled_blocks_under_fully_sharded_replicas_train_exactly(tmp_path, schedule):
+    ref = single_2bw(5) if schedule == "2bw" else single_global(5)[0]
+    model = LitSeq()
+    gathers = CountCollective(tmp_path, "all_gather_single", "ag")
+    pipelined_dp(model, 5, schedule=schedule, shard="full", compile=True, callbacks=[RecordCompiled(tmp_path, True), gathers])
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    for rank in range(4):
+        seen = torch.load(os.path.join(tmp_path, f"compiled-rank{rank}.pt"))
+        assert seen["blocks"] > 0 and seen["compiled"] == seen["blocks"] and seen["traced"], (rank, seen)
+        counts = torch.load(os.path.join(tmp_path, f"ag-rank{rank}.pt"))  # gathered for each of 2 forwards and 2 backwards
+        first, *steady = counts["per_step"]  # (2BW's first step on stage 0 leaves one backward to the next)
+        assert steady == [4 * counts["blocks"]] * 4 and 3 * counts["blocks"] <= first <= 4 * counts["blocks"], (rank, counts)
+
+
 def test_what_compile_cannot_run_is_refused_before_spawning():
     for settings, words in [
         (dict(schedule="zb-h1"), "schedule='zb-h1'"),
         (dict(schedule="zb-auto"), "schedule='zb-auto'"),
-        (dict(width=2, shard="full"), "shard='full'"),
     ]:
         with pytest.raises(SettingError, match="compile=True") as err:
             PipelineConfig(compile=True, **settings)
@@ -93,6 +115,7 @@ def test_what_compile_cannot_run_is_refused_before_spawning():
     with pytest.raises(SettingError, match="compile='auto' with shard='full'"):
         PipelineConfig(compile="auto", schedule="auto", width=2, shard="full")
     PipelineConfig(compile="auto", schedule="auto")  # legal
+    assert PipelineConfig(compile=True, width=2, shard="full", schedule="2bw").compile is True  # FSDP2 over compiled blocks runs
 
 
 class Probe(nn.Module):

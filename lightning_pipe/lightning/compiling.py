@@ -7,6 +7,7 @@ compile='auto' (autoplan.py) profiles the blocks eager and compiled and keeps th
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from typing import Optional
 
@@ -37,6 +38,15 @@ def compile_blocks(pipeline: nn.Module, split: bool = False) -> int:
             setattr(block, COMPILED, True)
             count += 1
     return count
+
+
+def copied(block: nn.Module) -> nn.Module:
+    """A deep copy of `block`, compiled again where `block` was: `copy.deepcopy` drops the compiled call
+    `nn.Module.compile` set (the copy would run eager while marked compiled)."""
+    twin = copy.deepcopy(block)
+    if getattr(block, COMPILED, False):
+        twin.compile()
+    return twin
 
 
 def uncompile_blocks(pipeline: nn.Module) -> None:

@@ -24,7 +24,6 @@ the groups are cut back, so the files are those of shard="none" and resume acros
 from __future__ import annotations
 
 import contextlib
-import copy
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -34,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from ...config import PipelineConfig
 from ...errors import SettingError
+from ...lightning.compiling import copied
 from ...runtime.host_memory import return_large_buffers
 from ...runtime.tensor_parallel import is_strided
 from ..lightning import ReplicasLayer
@@ -150,7 +150,7 @@ class FullyShardedReplicas(ReplicasLayer):
             if isinstance(block, FSDPModule) or not any(True for _ in block.parameters()):
                 continue  # sharded by an earlier fit, or nothing to shard
             if cut.pipeline is not None:  # global rank 0 hands the trained model back in these modules: shard a copy
-                block = copy.deepcopy(block)
+                block = copied(block)
                 cut.stage._modules[str(index)] = block
             fully_shard(block, mesh=mesh, reshard_after_forward=ctx.config.reshard == "microbatch", mp_policy=policy)
             if ctx.config.reshard == "step":
