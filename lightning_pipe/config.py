@@ -150,7 +150,7 @@ class PipelineConfig:
     compile: Any = False
     """torch.compile each pipeline block once (as torchtitan compiles per transformer block), before the
     profile, so the planners see compiled costs; graph breaks are reported at the end of fit. Flush
-    schedules and 2BW; not with zero bubble's split backward or shard='full'. 'auto' (with
+    schedules and 2BW, shard='full' too; not with zero bubble's split backward. 'auto' (with
     schedule='auto'): the blocks are profiled eager and compiled, and the faster simulated step runs."""
     intra_bandwidth: Optional[float] = None
     """planner=2bw: bytes/s between devices of one node (None: a default for the device type)."""

@@ -35,10 +35,6 @@ class Legality:
     message: Callable[[PipelineConfig], str]
 
 
-def _full_shard_conflict(c: PipelineConfig) -> str:
-    return f"schedule={c.schedule!r}" if c.auto else "planner=2bw"
-
-
 def _planner_excludes(c: PipelineConfig) -> str:
     return "pipelines (AvgPipe)" if c.pipelines is not None else ("adaptive" if c.adaptive else "tune")
 
@@ -96,12 +92,19 @@ LEGALITY: tuple[Legality, ...] = (
     ),
     Legality(
         "shard",
-        lambda c: c.shard == "full" and (c.auto or c.planner is not None),
+        lambda c: c.shard == "full" and c.auto and c.planner is None,
         lambda c: (
             "shard='full' (FSDP2) runs the schedules you name (gpipe, 1f1b, interleaved, wave, hanayo, advance, "
-            "zb-h1, zb-v, zb-auto, 2bw), not "
-            + _full_shard_conflict(c)
-            + ": a planner's choice over sharded blocks is not built; name a schedule or use shard='optimizer'"
+            "zb-h1, zb-v, zb-auto, 2bw) and the 2BW planner's choice, not schedule='auto' (its planners price no "
+            "FSDP2 gathers): name a schedule, use planner='2bw', or shard='optimizer'"
+        ),
+    ),
+    Legality(
+        "shard",
+        lambda c: c.shard == "full" and c.planner is not None and c.planner_2bw_cost != "simulated",
+        lambda c: (
+            f"shard='full' with planner_2bw_cost={c.planner_2bw_cost!r}: the paper's closed forms price no FSDP2 "
+            "gathers; set planner_2bw_cost='simulated' (ours)"
         ),
     ),
     Legality(

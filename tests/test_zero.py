@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import glob
+import json
 import os
 
 import lightning as L
@@ -88,9 +89,22 @@ def single(steps, tied=False, dtype="float64", **kw):
     return ref, trainer
 
 
-def pipelined(model, steps, train=None, callbacks=(), ckpt_path=None, gradient_clip_val=None, val=None, precision=None, **settings):
+def pipelined(
+    model,
+    steps,
+    train=None,
+    callbacks=(),
+    ckpt_path=None,
+    gradient_clip_val=None,
+    val=None,
+    precision=None,
+    default_root_dir=None,
+    **settings,
+):
     settings = dict(dict(schedule="1f1b", microbatches=2, width=2, shard="optimizer", start_method=START), **settings)
     kw = dict(enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), gradient_clip_val=gradient_clip_val)
+    if default_root_dir is not None:
+        kw.update(default_root_dir=default_root_dir)
     if precision is not None:
         kw.update(precision=precision)
     if val is not None:
@@ -305,6 +319,19 @@ def test_2bw_over_fully_sharded_replicas_follows_its_rule_and_reduces_once_a_bat
         assert blocks > 0 and counts["per_step"] == first + [blocks] * (steps - len(first)), counts
         state = torch.load(os.path.join(tmp_path, f"state-rank{rank}.pt"))
         assert state["weights"] < sum(state["stage"].values())
+
+
+def test_the_2bw_planner_plans_over_fully_sharded_replicas_and_runs_exactly(tmp_path):
+    # planner=2bw with shard=full on 4 processes: widths of at least 2 (something to shard over), each candidate
+    # priced with FSDP2's gathers and reduce-scatter and its memory sharded; a global batch of 10 leaves w = 2, d = 2,
+    # and 2BW (m >= d) micro-batches of 1. It trains by PipeDream-2BW's rule on the global batch
+    model = LitSeq()
+    pipelined(model, 5, schedule="2bw", shard="full", planner="2bw", global_batch=10, width=1, default_root_dir=str(tmp_path))
+    (path,) = glob.glob(os.path.join(tmp_path, "**", "plan_2bw.json"), recursive=True)
+    plan = json.load(open(path))
+    assert (plan["chosen"]["width"], plan["chosen"]["depth"], plan["chosen"]["shard"]) == (2, 2, "full")
+    assert all(c["width"] >= 2 and c["shard"] == "full" for c in plan["candidates"]) and plan["mesh"]["searched"] is False
+    assert max_rel_diff(single_2bw(5).state_dict(), model.state_dict()) <= 1e-10
 
 
 @pytest.mark.parametrize("layout", ["full", "sharded"])

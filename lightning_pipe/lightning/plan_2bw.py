@@ -134,8 +134,8 @@ def _plan(config: PipelineConfig, where: Where, module: Any, trainer: Any, batch
     kinds = block_kinds([type(b).__name__ for b in blocks])
     schedules = ("2bw", "1f1b", "gpipe") if config.auto else (config.schedule,)
     refine = refiner(config.partition, kinds)
-    # tensor > 1: the user's tensor degree and shard, priced as the mesh search prices them (ours)
-    fixed = (config.tensor, config.shard) if config.tensor > 1 else None
+    # tensor > 1 or shard=full: the user's tensor degree and shard, priced as the mesh search prices them (ours)
+    fixed = (config.tensor, config.shard) if config.tensor > 1 or config.shard == "full" else None
     cost_model = two_bw_settings.cost_model(config)
     result = plan_2bw(profile, hw, batch, schedules, refine=refine, every_device=True, cost_model=cost_model, kinds=kinds, fixed_mesh=fixed)
     result.notes.append(f"profiled {len(blocks)} blocks at micro-batch sizes {sizes} in {profiled:.1f} s on {device}")

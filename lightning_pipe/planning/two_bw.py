@@ -326,8 +326,8 @@ def _plan(
     meshes = [fixed_mesh] if fixed_mesh is not None else mesh_options(hw, kinds, schedules) if searched_mesh else [(1, default_shard)]
     for tensor, shard in meshes:
         for w, d in grids(hw.devices // tensor, profile.num_blocks, every_device):
-            if searched_mesh and shard != "none" and w < 2:
-                continue  # nothing to shard over: the same as shard none
+            if shard != "none" and w < 2 and (searched_mesh or shard == "full"):
+                continue  # nothing to shard over (searched: the same as shard none)
             if global_batch % w:
                 why = f"skipped: global batch {global_batch} is not a multiple of w={w}"
                 candidates.append(Candidate(w, d, 0, 0, "-", "-", verdict=why, tensor=tensor, shard=shard))
