@@ -181,13 +181,14 @@ def batches(steps: int, batch_size: int = 8) -> list:
     return out[:steps]
 
 
-def reference_2bw(ref: "UserLM", steps: int) -> None:
-    """PipeDream-2BW's rule in one process: W(t+1) = W(t) - step(grad f(W(t-1); batch t))."""
+def reference_2bw(ref: "UserLM", steps: int, data=None) -> None:
+    """PipeDream-2BW's rule in one process: W(t+1) = W(t) - step(grad f(W(t-1); batch t)) (`data`: a loader of
+    the global batches, else `batches`)."""
     import copy
 
     opt = ref.configure_optimizers()
     previous = copy.deepcopy(ref)
-    for t, batch in enumerate(batches(steps)):
+    for t, batch in enumerate(list(data)[:steps] if data is not None else batches(steps)):
         at = previous if t >= 1 else copy.deepcopy(ref)  # W(max(t - 1, 0))
         at.zero_grad()
         at.training_step(batch, t).backward()

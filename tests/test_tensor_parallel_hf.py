@@ -67,13 +67,17 @@ def test_2bw_over_split_blocks_follows_its_rule():
     assert close(ref.state_dict(), model.state_dict()) <= 1e-10
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zb-v", "2bw"])
 def test_llama_in_three_dimensions_equals_one_process(schedule):
     # pp2 x dp2 x tp2 with FSDP2 over the replicas: Lightning's DistributedSampler (shuffle, the run's seed) deals
     # replica r the rows perm[r::2] of each epoch; one process trains on the union of both replicas' k-th batches.
-    # Zero bubble: its input- and weight-gradient passes over FSDP2's 2-D (dp x tp) shards
+    # Zero bubble: its input- and weight-gradient passes over FSDP2's 2-D (dp x tp) shards; 2BW: its rule, each rank
+    # stashing its 2-D shard of the older version
     ref, model = pair("llama")
-    train_single(ref, STEPS, data=two_replica_data(STEPS))
+    if schedule == "2bw":
+        reference_2bw(ref, STEPS, data=two_replica_data(STEPS))
+    else:
+        train_single(ref, STEPS, data=two_replica_data(STEPS))
     fit(model, 8, width=2, shard="full", microbatches=2, schedule=schedule)
     assert close(ref.state_dict(), model.state_dict()) <= 1e-10
 

@@ -271,14 +271,14 @@ def test_fully_sharded_bf16_mixed_gathers_in_bf16_and_keeps_fp32_master_weights(
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
-def single_2bw(steps, clip=None):
-    """PipeDream-2BW's rule on one process over the global batches: batch b's gradient taken at W(max(b - 1, 0)),
-    applied to W(b) (clipped by its global norm)."""
+def single_2bw(steps, clip=None, n=N):
+    """PipeDream-2BW's rule on one process over the global batches of `n` rows: batch b's gradient taken at
+    W(max(b - 1, 0)), applied to W(b) (clipped by its global norm)."""
     ref = LitSeq()
     conf = ref.configure_optimizers()
     opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
-    data, batches = dataset(n=N), []
-    sampler = EpochPerm(N)
+    data, batches = dataset(n=n), []
+    sampler = EpochPerm(n)
     while len(batches) < steps:
         batches += list(DataLoader(data, batch_size=2 * PER_REPLICA, sampler=sampler))
     previous = copy.deepcopy(ref.seq)
@@ -415,23 +415,29 @@ def test_a_checkpoint_resumes_under_another_shard_setting(tmp_path):
         assert max_rel_diff(want.state_dict(), resumed.state_dict()) <= 1e-10, shard
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
 @pytest.mark.parametrize(
     "first,then", [(dict(width=2, shard="full"), dict(width=1, shard="none")), (dict(width=1, shard="none"), dict(width=2, shard="full"))]
 )
-def test_a_checkpoint_resumes_on_another_mesh(tmp_path, first, then):
-    # pp2 x dp2 with FSDP2 -> pp4, and back: the checkpoint holds whole tensors by name, so it continues on another
-    # mesh. Every step trains on all 10 rows (one batch an epoch): pp4's one replica reads them at once, pp2 x dp2's
-    # two replicas 5 each, so both layouts step on one process's batch whatever order their samplers deal it in
+def test_a_checkpoint_resumes_on_another_mesh(tmp_path, first, then, schedule):
+    # pp2 x dp2 with FSDP2 -> pp4, and back: the checkpoint holds whole tensors by name (2BW's stashed version too),
+    # so it continues on another mesh. Every step trains on all 10 rows (one batch an epoch): pp4's one replica reads
+    # them at once, pp2 x dp2's two replicas 5 each, so both layouts step on one process's batch whatever order their
+    # samplers deal it in
     rows = 2 * PER_REPLICA
 
     def loader_for(settings):
         return DataLoader(dataset(n=rows), batch_size=rows // settings["width"])
 
-    want = LitSeq()
-    L.Trainer(devices=1, **trainer_kwargs(max_steps=8)).fit(want, DataLoader(dataset(n=rows), batch_size=rows))
+    if schedule == "2bw":
+        want = single_2bw(8, n=rows)
+    else:
+        want = LitSeq()
+        L.Trainer(devices=1, **trainer_kwargs(max_steps=8)).fit(want, DataLoader(dataset(n=rows), batch_size=rows))
+    m = 4 if schedule == "2bw" else 2  # 2BW on pp4: m >= d
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
-    pipelined(LitSeq(), 4, train=loader_for(first), callbacks=[saver], partition="uniform", **first)
+    pipelined(LitSeq(), 4, train=loader_for(first), callbacks=[saver], partition="uniform", schedule=schedule, microbatches=m, **first)
     (path,) = glob.glob(os.path.join(tmp_path, "*step=4.ckpt"))
     resumed = LitSeq(seed=5)
-    pipelined(resumed, 8, train=loader_for(then), ckpt_path=path, partition="uniform", **then)
+    pipelined(resumed, 8, train=loader_for(then), ckpt_path=path, partition="uniform", schedule=schedule, microbatches=m, **then)
     assert max_rel_diff(want.state_dict(), resumed.state_dict()) <= 1e-10
