@@ -18,7 +18,8 @@ One command, one JSON + markdown report, on one accelerator (under 8 minutes on 
 6. peak memory of each stage of the 2BW planner's 8-GPU choice for GPT-2 345M, run on the GPU one
    stage at a time (its in-flight micro-batches, gradients, Adam state, 2BW's second version),
    against the planner's memory model;
-7. on a machine with 4 or 8 GPUs, NCCL's paths of the mesh's dimensions: pp2 x dp2 with each `shard`
+7. on a machine with 4 or 8 GPUs, NCCL's paths of the mesh's dimensions: pp2 x dp2 with each `shard` (2BW over
+   FSDP2 too)
    against whole replicas, pp2 x tp2 against pp4 and pp2 x dp2 x tp2 against pp4 x dp2 (a section
    says "not run" on fewer GPUs);
 8. torch.compile per block (`compile=True`'s in-place `nn.Module.compile`): GPT-2 345M's blocks in bf16,
@@ -317,9 +318,11 @@ def shared(args: argparse.Namespace, report: dict) -> dict:
     return out
 
 
-def _sharded(accelerator: str, shard: str, out: str, schedule: str = "1f1b") -> dict[str, torch.Tensor]:
+def _sharded(accelerator: str, shard: str, out: str, schedule: str = "1f1b", **settings: Any) -> dict[str, torch.Tensor]:
     """pp2 x dp2 on 4 devices (NCCL on GPUs), 4 steps, `shard` over the 2 replicas; the model back."""
-    strategy = AutoPipeStrategy(width=2, shard=shard, schedule=schedule, microbatches=4, partition="uniform", start_method="spawn")
+    strategy = AutoPipeStrategy(
+        width=2, shard=shard, schedule=schedule, microbatches=4, partition="uniform", start_method="spawn", **settings
+    )
     return _fresh_fit(strategy, accelerator, 4, 4, out)
 
 
@@ -336,6 +339,9 @@ def sharded(args: argparse.Namespace, report: dict) -> dict:
     whole = _sharded("gpu", "none", str(args.out))
     out = {f"shard={s}: max rel error vs shard=none": _max_rel(_sharded("gpu", s, str(args.out)), whole) for s in ("optimizer", "full")}
     out["shard=full, zb-h1: max rel error vs shard=none"] = _max_rel(_sharded("gpu", "full", str(args.out), "zb-h1"), whole)
+    # 2BW's rule with each rank's shard of the stashed version (FSDP2 gathering it for forward and backward)
+    two_bw = _sharded("gpu", "none", str(args.out), "2bw")
+    out["shard=full, 2bw: max rel error vs 2bw, shard=none"] = _max_rel(_sharded("gpu", "full", str(args.out), "2bw"), two_bw)
     assert all(v <= 1e-10 for v in out.values()), out
     return out
 

@@ -75,11 +75,6 @@ class PipelineConfig:
     backward (FSDP2's default: least memory, two all-gathers per block and micro-batch); step: kept from a
     step's first forward to its last backward (one all-gather per block and step, as torchtitan runs FSDP
     under a pipeline; the stage's whole parameters held during the step)."""
-    reduce_scatter: str = "step"
-    """shard=full: when a block's gradients are reduce-scattered. step: once, in the step's last backward
-    (they accumulate whole until then, as torch.distributed.pipelining's stage does: one collective per block
-    and step); microbatch: after every micro-batch's backward (held sharded: 1/width of the gradients' memory,
-    m collectives per block and step). Not with zero bubble's split backward."""
     shard_mixed_precision: bool = True
     """shard=full under precision="bf16-mixed": FSDP2 gathers each block's weights in bf16 and reduce-scatters the
     gradients in fp32, the shards (the optimizer's master weights) and optimizer state fp32, as torchtitan runs FSDP2

@@ -23,8 +23,7 @@ SLICED = tuple(name for name in REGISTRY if name not in MULTI_CHUNK + COSTED + (
 ALGORITHM2_SCHEDULES = ("1f1b",)  # AutoPipe's Algorithm 2 slices 1F1B
 ADVANCE_NUM_SCHEDULES = ("advance", "2bw")  # the schedules with AvgPipe(2BW)'s advance forward order
 COMPILE_VALUES = (False, True, "auto")  # auto: schedule='auto' weighs eager against compiled blocks
-SPLIT_BACKWARD = tuple(name for name, kind in REGISTRY.items() if kind.split_backward)  # BI, then W (zero bubble)
-COMPILE_EXCLUDED = SPLIT_BACKWARD  # a split backward (autograd.grad on a block's inputs, then its weights)
+COMPILE_EXCLUDED = ("zb-h1", "zb-v", "zb-auto")  # a split backward (autograd.grad on a block's inputs, then its weights)
 
 
 @dataclass(frozen=True)
@@ -68,19 +67,6 @@ LEGALITY: tuple[Legality, ...] = (
         "reshard",
         lambda c: c.reshard != "microbatch" and c.shard != "full",
         lambda c: f"reshard={c.reshard!r} is a setting of shard='full' (when FSDP2 frees gathered weights), not shard={c.shard!r}",
-    ),
-    Legality(
-        "reduce_scatter",
-        lambda c: c.reduce_scatter != "step" and c.shard != "full",
-        lambda c: f"reduce_scatter={c.reduce_scatter!r} is a setting of shard='full' (when FSDP2 reduces gradients), not shard={c.shard!r}",
-    ),
-    Legality(
-        "reduce_scatter",
-        lambda c: c.reduce_scatter == "microbatch" and c.shard == "full" and c.schedule in SPLIT_BACKWARD,
-        lambda c: (
-            f"reduce_scatter='microbatch' with schedule={c.schedule!r}: a split backward's weight gradients are "
-            "reduce-scattered once, after the step's last W; set reduce_scatter='step'"
-        ),
     ),
     Legality(
         "shard_mixed_precision",

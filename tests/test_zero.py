@@ -149,8 +149,6 @@ def test_sharded_optimizer_equals_one_process_and_holds_each_state_once(tmp_path
         ("interleaved", {"chunks": 2}, "step"),
         ("1f1b", {"recompute": True}, "microbatch"),  # a recomputed block's forward replayed on gathered weights
         ("1f1b", {"recompute": True}, "step"),
-        ("1f1b", {"reduce_scatter": "microbatch"}, "microbatch"),  # every backward's gradients reduce-scattered, FSDP2 sums them
-        ("interleaved", {"chunks": 2, "reduce_scatter": "microbatch"}, "step"),
     ],
 )
 def test_fully_sharded_replicas_equal_one_process_and_hold_half_of_everything(tmp_path, schedule, options, reshard):
@@ -164,10 +162,9 @@ def test_fully_sharded_replicas_equal_one_process_and_hold_half_of_everything(tm
     val = DataLoader(dataset(n=N), batch_size=PER_REPLICA) if reshard == "step" else None
     pipelined(model, 5, callbacks=callbacks, schedule=schedule, shard="full", gradient_clip_val=0.05, reshard=reshard, val=val, **options)
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
-    per_step = 2 if options.get("reduce_scatter") == "microbatch" else 1  # m = 2 micro-batches, or once a step
-    for rank in range(4):  # per sharded block
+    for rank in range(4):  # m = 2 micro-batches, one reduce-scatter per sharded block and step
         counts = torch.load(os.path.join(tmp_path, f"rs-rank{rank}.pt"))
-        assert counts["blocks"] > 0 and counts["per_step"] == [per_step * counts["blocks"]] * 5, counts
+        assert counts["blocks"] > 0 and counts["per_step"] == [counts["blocks"]] * 5, counts
         gathers = torch.load(os.path.join(tmp_path, f"ag-rank{rank}.pt"))
         per_block = 1 if reshard == "step" else 2 * 2  # once a step, or for each of the 2 forwards and 2 backwards
         assert gathers["per_step"] == [per_block * gathers["blocks"]] * 5, gathers
@@ -304,17 +301,13 @@ def single_2bw(steps, clip=None, n=N):
 # last backward (stage 0 keeps one forward ahead: batch t completes in step t + 1, the last batch in the drain at
 # the end; the last stage completes each batch in its own step), and kept apart from the batch before it until
 # that one's update
-@pytest.mark.parametrize(
-    "recompute,reduce_scatter",
-    [(False, "step"), (True, "step"), (False, "microbatch")],  # a recomputed block's replay gathers its batch's version too
-)
-def test_2bw_over_fully_sharded_replicas_follows_its_rule_and_reduces_once_a_batch(tmp_path, recompute, reduce_scatter):
+@pytest.mark.parametrize("recompute", [False, True])  # a recomputed block's replay gathers its batch's version too
+def test_2bw_over_fully_sharded_replicas_follows_its_rule_and_reduces_once_a_batch(tmp_path, recompute):
     steps = 5
     ref = single_2bw(steps, clip=0.05)
     model = LitSeq()
     callbacks = [RecordState(tmp_path), CountCollective(tmp_path, "reduce_scatter_single", "rs")]
-    settings = dict(schedule="2bw", shard="full", gradient_clip_val=0.05, recompute=recompute, reduce_scatter=reduce_scatter)
-    pipelined(model, steps, callbacks=callbacks, **settings)
+    pipelined(model, steps, callbacks=callbacks, schedule="2bw", shard="full", gradient_clip_val=0.05, recompute=recompute)
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
     assert max_rel_diff(single_2bw(steps).state_dict(), model.state_dict()) > 1e-6  # the clip took effect
     flush, _ = single(steps, gradient_clip_val=0.05)
@@ -322,11 +315,8 @@ def test_2bw_over_fully_sharded_replicas_follows_its_rule_and_reduces_once_a_bat
     for rank in range(4):
         counts = torch.load(os.path.join(tmp_path, f"rs-rank{rank}.pt"))
         blocks, stage = counts["blocks"], rank // 2
-        if reduce_scatter == "microbatch":  # each backward's: stage 0 leaves one of step 0's to step 1
-            assert blocks > 0 and counts["per_step"] == [blocks if stage == 0 else 2 * blocks] + [2 * blocks] * (steps - 1), counts
-        else:
-            first = [0] if stage == 0 else []  # stage 0's step 0 completes no batch
-            assert blocks > 0 and counts["per_step"] == first + [blocks] * (steps - len(first)), counts
+        first = [0] if stage == 0 else []  # stage 0's step 0 completes no batch
+        assert blocks > 0 and counts["per_step"] == first + [blocks] * (steps - len(first)), counts
         state = torch.load(os.path.join(tmp_path, f"state-rank{rank}.pt"))
         assert state["weights"] < sum(state["stage"].values())
 

@@ -35,14 +35,6 @@ def test_settings_refused_before_any_process():
         PipelineConfig(shard="full", width=2, schedule="2bw", reshard="step")
     assert err.value.setting == "reshard" and "set reshard='microbatch'" in str(err.value)
     assert PipelineConfig(shard="full", width=2, schedule="2bw").schedule == "2bw"  # 2BW over FSDP2 runs (test_zero)
-    for settings, words in [
-        (dict(shard="optimizer", width=2, reduce_scatter="microbatch"), "a setting of shard='full'"),
-        (dict(shard="full", width=2, schedule="zb-h1", reduce_scatter="microbatch"), "set reduce_scatter='step'"),
-        (dict(shard="full", width=2, reduce_scatter="always"), "allowed values"),
-    ]:
-        with pytest.raises(SettingError, match="reduce_scatter") as err:
-            PipelineConfig(**settings)
-        assert words in str(err.value) and err.value.setting == "reduce_scatter" and "\n" not in str(err.value), str(err.value)
     assert PipelineConfig(shard="full", planner="2bw", schedule="auto").planner == "2bw"  # its planner's choice too
     for settings, words in [
         (dict(shard="full", width=2, shard_mixed_precision="yes"), "shard_mixed_precision='yes': true"),
@@ -77,8 +69,6 @@ def test_the_planners_count_what_each_shard_setting_keeps():
     # reshard="step": the stage's gathered parameters held through the step besides
     assert adam_weight_copies("full", 2, "step") == 3.5 and adam_weight_copies("full", 4, "step") == 2.75
     assert adam_weight_copies("optimizer", 2, "step") == 3.0  # a setting of shard="full" only
-    # reduce_scatter="microbatch": the gradients held sharded too, everything / width
-    assert adam_weight_copies("full", 2, reduce_scatter="microbatch") == 2.0 and adam_weight_copies("full", 4, "step", "microbatch") == 2.0
 
 
 @given(st.lists(st.tuples(st.integers(1, 300), st.sampled_from(["float32", "float64"])), max_size=30), st.integers(8, 2000))

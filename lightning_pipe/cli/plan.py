@@ -111,7 +111,7 @@ def _main(cfg: DictConfig) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     timeline = result.timeline(costs)
-    copies = adam_weight_copies(config.shard, config.width, config.reshard, config.reduce_scatter)
+    copies = adam_weight_copies(config.shard, config.width, config.reshard)
     memory = stage_memory(timeline, copies, costs.runtime_bytes)
     mesh = {"pp": stages, "dp": config.replicas, "tp": config.tensor, "shard": config.shard}
     summary = {"costs": source, **result.summary(), "mesh": mesh}
@@ -125,7 +125,7 @@ def _main(cfg: DictConfig) -> None:
     print(f"mesh: pp {stages} x dp {config.replicas}{tp}" + (f", shard={config.shard}" if config.shard != "none" else ""))
     for lines in result.report():
         print(lines)
-    print(memory_line(memory, config.shard, config.width, costs.runtime_bytes, config.reshard, config.tensor, config.reduce_scatter))
+    print(memory_line(memory, config.shard, config.width, costs.runtime_bytes, config.reshard, config.tensor))
     written = [out / "plan.json", *([picture] if picture is not None else [])]
     if cfg.plan.get("dump_schedule"):
         text = dump(timeline.schedule)

@@ -311,7 +311,7 @@ class AutoPlanner:
         out = self._out()
         profile.save(out / "profile.json")
         timeline = result.timeline(costs)
-        copies = adam_weight_copies(self.config.shard, self.config.width, self.config.reshard, self.config.reduce_scatter)
+        copies = adam_weight_copies(self.config.shard, self.config.width, self.config.reshard)
         memory = stage_memory(timeline, copies, costs.runtime_bytes)  # what schedule="auto" holds to memory_limit
         summary = {"profile": profile.key, "profiled_and_planned_seconds": seconds, **result.summary(), "messages": profile.messages}
         summary["predicted_memory_bytes"] = {"per_rank": memory, "weight_copies": copies, "runtime_bytes": costs.runtime_bytes}
@@ -329,15 +329,7 @@ class AutoPlanner:
         for lines in result.report():
             rank_zero_info("\n" + lines)
         rank_zero_info(
-            memory_line(
-                memory,
-                self.config.shard,
-                self.config.width,
-                costs.runtime_bytes,
-                self.config.reshard,
-                self.config.tensor,
-                self.config.reduce_scatter,
-            )
+            memory_line(memory, self.config.shard, self.config.width, costs.runtime_bytes, self.config.reshard, self.config.tensor)
         )
         rank_zero_info(f"plan, profile and predicted timeline written to {out}")
 

@@ -57,41 +57,31 @@ SHARDED = {  # how a rank's Adam state is laid out over the `width` replicas of 
 }
 
 
-def adam_weight_copies(shard: str = "none", width: int = 1, reshard: str = "microbatch", reduce_scatter: str = "step") -> float:
+def adam_weight_copies(shard: str = "none", width: int = 1, reshard: str = "microbatch") -> float:
     """A rank's bytes per weight byte of its stage under Adam: parameters + gradients + exp_avg + exp_avg_sq.
-    shard="optimizer" divides the two moments over the `width` replicas; "full" also the parameters, and the
-    gradients too where they are reduce-scattered after every micro-batch (reduce_scatter="microbatch"; by
-    default they accumulate unsharded over a step's micro-batches and are reduce-scattered once); with
+    shard="optimizer" divides the two moments over the `width` replicas; "full" also the parameters (the
+    gradients accumulate unsharded over a step's micro-batches and are reduce-scattered once), and with
     reshard="step" the stage's gathered parameters are held through the step as well."""
     if width <= 1 or shard == "none":
         return 4.0
     if shard == "optimizer":
         return 2.0 + 2.0 / width
-    gradients = 1.0 / width if reduce_scatter == "microbatch" else 1.0
-    return (1.0 if reshard == "step" else 0.0) + gradients + 3.0 / width
+    return (2.0 if reshard == "step" else 1.0) + 3.0 / width
 
 
 ADAM_WEIGHT_COPIES = adam_weight_copies()
 
 
 def memory_line(
-    per_stage: Sequence[float],
-    shard: str,
-    width: int,
-    runtime_bytes: float,
-    reshard: str = "microbatch",
-    tensor: int = 1,
-    reduce_scatter: str = "step",
+    per_stage: Sequence[float], shard: str, width: int, runtime_bytes: float, reshard: str = "microbatch", tensor: int = 1
 ) -> str:
     """The predicted peak per rank, as the plan and the training log print it."""
     layout = SHARDED[shard if width > 1 else "none"].format(w=width)
-    if shard == "full" and width > 1 and reduce_scatter == "microbatch":
-        layout = layout.replace("gradients whole while a step accumulates them", "gradients sharded after every micro-batch")
     layout += ", gathered parameters held through the step" if shard == "full" and width > 1 and reshard == "step" else ""
     layout += f", layers' weights split over {tensor} tensor-parallel ranks" if tensor > 1 else ""
     return (
         "predicted peak memory per rank (by stage): " + ", ".join(f"{b / 2**30:.2f}" for b in per_stage) + " GiB (weights x "
-        f"{adam_weight_copies(shard, width, reshard, reduce_scatter):g} for parameters, gradients and Adam's moments, {layout}; stashed activations; "
+        f"{adam_weight_copies(shard, width, reshard):g} for parameters, gradients and Adam's moments, {layout}; stashed activations; "
         f"the process's runtime {runtime_bytes / 2**30:.2f} GiB)"
     )
 

@@ -37,7 +37,6 @@ class RunSettings(Protocol):
 
     shard: str
     reshard: str
-    reduce_scatter: str
     width: int
 
     @property
@@ -162,7 +161,7 @@ def _plan_run(
     costs: CostModel, stages: int, config: RunSettings, kinds: Optional[Sequence[str]], memory_limit: Optional[float], exclude: tuple
 ) -> RunPlan:
     m, method, num_blocks = config.microbatches, config.partitioner, costs.num_blocks
-    copies = adam_weight_copies(config.shard, config.width, config.reshard, config.reduce_scatter)
+    copies = adam_weight_copies(config.shard, config.width, config.reshard)
 
     def costed(spec: ScheduleSpec, bounds: tuple) -> Optional[CostedSchedule]:
         return CostedSchedule(costs, bounds, memory_limit, copies) if spec.kind.costed else None

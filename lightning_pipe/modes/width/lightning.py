@@ -175,16 +175,14 @@ class FullyShardedReplicas(ReplicasLayer):
 
     def _gradient_sync(self, chunk: int, last: bool) -> None:
         """Gradients accumulate unsharded over a step's micro-batches and are reduce-scattered once, in the
-        chunk's last backward (as torch.distributed.pipelining's stage does), or after every backward
-        (reduce_scatter="microbatch": FSDP2 sums the shards); with reshard="step" the gathered weights are
-        freed in the last one too, not after every micro-batch's backward."""
+        chunk's last backward (as torch.distributed.pipelining's stage does); with reshard="step" the
+        gathered weights are freed there too, not after every micro-batch's backward."""
         stage, per_step = self.ctx.cut.stage, self.ctx.config.reshard == "step"
-        sync = last or self.ctx.config.reduce_scatter == "microbatch"  # or held sharded from every micro-batch on
         start, stop = stage.chunk_bounds[chunk]
         for index in range(start, stop):
             block = stage._modules[str(index)]
             if isinstance(block, FSDPModule):
-                block.set_requires_gradient_sync(sync, recurse=False)
+                block.set_requires_gradient_sync(last, recurse=False)
                 if per_step:
                     block.set_reshard_after_backward(last, recurse=False)
 

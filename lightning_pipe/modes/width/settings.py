@@ -1,5 +1,5 @@
-"""The replicas' settings: `width` (checked with the world in `topology.py`), `shard`, `reshard`,
-`reduce_scatter` and `shard_mixed_precision`, each on its own; which modes they combine with is the legality table's (`config.py`)."""
+"""The replicas' settings: `width` (checked with the world in `topology.py`), `shard`, `reshard` and
+`shard_mixed_precision`, each on its own; which modes they combine with is the legality table's (`config.py`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from ...errors import SettingError, check_choice
 
 SHARD = ("none", "optimizer", "full")
 RESHARD = ("microbatch", "step")
-REDUCE_SCATTER = ("step", "microbatch")
 
 
 def check_config(config: Any) -> None:
@@ -22,7 +21,6 @@ def check_config(config: Any) -> None:
         )
     config.shard = value.lower()
     config.reshard = check_choice("reshard", config.reshard, list(RESHARD))
-    config.reduce_scatter = check_choice("reduce_scatter", config.reduce_scatter, list(REDUCE_SCATTER))
     if not isinstance(config.shard_mixed_precision, bool):
         raise SettingError(
             f"shard_mixed_precision={config.shard_mixed_precision!r}: true (shard=full under bf16-mixed: weights gathered "
