@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_pipe.planning.auto import adam_weight_copies, stage_memory, version_share
 from lightning_pipe.schedules import Op, ScheduleSpec, build_schedule, validate
 from lightning_pipe.schedules.two_bw import drain_actions, leads, pipedream_2bw, step_actions
 from lightning_pipe.simulation import CostModel, simulate
@@ -94,6 +95,12 @@ def test_2bw_holds_two_weight_versions_in_the_memory_model():
     flush = simulate(build_schedule("1f1b", 4, 4), costs, bounds)
     assert two_bw.weight_bytes == [20.0] * 4 and flush.weight_bytes == [10.0] * 4
     assert two_bw.peak_activations == flush.peak_activations == [4, 3, 2, 1]
+    # a rank's peak: the second version adds its weights (a shard of them under FSDP2), not gradients or Adam's state
+    acts = [a for a in two_bw.peak_activation_bytes]
+    assert stage_memory(two_bw, 4.0) == [10.0 * 5 + a for a in acts]
+    assert stage_memory(flush, 4.0) == [10.0 * 4 + a for a in flush.peak_activation_bytes]
+    full = adam_weight_copies("full", 2)
+    assert stage_memory(two_bw, full, 0.0, version_share("full", 2)) == [10.0 * (full + 0.5) + a for a in acts]
 
 
 def test_fewer_microbatches_than_stages_is_refused():

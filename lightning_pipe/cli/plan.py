@@ -34,7 +34,7 @@ from ..frontend import TracedPipeline, trace
 from ..lightning.autoplan import loader_sample, profile_pipeline
 from ..lightning.stage import find_pipeline
 from ..planning import transformer_costs
-from ..planning.auto import adam_weight_copies, memory_line, stage_memory
+from ..planning.auto import adam_weight_copies, memory_line, stage_memory, version_share
 from ..planning.entry import block_kinds, link_model, plan_run
 from ..planning.tensor import split_by_tensor
 from ..profiling import Profile
@@ -112,7 +112,7 @@ def _main(cfg: DictConfig) -> None:
         sys.exit(2)
     timeline = result.timeline(costs)
     copies = adam_weight_copies(config.shard, config.width, config.reshard)
-    memory = stage_memory(timeline, copies, costs.runtime_bytes)
+    memory = stage_memory(timeline, copies, costs.runtime_bytes, version_share(config.shard, config.width))
     mesh = {"pp": stages, "dp": config.replicas, "tp": config.tensor, "shard": config.shard}
     summary = {"costs": source, **result.summary(), "mesh": mesh}
     summary["predicted_memory_bytes"] = {"per_rank": memory, "weight_copies": copies, "runtime_bytes": costs.runtime_bytes}

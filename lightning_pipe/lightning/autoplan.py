@@ -28,7 +28,7 @@ from torch import nn
 
 from ..legality import COMPILE_EXCLUDED
 from ..models.init import is_meta, profiling_blocks
-from ..planning.auto import adam_weight_copies, memory_line, stage_memory
+from ..planning.auto import adam_weight_copies, memory_line, stage_memory, version_share
 from ..planning.entry import BLOCK_KINDS as KINDS  # noqa: F401  (benchmarks read it here)
 from ..planning.entry import DEFAULT_LINKS, RunPlan, block_kinds, link_model, plan_run  # noqa: F401
 from ..planning.partition import partition_blocks
@@ -312,7 +312,8 @@ class AutoPlanner:
         profile.save(out / "profile.json")
         timeline = result.timeline(costs)
         copies = adam_weight_copies(self.config.shard, self.config.width, self.config.reshard)
-        memory = stage_memory(timeline, copies, costs.runtime_bytes)  # what schedule="auto" holds to memory_limit
+        extra = version_share(self.config.shard, self.config.width)  # 2BW's stash
+        memory = stage_memory(timeline, copies, costs.runtime_bytes, extra)  # what schedule="auto" holds to memory_limit
         summary = {"profile": profile.key, "profiled_and_planned_seconds": seconds, **result.summary(), "messages": profile.messages}
         summary["predicted_memory_bytes"] = {"per_rank": memory, "weight_copies": copies, "runtime_bytes": costs.runtime_bytes}
         if weighed is not None:  # compile='auto': both plans, the one kept

@@ -72,6 +72,12 @@ def adam_weight_copies(shard: str = "none", width: int = 1, reshard: str = "micr
 ADAM_WEIGHT_COPIES = adam_weight_copies()
 
 
+def version_share(shard: str = "none", width: int = 1) -> float:
+    """The bytes of a further weight version (2BW's stash) per weight byte of the stage: each rank stashes
+    its 1/width shard under shard="full", the whole stage otherwise."""
+    return 1.0 / width if shard == "full" and width > 1 else 1.0
+
+
 def memory_line(
     per_stage: Sequence[float], shard: str, width: int, runtime_bytes: float, reshard: str = "microbatch", tensor: int = 1
 ) -> str:
@@ -177,10 +183,14 @@ class ScheduleChoice:
         }
 
 
-def stage_memory(timeline: Timeline, weight_copies: float, runtime_bytes: float = 0.0) -> list[float]:
+def stage_memory(timeline: Timeline, weight_copies: float, runtime_bytes: float = 0.0, extra_version: float = 1.0) -> list[float]:
     """Predicted peak bytes of each rank: its weights' copies, its stashed activations and the
-    process's runtime (`CostModel.runtime_bytes`: the interpreter and libraries, a CUDA context)."""
-    return [w * weight_copies + a + runtime_bytes for w, a in zip(timeline.weight_bytes, timeline.peak_activation_bytes)]
+    process's runtime (`CostModel.runtime_bytes`: the interpreter and libraries, a CUDA context). A
+    schedule holding a second weight version (2BW) adds that version's weights only, `extra_version` of
+    them per weight byte (`version_share`), not a second set of gradients and optimizer state."""
+    versions = timeline.schedule.weight_versions
+    per_weight = weight_copies + (versions - 1) * extra_version
+    return [w / versions * per_weight + a + runtime_bytes for w, a in zip(timeline.weight_bytes, timeline.peak_activation_bytes)]
 
 
 def peak_memory(timeline: Timeline, weight_copies: float, runtime_bytes: float = 0.0) -> float:
