@@ -4,6 +4,7 @@ with FSDP2 over replicas, pp2 x dp2 x tp2 on 8 ranks), and a home-grown model sp
 
 from __future__ import annotations
 
+import glob
 import os
 
 import lightning as L
@@ -21,11 +22,12 @@ START = "forkserver"
 STEPS = 4
 
 
-def fit(model, devices, data=None, callbacks=(), **settings):
+def fit(model, devices, data=None, callbacks=(), ckpt_path=None, max_steps=STEPS, enable_checkpointing=False, **settings):
     settings = {"microbatches": 4, "partition": "uniform", "start_method": START, "tensor": 2, **settings}
     strategy = AutoPipeStrategy(**settings)
-    trainer = L.Trainer(devices=devices, strategy=strategy, callbacks=list(callbacks), **trainer_kwargs(max_steps=STEPS))
-    trainer.fit(model, data or loader())
+    kw = trainer_kwargs(max_steps=max_steps, enable_checkpointing=enable_checkpointing)
+    trainer = L.Trainer(devices=devices, strategy=strategy, callbacks=list(callbacks), **kw)
+    trainer.fit(model, data or loader(), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -80,6 +82,26 @@ def test_llama_in_three_dimensions_equals_one_process(schedule):
         train_single(ref, STEPS, data=two_replica_data(STEPS))
     fit(model, 8, width=2, shard="full", microbatches=2, schedule=schedule)
     assert close(ref.state_dict(), model.state_dict()) <= 1e-10
+
+
+def test_2bw_over_2d_shards_resumes_bit_for_bit(tmp_path):
+    # pp2 x dp2 x tp2, 2BW over FSDP2: the stash of each rank's 2-D (dp x tp) shards written whole and read back as
+    # the rank's shards; a run resumed at step 2 (an epoch's end: 12 rows a replica in batches of 8) reaches what 4
+    # steps in one go do
+    settings = dict(width=2, shard="full", microbatches=2, schedule="2bw")
+    _, whole = pair("llama")
+    fit(whole, 8, **settings)
+    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    _, first = pair("llama")
+    fit(first, 8, callbacks=[saver], max_steps=2, enable_checkpointing=True, **settings)
+    (path,) = glob.glob(os.path.join(tmp_path, "*step=2.ckpt"))
+    _, resumed = pair("llama")
+    with torch.no_grad():  # other initial weights: the checkpoint's must replace them
+        for p in resumed.parameters():
+            p.add_(0.1)
+    fit(resumed, 8, ckpt_path=path, **settings)
+    for k, v in whole.state_dict().items():
+        assert torch.equal(v, resumed.state_dict()[k]), k
 
 
 class HookedLM(UserLM):
