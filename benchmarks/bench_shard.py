@@ -1,6 +1,7 @@
 """Step time of pp2 x dp2 with whole replicas, ZeRO-1 and FSDP2 (pipeline.shard none | optimizer | full; full:step is
 shard=full with reshard=step: a block's weights gathered once a step, not for every micro-batch), and of the same
-4 processes as pp4 (`pp4`) or pp2 x tp2 (`tp2`: tensor=2), on the same global batch.
+4 processes as pp4 (`pp4`) or pp2 x tp2 (`tp2`: tensor=2), on the same global batch; `@2bw` after a setting runs
+PipeDream-2BW instead of 1F1B (`full@2bw`: 2BW over FSDP2).
 
 GPT-tiny (lightning_pipe.models.CausalLM), fp32, 1F1B, 4 gloo processes x 1 thread through the Trainer,
 synthetic tokens; each run trains `--warmup` untimed steps, then `--steps` timed ones (rank 0's wall time
@@ -53,12 +54,19 @@ def tokens(rows: int, seq: int, batch: int) -> DataLoader:
 
 
 def step_seconds(setting: str, args: Any) -> float:
-    shard, _, reshard = setting.partition(":")
-    mesh = MESHES.get(setting, dict(width=2, shard=shard, reshard=reshard or "microbatch"))
+    layout, _, schedule = setting.partition("@")  # e.g. full@2bw: PipeDream-2BW over FSDP2
+    shard, _, reshard = layout.partition(":")
+    mesh = MESHES.get(layout, dict(width=2, shard=shard, reshard=reshard or "microbatch"))
     with tempfile.TemporaryDirectory() as out:
         torch.manual_seed(0)
         strategy = AutoPipeStrategy(
-            **mesh, microbatches=4, partition="uniform", start_method="fork", message_costs=False, timeout=args.timeout
+            **mesh,
+            schedule=schedule or "1f1b",
+            microbatches=4,
+            partition="uniform",
+            start_method="fork",
+            message_costs=False,
+            timeout=args.timeout,
         )
         trainer = L.Trainer(
             accelerator="cpu", devices=4, strategy=strategy, max_steps=args.warmup + args.steps, logger=False,
@@ -72,7 +80,10 @@ def step_seconds(setting: str, args: Any) -> float:
 
 def main() -> None:
     bench = Bench(__doc__, {}, threads=1, rounds=3, steps=8, warmup=2, timeout=300.0)
-    bench.options(seq=(64, "tokens per sequence"), shards=(SHARDS, "the settings to time: shard[:reshard] at pp2 x dp2, pp4 or tp2"))
+    bench.options(
+        seq=(64, "tokens per sequence"),
+        shards=(SHARDS, "the settings to time: shard[:reshard] at pp2 x dp2, pp4 or tp2, each [@schedule] (default 1f1b)"),
+    )
     args = bench.parse()
     results = interleave(args.shards, args.rounds, lambda shard, r: step_seconds(shard, args))
     bench.keep("step_seconds", dict(zip(args.shards, results)))
@@ -82,7 +93,8 @@ def main() -> None:
         table.add(shard, spread(seconds).fmt(1e3), f"{statistics.median(seconds) / base:.2f}x")
     bench.table(
         table,
-        f"4 processes, GPT-tiny fp32, 1F1B, 16 x {args.seq} tokens a step in 4 micro-batches per pipeline, {args.rounds} rounds interleaved",
+        f"4 processes, GPT-tiny fp32, 1F1B (or @schedule), 16 x {args.seq} tokens a step in 4 micro-batches per pipeline, "
+        f"{args.rounds} rounds interleaved",
     )
     bench.finish()
 
