@@ -372,6 +372,9 @@ def _lookup_and_logits(rank, world, port, vocab, folder):
         weight = torch.nn.Parameter(distribute_tensor(table, mesh, [S(0)]))
         out = vocab_logits(vocab_lookup(ids, weight), weight)
         (out**2).sum().backward()
+        h = torch.randn(2, 7, 3, generator=g, dtype=torch.float64)
+        compiled = torch.compile(vocab_logits, fullgraph=True)(h, weight)  # fullgraph: a graph break raises
+        assert torch.allclose(compiled, vocab_logits(h, weight), rtol=1e-12, atol=0)
         torch.save(dict(out=out, grad=weight.grad.full_tensor(), local=tuple(weight.to_local().shape)), os.path.join(folder, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -379,7 +382,8 @@ def _lookup_and_logits(rank, world, port, vocab, folder):
 
 @pytest.mark.parametrize("vocab", [12, 5])
 def test_a_lookup_and_logits_over_vocabulary_rows_equal_whole_ones(tmp_path, vocab):
-    # 4 ranks: 12 rows split 3 each; 5 rows as torch.chunk splits them, 2, 2, 1 and none on the last rank
+    # 4 ranks: 12 rows split 3 each; 5 rows as torch.chunk splits them, 2, 2, 1 and none on the last rank. The
+    # logits compile in one graph too (a compiled head block has no graph break)
     import socket
 
     import torch.multiprocessing as mp

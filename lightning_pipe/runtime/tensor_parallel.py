@@ -12,7 +12,6 @@ the sequence (`sequence_scatter` before it, `sequence_gather` after it): a stage
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Callable, Iterator, Mapping, Optional, Union
 
 import torch.nn.functional as F
@@ -120,7 +119,14 @@ def vocab_lookup(ids: Tensor, weight: Tensor) -> Tensor:
     return DTensor.from_local(h, mesh, [Partial()], run_check=False).full_tensor()
 
 
-_SPLIT_LOGITS = contextvars.ContextVar("split_logits", default=False)
+class _SplitLogits:
+    """Whether `vocab_logits` keeps the logits split (inside `split_logits()`). A plain attribute: torch.compile
+    reads it and guards on its value, where reading a ContextVar breaks a compiled block's graph."""
+
+    on = False
+
+
+_SPLIT_LOGITS = _SplitLogits()
 
 
 @contextlib.contextmanager
@@ -129,12 +135,12 @@ def split_logits() -> Iterator[None]:
     vocabulary-parallel head returns its logits split over the vocabulary (a DTensor, `Shard(-1)`), and
     `F.cross_entropy` on them, forward and backward, reduces over the tensor ranks instead of gathering the
     logits whole. The backward must run inside too."""
-    token = _SPLIT_LOGITS.set(True)
+    before, _SPLIT_LOGITS.on = _SPLIT_LOGITS.on, True
     try:
         with loss_parallel():
             yield
     finally:
-        _SPLIT_LOGITS.reset(token)
+        _SPLIT_LOGITS.on = before
 
 
 def vocab_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -147,7 +153,7 @@ def vocab_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Te
         return F.linear(h, weight, bias)
     x = DTensor.from_local(h, weight.device_mesh, [Replicate()], run_check=False)
     logits = F.linear(x, weight, bias)
-    return logits if _SPLIT_LOGITS.get() else logits.full_tensor()
+    return logits if _SPLIT_LOGITS.on else logits.full_tensor()
 
 
 def is_strided(t) -> bool:
