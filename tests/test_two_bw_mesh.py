@@ -206,3 +206,27 @@ def test_plan_cli_prints_the_chosen_mesh(tmp_path):
     assert mesh["searched"] and mesh["pp"] * mesh["dp"] * mesh["tp"] <= 4 and mesh["shard"] in ("none", "optimizer", "full")
     line = next(x for x in run.stdout.splitlines() if x.startswith("mesh: "))
     assert line.startswith(f"mesh: pp {mesh['pp']} x dp {mesh['dp']} x tp {mesh['tp']}, shard={mesh['shard']}")
+
+
+@pytest.mark.timeout(200)
+def test_plan_cli_plans_around_the_runs_shard_as_the_run_does(tmp_path):
+    # planner=2bw with shard=full (no search): what a training run plans, widths of at least 2 priced with FSDP2's
+    # collectives, the paper's closed forms beside
+    run = run_module(
+        "lightning_pipe.plan",
+        [
+            "recipe=gpt2-345m",
+            f"hydra.run.dir={tmp_path}",
+            "trainer.devices=4",
+            "pipeline.planner=2bw",
+            "pipeline.shard=full",
+            "pipeline.schedule=2bw",
+            "data.batch_size=8",
+        ],
+        tmp_path,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stderr
+    plan = json.loads((tmp_path / "plan_2bw.json").read_text())
+    assert plan["mesh"]["searched"] is False and plan["mesh"]["shard"] == "full"
+    assert plan["candidates"] and all(c["shard"] == "full" and c["width"] >= 2 for c in plan["candidates"])

@@ -65,10 +65,21 @@ def plan_from_cli(cfg: DictConfig, config: Any, out: Path) -> tuple[TwoBWPlan, s
     own = two_bw_settings.cost_model(config)
     split = kinds or block_kinds(profile.block_names)  # which blocks tensor parallelism splits (plan_mesh)
 
+    # the run's tensor and shard, priced as a training run prices them (tensor > 1 or shard=full: ours)
+    fixed = (config.tensor, config.shard) if config.tensor > 1 or config.shard == "full" else None
+
     def planned(cost_model: str) -> TwoBWPlan:
         mesh = config.plan_mesh and cost_model == own  # the search over tensor and shard is the simulator's
         return plan_2bw(
-            profile, hw, batch, schedules_of(config), refine=refiner(config.partition, kinds), cost_model=cost_model, mesh=mesh, kinds=split
+            profile,
+            hw,
+            batch,
+            schedules_of(config),
+            refine=refiner(config.partition, kinds),
+            cost_model=cost_model,
+            mesh=mesh,
+            kinds=split,
+            fixed_mesh=fixed if cost_model == own and not mesh else None,
         )
 
     try:
