@@ -274,11 +274,8 @@ def test_checkpoint_of_split_weights_resumes_bit_for_bit(tmp_path, layout, unint
         assert torch.equal(v, resumed.state_dict()[k]), k
 
 
-@pytest.mark.parametrize("layout", ["full", "sharded"])
-def test_a_2bw_checkpoint_of_split_weights_resumes_bit_for_bit(tmp_path, layout):
-    # PipeDream-2BW's stashed version of split weights: written whole (each split weight's shards gathered), read back
-    # as this rank's shards; the resumed run reaches what 5 steps in one go do
-    settings = dict(tensor=2, schedule="2bw", microbatches=2)
+def resumes_bit_for_bit(tmp_path, layout, **settings):
+    """5 steps in one go against 2 steps, a checkpoint in `layout`, and a resume to 5 from other initial weights."""
     whole = make()
     fit_pipelined(whole, 5, **settings)
     saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
@@ -292,20 +289,17 @@ def test_a_2bw_checkpoint_of_split_weights_resumes_bit_for_bit(tmp_path, layout)
 
 
 @pytest.mark.parametrize("layout", ["full", "sharded"])
+def test_a_2bw_checkpoint_of_split_weights_resumes_bit_for_bit(tmp_path, layout):
+    # PipeDream-2BW's stashed version of split weights: written whole (each split weight's shards gathered), read back
+    # as this rank's shards; the resumed run reaches what 5 steps in one go do
+    resumes_bit_for_bit(tmp_path, layout, tensor=2, schedule="2bw", microbatches=2)
+
+
+@pytest.mark.parametrize("layout", ["full", "sharded"])
 def test_a_zero1_checkpoint_of_split_weights_resumes_bit_for_bit(tmp_path, layout):
     # pp2 x dp2 x tp2 with shard="optimizer": for the full file replica 0 gathers the other replica's Adam state of its
     # shards (a DTensor's local part travels and is made a DTensor again); resumed, it reaches what 5 steps in one go do
-    mesh = dict(devices=8, rows=64, width=2, tensor=2, shard="optimizer", microbatches=2)
-    whole = make()
-    fit_pipelined(whole, 5, **mesh)
-    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
-    fit_pipelined(make(), 2, callbacks=[saver], checkpoint=layout, **mesh)
-    (path,) = glob.glob(os.path.join(tmp_path, "*step=2.ckpt"))
-    torch.manual_seed(5)
-    resumed = CausalLM(model=ModelConfig(**CFG), lr=1e-2, warmup_steps=1, max_steps=4).double()  # other initial weights
-    fit_pipelined(resumed, 5, ckpt_path=path, checkpoint=layout, **mesh)
-    for k, v in whole.state_dict().items():
-        assert torch.equal(v, resumed.state_dict()[k]), k
+    resumes_bit_for_bit(tmp_path, layout, devices=8, rows=64, width=2, tensor=2, shard="optimizer", microbatches=2)
 
 
 @pytest.mark.parametrize("first,then", [(dict(tensor=2), dict(tensor=1)), (dict(tensor=1), dict(tensor=2))])

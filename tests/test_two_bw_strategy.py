@@ -32,13 +32,14 @@ def batches_of(steps, dtype, **kw):
     return out[:steps]
 
 
-def reference_2bw(steps, dtype="float64", clip=None):
-    """(the module after `steps` 2BW updates, the loss of each batch at the version it ran on)."""
+def reference_2bw(steps, dtype="float64", clip=None, batches=None):
+    """(the module after `steps` 2BW updates, the loss of each batch at the version it ran on); `batches`: the
+    (global) batches to train on, else `batches_of`."""
     ref = LitSeq(dtype=dtype)
     conf = ref.configure_optimizers()
     opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
     previous, losses = copy.deepcopy(ref.seq), []
-    for b, (x, y) in enumerate(batches_of(steps, getattr(torch, dtype))):
+    for b, (x, y) in enumerate(batches[:steps] if batches is not None else batches_of(steps, getattr(torch, dtype))):
         at = previous if b >= 1 else copy.deepcopy(ref.seq)  # W(max(b - 1, 0))
         at.zero_grad()
         loss = nn.functional.cross_entropy(at(x), y)

@@ -4,7 +4,6 @@ shard="none" that resume bit for bit."""
 
 from __future__ import annotations
 
-import copy
 import glob
 import json
 import os
@@ -14,7 +13,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from models import START, EpochPerm, LitSeq, dataset, max_rel_diff, trainer_kwargs
-from torch import nn
+from test_two_bw_strategy import reference_2bw
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
@@ -272,28 +271,12 @@ def test_fully_sharded_bf16_mixed_gathers_in_bf16_and_keeps_fp32_master_weights(
 
 
 def single_2bw(steps, clip=None, n=N):
-    """PipeDream-2BW's rule on one process over the global batches of `n` rows: batch b's gradient taken at
-    W(max(b - 1, 0)), applied to W(b) (clipped by its global norm)."""
-    ref = LitSeq()
-    conf = ref.configure_optimizers()
-    opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
-    data, batches = dataset(n=n), []
-    sampler = EpochPerm(n)
+    """PipeDream-2BW's rule on one process (test_two_bw_strategy.reference_2bw) over the global batches of `n` rows:
+    batch b's gradient taken at W(max(b - 1, 0)), applied to W(b) (clipped by its global norm)."""
+    data, batches, sampler = dataset(n=n), [], EpochPerm(n)
     while len(batches) < steps:
         batches += list(DataLoader(data, batch_size=2 * PER_REPLICA, sampler=sampler))
-    previous = copy.deepcopy(ref.seq)
-    for b, (x, y) in enumerate(batches[:steps]):
-        at = previous if b >= 1 else copy.deepcopy(ref.seq)
-        at.zero_grad()
-        nn.functional.cross_entropy(at(x), y).backward()
-        previous = copy.deepcopy(ref.seq)
-        for p, q in zip(ref.seq.parameters(), at.parameters()):
-            p.grad = q.grad.clone()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(ref.seq.parameters(), clip)
-        opt.step()
-        sched.step()
-    return ref
+    return reference_2bw(steps, clip=clip, batches=batches)[0]
 
 
 # PipeDream-2BW over FSDP2: each rank stashes its shard of the older version, and FSDP2 gathers a micro-batch's
