@@ -49,14 +49,6 @@ LEGALITY: tuple[Legality, ...] = (
     ),
     Legality(
         "compile",
-        lambda c: c.compile == "auto" and c.shard == "full",
-        lambda c: (
-            "compile='auto' with shard='full': it weighs eager against compiled blocks within schedule='auto', which "
-            "shard='full' does not run; set compile=True or False"
-        ),
-    ),
-    Legality(
-        "compile",
         lambda c: c.compile == "auto" and not c.auto,
         lambda c: (
             f"compile='auto' weighs eager against compiled blocks within schedule='auto', not schedule={c.schedule!r}: "
@@ -88,15 +80,6 @@ LEGALITY: tuple[Legality, ...] = (
         lambda c: c.shard != "none" and c.pipelines is None and c.planner is None and c.width < 2,
         lambda c: (
             f"shard={c.shard!r} shards the optimizer state over the replicas, and width={c.width} has none: set width >= 2 or shard='none'"
-        ),
-    ),
-    Legality(
-        "shard",
-        lambda c: c.shard == "full" and c.auto and c.planner is None,
-        lambda c: (
-            "shard='full' (FSDP2) runs the schedules you name (gpipe, 1f1b, interleaved, wave, hanayo, advance, "
-            "zb-h1, zb-v, zb-auto, 2bw) and the 2BW planner's choice, not schedule='auto' (its planners price no "
-            "FSDP2 gathers): name a schedule, use planner='2bw', or shard='optimizer'"
         ),
     ),
     Legality(

@@ -229,15 +229,26 @@ def test_plan_command_prints_and_saves_a_plan(tmp_path):
 def test_plan_command_prints_the_mesh_and_the_sharded_memory(tmp_path):
     import json
 
-    runs = {}
-    for shard in ("none", "optimizer"):
+    runs, out = {}, {}
+    for shard in ("none", "optimizer", "full"):
         args = ["recipe=gpt2-345m", "trainer.devices=8", "pipeline.width=2", f"pipeline.shard={shard}", f"hydra.run.dir={tmp_path / shard}"]
-        proc = plan_cli(args, tmp_path)
+        proc = plan_cli([*args, "pipeline.schedule=auto"], tmp_path)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        runs[shard] = json.loads((tmp_path / shard / "plan.json").read_text())
+        runs[shard], out[shard] = json.loads((tmp_path / shard / "plan.json").read_text()), proc.stdout
         assert "mesh: pp 4 x dp 2" in proc.stdout and "predicted peak memory per rank (by stage)" in proc.stdout
     sharded, whole = runs["optimizer"], runs["none"]
-    assert sharded["mesh"] == {"pp": 4, "dp": 2, "tp": 1, "shard": "optimizer"} and "Adam's moments sharded over 2 replicas" in proc.stdout
+    # shard=full: every candidate priced with FSDP2's all-gathers (rings on the link settings here), so each is slower
+    # than on whole replicas, and a rank holds its weights' parameters, Adam's moments / 2 and whole gradients
+    assert runs["full"]["mesh"]["shard"] == "full" and runs["full"]["predicted_memory_bytes"]["weight_copies"] == 2.5
+    times = {
+        k: {c["schedule"] + str(c["options"]): c["iteration_time"] for c in r["schedule_choice"]["candidates"]} for k, r in runs.items()
+    }
+    assert times["optimizer"] == times["none"]
+    assert all(times["full"][k] > t for k, t in times["none"].items() if t != float("inf")), (times["full"], times["none"])
+    assert (
+        sharded["mesh"] == {"pp": 4, "dp": 2, "tp": 1, "shard": "optimizer"}
+        and "Adam's moments sharded over 2 replicas" in out["optimizer"]
+    )
     assert sharded["predicted_memory_bytes"]["weight_copies"] == 3.0 and whole["predicted_memory_bytes"]["weight_copies"] == 4.0
     # the same partition: each stage's prediction drops by one weight copy (Adam's two moments, halved)
     assert sharded["plan"]["sizes"] == whole["plan"]["sizes"]

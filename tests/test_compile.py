@@ -4,6 +4,7 @@ the schedules it cannot run are refused before any process starts; graph breaks 
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -112,9 +113,8 @@ def test_what_compile_cannot_run_is_refused_before_spawning():
         with pytest.raises(SettingError, match="compile='auto' .* set schedule='auto'") as err:
             AutoPipeStrategy(compile="auto", **settings)
         assert err.value.setting == "compile" and "\n" not in str(err.value)
-    with pytest.raises(SettingError, match="compile='auto' with shard='full'"):
-        PipelineConfig(compile="auto", schedule="auto", width=2, shard="full")
     PipelineConfig(compile="auto", schedule="auto")  # legal
+    PipelineConfig(compile="auto", schedule="auto", width=2, shard="full")  # FSDP2's gathers priced in both plans
     assert PipelineConfig(compile=True, width=2, shard="full", schedule="2bw").compile is True  # FSDP2 over compiled blocks runs
 
 
@@ -165,6 +165,28 @@ def test_compile_auto_plans_both_and_runs_the_faster_exactly(tmp_path):
     for rank in range(2):  # every rank runs its blocks as rank 0 chose
         seen = torch.load(os.path.join(tmp_path, f"compiled-rank{rank}.pt"))
         assert seen["compiled"] == (seen["blocks"] if chosen == "compiled" else 0), (seen, chosen)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_compile_auto_over_fully_sharded_replicas_runs_the_faster_exactly(tmp_path):
+    # the same weighing on pp2 x dp2 with shard='full' (fp64): both plans priced with FSDP2's gathers, the blocks
+    # kept (compiled or eager, on every rank as rank 0 chose) then sharded, and training as one process
+    ref = single_global(5)[0]
+    model = LitSeq()
+    callbacks = [RecordCompiled(tmp_path, False)]
+    pipelined_dp(model, 5, schedule="auto", shard="full", compile="auto", callbacks=callbacks, default_root_dir=str(tmp_path))
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    (path,) = glob.glob(os.path.join(tmp_path, "**", "plan.json"), recursive=True)
+    plan = json.loads(open(path).read())
+    weighed, gathers = plan["compile"], plan["gathers"]
+    assert gathers["collectives"].startswith("measured on 2 ranks") and all(g > 0 for g in gathers["seconds_per_block"])
+    times = {k: weighed[k]["chosen"]["iteration_time"] for k in ("eager", "compiled")}
+    chosen = "compiled" if times["compiled"] < times["eager"] else "eager"
+    assert weighed["chosen"] == chosen, weighed
+    for rank in range(4):
+        seen = torch.load(os.path.join(tmp_path, f"compiled-rank{rank}.pt"))
+        assert seen["compiled"] == (seen["blocks"] if chosen == "compiled" else 0), (rank, seen, chosen)
 
 
 class Breaks(nn.Module):

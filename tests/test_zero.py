@@ -4,6 +4,7 @@ shard="none" that resume bit for bit."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -20,8 +21,13 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_pipe import AutoPipeStrategy
+from lightning_pipe.config import PipelineConfig
 from lightning_pipe.lightning.checkpoint.sharded import consolidate
+from lightning_pipe.planning.entry import link_model
+from lightning_pipe.profiling import Profile
 from lightning_pipe.runtime.reduce import local
+from lightning_pipe.schedules import one_f_one_b
+from lightning_pipe.simulation import simulate
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.multiprocess]
 
@@ -315,6 +321,33 @@ def test_the_2bw_planner_plans_over_fully_sharded_replicas_and_runs_exactly(tmp_
     assert (plan["chosen"]["width"], plan["chosen"]["depth"], plan["chosen"]["shard"]) == (2, 2, "full")
     assert all(c["width"] >= 2 and c["shard"] == "full" for c in plan["candidates"]) and plan["mesh"]["searched"] is False
     assert max_rel_diff(single_2bw(5).state_dict(), model.state_dict()) <= 1e-10
+
+
+# schedule="auto" over FSDP2: every candidate is planned and simulated on the blocks' profiled costs plus FSDP2's
+# all-gather of each block's weights over the replicas (measured on the run's data-parallel group) before each
+# forward and each backward; the chosen schedule trains as one process
+@pytest.mark.parametrize("reshard", ["microbatch", "step"])
+def test_schedule_auto_prices_fsdp2_gathers_and_trains_as_one_process(tmp_path, reshard):
+    ref, _ = single(5, gradient_clip_val=0.05)
+    model = LitSeq()
+    kw = dict(schedule="auto", shard="full", reshard=reshard, partition="uniform", gradient_clip_val=0.05)
+    pipelined(model, 5, default_root_dir=str(tmp_path), **kw)
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    (path,) = glob.glob(os.path.join(tmp_path, "**", "plan.json"), recursive=True)
+    plan = json.load(open(path))
+    gathers = plan["gathers"]["seconds_per_block"]
+    assert plan["gathers"]["collectives"].startswith("measured on 2 ranks") and all(g > 0 for g in gathers)
+    profile = Profile.load(os.path.join(os.path.dirname(path), "profile.json"))
+    costs = profile.costs(*link_model(PipelineConfig(), "cpu"))
+    assert len(gathers) == costs.num_blocks
+    # the rule written here: each gather before every forward and backward, or once a step (over its m = 2 forwards)
+    forward = [f + (g / 2 if reshard == "step" else g) for f, g in zip(costs.forward, gathers)]
+    backward = [b + (0 if reshard == "step" else g) for b, g in zip(costs.backward, gathers)]
+    gathered = dataclasses.replace(costs, forward=tuple(forward), backward=tuple(backward), weight=(), backward_input=())
+    (one,) = [c for c in plan["schedule_choice"]["candidates"] if c["schedule"] == "1f1b"]
+    bounds = [tuple(b) for b in one["bounds"]]
+    assert one["iteration_time"] == pytest.approx(simulate(one_f_one_b(2, 2), gathered, bounds).iteration_time, rel=1e-9)
+    assert one["iteration_time"] > simulate(one_f_one_b(2, 2), costs, bounds).iteration_time
 
 
 @pytest.mark.parametrize("layout", ["full", "sharded"])

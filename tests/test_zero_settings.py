@@ -20,7 +20,6 @@ from lightning_pipe.runtime.reduce import buckets
 
 def test_settings_refused_before_any_process():
     for settings, words in [
-        (dict(shard="full", width=2, schedule="auto"), "not schedule='auto'"),
         (dict(shard="full", width=2, planner="2bw", planner_2bw_cost="paper"), "closed forms price no FSDP2"),
         (dict(shard="zero3", width=2), "allowed values: 'none'"),
         (dict(shard="optimizer"), "width=1 has none"),
@@ -36,6 +35,7 @@ def test_settings_refused_before_any_process():
     assert err.value.setting == "reshard" and "set reshard='microbatch'" in str(err.value)
     assert PipelineConfig(shard="full", width=2, schedule="2bw").schedule == "2bw"  # 2BW over FSDP2 runs (test_zero)
     assert PipelineConfig(shard="full", planner="2bw", schedule="auto").planner == "2bw"  # its planner's choice too
+    assert PipelineConfig(shard="full", width=2, schedule="auto").auto  # schedule='auto' priced with FSDP2's gathers (test_zero)
     for settings, words in [
         (dict(shard="full", width=2, shard_mixed_precision="yes"), "shard_mixed_precision='yes': true"),
         (dict(shard="optimizer", width=2, shard_mixed_precision=False), "a setting of shard='full'"),

@@ -36,7 +36,9 @@ from ..lightning.stage import find_pipeline
 from ..planning import transformer_costs
 from ..planning.auto import adam_weight_copies, memory_line, stage_memory, version_share
 from ..planning.entry import block_kinds, link_model, plan_run
+from ..planning.gathers import with_gathers
 from ..planning.tensor import split_by_tensor
+from ..planning.two_bw_costs import hardware
 from ..profiling import Profile
 from ..schedules.text import dump
 from ..simulation.timelines import gantt
@@ -104,6 +106,9 @@ def _main(cfg: DictConfig) -> None:
                 )
             )
         costs = split_by_tensor(costs, kinds, config.tensor, vocab="name" in cfg.model.get("model", {}))  # ours: vocabulary split
+        if config.shard == "full" and config.width > 1:  # FSDP2's gathers: rings on the link settings (no processes to measure)
+            hw = hardware(world, int(cfg.trainer.devices), device, None, config.intra_bandwidth, config.inter_bandwidth, config.latency)
+            costs = with_gathers(costs, config.width, config.reshard, config.microbatches, hw.collectives(config.width * config.tensor))
         result = plan_run(costs, stages, config, kinds, config.memory_limit)
     except (ValueError, FileNotFoundError) as err:
         if isinstance(err, SettingError) and err.setting:

@@ -31,9 +31,11 @@ from ..models.init import is_meta, profiling_blocks
 from ..planning.auto import adam_weight_copies, memory_line, stage_memory, version_share
 from ..planning.entry import BLOCK_KINDS as KINDS  # noqa: F401  (benchmarks read it here)
 from ..planning.entry import DEFAULT_LINKS, RunPlan, block_kinds, link_model, plan_run  # noqa: F401
+from ..planning.gathers import gather_times, with_gathers
 from ..planning.partition import partition_blocks
 from ..planning.tensor import split_by_tensor, splits_vocabulary
 from ..profiling import Profile, profile_blocks
+from ..profiling.collectives import measure_collectives
 from ..profiling.messages import MessageCosts, measure_messages
 from ..profiling.runtime import runtime_bytes
 from ..runtime.call import as_input
@@ -226,6 +228,7 @@ class AutoPlanner:
         self.out_dir: Optional[Path] = None
         self.profile: Optional[Profile] = None  # what the plan was made from (adaptive re-partitioning reads them)
         self.costs: Optional[Any] = None
+        self.collectives: Optional[Any] = None  # shard=full: the replicas' collectives, measured once
 
     def memory_limit(self, device: torch.device) -> Optional[float]:
         """schedule="auto"'s limit: as configured, else a GPU's total memory; none on CPU."""
@@ -277,9 +280,22 @@ class AutoPlanner:
         names = [type(b).__name__ for b in pipeline]
         kinds = block_kinds(names)
         vocab = splits_vocabulary(names) and not callable(getattr(module, "parallelize_block", None))  # our plan's split
-        costs = self.costs = split_by_tensor(costs, kinds, self.config.tensor, vocab)  # profiled whole, run split over tp
+        costs = split_by_tensor(costs, kinds, self.config.tensor, vocab)  # profiled whole, run split over tp
+        costs = self.costs = self._with_gathers(ctx, costs)
         exclude = COMPILE_EXCLUDED if compiled else ()
         return profile, costs, plan_run(costs, ctx.depth, self.config, kinds, self.memory_limit(ctx.device), exclude)
+
+    def _with_gathers(self, ctx: RankContext, costs: Any) -> Any:
+        """shard=full: FSDP2's all-gathers over the stage's replicas charged to each block (`planning.gathers`),
+        the collectives measured on this rank's data-parallel group; rank 0's fit on every rank, so all plan alike."""
+        c = self.config
+        if c.shard != "full" or c.width < 2:
+            return costs
+        if self.collectives is None:
+            box = [measure_collectives(ctx.groups.stage, ctx.device)]
+            dist.broadcast_object_list(box, 0)
+            self.collectives = box[0]
+        return with_gathers(costs, c.width, c.reshard, c.microbatches, self.collectives)
 
     def _profile(self, ctx: RankContext, module: Any, pipeline: nn.Sequential, sample: Any, mbs: int) -> tuple[Profile, Any]:
         topo = ctx.topology
@@ -316,6 +332,14 @@ class AutoPlanner:
         memory = stage_memory(timeline, copies, costs.runtime_bytes, extra)  # what schedule="auto" holds to memory_limit
         summary = {"profile": profile.key, "profiled_and_planned_seconds": seconds, **result.summary(), "messages": profile.messages}
         summary["predicted_memory_bytes"] = {"per_rank": memory, "weight_copies": copies, "runtime_bytes": costs.runtime_bytes}
+        if self.collectives is not None:  # shard=full: what FSDP2's gathers were priced at
+            gathers = gather_times(costs, self.config.width, self.collectives)
+            summary["gathers"] = {"seconds_per_block": gathers, "reshard": self.config.reshard, "collectives": self.collectives.source}
+            rank_zero_info(
+                f"shard='full': all-gathers of each block's weights over the {self.config.width} replicas priced at "
+                f"{sum(gathers) * 1e3:.3f} ms for the model's blocks ({self.collectives.source}), "
+                + ("once a step" if self.config.reshard == "step" else "before every forward and backward")
+            )
         if weighed is not None:  # compile='auto': both plans, the one kept
             summary["compile"] = {"chosen": "compiled" if compiled else "eager", **{k: c.to_dict() for k, c in weighed.items()}}
             rank_zero_info(
