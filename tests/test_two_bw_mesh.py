@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 from _cli import run_module
 from _dist import run_distributed
 from hypothesis import given, settings
@@ -180,6 +181,23 @@ def test_collectives_measured_on_two_processes():
         fit = getattr(first, kind)
         assert fit.latency >= 0 and 0 < fit.bus_bandwidth < math.inf
         assert first.time(kind, 1 << 22, 2) > first.time(kind, 1 << 12, 2) > 0
+
+
+def _measure_two_nodes(rank: int, world: int) -> tuple:
+    from lightning_pipe.lightning.plan_2bw import Where, measured_collectives
+
+    return measured_collectives(Where(world, 2, rank, torch.device("cpu"), None))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_job_on_two_nodes_measures_within_each_node_and_across():
+    # 4 processes as 2 nodes of 2 (a training run's planner=2bw with tensor > 1 or shard=full): each node's pair
+    # within, the whole job across; every rank of the job has the same cross-node fit
+    results = run_distributed(_measure_two_nodes, 4, timeout=90)
+    for intra, inter in results:
+        assert intra.source == "measured on 2 ranks (cpu)" and inter.source == "measured on 4 ranks (cpu)"
+    assert len({inter for _, inter in results}) == 1 and results[0][0] == results[1][0] and results[2][0] == results[3][0]
 
 
 # ---- the plan command ----------------------------------------------------------------------------------

@@ -313,13 +313,15 @@ def test_2bw_over_fully_sharded_replicas_follows_its_rule_and_reduces_once_a_bat
 def test_the_2bw_planner_plans_over_fully_sharded_replicas_and_runs_exactly(tmp_path):
     # planner=2bw with shard=full on 4 processes: widths of at least 2 (something to shard over), each candidate
     # priced with FSDP2's gathers and reduce-scatter and its memory sharded; a global batch of 10 leaves w = 2, d = 2,
-    # and 2BW (m >= d) micro-batches of 1. It trains by PipeDream-2BW's rule on the global batch
+    # and 2BW (m >= d) micro-batches of 1, the collectives measured on the job's processes. It trains by PipeDream-2BW's
+    # rule on the global batch
     model = LitSeq()
     pipelined(model, 5, schedule="2bw", shard="full", planner="2bw", global_batch=10, width=1, default_root_dir=str(tmp_path))
     (path,) = glob.glob(os.path.join(tmp_path, "**", "plan_2bw.json"), recursive=True)
     plan = json.load(open(path))
     assert (plan["chosen"]["width"], plan["chosen"]["depth"], plan["chosen"]["shard"]) == (2, 2, "full")
     assert all(c["width"] >= 2 and c["shard"] == "full" for c in plan["candidates"]) and plan["mesh"]["searched"] is False
+    assert plan["hardware"]["intra_collectives"]["source"] == "measured on 4 ranks (cpu)"  # its gathers priced as measured
     assert max_rel_diff(single_2bw(5).state_dict(), model.state_dict()) <= 1e-10
 
 

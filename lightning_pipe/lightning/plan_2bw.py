@@ -1,6 +1,8 @@
 """planner=2bw in the strategy: PipeDream-2BW's planner chooses the run's shape at setup.
 
 Runs in `AutoPipeStrategy.setup` before the topology exists (width and depth are its answer):
+0. With tensor > 1 or shard="full" (the mesh priced, ours) every rank first times the collectives on
+   the job's processes (`measured_collectives`), which price them in the plan.
 1. Global rank 0 profiles every block at a few micro-batch sizes (`profile_sizes`), samples
    collated from the training dataset directly, the user's step run up to the pipeline call for
    the input and after it for the loss (as `autoplan.profile_pipeline`); RNG state and buffers are
@@ -29,9 +31,11 @@ from torch.utils.data import BatchSampler, DataLoader
 from ..config import PipelineConfig
 from ..errors import SettingError
 from ..modes.two_bw import settings as two_bw_settings
+from ..planning.collectives import CollectiveCosts
 from ..planning.entry import block_kinds
 from ..planning.two_bw import NoConfiguration, TwoBWPlan, plan_2bw, refiner
 from ..planning.two_bw_costs import hardware, optimizer_factor
+from ..profiling.collectives import measure_collectives
 from ..profiling.runtime import runtime_bytes
 from ..profiling.sized import profile_sizes
 from .autoplan import dataset_sample, pipeline_input, step_loss
@@ -77,13 +81,15 @@ def plan_in_setup(config: PipelineConfig, module: Any, where: Where, resumed: di
         # the resumed run's shape, not a new (noisy) plan: the same batches, partition and schedule
         saved = {**resumed, "recompute": tuple(resumed["recompute"]), "sizes": tuple(resumed["sizes"])}
         return TwoBWChoice(**saved), None
+    # tensor > 1 or shard=full: their collectives priced as measured on this job's processes (every rank measures)
+    collectives = measured_collectives(where) if world > 1 and (config.tensor > 1 or config.shard == "full") else (None, None)
     if where.rank == 0:
         try:
             if not batch:
                 raise SettingError(
                     "planner=2bw needs the global batch: set global_batch, or give the training DataLoader a batch_size", "global_batch"
                 )
-            result = _plan(config, where, module, trainer, int(batch))
+            result = _plan(config, where, module, trainer, int(batch), collectives)
             c = result.chosen
             sizes = tuple(b - a for a, b in c.bounds)
             box = [TwoBWChoice(c.width, c.microbatches, c.microbatch_size, c.schedule, c.stage_recompute, sizes, int(batch))]
@@ -98,7 +104,29 @@ def plan_in_setup(config: PipelineConfig, module: Any, where: Where, resumed: di
     return box[0], result
 
 
-def _plan(config: PipelineConfig, where: Where, module: Any, trainer: Any, batch: int) -> TwoBWPlan:
+def measured_collectives(where: Where) -> tuple[CollectiveCosts, Optional[CollectiveCosts]]:
+    """The collectives fitted on this job's processes (collective: every rank calls it): within a node on the
+    ranks of each node, and across nodes on the whole job when there are several (`Hardware.collectives`)."""
+    per_node = where.processes
+    nodes = where.world // per_node
+    if nodes == 1:
+        return measure_collectives(None, where.device), None
+    groups = [dist.new_group(list(range(n * per_node, (n + 1) * per_node))) for n in range(nodes)]  # every rank makes each
+    intra = measure_collectives(groups[where.rank // per_node], where.device)
+    inter = measure_collectives(None, where.device)
+    for group in groups:
+        dist.destroy_process_group(group)
+    return intra, inter
+
+
+def _plan(
+    config: PipelineConfig,
+    where: Where,
+    module: Any,
+    trainer: Any,
+    batch: int,
+    collectives: tuple[Optional[CollectiveCosts], Optional[CollectiveCosts]] = (None, None),
+) -> TwoBWPlan:
     device = where.device
     _, pipeline = find_pipeline(module)
     blocks = list(pipeline)
@@ -130,6 +158,8 @@ def _plan(config: PipelineConfig, where: Where, module: Any, trainer: Any, batch
         optimizer_factor(trainer.precision),
         runtime,
         shard_optimizer=config.shard == "optimizer",
+        intra_collectives=collectives[0],
+        inter_collectives=collectives[1],
     )
     kinds = block_kinds([type(b).__name__ for b in blocks])
     schedules = ("2bw", "1f1b", "gpipe") if config.auto else (config.schedule,)
