@@ -1,7 +1,9 @@
 """Step time of pp2 x dp2 with whole replicas, ZeRO-1 and FSDP2 (pipeline.shard none | optimizer | full; full:step is
 shard=full with reshard=step: a block's weights gathered once a step, not for every micro-batch), and of the same
 4 processes as pp4 (`pp4`) or pp2 x tp2 (`tp2`: tensor=2), on the same global batch; `@2bw` after a setting runs
-PipeDream-2BW instead of 1F1B (`full@2bw`: 2BW over FSDP2).
+PipeDream-2BW instead of 1F1B (`full@2bw`: 2BW over FSDP2), `@auto` lets schedule="auto" choose (under shard=full
+its candidates priced with FSDP2's gathers, measured at setup): the table then also gives the chosen schedule and
+its simulated step (plan.json) beside the measured one.
 
 GPT-tiny (lightning_pipe.models.CausalLM), fp32, 1F1B, 4 gloo processes x 1 thread through the Trainer,
 synthetic tokens; each run trains `--warmup` untimed steps, then `--steps` timed ones (rank 0's wall time
@@ -15,6 +17,8 @@ its ratio to whole replicas. Feeds docs/results/memory.md (the memory of the sam
 
 from __future__ import annotations
 
+import glob
+import json
 import statistics
 import tempfile
 import time
@@ -53,7 +57,8 @@ def tokens(rows: int, seq: int, batch: int) -> DataLoader:
     return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=batch)
 
 
-def step_seconds(setting: str, args: Any) -> float:
+def step_seconds(setting: str, args: Any) -> tuple[float, Any]:
+    """Rank 0's measured seconds a step, and with @auto the choice's (schedule, simulated seconds) from plan.json."""
     layout, _, schedule = setting.partition("@")  # e.g. full@2bw: PipeDream-2BW over FSDP2
     shard, _, reshard = layout.partition(":")
     mesh = MESHES.get(layout, dict(width=2, shard=shard, reshard=reshard or "microbatch"))
@@ -75,7 +80,9 @@ def step_seconds(setting: str, args: Any) -> float:
         )  # fmt: skip
         rows = 2 * 8 * (args.warmup + args.steps)  # every step a new global batch of 16: 8 per replica at width 2
         trainer.fit(CausalLM("gpt-tiny", lr=1e-3, weight_decay=0.0), tokens(rows, args.seq, 16 // mesh["width"]))
-        return float(torch.load(f"{out}/step_seconds.pt"))
+        plans = glob.glob(f"{out}/**/plan.json", recursive=True)
+        chosen = json.load(open(plans[0]))["schedule_choice"]["chosen"] if schedule == "auto" and plans else None
+        return float(torch.load(f"{out}/step_seconds.pt")), (chosen["schedule"], chosen["iteration_time"]) if chosen else None
 
 
 def main() -> None:
@@ -85,12 +92,17 @@ def main() -> None:
         shards=(SHARDS, "the settings to time: shard[:reshard] at pp2 x dp2, pp4 or tp2, each [@schedule] (default 1f1b)"),
     )
     args = bench.parse()
-    results = interleave(args.shards, args.rounds, lambda shard, r: step_seconds(shard, args))
+    runs = interleave(args.shards, args.rounds, lambda shard, r: step_seconds(shard, args))
+    results = [[seconds for seconds, _ in rounds] for rounds in runs]
+    choices = [[chosen for _, chosen in rounds] for rounds in runs]
     bench.keep("step_seconds", dict(zip(args.shards, results)))
+    bench.keep("auto_chosen", dict(zip(args.shards, choices)))
     base = statistics.median(results[0])
-    table = Table("shard", "step ms: median (min..max)", f"median vs {args.shards[0]}")
-    for shard, seconds in zip(args.shards, results):
-        table.add(shard, spread(seconds).fmt(1e3), f"{statistics.median(seconds) / base:.2f}x")
+    table = Table("shard", "step ms: median (min..max)", f"median vs {args.shards[0]}", "auto's choice, simulated ms: median")
+    for shard, seconds, chosen in zip(args.shards, results, choices):
+        picked = [c for c in chosen if c is not None]
+        said = f"{'/'.join(sorted({c[0] for c in picked}))}, {statistics.median(c[1] for c in picked) * 1e3:.1f}" if picked else ""
+        table.add(shard, spread(seconds).fmt(1e3), f"{statistics.median(seconds) / base:.2f}x", said)
     bench.table(
         table,
         f"4 processes, GPT-tiny fp32, 1F1B (or @schedule), 16 x {args.seq} tokens a step in 4 micro-batches per pipeline, "

@@ -168,3 +168,30 @@ def test_auto_bad_settings_are_clear_errors():
         plan(costs, 2, 4, schedule="wave", options={"waves": 4})
     with pytest.raises(ValueError, match=r"schedule='1f1b' takes no option \['chunks'\]"):
         plan(costs, 2, 4, schedule="1f1b", options={"chunks": 2})
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_blocks_kept_apart_never_share_a_rank_in_a_runnable_candidate(seed):
+    # `apart` (shard=full: blocks sharing a weight are sharded on their own): every candidate that runs places each
+    # group's blocks on different ranks, by its own plan's bounds and its schedule's chunk placement; the others say why
+    rng = random.Random(seed)
+    n, ranks, m = rng.randint(8, 12), rng.choice([2, 4]), 8
+    costs = random_costs(rng, n)
+    group = [0, n - 1] if seed % 2 == 0 else sorted(rng.sample(range(n), 2))
+    kept = choose_schedule(costs, ranks, m, method="uniform", apart=[group])
+    free = choose_schedule(costs, ranks, m, method="uniform")
+    refused = 0
+    for c, f in zip(kept.candidates, free.candidates):
+        if c.plan is None:
+            if "share a weight" in c.verdict:
+                refused += 1
+                assert f.plan is not None and f"blocks {group[0]} and {group[1]} share a weight" in c.verdict
+            continue
+        chunk_rank = build_schedule(c.schedule, ranks, m, **c.schedule_options).chunk_rank
+        rank = {b: chunk_rank[i] for i, (a, z) in enumerate(c.plan.bounds) for b in range(a, z)}
+        assert rank[group[0]] != rank[group[1]], (c.name, c.plan.bounds)
+        assert c.iteration_time == f.iteration_time  # a candidate that runs is priced as without the constraint
+    if group == [0, n - 1]:  # a wave's V holds the first and the last chunk on rank 0
+        verdicts = {c.name: c.verdict for c in kept.candidates}
+        assert refused >= 2 and "share a weight" in verdicts["wave waves=1"] and "share a weight" in verdicts["hanayo waves=1"]
+        assert kept.chosen.schedule not in ("wave", "hanayo")

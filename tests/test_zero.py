@@ -386,6 +386,23 @@ def test_a_weight_tied_across_stages_with_sharded_replicas(shard, schedule):
     assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
 
 
+# schedule="auto" with a tied embedding and head under shard=full: FSDP2 shards each block on its own, so the
+# candidates that would place both on one rank (a V's first and last chunk) cannot run, and the choice trains exactly
+def test_schedule_auto_keeps_tied_blocks_apart_under_full_sharding(tmp_path):
+    ref, _ = single(5, tied=True)
+    model = LitSeq(tied=True)
+    train = DataLoader(dataset(n=N, tied=True), batch_size=PER_REPLICA)
+    pipelined(model, 5, train=train, shard="full", schedule="auto", partition="uniform", default_root_dir=str(tmp_path))
+    assert model.seq[0].emb.weight is model.seq[-1].weight
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    (path,) = glob.glob(os.path.join(tmp_path, "**", "plan.json"), recursive=True)
+    candidates = json.load(open(path))["schedule_choice"]["candidates"]
+    last = len(LitSeq(tied=True).seq) - 1
+    apart = {c["schedule"] + str(c["options"]): c["verdict"] for c in candidates if "share a weight" in c["verdict"]}
+    assert apart and all(f"blocks 0 and {last} share a weight" in v for v in apart.values()), apart
+    assert "zb-v{}" in apart and "wave{'waves': 1}" in apart and "1f1b{}" not in apart  # the V shapes, not a straight line
+
+
 def adam_state_by_name(module, optimizer):
     names = {p: n for n, p in module.named_parameters()}
     return {names[p]: s for p, s in optimizer.state.items()}

@@ -40,6 +40,7 @@ from ..planning.gathers import with_gathers
 from ..planning.tensor import split_by_tensor
 from ..planning.two_bw_costs import hardware
 from ..profiling import Profile
+from ..runtime.tied import tie_groups
 from ..schedules.text import dump
 from ..simulation.timelines import gantt
 from . import errors, tune
@@ -69,13 +70,14 @@ def _main(cfg: DictConfig) -> None:
         stages = config.stages or config.topology(world).depth
         microbatch = max(1, int(cfg.data.batch_size) // config.microbatches)
         device = "cpu" if str(cfg.trainer.get("accelerator", "auto")) == "cpu" else "cuda"
+        ties: Optional[list[list[int]]] = None  # blocks sharing a weight, where known before the model is traced
         if cfg.plan.profile:
             costs, kinds = Profile.load(cfg.plan.profile).costs(*link_model(config, device)), model_kinds(cfg, config.blocks)
             source = f"profile {cfg.plan.profile}"
         elif device == "cpu" or "name" not in cfg.model.get("model", {}):
             # a CPU recipe (planned on what its blocks cost here, as its training run measures them), or a model
             # with no FLOP model (a Hugging Face one): measure its blocks on this machine's CPU
-            profile, name = measured_profile(cfg, config)
+            profile, name, ties = measured_profile(cfg, config)
             profile.save(out / "profile.json")
             costs, kinds = profile.costs(*link_model(config, device)), block_kinds(profile.block_names)
             traced = "name" not in cfg.model.get("model", {})
@@ -109,7 +111,11 @@ def _main(cfg: DictConfig) -> None:
         if config.shard == "full" and config.width > 1:  # FSDP2's gathers: rings on the link settings (no processes to measure)
             hw = hardware(world, int(cfg.trainer.devices), device, None, config.intra_bandwidth, config.inter_bandwidth, config.latency)
             costs = with_gathers(costs, config.width, config.reshard, config.microbatches, hw.collectives(config.width * config.tensor))
-        result = plan_run(costs, stages, config, kinds, config.memory_limit)
+        if config.shard == "full" and config.width > 1:  # blocks sharing a weight on different ranks, as training keeps them
+            apart = ties if ties is not None else model_ties(cfg, config.blocks)
+        else:
+            apart = []
+        result = plan_run(costs, stages, config, kinds, config.memory_limit, apart=apart)
     except (ValueError, FileNotFoundError) as err:
         if isinstance(err, SettingError) and err.setting:
             err = named(err)
@@ -151,10 +157,16 @@ def model_kinds(cfg: DictConfig, blocks: Optional[str] = None) -> list[str]:
     return block_kinds([type(b).__name__ for b in find_pipeline(meta_module(cfg), blocks)[1]])
 
 
-def measured_profile(cfg: DictConfig, config: PipelineConfig) -> tuple[Profile, str]:
-    """(profile, the model's class name) of a model that loops over its blocks: built as training builds it,
-    traced on the data's first micro-batch and its blocks profiled on it on the CPU, in this process, as a
-    training run profiles them on its ranks (the loss charged to the last block)."""
+def model_ties(cfg: DictConfig, blocks: Optional[str] = None) -> list[list[int]]:
+    """The blocks sharing a weight (a tied embedding and head) of the model built on the meta device: ours; a model
+    cut by tracing holds its weights in its blocks only once traced (`measured_profile`)."""
+    return [sorted({b for b, _ in group}) for group in tie_groups(find_pipeline(meta_module(cfg), blocks)[1])]
+
+
+def measured_profile(cfg: DictConfig, config: PipelineConfig) -> tuple[Profile, str, list[list[int]]]:
+    """(profile, the model's class name, the blocks sharing a weight) of a model that loops over its blocks: built
+    as training builds it, traced on the data's first micro-batch and its blocks profiled on it on the CPU, in this
+    process, as a training run profiles them on its ranks (the loss charged to the last block)."""
     ours = "name" in cfg.model.get("model", {})
     module = instantiate(cfg.model) if ours else meta_module(cfg)  # ours: a CPU recipe's small model, built to run
     path, pipeline = find_pipeline(module, config.blocks)
@@ -175,7 +187,8 @@ def measured_profile(cfg: DictConfig, config: PipelineConfig) -> tuple[Profile, 
     if not ours:  # where the model is cut: one run of its training_step on the micro-batch
         trace(module, path, pipeline, batch, sublayers=config.sublayers)
     profile = profile_pipeline(module, pipeline, batch, torch.device("cpu"), 0, 1, type(module).__name__, size)
-    return profile, (type(pipeline.original).__name__ if not ours else cfg.model.model.name)
+    ties = [sorted({b for b, _ in group}) for group in tie_groups(pipeline)]  # a traced model's blocks hold their weights now
+    return profile, (type(pipeline.original).__name__ if not ours else cfg.model.model.name), ties
 
 
 def main() -> None:

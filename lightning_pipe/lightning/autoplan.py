@@ -39,6 +39,7 @@ from ..profiling.collectives import measure_collectives
 from ..profiling.messages import MessageCosts, measure_messages
 from ..profiling.runtime import runtime_bytes
 from ..runtime.call import as_input
+from ..runtime.tied import tie_groups
 from ..schedules import ScheduleSpec
 from ..simulation.timelines import chrome_trace, gantt, traced_timeline
 from .compiling import compile_blocks, uncompile_blocks
@@ -283,7 +284,9 @@ class AutoPlanner:
         costs = split_by_tensor(costs, kinds, self.config.tensor, vocab)  # profiled whole, run split over tp
         costs = self.costs = self._with_gathers(ctx, costs)
         exclude = COMPILE_EXCLUDED if compiled else ()
-        return profile, costs, plan_run(costs, ctx.depth, self.config, kinds, self.memory_limit(ctx.device), exclude)
+        # shard=full shards each block on its own: blocks sharing a weight (a tied embedding and head) on different ranks
+        apart = [sorted({b for b, _ in g}) for g in tie_groups(pipeline)] if self.config.shard == "full" and self.config.width > 1 else ()
+        return profile, costs, plan_run(costs, ctx.depth, self.config, kinds, self.memory_limit(ctx.device), exclude, apart)
 
     def _with_gathers(self, ctx: RankContext, costs: Any) -> Any:
         """shard=full: FSDP2's all-gathers over the stage's replicas charged to each block (`planning.gathers`),

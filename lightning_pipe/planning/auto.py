@@ -208,9 +208,12 @@ def choose_schedule(
     candidates: Sequence[tuple[str, dict[str, int]]] = CANDIDATES,
     slicer: Union[bool, int] = False,
     weight_copies: float = ADAM_WEIGHT_COPIES,
+    apart: Sequence[Sequence[int]] = (),
 ) -> ScheduleChoice:
     """Plan and simulate each candidate on `stages` ranks; choose the fastest within `memory_limit`
-    (bytes; None: no limit). `slicer` applies to the 1F1B / GPipe candidates as in `plan`'s strategy."""
+    (bytes; None: no limit). `slicer` applies to the 1F1B / GPipe candidates as in `plan`'s strategy.
+    `apart`: groups of blocks sharing a weight that must land on different ranks (shard="full" shards each
+    block on its own); a candidate that places two of a group on one rank cannot run."""
     if memory_limit is not None and not (isinstance(memory_limit, (int, float)) and memory_limit > 0):
         raise ValueError(f"memory_limit={memory_limit!r}: a number of bytes > 0, or None for no limit")
     if not candidates:
@@ -227,6 +230,10 @@ def choose_schedule(
             chosen_plan = plan(costs, stages, microbatches, method=method, schedule=schedule, kinds=kinds, options=options)
         except ValueError as error:  # e.g. more chunks than blocks, m not a multiple of p
             found.append(Candidate(schedule, key, None, math.inf, math.inf, 0, f"cannot run: {error}"))
+            continue
+        clash = _together(apart, chosen_plan.bounds, cached_schedule(schedule, stages, microbatches, key).chunk_rank)
+        if clash:
+            found.append(Candidate(schedule, key, None, math.inf, math.inf, 0, f"cannot run: {clash}"))
             continue
         sliced, time = 0, chosen_plan.iteration_time
         if schedule_kind(schedule).costed:  # the partition planned on its form without costs, the schedule on them
@@ -259,6 +266,21 @@ def choose_schedule(
     best = min(fits, key=lambda c: (round(c.iteration_time, 12), c.num_chunks, found.index(c)))
     chosen = _with_verdict(best, "chosen")
     return ScheduleChoice(tuple(chosen if c is best else c for c in found), chosen, memory_limit)
+
+
+def _together(apart: Sequence[Sequence[int]], bounds: Sequence[Sequence[int]], chunk_rank: Sequence[int]) -> str:
+    """Why a placement puts two blocks of one `apart` group on one rank ("" where none does)."""
+    rank = {b: chunk_rank[c] for c, (start, stop) in enumerate(bounds) for b in range(start, stop)}
+    for group in apart:
+        seen: dict[int, int] = {}
+        for block in group:
+            if rank[block] in seen:
+                return (
+                    f"blocks {seen[rank[block]]} and {block} share a weight and would both be on pipeline rank {rank[block]} "
+                    "(each block is sharded on its own)"
+                )
+            seen[rank[block]] = block
+    return ""
 
 
 def _wave_guard(found: list[Candidate], costs: CostModel, stages: int, microbatches: int, method: str, kinds, slicer) -> list[Candidate]:

@@ -149,16 +149,24 @@ def plan_run(
     kinds: Optional[Sequence[str]] = None,
     memory_limit: Optional[float] = None,
     exclude: Sequence[str] = (),
+    apart: Sequence[Sequence[int]] = (),
 ) -> RunPlan:
     """The run's schedule, partition and slicing on `stages` pipeline ranks. `kinds`: each block's
     kind (embedding, attention, ...) for the partitioners that use it; `exclude`: schedules
-    schedule="auto" must not weigh (what the blocks cannot run, e.g. a split backward of compiled blocks)."""
+    schedule="auto" must not weigh (what the blocks cannot run, e.g. a split backward of compiled blocks);
+    `apart`: groups of blocks schedule="auto" must place on different ranks (`choose_schedule`)."""
     with expansion_bound(config.autopipe_expansions):  # AutoPipe's heuristic reads the run's bound
-        return _plan_run(costs, stages, config, kinds, memory_limit, tuple(exclude))
+        return _plan_run(costs, stages, config, kinds, memory_limit, tuple(exclude), tuple(map(tuple, apart)))
 
 
 def _plan_run(
-    costs: CostModel, stages: int, config: RunSettings, kinds: Optional[Sequence[str]], memory_limit: Optional[float], exclude: tuple
+    costs: CostModel,
+    stages: int,
+    config: RunSettings,
+    kinds: Optional[Sequence[str]],
+    memory_limit: Optional[float],
+    exclude: tuple,
+    apart: tuple = (),
 ) -> RunPlan:
     m, method, num_blocks = config.microbatches, config.partitioner, costs.num_blocks
     copies = adam_weight_copies(config.shard, config.width, config.reshard)
@@ -177,6 +185,7 @@ def _plan_run(
             slicer=config.slicer,
             weight_copies=copies,
             candidates=[c for c in CANDIDATES if c[0] not in exclude],
+            apart=apart,
         )
         chosen = choice.chosen
         spec = ScheduleSpec.of(chosen.schedule, **chosen.schedule_options)
