@@ -15,8 +15,9 @@ With `plan_2bw(..., mesh=True)` every candidate also has a tensor-parallel degre
 - shard optimizer: costs as none; memory and the owners' broadcast are `two_bw_costs`' (`shard_optimizer`).
 
 The collectives are priced by `Hardware.collectives` (measured, else the ring model on the link's
-bandwidth). Which combinations exist is `options`: tensor > 1 not with shard optimizer; shard full with
-1f1b, gpipe and 2bw (whose second weight version is sharded too: `two_bw_costs.memory`).
+bandwidth). Which combinations exist is `options`: every tensor degree with every shard (ZeRO-1 over split
+weights: each rank's moments of its tensor share / width); shard full with 1f1b, gpipe and 2bw (whose second
+weight version is sharded too: `two_bw_costs.memory`).
 No torch, no Lightning.
 """
 
@@ -47,8 +48,6 @@ def options(hw: Hardware, kinds: Optional[Sequence[str]], schedules: Sequence[st
     found = []
     for t in tensor_degrees(hw, kinds):
         for shard in SHARDS:
-            if t > 1 and shard == "optimizer":
-                continue  # tensor parallelism with ZeRO-1 is not built
             if shard == "full" and not set(schedules) & set(FULL_SCHEDULES):
                 continue
             found.append((t, shard))
