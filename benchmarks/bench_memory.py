@@ -317,7 +317,9 @@ def cli_step(model: str, ranks: int, precision: str, init: str, checkpoint: str,
                    *(s if "." in s.split("=")[0] else f"pipeline.{s}" for s in pipeline.split("+") if s)]  # fmt: skip
         rc, peaks, tail = run_sampled(command, timeout=timeout)
         plan = next(Path(out).rglob("plan.json"), None)  # the run's own prediction: the memory model on its profile
-        prediction = json.loads(plan.read_text())["predicted_memory_bytes"] if plan else None
+        planned = json.loads(plan.read_text()) if plan else {}
+        prediction = planned.get("predicted_memory_bytes")
+        schedule = [planned.get("schedule"), planned.get("options")] if plan else None  # what ran (schedule=auto: its choice)
     if rc != 0:
         said = [line for line in tail.splitlines() if line.startswith("error:")]
         raise RuntimeError(f"exit {rc}: {said[-1] if said else tail.splitlines()[-1:]}")
@@ -329,6 +331,7 @@ def cli_step(model: str, ranks: int, precision: str, init: str, checkpoint: str,
     return {
         "ranks": {r: (p.rss, p.anon) for r, p in sorted(ranked.items())},
         "predicted": prediction,
+        "schedule": schedule,
         "helpers": [(started_by.get(p.parent, "?"), p.command[:80], p.rss, p.anon) for p in helpers],
     }
 
