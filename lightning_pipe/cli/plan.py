@@ -108,13 +108,11 @@ def _main(cfg: DictConfig) -> None:
                 )
             )
         costs = split_by_tensor(costs, kinds, config.tensor, vocab="name" in cfg.model.get("model", {}))  # ours: vocabulary split
+        apart: list[list[int]] = []
         if config.shard == "full" and config.width > 1:  # FSDP2's gathers: rings on the link settings (no processes to measure)
             hw = hardware(world, int(cfg.trainer.devices), device, None, config.intra_bandwidth, config.inter_bandwidth, config.latency)
             costs = with_gathers(costs, config.width, config.reshard, config.microbatches, hw.collectives(config.width * config.tensor))
-        if config.shard == "full" and config.width > 1:  # blocks sharing a weight on different ranks, as training keeps them
-            apart = ties if ties is not None else model_ties(cfg, config.blocks)
-        else:
-            apart = []
+            apart = ties if ties is not None else model_ties(cfg, config.blocks)  # blocks sharing a weight on different ranks
         result = plan_run(costs, stages, config, kinds, config.memory_limit, apart=apart)
     except (ValueError, FileNotFoundError) as err:
         if isinstance(err, SettingError) and err.setting:

@@ -7,7 +7,8 @@ block's compute, as `two_bw_mesh.mesh_costs` charges them for the 2BW planner:
 
 - reshard="microbatch" (FSDP2's default): the weights are freed after each micro-batch's forward and
   gathered again for its backward, so one gather is added to every forward and one to every backward
-  (to the input-gradient half, BI, of a split backward: the weight half, W, runs on what BI gathered).
+  (to the input-gradient half, BI, of a split backward; a W that finds the weights freed by a forward
+  since its BI gathers them again, which is not charged: zero bubble's figure is a lower bound).
 - reshard="step": one gather per block and step, before its first forward; the simulator charges each
   micro-batch alike, so the gather is spread over the step's `microbatches` forwards.
 
