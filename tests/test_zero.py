@@ -182,6 +182,59 @@ def test_fully_sharded_replicas_equal_one_process_and_hold_half_of_everything(tm
         assert a["weights"] < total and b["weights"] < total
 
 
+class GathersAtForward(Callback):
+    """Each rank records, for every training forward of each sharded block, how many all-gathers FSDP2's pre-forward
+    issued (a counting hook first, FSDP2's, then a second counting hook): the block's own gather and any it
+    prefetches. Written as `pf-rank<r>.pt`: {block index: [count per forward]} in the stage's chunks' order."""
+
+    def __init__(self, folder):
+        self.folder, self.calls, self.seen = folder, 0, {}
+
+    def on_train_start(self, trainer, pl_module):
+        real = torch.distributed.all_gather_single
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        torch.distributed.all_gather_single = counted  # this worker process only
+        stage = trainer.strategy.cut.stage
+        self.chunks = [list(range(*stage.chunk_bounds[c])) for c in sorted(stage.chunk_bounds)]
+        for index, block in stage.blocks().items():
+            if isinstance(block, FSDPModule):
+                block.register_forward_pre_hook(lambda *_: setattr(self, "before", self.calls), prepend=True)
+                block.register_forward_pre_hook(lambda m, a, i=index: self.record(m, i))
+
+    def record(self, block, index):
+        if block.training and torch.is_grad_enabled():
+            self.seen.setdefault(index, []).append(self.calls - self.before)
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(dict(seen=self.seen, chunks=self.chunks), os.path.join(self.folder, f"pf-rank{trainer.global_rank}.pt"))
+
+
+# FSDP2's forward prefetch (reshard="microbatch"): a block's pre-forward gathers its own weights and starts the next
+# block's of its chunk, whose own pre-forward then issues none; reshard="step" gathers once a step, nothing to prefetch
+@pytest.mark.parametrize("schedule,options,reshard", [("1f1b", {}, "microbatch"), ("interleaved", {"chunks": 2}, "microbatch"), ("1f1b", {}, "step")])
+def test_each_block_prefetches_the_next_of_its_chunk_in_the_forward(tmp_path, schedule, options, reshard):
+    ref, _ = single(3)
+    model = LitSeq()
+    pipelined(model, 3, callbacks=[GathersAtForward(tmp_path)], schedule=schedule, shard="full", reshard=reshard, **options)
+    assert max_rel_diff(ref.state_dict(), model.state_dict()) <= 1e-10
+    for rank in range(4):
+        out = torch.load(os.path.join(tmp_path, f"pf-rank{rank}.pt"))
+        assert any(len([b for b in chunk if b in out["seen"]]) >= 2 for chunk in out["chunks"]), out  # something to prefetch
+        for chunk in out["chunks"]:
+            held = [b for b in chunk if b in out["seen"]]
+            for position, block in enumerate(held):
+                counts = out["seen"][block]
+                if reshard == "step":  # each step's first forward gathers (m = 2), the other finds the weights held
+                    assert counts == [1, 0] * 3, (rank, block, counts)
+                    continue
+                want = (1 if position == 0 else 0) + (1 if position < len(held) - 1 else 0)
+                assert counts == [want] * len(counts), (rank, position, counts)
+
+
 # zero bubble over FSDP2: BI runs before W has accumulated any weight gradient, so each block's gradients are
 # reduce-scattered by hand after the step's last W of its chunk (once a step), never by FSDP2's own post-backward
 # after BI (weights then off by a step's missing gradients), and the clipped norm spans every rank's shards

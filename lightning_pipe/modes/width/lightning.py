@@ -23,6 +23,7 @@ the groups are cut back, so the files are those of shard="none" and resume acros
 
 from __future__ import annotations
 
+
 import contextlib
 from typing import Any, Callable, Iterator, Optional
 
@@ -155,6 +156,9 @@ class FullyShardedReplicas(ReplicasLayer):
             fully_shard(block, mesh=mesh, reshard_after_forward=ctx.config.reshard == "microbatch", mp_policy=policy)
             if ctx.config.reshard == "step":
                 block.register_forward_pre_hook(_reshard_unless_training)
+        if ctx.config.reshard == "microbatch":
+            for chunk in cut.stage.chunk_bounds:
+                _prefetch_forward(self._sharded(chunk))
         if cut.spec.kind.split_backward:
             for block in self._sharded(None):
                 _accumulate_only(block)
@@ -220,6 +224,17 @@ def mixed_precision(trainer: Any, enabled: bool = True) -> MixedPrecisionPolicy:
     if enabled and getattr(getattr(trainer, "precision_plugin", None), "precision", None) == "bf16-mixed":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
+
+
+def _prefetch_forward(blocks: list[FSDPModule]) -> None:
+    """Each block's forward also starts the all-gather of the next block of its chunk, so that gather overlaps
+    this block's compute (FSDP2's explicit forward prefetch, as torchtitan sets it; the backward prefetches
+    implicitly). Each block is its own FSDP2 root, initialized at its first forward: done here for all, since a
+    block prefetched by another has not run yet (private `FSDPState._lazy_init`, as `ShardedVersions` calls it)."""
+    for block in blocks:
+        fully_shard.state(block)._lazy_init()  # type: ignore[attr-defined]
+    for block, following in zip(blocks, blocks[1:]):
+        block.set_modules_to_forward_prefetch([following])
 
 
 def _accumulate_only(block: FSDPModule) -> None:
