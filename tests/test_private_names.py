@@ -75,7 +75,11 @@ ATTRIBUTES = [
     ),
     ("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState", "_state_ctx", ["modes/width/lightning.py"]),
     ("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState", "_root_post_backward_final_callback", ["modes/width/lightning.py"]),
-    ("torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState", "_lazy_init", ["runtime/sharded_versions.py", "modes/width/lightning.py"]),
+    (
+        "torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState",
+        "_lazy_init",
+        ["runtime/sharded_versions.py", "modes/width/lightning.py"],
+    ),
     ("torch.distributed.fsdp._fully_shard._fsdp_param.FSDPParam", "_sharded_param_data", ["runtime/sharded_versions.py"]),
     ("torch.distributed.tensor.DTensor", "_local_tensor", ["runtime/sharded_versions.py"]),
 ]

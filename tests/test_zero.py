@@ -215,7 +215,9 @@ class GathersAtForward(Callback):
 
 # FSDP2's forward prefetch (reshard="microbatch"): a block's pre-forward gathers its own weights and starts the next
 # block's of its chunk, whose own pre-forward then issues none; reshard="step" gathers once a step, nothing to prefetch
-@pytest.mark.parametrize("schedule,options,reshard", [("1f1b", {}, "microbatch"), ("interleaved", {"chunks": 2}, "microbatch"), ("1f1b", {}, "step")])
+@pytest.mark.parametrize(
+    "schedule,options,reshard", [("1f1b", {}, "microbatch"), ("interleaved", {"chunks": 2}, "microbatch"), ("1f1b", {}, "step")]
+)
 def test_each_block_prefetches_the_next_of_its_chunk_in_the_forward(tmp_path, schedule, options, reshard):
     ref, _ = single(3)
     model = LitSeq()

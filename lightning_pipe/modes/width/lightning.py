@@ -23,7 +23,6 @@ the groups are cut back, so the files are those of shard="none" and resume acros
 
 from __future__ import annotations
 
-
 import contextlib
 from typing import Any, Callable, Iterator, Optional
 
