@@ -217,23 +217,15 @@ def test_a_job_on_two_nodes_measures_within_each_node_and_across():
 
 
 # ---- the plan command ----------------------------------------------------------------------------------
+def plan_2bw_cli(tmp_path, *settings: str):
+    """The plan command with planner=2bw for GPT-2 345M on 4 devices, a global batch of 8, and `settings`."""
+    common = ["recipe=gpt2-345m", f"hydra.run.dir={tmp_path}", "trainer.devices=4", "pipeline.planner=2bw", "data.batch_size=8"]
+    return run_module("lightning_pipe.plan", [*common, *settings], tmp_path, timeout=180)
+
+
 @pytest.mark.timeout(200)
 def test_plan_cli_prints_the_chosen_mesh(tmp_path):
-    run = run_module(
-        "lightning_pipe.plan",
-        [
-            "recipe=gpt2-345m",
-            f"hydra.run.dir={tmp_path}",
-            "trainer.devices=4",
-            "pipeline.planner=2bw",
-            "pipeline.plan_mesh=true",
-            "pipeline.schedule=1f1b",
-            "pipeline.memory_limit=4GB",
-            "data.batch_size=8",
-        ],
-        tmp_path,
-        timeout=180,
-    )
+    run = plan_2bw_cli(tmp_path, "pipeline.plan_mesh=true", "pipeline.schedule=1f1b", "pipeline.memory_limit=4GB")
     assert run.returncode == 0, run.stderr
     assert "w | d | t | shard | b" in run.stdout and "mesh: pp " in run.stdout and "predicted memory per rank" in run.stdout
     mesh = json.loads((tmp_path / "plan_2bw.json").read_text())["mesh"]
@@ -246,20 +238,7 @@ def test_plan_cli_prints_the_chosen_mesh(tmp_path):
 def test_plan_cli_plans_around_the_runs_shard_as_the_run_does(tmp_path):
     # planner=2bw with shard=full (no search): what a training run plans, widths of at least 2 priced with FSDP2's
     # collectives, the paper's closed forms beside
-    run = run_module(
-        "lightning_pipe.plan",
-        [
-            "recipe=gpt2-345m",
-            f"hydra.run.dir={tmp_path}",
-            "trainer.devices=4",
-            "pipeline.planner=2bw",
-            "pipeline.shard=full",
-            "pipeline.schedule=2bw",
-            "data.batch_size=8",
-        ],
-        tmp_path,
-        timeout=180,
-    )
+    run = plan_2bw_cli(tmp_path, "pipeline.shard=full", "pipeline.schedule=2bw")
     assert run.returncode == 0, run.stderr
     plan = json.loads((tmp_path / "plan_2bw.json").read_text())
     assert plan["mesh"]["searched"] is False and plan["mesh"]["shard"] == "full"

@@ -40,7 +40,7 @@ from ..planning.gathers import with_gathers
 from ..planning.tensor import split_by_tensor
 from ..planning.two_bw_costs import hardware
 from ..profiling import Profile
-from ..runtime.tied import tie_groups
+from ..runtime.tied import tied_blocks
 from ..schedules.text import dump
 from ..simulation.timelines import gantt
 from . import errors, tune
@@ -158,7 +158,7 @@ def model_kinds(cfg: DictConfig, blocks: Optional[str] = None) -> list[str]:
 def model_ties(cfg: DictConfig, blocks: Optional[str] = None) -> list[list[int]]:
     """The blocks sharing a weight (a tied embedding and head) of the model built on the meta device: ours; a model
     cut by tracing holds its weights in its blocks only once traced (`measured_profile`)."""
-    return [sorted({b for b, _ in group}) for group in tie_groups(find_pipeline(meta_module(cfg), blocks)[1])]
+    return tied_blocks(find_pipeline(meta_module(cfg), blocks)[1])
 
 
 def measured_profile(cfg: DictConfig, config: PipelineConfig) -> tuple[Profile, str, list[list[int]]]:
@@ -185,7 +185,7 @@ def measured_profile(cfg: DictConfig, config: PipelineConfig) -> tuple[Profile, 
     if not ours:  # where the model is cut: one run of its training_step on the micro-batch
         trace(module, path, pipeline, batch, sublayers=config.sublayers)
     profile = profile_pipeline(module, pipeline, batch, torch.device("cpu"), 0, 1, type(module).__name__, size)
-    ties = [sorted({b for b, _ in group}) for group in tie_groups(pipeline)]  # a traced model's blocks hold their weights now
+    ties = tied_blocks(pipeline)  # a traced model's blocks hold their weights now
     return profile, (type(pipeline.original).__name__ if not ours else cfg.model.model.name), ties
 
 

@@ -39,7 +39,7 @@ from ..profiling.collectives import measure_collectives
 from ..profiling.messages import MessageCosts, measure_messages
 from ..profiling.runtime import runtime_bytes
 from ..runtime.call import as_input
-from ..runtime.tied import tie_groups
+from ..runtime.tied import tied_blocks
 from ..schedules import ScheduleSpec
 from ..simulation.timelines import chrome_trace, gantt, traced_timeline
 from .compiling import compile_blocks, uncompile_blocks
@@ -285,7 +285,7 @@ class AutoPlanner:
         costs = self.costs = self._with_gathers(ctx, costs)
         exclude = COMPILE_EXCLUDED if compiled else ()
         # shard=full shards each block on its own: blocks sharing a weight (a tied embedding and head) on different ranks
-        apart = [sorted({b for b, _ in g}) for g in tie_groups(pipeline)] if self.config.shard == "full" and self.config.width > 1 else ()
+        apart = tied_blocks(pipeline) if self.config.shard == "full" and self.config.width > 1 else []
         return profile, costs, plan_run(costs, ctx.depth, self.config, kinds, self.memory_limit(ctx.device), exclude, apart)
 
     def _with_gathers(self, ctx: RankContext, costs: Any) -> Any:

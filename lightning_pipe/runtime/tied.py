@@ -72,6 +72,11 @@ def tie_groups(pipeline: nn.Sequential) -> list[TieGroup]:
     return [tuple(m) for m in members.values() if len({b for b, _ in m}) > 1]
 
 
+def tied_blocks(pipeline: nn.Sequential) -> list[list[int]]:
+    """The blocks of each `tie_groups` group (a tied embedding and head: [0, n - 1])."""
+    return [sorted({b for b, _ in group}) for group in tie_groups(pipeline)]
+
+
 def tied_from_groups(
     groups: list[TieGroup], bounds: tuple[tuple[int, int], ...], chunk_rank: tuple[int, ...], me: int, blocks: dict[int, nn.Module]
 ) -> list[TiedParameter]:
